@@ -1,0 +1,23 @@
+"""cachefs: a caching data-access layer between object stores and GPU training.
+
+The data path is client -> worker -> page store -> object store:
+``cachefs.client`` (fsspec filesystem), ``cachefs.server`` (worker daemon, page store,
+object-store adapter), ``cachefs.proto`` (gRPC wire format). Shared pieces (config, errors,
+paths, mounts) live at this level.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["CacheFileSystem", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing cachefs must not pull grpc/fsspec into every process that only
+    # needs the config or errors (e.g. the CLI parsing its flags).
+    if name == "CacheFileSystem":
+        from cachefs.client.filesystem import CacheFileSystem
+
+        return CacheFileSystem
+    raise AttributeError(f"module 'cachefs' has no attribute {name!r}")

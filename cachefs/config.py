@@ -1,0 +1,213 @@
+"""Daemon configuration: one frozen dataclass per daemon, layered defaults < file < env < flags.
+
+Each layer is a plain dict of field name -> value (strings allowed: env vars and flags are
+strings); :func:`build_config` merges them in order and the dataclass validates the result
+eagerly in ``__post_init__``, so a bad value fails at start-up with the field's name, never
+minutes later on the first request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from cachefs.mounts import MountSpec
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """``"512MiB"`` -> 536870912; ``"1GB"`` -> 10**9; ints pass through."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r} (examples: 1048576, 64MiB, 10GB)")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    base = 1024 if "i" in unit else 1000
+    scale = base ** "bkmgtp".index(unit[0]) if unit and unit[0] != "b" else 1
+    return int(number * scale)
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheDirSpec:
+    path: str
+    quota_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("cache dir path is empty")
+        if self.quota_bytes <= 0:
+            raise ValueError(f"cache dir {self.path}: quota must be > 0, got {self.quota_bytes}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "CacheDirSpec":
+        """Accepts ``{"path": ..., "quota": "10GiB"}`` or ``"PATH:QUOTA"``."""
+        if isinstance(value, CacheDirSpec):
+            return value
+        if isinstance(value, Mapping):
+            quota = value.get("quota", value.get("quota_bytes"))
+            if quota is None:
+                raise ValueError(f"cache dir {value!r} has no quota")
+            return cls(str(value["path"]), parse_size(quota))
+        path, sep, quota = str(value).rpartition(":")
+        if not sep:
+            raise ValueError(f"cache dir {value!r}: expected PATH:QUOTA, e.g. /nvme/cachefs:100GiB")
+        return cls(path, parse_size(quota))
+
+
+def _default_cache_dir() -> tuple[CacheDirSpec, ...]:
+    base = Path(tempfile.gettempdir()) / f"cachefs-{os.getuid()}" / "pages"
+    return (CacheDirSpec(str(base), 8 * 1024**3),)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs; see docs/configuration.md for each field."""
+
+    host: str = "127.0.0.1"
+    port: int = 29999  # 0 = pick a free port and report it
+    metrics_port: int = -1  # -1 = no metrics endpoint, 0 = pick a free port
+    cache_dirs: tuple[CacheDirSpec, ...] = field(default_factory=_default_cache_dir)
+    page_size: int = 1 << 20
+    mounts: tuple[MountSpec, ...] = ()
+    metadata_ttl: float = 30.0  # seconds an object's size/version is trusted
+    list_ttl: float = 30.0  # seconds a directory listing is trusted
+    fetch_threads: int = 16  # concurrent page fetches from the object store
+    write_threads: int = 4  # background writes into the page store
+    rpc_threads: int = 32
+    parallel_pages: int = 8  # pages of one read fetched at once
+    readahead_pages: int = 8  # max read-ahead window for sequential readers
+    store_timeout: float = 60.0  # seconds for one page fetch from the object store
+    shutdown_grace: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host is empty")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            low = -1 if name == "metrics_port" else 0
+            if not low <= value <= 65535:
+                raise ValueError(f"{name} must be in [{low}, 65535], got {value}")
+        if not self.cache_dirs:
+            raise ValueError("at least one cache dir is required")
+        if len({d.path for d in self.cache_dirs}) != len(self.cache_dirs):
+            raise ValueError("cache dirs must be distinct")
+        if not 4096 <= self.page_size <= 64 << 20 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two in [4 KiB, 64 MiB], got {self.page_size}")
+        names = [m.name for m in self.mounts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate mount names: {names}")
+        for name in ("metadata_ttl", "list_ttl", "store_timeout", "shutdown_grace"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("fetch_threads", "write_threads", "rpc_threads", "parallel_pages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.readahead_pages < 0:
+            raise ValueError("readahead_pages must be >= 0")
+
+
+_C = TypeVar("_C")
+
+# Fields that are not scalars, with the parser that turns one layer's value into the field type.
+_COMPLEX_FIELDS = {
+    "cache_dirs": lambda v: tuple(
+        CacheDirSpec.parse(x) for x in (v.split(",") if isinstance(v, str) else v)
+    ),
+    "mounts": lambda v: tuple(MountSpec.parse_many(json.loads(v) if isinstance(v, str) else v)),
+}
+_SIZE_FIELDS = {"page_size"}
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    if name in _COMPLEX_FIELDS:
+        return _COMPLEX_FIELDS[name](value)
+    if name in _SIZE_FIELDS:
+        return parse_size(value)
+    ftype = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    ftype = ftype if isinstance(ftype, str) else getattr(ftype, "__name__", str(ftype))
+    try:
+        if ftype == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if ftype == "float":
+            return float(value)
+        if ftype == "bool":
+            return _parse_bool(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: cannot use {value!r} as {ftype}") from exc
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A TOML config file; daemon settings may sit at top level or under ``[worker]``."""
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def env_layer(prefix: str, cls: type, environ: Mapping[str, str]) -> dict[str, Any]:
+    """``CACHEFS_WORKER_PORT=1234`` -> ``{"port": "1234"}`` for every field of ``cls``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in environ.items():
+        if key.startswith(prefix):
+            name = key[len(prefix):].lower()
+            if name in names:
+                out[name] = value
+    return out
+
+
+def build_config(cls: type[_C], *layers: Mapping[str, Any] | None) -> _C:
+    """Merge layers left to right (later wins) onto the defaults and validate."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for name, value in (layer or {}).items():
+            if value is None:
+                continue
+            if name not in names:
+                raise ValueError(f"unknown {cls.__name__} setting {name!r}; known: {sorted(names)}")
+            merged[name] = _coerce(cls, name, value)
+    return cls(**merged)
+
+
+def load_worker_config(
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> WorkerConfig:
+    """defaults < file < env (``CACHEFS_WORKER_*``) < flags."""
+    environ = os.environ if environ is None else environ
+    file_layer: dict[str, Any] = {}
+    config_file = config_file or environ.get("CACHEFS_WORKER_CONFIG")
+    if config_file:
+        data = load_file(config_file)
+        file_layer = dict(data.get("worker", data))
+        if "mounts" not in file_layer and "mounts" in data:
+            file_layer["mounts"] = data["mounts"]
+    env = env_layer("CACHEFS_WORKER_", WorkerConfig, environ)
+    env.pop("config", None)
+    return build_config(WorkerConfig, file_layer, env, flags)

@@ -1,0 +1,153 @@
+"""The mount table: mount name -> fsspec URL plus options.
+
+Mount options may hold object-store credentials. They stay in the process that owns the
+table (worker, later the master): :meth:`MountSpec.public` is the only view that leaves it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from cachefs.errors import InvalidPathError, UnknownMountError
+from cachefs.paths import CachePath, validate_mount_name
+
+# Option names (at any depth) whose values are secrets and never leave the daemon.
+_SECRET_MARKERS = ("secret", "password", "token", "key", "credential", "session", "auth")
+_NOT_SECRET = {"endpoint_url", "region_name", "anon", "use_ssl", "requester_pays"}
+
+
+def _is_secret(name: str) -> bool:
+    lname = name.lower()
+    return lname not in _NOT_SECRET and any(m in lname for m in _SECRET_MARKERS)
+
+
+def redact(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``options`` without any secret-looking entry, recursively."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if _is_secret(str(name)):
+            continue
+        out[name] = redact(value) if isinstance(value, Mapping) else value
+    return out
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    name: str
+    url: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    read_only: bool = False
+
+    def __post_init__(self) -> None:
+        validate_mount_name(self.name)
+        if not self.url or not isinstance(self.url, str):
+            raise ValueError(f"mount {self.name!r}: url is empty")
+        if not isinstance(self.options, Mapping):
+            raise ValueError(f"mount {self.name!r}: options must be a mapping")
+
+    def public(self) -> dict[str, Any]:
+        """What a client may see: URL and non-secret options, never credentials."""
+        return {"name": self.name, "url": self.url, "options": redact(self.options), "read_only": self.read_only}
+
+    def __repr__(self) -> str:  # never print credentials in logs
+        return f"MountSpec(name={self.name!r}, url={self.url!r}, read_only={self.read_only})"
+
+    @classmethod
+    def parse(cls, value: Any, name: str | None = None) -> "MountSpec":
+        """From ``"NAME=URL"``, or a mapping with url/options/read_only (and name)."""
+        if isinstance(value, MountSpec):
+            return value
+        if isinstance(value, str):
+            if name is None:
+                name, sep, value = value.partition("=")
+                if not sep:
+                    raise ValueError(f"mount {name!r}: expected NAME=URL")
+            return cls(name, value)
+        if isinstance(value, Mapping):
+            return cls(
+                name=str(value.get("name", name)),
+                url=str(value["url"]),
+                options=dict(value.get("options", {})),
+                read_only=bool(value.get("read_only", False)),
+            )
+        raise ValueError(f"cannot parse mount from {value!r}")
+
+    @classmethod
+    def parse_many(cls, value: Any) -> list["MountSpec"]:
+        """A list of mounts, or a ``{name: url-or-table}`` mapping (TOML's natural shape)."""
+        if isinstance(value, Mapping):
+            return [cls.parse(v, name=k) for k, v in value.items()]
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        return [cls.parse(v) for v in value]
+
+
+@dataclass(frozen=True)
+class ResolvedPath:
+    """Where a :class:`CachePath` lives in its object store."""
+
+    spec: MountSpec
+    fs: fsspec.AbstractFileSystem
+    store_path: str
+
+
+class MountTable:
+    """Thread-safe mount registry that opens each mount's filesystem once."""
+
+    def __init__(self, specs: Iterable[MountSpec] = ()) -> None:
+        self._lock = threading.Lock()
+        self._mounts: dict[str, tuple[MountSpec, fsspec.AbstractFileSystem, str]] = {}
+        for spec in specs:
+            self.add(spec)
+
+    def add(self, spec: MountSpec) -> None:
+        fs, root = fsspec.core.url_to_fs(spec.url, **dict(spec.options))
+        root = root.rstrip("/")
+        if isinstance(fs, LocalFileSystem):
+            root = os.path.realpath(root)
+        with self._lock:
+            self._mounts[spec.name] = (spec, fs, root)
+
+    def remove(self, name: str) -> bool:
+        with self._lock:
+            return self._mounts.pop(name, None) is not None
+
+    def specs(self) -> list[MountSpec]:
+        with self._lock:
+            return [spec for spec, _, _ in self._mounts.values()]
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._mounts
+
+    def resolve(self, path: CachePath) -> ResolvedPath:
+        with self._lock:
+            entry = self._mounts.get(path.mount)
+        if entry is None:
+            raise UnknownMountError(f"no mount named {path.mount!r}")
+        spec, fs, root = entry
+        store_path = f"{root}/{path.key}" if path.key else root
+        if isinstance(fs, LocalFileSystem) and path.key:
+            # A symlink inside a local mount must not lead outside it.
+            real = os.path.realpath(store_path)
+            if real != root and not real.startswith(root + os.sep):
+                raise InvalidPathError(f"{path} resolves outside its mount")
+        return ResolvedPath(spec, fs, store_path)
+
+    def to_key(self, path: CachePath, store_path: str) -> str:
+        """Inverse of :meth:`resolve` for listing results: store path -> key in the mount."""
+        with self._lock:
+            _, fs, root = self._mounts[path.mount]
+        store_path = fs._strip_protocol(store_path).rstrip("/")
+        if store_path == root:
+            return ""
+        if not store_path.startswith(root + "/"):
+            raise InvalidPathError(f"{store_path!r} is outside mount {path.mount!r}")
+        return store_path[len(root) + 1:]

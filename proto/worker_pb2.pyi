@@ -1,0 +1,94 @@
+from cachefs.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReadRequest(_message.Message):
+    __slots__ = ("path", "offset", "length", "version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    version: str
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ReadChunk(_message.Message):
+    __slots__ = ("offset", "data", "info")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    info: _common_pb2.ObjectInfo
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ("path", "refresh")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    refresh: bool
+    def __init__(self, path: _Optional[str] = ..., refresh: _Optional[bool] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("path", "recursive", "refresh")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    recursive: bool
+    refresh: bool
+    def __init__(self, path: _Optional[str] = ..., recursive: _Optional[bool] = ..., refresh: _Optional[bool] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectInfo]
+    def __init__(self, entries: _Optional[_Iterable[_Union[_common_pb2.ObjectInfo, _Mapping]]] = ...) -> None: ...
+
+class ListMountsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListMountsResponse(_message.Message):
+    __slots__ = ("mounts",)
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    mounts: _containers.RepeatedCompositeFieldContainer[_common_pb2.MountInfo]
+    def __init__(self, mounts: _Optional[_Iterable[_Union[_common_pb2.MountInfo, _Mapping]]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "version", "page_size", "pages", "used_bytes", "capacity_bytes", "hits", "misses", "evictions", "bytes_from_cache", "bytes_from_store")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    version: str
+    page_size: int
+    pages: int
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_from_cache: int
+    bytes_from_store: int
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ...) -> None: ...
