@@ -211,3 +211,64 @@ def load_worker_config(
     env = env_layer("CACHEFS_WORKER_", WorkerConfig, environ)
     env.pop("config", None)
     return build_config(WorkerConfig, file_layer, env, flags)
+
+
+def _split_addresses(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(a.strip() for a in value if a and a.strip())
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """What a ``cachefs://`` client needs; built from fsspec storage options (and env)."""
+
+    workers: tuple[str, ...] = ()
+    # Read the object store directly when no worker answers. Off by default: it needs the
+    # client to be allowed to read the store itself (its own IAM role / env credentials).
+    fallback: bool = False
+    # Client-side mount table for fallback: {name: url} or {name: {"url":..., "options":...}}.
+    # Without it, the client uses the public part of the workers' mount table (never secrets).
+    fallback_mounts: Mapping[str, Any] = field(default_factory=dict)
+    timeout: float = 30.0  # seconds for a metadata RPC; a read adds length / min_throughput
+    min_throughput: int = 16 << 20  # bytes/s a read may be expected to sustain before its deadline
+    block_size: int = 4 << 20  # read block of open() files
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", _split_addresses(self.workers))
+        for address in self.workers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"worker address {address!r} is not HOST:PORT")
+        if not self.workers and not self.fallback:
+            raise ValueError("no workers given: pass workers='host:port,...' or set CACHEFS_WORKERS")
+        if self.timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        if self.min_throughput <= 0:
+            raise ValueError("min_throughput must be > 0")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be > 0")
+        if not isinstance(self.fallback_mounts, Mapping):
+            raise ValueError("fallback_mounts must be a mapping of mount name -> url")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "ClientConfig":
+        """defaults < env (``CACHEFS_WORKERS``, ``CACHEFS_FALLBACK``) < storage options."""
+        environ = os.environ if environ is None else environ
+        env: dict[str, Any] = {}
+        if environ.get("CACHEFS_WORKERS"):
+            env["workers"] = environ["CACHEFS_WORKERS"]
+        if environ.get("CACHEFS_FALLBACK"):
+            env["fallback"] = environ["CACHEFS_FALLBACK"]
+        layers = {**env, **{k: v for k, v in options.items() if v is not None}}
+        if "block_size" in layers:
+            layers["block_size"] = parse_size(layers["block_size"])
+        if "min_throughput" in layers:
+            layers["min_throughput"] = parse_size(layers["min_throughput"])
+        if "fallback" in layers:
+            layers["fallback"] = _parse_bool(layers["fallback"])
+        if "timeout" in layers:
+            layers["timeout"] = float(layers["timeout"])
+        return cls(**layers)

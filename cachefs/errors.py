@@ -51,10 +51,18 @@ class DeadlineExceededError(CacheFSError, TimeoutError):
         super().__init__(errno.ETIMEDOUT, message)
 
 
+class StaleObjectError(CacheFSError):
+    """The object changed in the store after the reader opened it (a read never mixes versions)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ESTALE, message)
+
+
 # Exception type -> status code, most specific first. The inverse is derived from it,
 # so the two directions cannot drift apart.
 _TO_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidPathError, grpc.StatusCode.INVALID_ARGUMENT),
+    (StaleObjectError, grpc.StatusCode.ABORTED),
     (UnknownMountError, grpc.StatusCode.NOT_FOUND),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -81,6 +89,7 @@ _FROM_STATUS: dict[grpc.StatusCode, type[OSError]] = {
     grpc.StatusCode.CANCELLED: WorkerUnavailableError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: WorkerUnavailableError,
     grpc.StatusCode.UNIMPLEMENTED: NotImplementedError,  # type: ignore[dict-item]
+    grpc.StatusCode.ABORTED: StaleObjectError,
 }
 
 # Codes after which trying another worker or the object store may succeed.
@@ -124,3 +133,4 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> OSError:
     exc.grpc_code = code  # type: ignore[attr-defined]
     exc.__cause__ = err
     return exc
+

@@ -1,0 +1,299 @@
+"""``cachefs://`` for fsspec: reads objects through cachefs workers.
+
+    fs = fsspec.filesystem("cachefs", workers="127.0.0.1:29999")
+    fs.cat_file("cachefs://datasets/train/0001.tar", start=0, end=1 << 20)
+
+Paths are ``<mount>/<key>``; the worker resolves the mount to its object store and holds
+the credentials. Each path prefers one worker (stable hashing), then the next; when none
+answers and ``fallback=True``, the client reads the object store itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+import fsspec.asyn
+import grpc
+from fsspec.asyn import AsyncFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from cachefs.config import ClientConfig
+from cachefs.errors import (
+    RETRYABLE_CODES,
+    StaleObjectError,
+    UnknownMountError,
+    WorkerUnavailableError,
+    from_rpc_error,
+)
+from cachefs.mounts import MountSpec, MountTable
+from cachefs.paths import PROTOCOL, CachePath, parse_path, strip_protocol
+from cachefs.proto import common_pb2, worker_pb2
+from cachefs.client.transport import WorkerHandle, WorkerSet
+
+log = logging.getLogger(__name__)
+
+
+def _info_dict(msg: common_pb2.ObjectInfo) -> dict[str, Any]:
+    is_dir = msg.type == common_pb2.DIRECTORY
+    return {
+        "name": msg.path,
+        "size": msg.size,
+        "type": "directory" if is_dir else "file",
+        "version": msg.version,
+        "mtime": msg.mtime,
+    }
+
+
+class CacheFileSystem(AsyncFileSystem):
+    protocol = PROTOCOL
+    root_marker = ""
+    async_impl = True
+
+    def __init__(
+        self,
+        workers: str | list[str] | None = None,
+        fallback: bool | None = None,
+        fallback_mounts: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        block_size: int | str | None = None,
+        min_throughput: int | str | None = None,
+        asynchronous: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(asynchronous=asynchronous, loop=loop, **kwargs)
+        self.config = ClientConfig.from_options(
+            {
+                "workers": workers,
+                "fallback": fallback,
+                "fallback_mounts": fallback_mounts,
+                "timeout": timeout,
+                "block_size": block_size,
+                "min_throughput": min_throughput,
+            }
+        )
+        self._abandoned: list[WorkerSet] = []
+        self._start_process_state()
+
+    def _start_process_state(self) -> None:
+        """Per-process state: channels and the fallback store are never shared across a fork."""
+        self._workers = WorkerSet(list(self.config.workers))
+        self._fallback_table: MountTable | None = None
+        self._fallback_store = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._pid != os.getpid():
+            # A forked child (a DataLoader worker): the parent's loop thread and channels do
+            # not exist here. Keep the parent's objects referenced but untouched (closing them
+            # from the child could disturb the parent), and start afresh.
+            self._abandoned.append(self._workers)
+            self._pid = os.getpid()
+            self._loop = fsspec.asyn.get_loop()
+            self._start_process_state()
+        return self._loop
+
+    @classmethod
+    def _strip_protocol(cls, path: str | list[str]) -> str | list[str]:
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]  # type: ignore[misc]
+        return strip_protocol(path).rstrip("/")
+
+    # -- calling workers ----------------------------------------------------------------------
+    async def _on_workers(self, key: str, call: Any, what: str) -> Any:
+        """Run ``call(stub)`` on the path's workers in preference order; None if none answered."""
+        last_error: grpc.RpcError | None = None
+        for handle in self._workers.candidates(key, include_broken=not self.config.fallback):
+            try:
+                result = await call(handle.stub())
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE_CODES:
+                    handle.breaker.record_success()  # it answered: the error is about the request
+                    raise from_rpc_error(err, what) from None
+                log.warning("worker %s failed %s: %s", handle.address, what, err.code().name)
+                handle.breaker.record_failure()
+                last_error = err
+                continue
+            handle.breaker.record_success()
+            return result
+        if self.config.fallback:
+            return None
+        if last_error is not None:
+            raise from_rpc_error(last_error, f"{what}: no worker could serve it") from None
+        raise WorkerUnavailableError(f"{what}: no worker is available")
+
+    def _read_timeout(self, length: int) -> float:
+        return self.config.timeout + max(length, 0) / self.config.min_throughput
+
+    # -- fallback to the object store ---------------------------------------------------------
+    async def _fallback(self):  # -> ObjectStore
+        if self._fallback_store is None:
+            from cachefs.server.objectstore import ObjectStore  # the same adapter the worker uses
+
+            specs = [MountSpec.parse(v, name=k) for k, v in self.config.fallback_mounts.items()]
+            if not specs:
+                specs = await self._public_mounts()
+            table = MountTable()
+            for spec in specs:
+                await asyncio.to_thread(table.add, spec)
+            self._fallback_store = ObjectStore(table, metadata_ttl=5.0, list_ttl=5.0)
+        return self._fallback_store
+
+    async def _public_mounts(self) -> list[MountSpec]:
+        async def call(stub):
+            return await stub.ListMounts(worker_pb2.ListMountsRequest(), timeout=self.config.timeout)
+
+        resp = await self._on_workers("", call, "list mounts")
+        if resp is None:
+            raise WorkerUnavailableError(
+                "no worker answered and no fallback_mounts are configured: cannot read the store directly"
+            )
+        return [MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only) for m in resp.mounts]
+
+    async def _learn_mounts(self) -> None:
+        """While workers answer, remember their public mount table for a later fallback."""
+        if self.config.fallback and self._fallback_store is None and not self.config.fallback_mounts:
+            try:
+                await self._fallback()
+            except (OSError, ValueError) as exc:
+                log.debug("could not learn mounts for fallback: %s", exc)
+
+    # -- fsspec API ------------------------------------------------------------------------------
+    async def _info(self, path: str, refresh: bool = False, **kwargs: Any) -> dict[str, Any]:
+        bare = self._strip_protocol(path)
+        if bare == "":
+            return {"name": "", "size": 0, "type": "directory"}
+        cp = parse_path(bare)
+
+        async def call(stub):
+            return await stub.GetInfo(worker_pb2.InfoRequest(path=str(cp), refresh=refresh), timeout=self.config.timeout)
+
+        msg = await self._on_workers(str(cp), call, f"info {cp}")
+        if msg is not None:
+            await self._learn_mounts()
+            return _info_dict(msg)
+        store = await self._fallback()
+        meta = await asyncio.to_thread(store.info, cp, refresh)
+        return {"name": str(cp), "size": meta.size, "type": "directory" if meta.is_dir else "file",
+                "version": meta.version, "mtime": meta.mtime}
+
+    async def _ls(self, path: str, detail: bool = True, refresh: bool = False, **kwargs: Any) -> list[Any]:
+        bare = self._strip_protocol(path)
+        if bare == "":
+            entries = [{"name": m.name, "size": 0, "type": "directory"} for m in await self._public_mounts()]
+        else:
+            entries = await self._list(parse_path(bare), recursive=False, refresh=refresh)
+        return entries if detail else [e["name"] for e in entries]
+
+    async def _list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
+        async def call(stub):
+            out = []
+            async for batch in stub.List(
+                worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh), timeout=self.config.timeout
+            ):
+                out.extend(_info_dict(e) for e in batch.entries)
+            return out
+
+        entries = await self._on_workers(str(cp), call, f"list {cp}")
+        if entries is not None:
+            return entries
+        store = await self._fallback()
+        metas = await asyncio.to_thread(store.list, cp, recursive, refresh)
+        return [{"name": str(m.path), "size": m.size, "type": "directory" if m.is_dir else "file",
+                 "version": m.version, "mtime": m.mtime} for m in metas]
+
+    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
+        bare = self._strip_protocol(path)
+        if maxdepth is not None or withdirs or bare == "":
+            return await super()._find(path, maxdepth=maxdepth, withdirs=withdirs, **kwargs)
+        detail = kwargs.pop("detail", False)
+        try:
+            entries = await self._list(parse_path(bare), recursive=True)
+        except FileNotFoundError:
+            entries = []
+        if not entries:
+            try:  # find() of a file is [file], as in fsspec
+                info = await self._info(bare)
+                entries = [info] if info["type"] == "file" else []
+            except FileNotFoundError:
+                entries = []
+        out = {e["name"]: e for e in entries}
+        return out if detail else sorted(out)
+
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                        version: str = "", **kwargs: Any) -> bytes:
+        cp = parse_path(self._strip_protocol(path))
+        if (start is not None and start < 0) or (end is not None and end < 0):
+            size = (await self._info(str(cp)))["size"]
+            start = None if start is None else max(0, size + start) if start < 0 else start
+            end = None if end is None else max(0, size + end) if end < 0 else end
+        offset = start or 0
+        length = -1 if end is None else max(0, end - offset)
+        return await self._read(cp, offset, length, version)
+
+    async def _read(self, cp: CachePath, offset: int, length: int, version: str = "") -> bytes:
+        """Bytes [offset, offset+length) (length -1: to the end) of the version given, if any."""
+        request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
+        timeout = self._read_timeout(length if length >= 0 else 1 << 30)
+
+        async def call(stub):
+            parts = [chunk.data async for chunk in stub.Read(request, timeout=timeout)]
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+        data = await self._on_workers(str(cp), call, f"read {cp}")
+        if data is not None:
+            return data
+        return await self._read_from_store(cp, offset, length, version)
+
+    async def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> bytes:
+        store = await self._fallback()
+        if cp.mount not in store.mounts:
+            raise UnknownMountError(f"no mount named {cp.mount!r} in the fallback mount table")
+        meta = await asyncio.to_thread(store.info, cp)
+        if version and meta.version != version:
+            meta = await asyncio.to_thread(store.info, cp, True)
+            if meta.version != version:
+                raise StaleObjectError(f"{cp} changed since it was opened (version {version} -> {meta.version})")
+        if meta.is_dir:
+            raise IsADirectoryError(f"{cp} is a directory")
+        end = meta.size if length < 0 else min(meta.size, offset + length)
+        if offset >= end:
+            return b""
+        return await asyncio.to_thread(store.read, meta, offset, end)
+
+    def _open(self, path: str, mode: str = "rb", block_size: int | None = None, autocommit: bool = True,
+              cache_options: dict | None = None, cache_type: str = "readahead", **kwargs: Any) -> "CacheFile":
+        if mode != "rb":
+            raise NotImplementedError(f"cachefs is read-only for now: mode {mode!r} is not supported")
+        info = self.info(path)
+        if info["type"] != "file":
+            raise IsADirectoryError(f"{path} is a directory")
+        return CacheFile(self, info["name"], mode, block_size or self.config.block_size, cache_type=cache_type,
+                         cache_options=cache_options, size=info["size"], version=info.get("version", ""))
+
+    async def _close_channels(self) -> None:
+        await self._workers.close()
+
+    def close(self) -> None:
+        """Close this process's channels (a filesystem can be used again afterwards)."""
+        if self._pid == os.getpid():
+            fsspec.asyn.sync(self.loop, self._close_channels)
+
+
+class CacheFile(AbstractBufferedFile):
+    """A read-only file pinned to the object version seen at open: it never mixes versions."""
+
+    def __init__(self, fs: CacheFileSystem, path: str, mode: str, block_size: int, *, version: str,
+                 **kwargs: Any) -> None:
+        self.version = version
+        super().__init__(fs, path, mode, block_size, **kwargs)
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        fs: CacheFileSystem = self.fs
+        return fsspec.asyn.sync(fs.loop, fs._read, parse_path(self.path), start, end - start, self.version)

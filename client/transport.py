@@ -1,0 +1,101 @@
+"""Talking to workers: lazily created gRPC channels, worker choice, and a breaker per worker.
+
+Channels belong to one process and one event loop. A filesystem object that crosses a
+fork (DataLoader workers) or is unpickled elsewhere starts with no channels and opens its
+own on first use; nothing created in the parent is ever touched in the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import xxhash
+
+from cachefs.proto import worker_pb2_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 80 << 20),
+    ("grpc.max_send_message_length", 80 << 20),
+    # A fresh connection attempt soon after a worker comes back, not minutes later.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+]
+
+
+@dataclass
+class Breaker:
+    """Skips a worker for a while after it fails, so a dead worker does not cost every read a timeout."""
+
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    failures: int = 0
+    open_until: float = 0.0
+
+    def available(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.monotonic()) >= self.open_until
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        delay = min(self.max_delay, self.base_delay * (2 ** min(self.failures - 1, 16)))
+        self.open_until = time.monotonic() + delay
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    breaker: Breaker = field(default_factory=Breaker)
+    _channel: grpc.aio.Channel | None = None
+    _stub: worker_pb2_grpc.WorkerServiceStub | None = None
+
+    def stub(self) -> worker_pb2_grpc.WorkerServiceStub:
+        """Must be called on the event loop that will use it (aio channels bind to their loop)."""
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close(grace=None)
+
+
+class WorkerSet:
+    """The workers a client may use, in a stable per-path preference order.
+
+    Rendezvous (highest-random-weight) hashing over the given addresses: every client
+    sends a path to the same first worker, so its pages are cached once. The cluster
+    issue replaces this with the master's consistent-hash ring.
+    """
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.handles = [WorkerHandle(a) for a in addresses]
+
+    def __bool__(self) -> bool:
+        return bool(self.handles)
+
+    def candidates(self, path: str, include_broken: bool = True) -> list[WorkerHandle]:
+        """Healthy workers in rank order, then (if ``include_broken``) those behind an open breaker.
+
+        Without a fallback store the broken ones are still tried last, so a read never fails
+        only because every breaker happens to be open.
+        """
+        ranked = sorted(
+            self.handles, key=lambda h: xxhash.xxh3_64_intdigest(f"{h.address}\x00{path}".encode()), reverse=True
+        )
+        now = time.monotonic()
+        healthy = [h for h in ranked if h.breaker.available(now)]
+        if not include_broken:
+            return healthy
+        return healthy + [h for h in ranked if not h.breaker.available(now)]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(h.close() for h in self.handles), return_exceptions=True)

@@ -1,0 +1,84 @@
+"""The worker's Prometheus metrics, in a registry of its own (no process-global state).
+
+Counters that the page store already keeps (pages, bytes, evictions, corrupt pages) are
+read from it at scrape time by a collector rather than mirrored on every operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cachefs.server.pagestore import PageStoreStats
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _PageStoreCollector(Collector):
+    def __init__(self, stats: Callable[[], PageStoreStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        yield GaugeMetricFamily("cachefs_worker_cache_pages", "Pages held in the page store.", value=s.pages)
+        yield GaugeMetricFamily("cachefs_worker_cache_used_bytes", "Bytes of page files on disk.", value=s.used_bytes)
+        yield GaugeMetricFamily(
+            "cachefs_worker_cache_capacity_bytes", "Sum of the cache directories' quotas.", value=s.capacity_bytes
+        )
+        yield CounterMetricFamily(
+            "cachefs_worker_cache_evictions", "Pages evicted to stay within quota.", value=s.evictions
+        )
+        yield CounterMetricFamily(
+            "cachefs_worker_cache_corrupt_pages", "Pages dropped because their checksum failed.", value=s.corrupt_pages
+        )
+        yield CounterMetricFamily(
+            "cachefs_worker_cache_put_failures", "Pages that could not be written (full or failing disk).",
+            value=s.put_failures,
+        )
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.bytes_from_cache = Counter(
+            "cachefs_worker_bytes_from_cache", "Bytes served to clients out of the page store.", registry=r
+        )
+        self.bytes_from_store = Counter(
+            "cachefs_worker_bytes_from_store", "Bytes fetched from the object store.", registry=r
+        )
+        self.bytes_served = Counter("cachefs_worker_bytes_served", "Bytes sent to clients.", registry=r)
+        self.page_reads = Counter(
+            "cachefs_worker_page_reads",
+            "Page lookups by outcome: hit (page store), miss (fetched), joined (shared a fetch "
+            "already in flight), prefetch (read-ahead fetch).",
+            ["outcome"],
+            registry=r,
+        )
+        self.store_errors = Counter("cachefs_worker_store_errors", "Failed object-store fetches.", registry=r)
+        self.store_fetch_seconds = Histogram(
+            "cachefs_worker_store_fetch_seconds", "Time to fetch one page from the object store.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.request_seconds = Histogram(
+            "cachefs_worker_request_seconds", "RPC latency by method (streams: until the last chunk).",
+            ["method"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.requests = Counter(
+            "cachefs_worker_requests", "RPCs by method and status code.", ["method", "code"], registry=r
+        )
+        for outcome in ("hit", "miss", "joined", "prefetch"):
+            self.page_reads.labels(outcome)
+
+    def watch_page_store(self, stats: Callable[[], PageStoreStats]) -> None:
+        self.registry.register(_PageStoreCollector(stats))
+
+    def hit_ratio(self) -> float:
+        def count(outcome: str) -> float:
+            return self.registry.get_sample_value("cachefs_worker_page_reads_total", {"outcome": outcome}) or 0.0
+
+        hits, misses = count("hit"), count("miss") + count("joined")
+        return hits / (hits + misses) if hits + misses else 0.0

@@ -1,0 +1,256 @@
+"""The worker's view of the object stores behind its mounts.
+
+Three jobs: object metadata (size and *version*, which is part of every cached page's
+identity) cached with a TTL; listings cached with a TTL; and ranged reads that are checked
+against the version the reader opened, so that a read never mixes two versions of an object.
+How the version is checked depends on the store (see the backends below).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import fsspec
+from fsspec.asyn import sync
+from fsspec.implementations.local import LocalFileSystem
+
+from cachefs.errors import StaleObjectError, StoreError
+from cachefs.mounts import MountTable, ResolvedPath
+from cachefs.paths import CachePath
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    path: CachePath
+    size: int
+    version: str
+    mtime: float
+    is_dir: bool = False
+
+
+class TTLCache(Generic[K, V]):
+    """A bounded map whose entries expire; the oldest entries go first when full."""
+
+    def __init__(self, ttl: float, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic):
+        self.ttl = ttl
+        self._max = max_entries
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._data: OrderedDict[K, tuple[float, V]] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            item = self._data.get(key)
+            if item is None:
+                return None
+            if item[0] <= self._clock():
+                del self._data[key]
+                return None
+            return item[1]
+
+    def put(self, key: K, value: V) -> None:
+        if self.ttl <= 0:
+            return
+        with self._lock:
+            self._data[key] = (self._clock() + self.ttl, value)
+            self._data.move_to_end(key)
+            while len(self._data) > self._max:
+                self._data.popitem(last=False)
+
+    def pop(self, key: K) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def pop_where(self, predicate: Callable[[K], bool]) -> None:
+        with self._lock:
+            for key in [k for k in self._data if predicate(k)]:
+                del self._data[key]
+
+
+def _mtime_of(info: dict[str, Any]) -> float:
+    for name in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return 0.0
+
+
+def version_of(info: dict[str, Any]) -> str:
+    """ETag where the store has one, else size+mtime."""
+    for name in ("ETag", "etag", "e_tag"):
+        if info.get(name):
+            return str(info[name]).strip('"')
+    return f"{int(info.get('size') or 0)}-{_mtime_of(info)!r}"
+
+
+class _Backend:
+    """Generic fsspec store: the version cannot be checked on read (documented weakness)."""
+
+    def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
+        fs.invalidate_cache(store_path)  # s3fs answers info() from its own listing cache otherwise
+        info = fs.info(store_path)
+        is_dir = info.get("type") == "directory"
+        size = 0 if is_dir else int(info.get("size") or 0)
+        return size, ("" if is_dir else version_of(info)), _mtime_of(info), is_dir
+
+    def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
+        return fs.cat_file(store_path, start=start, end=end)
+
+
+class _LocalBackend(_Backend):
+    """Local files: the version (size + mtime) is re-checked on the open descriptor after reading."""
+
+    @staticmethod
+    def _version(st: os.stat_result) -> str:
+        return f"{st.st_size}-{st.st_mtime!r}"  # the same string version_of() makes from fsspec's info
+
+    def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
+        st = os.stat(store_path)
+        if os.path.isdir(store_path):
+            return 0, "", st.st_mtime, True
+        return st.st_size, self._version(st), st.st_mtime, False
+
+    def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
+        with open(store_path, "rb", buffering=0) as f:
+            f.seek(start)
+            buf = bytearray(end - start)
+            n = f.readinto(buf)
+            now = self._version(os.fstat(f.fileno()))
+        if now != version:
+            raise StaleObjectError(f"{store_path} changed while reading (version {version} -> {now})")
+        del buf[n:]
+        return bytes(buf)
+
+
+class _S3Backend(_Backend):
+    """S3 via s3fs: ranged GET with If-Match on the ETag, so the store itself refuses a changed object."""
+
+    def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
+        if end <= start:
+            return b""
+        bucket, key, _ = fs.split_path(store_path)
+
+        async def get() -> bytes:
+            resp = await fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=f'"{version}"'
+            )
+            try:
+                return await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        try:
+            return sync(fs.loop, get)
+        except OSError as exc:
+            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+                raise StaleObjectError(f"{store_path} changed in the store (ETag {version} no longer matches)") from exc
+            raise
+
+
+def _backend_for(fs: fsspec.AbstractFileSystem) -> _Backend:
+    if isinstance(fs, LocalFileSystem):
+        return _LocalBackend()
+    if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return _S3Backend()
+    return _Backend()
+
+
+class ObjectStore:
+    """Metadata, listings and versioned ranged reads over every mount."""
+
+    def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0):
+        self.mounts = mounts
+        self._meta: TTLCache[CachePath, ObjectMeta] = TTLCache(metadata_ttl)
+        self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
+        self._backends: dict[int, _Backend] = {}
+
+    def _backend(self, resolved: ResolvedPath) -> _Backend:
+        backend = self._backends.get(id(resolved.fs))
+        if backend is None:
+            backend = self._backends.setdefault(id(resolved.fs), _backend_for(resolved.fs))
+        return backend
+
+    def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
+        if not refresh:
+            cached = self._meta.get(path)
+            if cached is not None:
+                return cached
+        resolved = self.mounts.resolve(path)
+        try:
+            size, version, mtime, is_dir = self._backend(resolved).info(resolved.fs, resolved.store_path)
+        except FileNotFoundError as exc:
+            self._meta.pop(path)
+            raise FileNotFoundError(f"{path}: no such object") from exc
+        meta = ObjectMeta(path, size, version, mtime, is_dir)
+        self._meta.put(path, meta)
+        return meta
+
+    def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> list[ObjectMeta]:
+        cache_key = (path, recursive)
+        if not refresh:
+            cached = self._lists.get(cache_key)
+            if cached is not None:
+                return cached
+        resolved = self.mounts.resolve(path)
+        fs = resolved.fs
+        try:
+            if recursive:
+                raw = list(fs.find(resolved.store_path, detail=True, withdirs=False).values())
+            else:
+                fs.invalidate_cache(resolved.store_path)  # we own the TTL, not the filesystem
+                raw = fs.ls(resolved.store_path, detail=True)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{path}: no such directory") from exc
+        entries = []
+        for info in raw:
+            key = self.mounts.to_key(path, info["name"])
+            is_dir = info.get("type") == "directory"
+            child = CachePath(path.mount, key)
+            meta = ObjectMeta(child, 0 if is_dir else int(info.get("size") or 0),
+                              "" if is_dir else version_of(info), _mtime_of(info), is_dir)
+            if not is_dir:
+                # A listing is a free metadata refresh: saves one HEAD per object on a cold epoch.
+                self._meta.put(child, meta)
+            entries.append(meta)
+        entries.sort(key=lambda m: m.path.key)
+        self._lists.put(cache_key, entries)
+        return entries
+
+    def read(self, meta: ObjectMeta, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the version described by ``meta``; StaleObjectError if it changed."""
+        resolved = self.mounts.resolve(meta.path)
+        try:
+            return self._backend(resolved).read(resolved.fs, resolved.store_path, start, end, meta.version)
+        except StaleObjectError:
+            self._meta.pop(meta.path)
+            raise
+        except FileNotFoundError:
+            self._meta.pop(meta.path)
+            raise
+        except (PermissionError, TimeoutError):
+            raise
+        except OSError as exc:
+            raise StoreError(f"{meta.path}: object store read failed: {exc}") from exc
+
+    def invalidate(self, path: CachePath) -> None:
+        self._meta.pop(path)
+        self._lists.pop_where(lambda k: k[0].mount == path.mount)
+

@@ -1,0 +1,224 @@
+"""Serving byte ranges of objects out of pages.
+
+For each page of a requested range: the page store if it has the page (verified), else a
+fetch from the object store. Fetches are single-flight (one GET per page however many
+readers wait), run page-parallel on a pool, and the fetched bytes go to the reader at once
+while a second pool writes them into the page store (the reader never waits for the disk
+write). Readers that continue where they stopped get an adaptive read-ahead window.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from cachefs.errors import DeadlineExceededError, StaleObjectError, WorkerUnavailableError
+from cachefs.server.metrics import WorkerMetrics
+from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.server.pagestore import PageId, PageStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    fetch_threads: int = 16
+    write_threads: int = 4
+    parallel_pages: int = 8
+    readahead_pages: int = 8
+    store_timeout: float = 60.0
+
+
+class _SequentialTracker:
+    """Remembers where recent reads of each object ended, to spot sequential readers."""
+
+    def __init__(self, max_streams: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._ends: OrderedDict[tuple[str, str, str], tuple[int, int]] = OrderedDict()
+        self._max = max_streams
+
+    def window(self, meta: ObjectMeta, offset: int, end: int, page_size: int, max_window: int) -> int:
+        """Read-ahead pages for a read [offset, end): doubles while reads continue, resets otherwise."""
+        key = (meta.path.mount, meta.path.key, meta.version)
+        with self._lock:
+            last_end, window = self._ends.pop(key, (-1, 0))
+            sequential = last_end >= 0 and abs(offset - last_end) <= page_size
+            window = min(max_window, max(1, window * 2)) if sequential else 0
+            self._ends[key] = (end, window)
+            while len(self._ends) > self._max:
+                self._ends.popitem(last=False)
+        return window
+
+
+class PageReader:
+    def __init__(self, pages: PageStore, objects: ObjectStore, metrics: WorkerMetrics, options: ReaderOptions):
+        self.pages = pages
+        self.objects = objects
+        self.metrics = metrics
+        self.options = options
+        self.page_size = pages.page_size
+        self._fetch_pool = ThreadPoolExecutor(options.fetch_threads, thread_name_prefix="cachefs-fetch")
+        self._write_pool = ThreadPoolExecutor(options.write_threads, thread_name_prefix="cachefs-write")
+        self._lock = threading.Lock()
+        # Page -> future of its bytes, from the moment a fetch starts until the page store
+        # holds it: readers arriving in between share the fetch instead of starting another.
+        self._inflight: dict[PageId, Future[bytes]] = {}
+        self._sequential = _SequentialTracker()
+        self._closed = False
+
+    # -- one page -------------------------------------------------------------------------
+    def _page_id(self, meta: ObjectMeta, index: int) -> PageId:
+        return PageId(meta.path.mount, meta.path.key, meta.version, index)
+
+    def _page_bounds(self, meta: ObjectMeta, index: int) -> tuple[int, int]:
+        start = index * self.page_size
+        return start, min(meta.size, start + self.page_size)
+
+    def page(self, meta: ObjectMeta, index: int, prefetch: bool = False) -> tuple[Future[bytes], bool] | None:
+        """A future of page ``index``'s bytes (cached, in flight, or a new fetch), and whether it was cached.
+
+        With ``prefetch`` a cached page returns None (nothing to do) and nothing is counted as a read.
+        """
+        pid = self._page_id(meta, index)
+        with self._lock:
+            fut = self._inflight.get(pid)
+        if fut is not None:
+            if not prefetch:
+                self.metrics.page_reads.labels("joined").inc()
+            return fut, False
+        if prefetch:
+            if self.pages.contains(pid):
+                return None
+        else:
+            data = self.pages.get(pid)
+            if data is not None:
+                self.metrics.page_reads.labels("hit").inc()
+                done: Future[bytes] = Future()
+                done.set_result(data)
+                return done, True
+        with self._lock:
+            fut = self._inflight.get(pid)
+            if fut is not None:
+                return fut, False
+            if self._closed:
+                raise RuntimeError("reader is closed")
+            fut = Future()
+            self._inflight[pid] = fut
+        self.metrics.page_reads.labels("prefetch" if prefetch else "miss").inc()
+        self._fetch_pool.submit(self._fetch, pid, meta, fut)
+        return fut, False
+
+    def _fetch(self, pid: PageId, meta: ObjectMeta, fut: Future[bytes]) -> None:
+        start, end = self._page_bounds(meta, pid.index)
+        t0 = time.perf_counter()
+        try:
+            data = self.objects.read(meta, start, end)
+            if len(data) != end - start:
+                raise StaleObjectError(
+                    f"{meta.path}: store returned {len(data)} bytes for page {pid.index}, expected {end - start}"
+                )
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiting reader
+            self.metrics.store_errors.inc()
+            self._forget(pid)
+            if not fut.done():
+                try:
+                    fut.set_exception(exc)
+                except InvalidStateError:
+                    pass
+            return
+        self.metrics.store_fetch_seconds.observe(time.perf_counter() - t0)
+        self.metrics.bytes_from_store.inc(len(data))
+        try:
+            fut.set_result(data)
+        except InvalidStateError:  # failed by close() meanwhile
+            return
+        try:
+            self._write_pool.submit(self._store, pid, data)
+        except RuntimeError:  # pool shut down: the page is simply not cached
+            self._forget(pid)
+
+    def _store(self, pid: PageId, data: bytes) -> None:
+        try:
+            self.pages.put(pid, data)
+        finally:
+            self._forget(pid)
+
+    def _forget(self, pid: PageId) -> None:
+        with self._lock:
+            self._inflight.pop(pid, None)
+
+    # -- a range ------------------------------------------------------------------------------
+    def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None) -> Iterator[bytes | memoryview]:
+        """Yield the bytes of [offset, offset+length) in order, at most one page per chunk.
+
+        ``deadline`` is a ``time.monotonic()`` instant; waits past it raise DeadlineExceededError.
+        """
+        end = min(meta.size, offset + length)
+        if offset >= end:
+            return
+        first, last = offset // self.page_size, (end - 1) // self.page_size
+        window = self._sequential.window(meta, offset, end, self.page_size, self.options.readahead_pages)
+        pending: deque[tuple[Future[bytes], bool]] = deque()
+        next_index = first
+        # A reader that goes away mid-range leaves its fetches to finish and be cached.
+        for index in range(first, last + 1):
+            while next_index <= last and len(pending) < self.options.parallel_pages:
+                entry = self.page(meta, next_index)
+                assert entry is not None
+                pending.append(entry)
+                next_index += 1
+            if index == last and window:
+                self._readahead(meta, last + 1, window)
+            fut, cached = pending.popleft()
+            data = self._wait(fut, meta, index, deadline)
+            page_start = index * self.page_size
+            lo = max(offset, page_start) - page_start
+            hi = min(end, page_start + len(data)) - page_start
+            chunk = data if lo == 0 and hi == len(data) else memoryview(data)[lo:hi]
+            if len(chunk) != min(end, page_start + self.page_size) - max(offset, page_start):
+                raise StaleObjectError(f"{meta.path}: page {index} is shorter than the object's size says")
+            if cached:
+                self.metrics.bytes_from_cache.inc(len(chunk))
+            yield chunk
+
+    def _wait(self, fut: Future[bytes], meta: ObjectMeta, index: int, deadline: float | None) -> bytes:
+        timeout = self.options.store_timeout
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout as exc:
+            raise DeadlineExceededError(f"{meta.path}: page {index} not fetched within {timeout:.1f}s") from exc
+
+    def _readahead(self, meta: ObjectMeta, first: int, window: int) -> None:
+        last_page = (meta.size - 1) // self.page_size
+        for index in range(first, min(last_page, first + window - 1) + 1):
+            self.page(meta, index, prefetch=True)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop fetching; let writes of already fetched pages finish (bounded by ``timeout``)."""
+        with self._lock:
+            self._closed = True
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            waiting = list(self._inflight.values())
+        for fut in waiting:  # fetches that were queued, never started: nobody would finish them
+            if not fut.done():
+                try:
+                    fut.set_exception(WorkerUnavailableError("worker is shutting down"))
+                except InvalidStateError:
+                    pass
+        deadline = time.monotonic() + timeout
+        # Executor.shutdown(wait=True) has no timeout: wait for the writers by polling.
+        self._write_pool.shutdown(wait=False)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight:
+                    break
+            time.sleep(0.01)

@@ -1,0 +1,186 @@
+"""The worker's gRPC service: parses and checks requests, maps errors to precise statuses."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from cachefs import __version__
+from cachefs.errors import InvalidPathError, StaleObjectError, to_status
+from cachefs.mounts import MountTable
+from cachefs.paths import CachePath, parse_path
+from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.server.metrics import WorkerMetrics
+from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.server.pagestore import PageStore
+from cachefs.server.reader import PageReader
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK = 1 << 20  # bytes per ReadChunk: well under gRPC's 4 MiB default message limit
+LIST_BATCH = 1000
+MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
+
+
+def _rpc(method: str, streaming: bool = False) -> Callable:
+    """Time the call and turn any exception into a precise status with the error's message."""
+
+    def decorate(fn: Callable) -> Callable:
+        def fail(self: "WorkerServicer", context: grpc.ServicerContext, exc: Exception) -> None:
+            code = to_status(exc)
+            self.metrics.requests.labels(method, code.name).inc()
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method)
+            context.abort(code, str(exc) or type(exc).__name__)
+
+        if streaming:
+            @functools.wraps(fn)
+            def stream(self: "WorkerServicer", request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                t0 = time.perf_counter()
+                try:
+                    yield from fn(self, request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    fail(self, context, exc)
+                else:
+                    self.metrics.requests.labels(method, "OK").inc()
+                finally:
+                    self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
+
+            return stream
+
+        @functools.wraps(fn)
+        def unary(self: "WorkerServicer", request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                result = fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                fail(self, context, exc)
+            else:
+                self.metrics.requests.labels(method, "OK").inc()
+                return result
+            finally:
+                self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
+
+        return unary
+
+    return decorate
+
+
+def info_message(meta: ObjectMeta) -> common_pb2.ObjectInfo:
+    return common_pb2.ObjectInfo(
+        path=str(meta.path),
+        size=meta.size,
+        version=meta.version,
+        mtime=meta.mtime,
+        type=common_pb2.DIRECTORY if meta.is_dir else common_pb2.FILE,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(
+        self,
+        worker_id: str,
+        mounts: MountTable,
+        objects: ObjectStore,
+        pages: PageStore,
+        reader: PageReader,
+        metrics: WorkerMetrics,
+        max_rpc_seconds: float,
+    ) -> None:
+        self.worker_id = worker_id
+        self.mounts = mounts
+        self.objects = objects
+        self.pages = pages
+        self.reader = reader
+        self.metrics = metrics
+        self.max_rpc_seconds = max_rpc_seconds
+
+    def _deadline(self, context: grpc.ServicerContext) -> float:
+        """Every RPC has a deadline: the caller's, capped by the worker's own."""
+        remaining = context.time_remaining()
+        budget = self.max_rpc_seconds if remaining is None else min(remaining, self.max_rpc_seconds)
+        return time.monotonic() + budget
+
+    def _file_meta(self, path: CachePath, version: str) -> ObjectMeta:
+        meta = self.objects.info(path)
+        if version and meta.version != version:
+            meta = self.objects.info(path, refresh=True)  # our metadata may be the stale one
+            if meta.version != version:
+                raise StaleObjectError(f"{path} changed since it was opened (version {version} -> {meta.version})")
+        if meta.is_dir:
+            raise IsADirectoryError(f"{path} is a directory")
+        return meta
+
+    @_rpc("Read", streaming=True)
+    def Read(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ReadChunk]:
+        path = parse_path(request.path)
+        if request.offset < 0 or request.offset > MAX_OFFSET:
+            raise InvalidPathError(f"offset must be in [0, 2**62], got {request.offset}")
+        if request.length < -1:
+            raise InvalidPathError(f"length must be >= 0 (or -1 for the rest of the object), got {request.length}")
+        deadline = self._deadline(context)
+        meta = self._file_meta(path, request.version)
+        length = meta.size if request.length == -1 else min(request.length, MAX_OFFSET)
+        info = info_message(meta)
+        position = request.offset
+        sent_first = False
+        for chunk in self.reader.read(meta, request.offset, length, deadline):
+            for start in range(0, len(chunk), MAX_CHUNK):
+                piece = chunk[start:start + MAX_CHUNK]
+                data = piece if isinstance(piece, bytes) else bytes(piece)
+                msg = worker_pb2.ReadChunk(offset=position, data=data)
+                if not sent_first:
+                    msg.info.CopyFrom(info)
+                    sent_first = True
+                position += len(data)
+                self.metrics.bytes_served.inc(len(data))
+                yield msg
+            if not context.is_active():
+                return
+        if not sent_first:  # empty range: still tell the caller what it read
+            yield worker_pb2.ReadChunk(offset=request.offset, info=info)
+
+    @_rpc("GetInfo")
+    def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
+        return info_message(self.objects.info(parse_path(request.path), refresh=request.refresh))
+
+    @_rpc("List", streaming=True)
+    def List(self, request: worker_pb2.ListRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ListResponse]:
+        path = parse_path(request.path)
+        entries = self.objects.list(path, recursive=request.recursive, refresh=request.refresh)
+        for start in range(0, len(entries), LIST_BATCH):
+            yield worker_pb2.ListResponse(entries=[info_message(m) for m in entries[start:start + LIST_BATCH]])
+        if not entries:
+            yield worker_pb2.ListResponse()
+
+    @_rpc("ListMounts")
+    def ListMounts(self, request: worker_pb2.ListMountsRequest, context: grpc.ServicerContext) -> worker_pb2.ListMountsResponse:
+        mounts = []
+        for spec in self.mounts.specs():
+            public = spec.public()
+            mounts.append(common_pb2.MountInfo(
+                name=public["name"], url=public["url"], options_json=json.dumps(public["options"], default=str),
+                read_only=public["read_only"],
+            ))
+        return worker_pb2.ListMountsResponse(mounts=mounts)
+
+    @_rpc("GetStatus")
+    def GetStatus(self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerStatus:
+        s = self.pages.stats()
+        sample = self.metrics.registry.get_sample_value
+        return worker_pb2.WorkerStatus(
+            worker_id=self.worker_id, version=__version__, page_size=self.pages.page_size,
+            pages=s.pages, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes,
+            hits=int(sample("cachefs_worker_page_reads_total", {"outcome": "hit"}) or 0),
+            misses=int((sample("cachefs_worker_page_reads_total", {"outcome": "miss"}) or 0)
+                       + (sample("cachefs_worker_page_reads_total", {"outcome": "joined"}) or 0)),
+            evictions=s.evictions,
+            bytes_from_cache=int(sample("cachefs_worker_bytes_from_cache_total") or 0),
+            bytes_from_store=int(sample("cachefs_worker_bytes_from_store_total") or 0),
+        )
