@@ -48,7 +48,8 @@ class _SequentialTracker:
         key = (meta.path.mount, meta.path.key, meta.version)
         with self._lock:
             last_end, window = self._ends.pop(key, (-1, 0))
-            sequential = last_end >= 0 and abs(offset - last_end) <= page_size
+            # A read from the start of an object, or one that continues the last, looks sequential.
+            sequential = offset == 0 or (last_end >= 0 and abs(offset - last_end) <= page_size)
             window = min(max_window, max(1, window * 2)) if sequential else 0
             self._ends[key] = (end, window)
             while len(self._ends) > self._max:

@@ -1,0 +1,109 @@
+"""Shared fixtures: a real S3 endpoint (moto server in its own process), stores, workers."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cachefs.config import CacheDirSpec, WorkerConfig
+from cachefs.mounts import MountSpec
+from cachefs.server.worker import Worker
+from cachefs.testing import FAKE_CREDENTIALS, MotoServer
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake credentials for anything that reads them from the environment (restored after)."""
+    for name, value in FAKE_CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+
+
+@dataclass
+class Store:
+    """An object store under test: put objects, change them, and the mount a worker needs."""
+
+    kind: str
+    mount: MountSpec
+    put: Callable[[str, bytes], None]
+    delete: Callable[[str], None]
+    objects: dict[str, bytes] = field(default_factory=dict)
+
+    def add(self, key: str, data: bytes) -> None:
+        self.put(key, data)
+        self.objects[key] = data
+
+
+def _local_store(root: Path) -> Store:
+    root.mkdir(parents=True, exist_ok=True)
+
+    def put(key: str, data: bytes) -> None:
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def delete(key: str) -> None:
+        (root / key).unlink()
+
+    return Store("local", MountSpec("data", str(root)), put, delete)
+
+
+def _s3_store(server: MotoServer) -> Store:
+    bucket = server.new_bucket()
+    client = server.client()
+
+    def put(key: str, data: bytes) -> None:
+        client.put_object(Bucket=bucket, Key=f"root/{key}", Body=data)
+
+    def delete(key: str) -> None:
+        client.delete_object(Bucket=bucket, Key=f"root/{key}")
+
+    return Store("s3", MountSpec("data", f"s3://{bucket}/root", server.storage_options()), put, delete)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """Each test using it runs against a local directory and against moto S3."""
+    if request.param == "local":
+        return _local_store(tmp_path / "store")
+    return _s3_store(request.getfixturevalue("moto_server"))
+
+
+@pytest.fixture
+def local_store(tmp_path: Path) -> Store:
+    return _local_store(tmp_path / "store")
+
+
+@pytest.fixture
+def s3_store(moto_server: MotoServer) -> Store:
+    return _s3_store(moto_server)
+
+
+@pytest.fixture
+def make_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    """In-process workers on free loopback ports, stopped at the end of the test."""
+    workers: list[Worker] = []
+
+    def make(*mounts: MountSpec, cache_dir: Path | None = None, quota: int = 1 << 30, **settings) -> Worker:
+        cache = cache_dir or Path(tempfile.mkdtemp(dir=tmp_path, prefix="cache-"))
+        config = WorkerConfig(host="127.0.0.1", port=0, cache_dirs=(CacheDirSpec(str(cache), quota),),
+                              mounts=tuple(mounts), **settings)
+        worker = Worker(config).start()
+        workers.append(worker)
+        return worker
+
+    yield make
+    for worker in workers:
+        worker.stop(grace=1.0)

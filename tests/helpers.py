@@ -1,0 +1,99 @@
+"""Small helpers for tests (not fixtures)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
+
+from cachefs.client.filesystem import CacheFileSystem
+
+
+def client(*addresses: str, **options) -> CacheFileSystem:
+    return fsspec.filesystem("cachefs", workers=",".join(addresses), skip_instance_cache=True, **options)
+
+
+def payload(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def page_files(cache_dir: Path) -> list[Path]:
+    return [p for p in (cache_dir / "pages").rglob("*") if p.is_file()]
+
+
+def disk_usage(cache_dir: Path) -> int:
+    return sum(p.stat().st_size for p in page_files(cache_dir))
+
+
+def scrape(metrics_port: int) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (comments dropped)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+class SlowMemoryFileSystem(MemoryFileSystem):
+    """A real fsspec store (in memory) whose reads take time and are counted.
+
+    Lets tests see single-flight and page-parallel fetches deterministically.
+    """
+
+    protocol = "slowmem"
+    delay = 0.05
+    lock = threading.Lock()
+    reads: list[tuple[str, int, int]] = []
+    active = 0
+    max_active = 0
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, str) and path.startswith("slowmem://"):
+            path = path[len("slowmem://"):]
+        return super()._strip_protocol(path)
+
+    @classmethod
+    def reset_counters(cls) -> None:
+        with cls.lock:
+            cls.reads = []
+            cls.active = 0
+            cls.max_active = 0
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        with SlowMemoryFileSystem.lock:
+            SlowMemoryFileSystem.active += 1
+            SlowMemoryFileSystem.max_active = max(SlowMemoryFileSystem.max_active, SlowMemoryFileSystem.active)
+            SlowMemoryFileSystem.reads.append((path, start or 0, end or -1))
+        try:
+            time.sleep(self.delay)
+            return super().cat_file(path, start=start, end=end, **kwargs)
+        finally:
+            with SlowMemoryFileSystem.lock:
+                SlowMemoryFileSystem.active -= 1
+
+
+fsspec.register_implementation("slowmem", SlowMemoryFileSystem, clobber=True)
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def rename_away(path: Path) -> Path:
+    away = path.with_name(path.name + ".away")
+    os.rename(path, away)
+    return away
