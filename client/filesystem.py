@@ -84,6 +84,7 @@ class CacheFileSystem(AsyncFileSystem):
         self._workers = WorkerSet(list(self.config.workers))
         self._fallback_table: MountTable | None = None
         self._fallback_store = None
+        self._mounts_learned = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -119,6 +120,7 @@ class CacheFileSystem(AsyncFileSystem):
                 last_error = err
                 continue
             handle.breaker.record_success()
+            await self._learn_mounts()
             return result
         if self.config.fallback:
             return None
@@ -155,11 +157,13 @@ class CacheFileSystem(AsyncFileSystem):
         return [MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only) for m in resp.mounts]
 
     async def _learn_mounts(self) -> None:
-        """While workers answer, remember their public mount table for a later fallback."""
-        if self.config.fallback and self._fallback_store is None and not self.config.fallback_mounts:
+        """While workers answer, remember their public mount table for a later fallback (once)."""
+        if self.config.fallback and not self._mounts_learned:
+            self._mounts_learned = True
             try:
                 await self._fallback()
             except (OSError, ValueError) as exc:
+                self._mounts_learned = False
                 log.debug("could not learn mounts for fallback: %s", exc)
 
     # -- fsspec API ------------------------------------------------------------------------------
@@ -174,7 +178,6 @@ class CacheFileSystem(AsyncFileSystem):
 
         msg = await self._on_workers(str(cp), call, f"info {cp}")
         if msg is not None:
-            await self._learn_mounts()
             return _info_dict(msg)
         store = await self._fallback()
         meta = await asyncio.to_thread(store.info, cp, refresh)
