@@ -108,25 +108,31 @@ def write_page_file(tmp_path: str, final_path: str, payload: memoryview) -> int:
     return checksum
 
 
-def _open_checked(path: str, file_size: int) -> tuple[int, int, int]:
-    """Open ``path``, check its size and trailer; return ``(fd, payload_len, checksum)``."""
+def _open_checked(path: str, file_size: int, checksum: int | None) -> tuple[int, int, int]:
+    """Open ``path``, check its size and trailer; return ``(fd, payload_len, checksum)``.
+
+    ``checksum``, when given, is what the index recorded: a self-consistent file with another
+    checksum is not the page the caller asked for.
+    """
     fd = os.open(path, _OPEN_READ)
     try:
         actual = os.fstat(fd).st_size
         if actual != file_size:
             raise CorruptPageError(f"file is {actual} bytes, index says {file_size}")
-        payload_len, checksum = decode_trailer(os.pread(fd, TRAILER_SIZE, file_size - TRAILER_SIZE))
+        payload_len, found = decode_trailer(os.pread(fd, TRAILER_SIZE, file_size - TRAILER_SIZE))
         if payload_len != file_size - TRAILER_SIZE:
             raise CorruptPageError(f"trailer says {payload_len} payload bytes in a {actual}-byte file")
+        if checksum is not None and found != checksum:
+            raise CorruptPageError("file holds another page (checksum differs from the index)")
     except BaseException:
         os.close(fd)
         raise
-    return fd, payload_len, checksum
+    return fd, payload_len, found
 
 
-def read_page(path: str, file_size: int) -> bytes:
+def read_page(path: str, file_size: int, checksum: int | None = None) -> bytes:
     """Read and verify a page; raise CorruptPageError, FileNotFoundError or OSError."""
-    fd, payload_len, checksum = _open_checked(path, file_size)
+    fd, payload_len, checksum = _open_checked(path, file_size, checksum)
     with open(fd, "rb", buffering=0) as f:
         data = f.read(payload_len) if payload_len else b""
     if len(data) != payload_len:
@@ -136,12 +142,12 @@ def read_page(path: str, file_size: int) -> bytes:
     return data
 
 
-def read_page_into(path: str, file_size: int, buf: memoryview) -> int:
+def read_page_into(path: str, file_size: int, buf: memoryview, checksum: int | None = None) -> int:
     """Read and verify a page into ``buf`` (readinto, no intermediate copy); return its length.
 
     Raises ValueError if ``buf`` is too small, else as :func:`read_page`.
     """
-    fd, payload_len, checksum = _open_checked(path, file_size)
+    fd, payload_len, checksum = _open_checked(path, file_size, checksum)
     with open(fd, "rb", buffering=0) as f:
         if buf.nbytes < payload_len:
             raise ValueError(f"buffer of {buf.nbytes} bytes cannot hold a {payload_len}-byte page")

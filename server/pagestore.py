@@ -20,42 +20,27 @@ Why it is built this way (DESIGN.md s2-s4):
   entry without a file (dropped at startup). ``last_access`` is batched: a flush thread writes it
   every ``flush_interval`` seconds and on close.
 
-Index settings, measured on this machine (2 cores, ext4 on virtio; medians of 300-2000 ops):
-
-    diskcache.set, small tuple   WAL+synchronous=NORMAL 25 us | WAL+OFF 25 us | WAL+FULL 164 us
-                                 DELETE journal+NORMAL 626 us | DELETE+OFF 59 us
-    diskcache.delete             WAL+NORMAL 19 us
-    batched last_access flush    16 us/page (one transaction, contains + set)
-    recovery scan                7 us/entry (iterkeys + get)
-    1 MiB page file write+rename 2,650 us (3,490 us with fsync)
-    diskcache.set, 1 MiB value   2,290 us
-    xxh3_64 over 1 MiB           18.5 us (~57 GB/s)
-
-Chosen: ``eviction_policy="none"`` (we evict, not diskcache), ``sqlite_journal_mode="wal"``,
-``sqlite_synchronous=1`` (NORMAL): as cheap as OFF here (~1% of a page write), and unlike OFF the
-database stays consistent after an OS crash; the few commits NORMAL may lose are repaired by recovery.
+Index settings (diskcache, WAL, synchronous=NORMAL, eviction_policy="none") and the measurements
+behind them are in :mod:`cachefs.server.pagedir`: a small index insert costs 25 us, ~1% of writing
+a 1 MiB page file (2,650 us).
 """
 
 from __future__ import annotations
 
 import enum
-import fcntl
+import errno
 import logging
-import math
 import os
 import secrets
-import shutil
-import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 
-import diskcache
 import xxhash
 
+from cachefs.server.pagedir import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
 from cachefs.server.pagefile import (
     TRAILER_SIZE,
     CorruptPageError,
@@ -69,16 +54,8 @@ __all__ = ["CacheDir", "CacheDirInUseError", "PageId", "PageStore", "PageStoreSt
 log = logging.getLogger(__name__)
 
 _DIGEST_DOMAIN = b"cachefs-page-v1\0"
-_INDEX_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
-_INDEX_SETTINGS = {
-    "eviction_policy": "none",
-    "sqlite_journal_mode": "wal",
-    "sqlite_synchronous": 1,
-    "statistics": 0,
-    "tag_index": 0,
-    "timeout": 10,
-}
 _CLOSE_WAIT_S = 10.0
+_BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EBADMSG, errno.EISDIR, errno.ENOTDIR})
 
 
 def _lp(value: str) -> bytes:
@@ -123,18 +100,14 @@ class CacheDir:
 class PageStoreStats:
     """A point-in-time snapshot of the store's counters (for metrics and tests)."""
 
-    pages: int
-    used_bytes: int
+    pages: int  # READY pages (servable)
+    used_bytes: int  # page-file bytes on disk plus space reserved by writes in flight
     capacity_bytes: int
     hits: int
     misses: int
     evictions: int
     corrupt_pages: int
     put_failures: int
-
-
-class CacheDirInUseError(RuntimeError):
-    """Another PageStore (in this or another process) holds the cache dir's lock file."""
 
 
 class _State(enum.Enum):
@@ -147,7 +120,7 @@ class _State(enum.Enum):
 class _Entry:
     pid: PageId
     digest: str
-    dir: _Dir
+    dir: DirHandle
     size: int  # page file bytes, payload + trailer
     state: _State
     last_access: float
@@ -156,35 +129,11 @@ class _Entry:
 
     @property
     def path(self) -> str:
-        return os.path.join(self.dir.pages, self.digest[:2], self.digest)
+        return self.dir.page_path(self.digest)
 
     def record(self) -> tuple[str, str, str, int, int, int, float]:
         p = self.pid
         return (p.mount, p.key, p.version, p.index, self.size, self.checksum, self.last_access)
-
-
-@dataclass(eq=False)
-class _Dir:
-    cfg: CacheDir
-    root: str
-    lock_fd: int
-    index: diskcache.Cache | None = None
-    used: int = 0  # bytes of READY + WRITING + not-yet-released REMOVING pages
-    lru: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)  # READY only, LRU first
-
-    @property
-    def pages(self) -> str:
-        return os.path.join(self.root, "pages")
-
-    @property
-    def tmp(self) -> str:
-        return os.path.join(self.root, "tmp")
-
-    def score(self, digest: str) -> float:
-        """Weighted rendezvous score: the dir with the highest score holds the page."""
-        h = xxhash.xxh3_64_intdigest(f"{digest}\0{self.root}".encode("utf-8", "surrogatepass"))
-        u = ((h >> 11) + 0.5) / float(1 << 53)  # uniform in the open interval (0, 1)
-        return -self.cfg.quota_bytes / math.log(u)
 
 
 class PageStore:
@@ -211,10 +160,10 @@ class PageStore:
         self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access changed since the last flush
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
-        self._dirs: list[_Dir] = []
+        self._dirs: list[DirHandle] = []
         try:
             for cfg, root in zip(dirs, roots):
-                self._dirs.append(self._open_dir(cfg, root))
+                self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size))
                 self._recover(self._dirs[-1])
         except BaseException:
             self._release_dirs()
@@ -232,7 +181,7 @@ class PageStore:
         if entry is None:
             return None
         try:
-            data = read_page(entry.path, entry.size)
+            data = read_page(entry.path, entry.size, entry.checksum)
         except (CorruptPageError, OSError) as exc:
             self._read_failed(entry, exc)
             return None
@@ -248,7 +197,7 @@ class PageStore:
         if entry is None:
             return None
         try:
-            n = read_page_into(entry.path, entry.size, memoryview(buf))
+            n = read_page_into(entry.path, entry.size, memoryview(buf), entry.checksum)
         except (CorruptPageError, OSError) as exc:
             self._read_failed(entry, exc)
             return None
@@ -328,7 +277,7 @@ class PageStore:
             return PageStoreStats(
                 pages=sum(len(d.lru) for d in self._dirs),
                 used_bytes=sum(d.used for d in self._dirs),
-                capacity_bytes=sum(d.cfg.quota_bytes for d in self._dirs),
+                capacity_bytes=sum(d.quota for d in self._dirs),
                 hits=self._hits,
                 misses=self._misses,
                 evictions=self._evictions,
@@ -380,11 +329,21 @@ class PageStore:
                 self._idle.notify_all()
 
     def _read_failed(self, entry: _Entry, exc: BaseException) -> None:
-        """Drop a page that failed verification; a page evicted under our feet is a plain miss."""
+        """Drop a page that failed verification; a page evicted under our feet is a plain miss.
+
+        Only errors that condemn the file drop it: running out of fds or memory must not wipe
+        the cache.
+        """
+        bad = isinstance(exc, (CorruptPageError, FileNotFoundError)) or (
+            isinstance(exc, OSError) and exc.errno in _BAD_FILE_ERRNOS
+        )
         try:
             with self._lock:
                 self._misses += 1
                 if self._entries.get(entry.digest) is not entry or entry.state is not _State.READY:
+                    return
+                if not bad:
+                    log.warning("cannot read page %s: %s", entry.path, exc)
                     return
                 entry.state = _State.REMOVING
                 del entry.dir.lru[entry.digest]
@@ -400,9 +359,9 @@ class PageStore:
         self._dirty[entry.digest] = entry
 
     # ----------------------------------------------------------- write helpers
-    def _pick_victims(self, target: _Dir, size: int) -> list[_Entry] | None:
+    def _pick_victims(self, target: DirHandle, size: int) -> list[_Entry] | None:
         """LRU READY pages to evict so ``size`` fits (caller holds the lock); None if impossible."""
-        quota = target.cfg.quota_bytes
+        quota = target.quota
         victims: list[_Entry] = []
         need = target.used + size - quota
         for entry in target.lru.values():
@@ -414,7 +373,10 @@ class PageStore:
 
     def _write(self, entry: _Entry, payload: memoryview, victims: list[_Entry]) -> bool:
         d = entry.dir
-        if False:  # a victim file would not go away: its bytes stay used, this put gives up
+        stuck = self._unlink(victims)
+        with self._lock:
+            self._forget(victims)  # their bytes already belong to this put's reservation
+        if stuck:  # a victim file would not go away: its bytes stay used, this put gives up
             return self._abort(entry, released=entry.size - sum(v.size for v in stuck))
         tmp = os.path.join(d.tmp, f"{entry.digest}.{secrets.token_hex(6)}.tmp")
         try:
@@ -422,13 +384,11 @@ class PageStore:
         except OSError as exc:
             log.warning("cannot write page %s: %s", entry.path, exc)
             return self._abort(entry, released=entry.size)
-        stuck = self._unlink(victims)
-        with self._lock:
-            self._forget(victims)
         try:
-            assert d.index is not None
+            if d.index is None:  # close() gave up waiting for this put
+                raise OSError(f"page store for {d.root} is closed")
             d.index.set(entry.digest, entry.record())
-        except _INDEX_ERRORS as exc:
+        except INDEX_ERRORS as exc:
             log.warning("cannot index page %s: %s", entry.path, exc)
             if self._unlink([entry], index=False):
                 return self._abort(entry, released=0)  # file stuck on disk: keep its bytes counted
@@ -490,7 +450,7 @@ class PageStore:
             if index and entry.dir.index is not None:
                 try:
                     entry.dir.index.delete(entry.digest)
-                except _INDEX_ERRORS as exc:  # recovery drops an entry without a file
+                except INDEX_ERRORS as exc:  # recovery drops an entry without a file
                     log.warning("cannot unindex page %s: %s", entry.digest, exc)
             try:
                 os.unlink(entry.path)
@@ -551,89 +511,31 @@ class PageStore:
                     for digest, record in records:
                         if digest in d.index:  # a concurrent delete must not be resurrected
                             d.index.set(digest, record)
-            except _INDEX_ERRORS as exc:
+            except INDEX_ERRORS as exc:
                 log.warning("cannot flush access times in %s: %s", d.root, exc)
 
-    def _open_dir(self, cfg: CacheDir, root: str) -> _Dir:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        lock_path = os.path.join(root, "lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise CacheDirInUseError(
-                f"cache dir {root} is in use by another process (lock {lock_path} is held)"
-            ) from None
-        d = _Dir(cfg=cfg, root=root, lock_fd=fd)
-        try:
-            for sub in (d.pages, d.tmp):
-                os.makedirs(sub, mode=0o700, exist_ok=True)
-            for i in range(256):
-                fan = os.path.join(d.pages, f"{i:02x}")
-                if os.path.lexists(fan) and not os.path.isdir(fan):
-                    os.unlink(fan)
-                os.makedirs(fan, mode=0o700, exist_ok=True)
-            try:
-                d.index = self._open_index(root)
-            except sqlite3.DatabaseError as exc:
-                log.warning("page index in %s is unreadable (%s); starting empty", root, exc)
-                d.index = self._open_index(root, reset=True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return d
-
-    @staticmethod
-    def _open_index(root: str, reset: bool = False) -> diskcache.Cache:
-        path = os.path.join(root, "index")
-        if reset:
-            shutil.rmtree(path, ignore_errors=True)
-        return diskcache.Cache(path, **_INDEX_SETTINGS)
-
-    def _scan_index(self, d: _Dir) -> list[tuple[str, object]]:
-        """All (digest, record) pairs; an unreadable index is replaced by an empty one."""
-        assert d.index is not None
-        try:
-            return [(digest, d.index.get(digest)) for digest in list(d.index.iterkeys())]
-        except sqlite3.DatabaseError as exc:  # its pages become orphans and are removed
-            log.warning("page index in %s is unreadable (%s); starting empty", d.root, exc)
-            d.index.close()
-            d.index = self._open_index(d.root, reset=True)
-            return []
-
-    def _recover(self, d: _Dir) -> None:
+    def _recover(self, d: DirHandle) -> None:
         """Rebuild memory state from the index and the files; see the module docstring."""
-        assert d.index is not None
-        tmp_removed = 0
-        for name in os.listdir(d.tmp):
-            _remove_path(os.path.join(d.tmp, name))
-            tmp_removed += 1
+        tmp_removed = d.clean_tmp()
         loaded: list[_Entry] = []
         stale: list[str] = []
-        for digest, record in self._scan_index(d):
+        for digest, record in d.scan_index():
             entry = self._entry_from_record(d, digest, record)
             if entry is None:
                 stale.append(digest)
             else:
                 loaded.append(entry)
+        assert d.index is not None
         for digest in stale:
             d.index.delete(digest)
-        known = {e.digest for e in loaded}
-        orphans = 0
-        for fan in os.listdir(d.pages):
-            fan_path = os.path.join(d.pages, fan)
-            for name in os.listdir(fan_path) if os.path.isdir(fan_path) else ():
-                if name not in known or name[:2] != fan:
-                    _remove_path(os.path.join(fan_path, name))
-                    orphans += 1
+        orphans = d.remove_orphans({e.digest for e in loaded})
         loaded.sort(key=lambda e: e.last_access)
         for entry in loaded:
             d.lru[entry.digest] = entry
             d.used += entry.size
             self._add(entry)
         evicted: list[_Entry] = []
-        excess = d.used - d.cfg.quota_bytes  # the quota was lowered since the last run
+        excess = d.used - d.quota  # the quota was lowered since the last run
         while excess > 0 and d.lru:
             _, entry = d.lru.popitem(last=False)
             entry.state = _State.REMOVING
@@ -644,17 +546,17 @@ class PageStore:
         log.info(
             "page store %s: %d pages, %d/%d bytes; dropped %d stale index entries, %d orphan "
             "and %d tmp files; evicted %d to fit the quota",
-            d.root, len(d.lru), d.used, d.cfg.quota_bytes, len(stale), orphans, tmp_removed,
+            d.root, len(d.lru), d.used, d.quota, len(stale), orphans, tmp_removed,
             len(evicted),
         )
 
-    def _entry_from_record(self, d: _Dir, digest: str, record: object) -> _Entry | None:
+    def _entry_from_record(self, d: DirHandle, digest: str, record: object) -> _Entry | None:
         """A READY entry for an index record whose file exists with the right size, else None."""
         try:
             mount, key, version, index, size, checksum, last_access = record  # type: ignore[misc]
             pid = PageId(mount, key, version, index)
             valid = pid.digest() == digest and TRAILER_SIZE <= size <= self.page_size + TRAILER_SIZE
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):  # not a record we wrote
             return None
         if not valid or digest in self._entries:
             return None
@@ -664,28 +566,10 @@ class PageStore:
         except OSError:
             return None
         if st.st_size != size:
-            _remove_path(entry.path)
+            remove_path(entry.path)
             return None
         return entry
 
     def _release_dirs(self) -> None:
         for d in self._dirs:
-            if d.index is not None:
-                try:
-                    d.index.close()
-                except _INDEX_ERRORS as exc:
-                    log.warning("cannot close page index in %s: %s", d.root, exc)
-                d.index = None
-            if d.lock_fd >= 0:
-                os.close(d.lock_fd)  # releases the flock
-                d.lock_fd = -1
-
-
-def _remove_path(path: str) -> None:
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc)
+            d.close()

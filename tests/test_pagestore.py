@@ -167,6 +167,29 @@ def test_corrupt_page_is_dropped_never_served(tmp_path, where):
         assert s.get(pid(2)) == payload(2)
 
 
+def test_page_file_of_another_page_is_not_served(tmp_path):
+    with open_store(tmp_path) as s:
+        s.put(pid(1), payload(1))
+        s.put(pid(2), payload(2))
+        os.replace(page_file(tmp_path, pid(2)), page_file(tmp_path, pid(1)))  # valid, wrong page
+        assert s.get(pid(1)) is None
+        assert s.stats().corrupt_pages == 1
+
+
+def test_transient_read_error_is_a_miss_not_a_drop(tmp_path, monkeypatch):
+    with open_store(tmp_path) as s:
+        s.put(pid(1), payload(1))
+
+        def emfile(*args, **kwargs):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(pagefile.os, "open", emfile)
+        assert s.get(pid(1)) is None
+        monkeypatch.undo()
+        assert s.stats().corrupt_pages == 0 and s.contains(pid(1))
+        assert s.get(pid(1)) == payload(1)
+
+
 def test_truncated_or_missing_file_is_dropped(tmp_path):
     with open_store(tmp_path) as s:
         for i in range(3):
@@ -239,6 +262,45 @@ def test_quota_never_exceeded_under_concurrent_writers(tmp_path):
         assert os.listdir(os.path.join(tmp_path, "tmp")) == []
 
 
+def test_mixed_concurrent_put_get_delete_never_serves_wrong_bytes(tmp_path):
+    quota = 6 * FILE
+    errors: list[str] = []
+    with open_store(tmp_path, quota=quota) as s:
+
+        def worker(t: int) -> None:
+            rng = np.random.default_rng(t)
+            for _ in range(300):
+                i = int(rng.integers(0, 12))
+                op = rng.integers(0, 4)
+                if op == 0:
+                    s.put(pid(i), payload(i, 2000 + i))
+                elif op == 1:
+                    got = s.get(pid(i))
+                    if got is not None and got != payload(i, 2000 + i):
+                        errors.append(f"wrong bytes for {i}")
+                elif op == 2:
+                    s.delete(pid(i))
+                else:
+                    s.delete_prefix("data", "o")
+                if s.stats().used_bytes > quota:
+                    errors.append("over quota")
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors
+        st_ = s.stats()
+        assert st_.corrupt_pages == 0
+        assert st_.used_bytes == disk_bytes(tmp_path) == sum(
+            2000 + i + TRAILER_SIZE for i in range(12) if s.contains(pid(i))
+        )
+        assert os.listdir(os.path.join(tmp_path, "tmp")) == []
+    with open_store(tmp_path, quota=quota) as s2:
+        assert s2.stats().used_bytes == st_.used_bytes
+
+
 def test_restart_recovers_pages_lru_order_and_cleans_debris(tmp_path):
     with open_store(tmp_path, quota=3 * FILE) as s:
         for i in range(3):
@@ -259,6 +321,20 @@ def test_restart_recovers_pages_lru_order_and_cleans_debris(tmp_path):
         assert s.put(pid(3), payload(3))
         assert not s.contains(pid(1))  # the least recently used before the restart
         assert [s.get(pid(i)) == payload(i) for i in (0, 2, 3)] == [True] * 3
+
+
+def test_unreadable_index_starts_empty_and_removes_its_pages(tmp_path):
+    with open_store(tmp_path) as s:
+        s.put(pid(0), payload(0))
+    index_dir = os.path.join(tmp_path, "index")
+    for name in os.listdir(index_dir):
+        os.unlink(os.path.join(index_dir, name))
+    with open(os.path.join(index_dir, "cache.db"), "wb") as f:
+        f.write(b"this is not a sqlite database" * 100)
+    with open_store(tmp_path) as s:
+        assert s.stats().pages == 0 and disk_bytes(tmp_path) == 0
+        assert s.get(pid(0)) is None
+        assert s.put(pid(0), payload(0)) and s.get(pid(0)) == payload(0)
 
 
 def test_restart_drops_index_entries_without_good_files(tmp_path):
@@ -287,6 +363,17 @@ def test_reopen_with_smaller_quota_evicts_down(tmp_path):
         assert st_.pages == 2 and st_.evictions == 4
         assert st_.used_bytes == disk_bytes(tmp_path) == 2 * FILE
         assert s.get(pid(0)) == payload(0) and s.get(pid(1)) == payload(1)
+
+
+def test_reopen_with_other_page_size_empties_the_dir(tmp_path):
+    with open_store(tmp_path) as s:
+        s.put(pid(0), payload(0, 100))  # a short page: would look valid under any page size
+    with PageStore([CacheDir(str(tmp_path), 64 * FILE)], page_size=2 * PAGE) as s:
+        assert s.get(pid(0)) is None  # index 0 now covers other bytes: must not be served
+        assert s.stats().pages == 0 and disk_bytes(tmp_path) == 0
+        s.put(pid(0), payload(0, 100))
+    with PageStore([CacheDir(str(tmp_path), 64 * FILE)], page_size=2 * PAGE) as s:
+        assert s.get(pid(0)) == payload(0, 100)
 
 
 def test_access_times_flushed_in_background(tmp_path):
@@ -318,6 +405,14 @@ def test_two_dirs_weighted_and_both_bounded(tmp_path):
         assert s.stats().used_bytes == da + db
         hits = sum(s.get(pid(i)) == payload(i, 1000) for i in range(120))
         assert hits == s.stats().pages
+    big = 1 << 30  # no eviction: placement alone decides, by weighted rendezvous (1:3)
+    with PageStore([CacheDir(str(a), big), CacheDir(str(b), 3 * big)], page_size=PAGE) as s:
+        s.delete_prefix("data", "")
+        for i in range(800):
+            s.put(pid(i, key="spread"), b"z")
+        in_b = disk_bytes(b) // (1 + TRAILER_SIZE)
+        assert in_b + disk_bytes(a) // (1 + TRAILER_SIZE) == 800
+        assert 0.68 < in_b / 800 < 0.82  # expected 0.75; binomial sd ~0.015
 
 
 def test_second_store_on_same_dir_is_refused(tmp_path):

@@ -17,7 +17,7 @@ from cachefs.errors import InvalidPathError
 from cachefs.mounts import MountSpec
 from cachefs.proto import worker_pb2, worker_pb2_grpc
 from cachefs.testing import MotoServer
-from helpers import client, disk_usage, page_files, payload, rename_away
+from helpers import client, disk_usage, page_files, payload, rename_away, wait_for
 
 PAGE = 64 << 10
 
@@ -131,6 +131,8 @@ def test_corrupted_page_is_detected_and_refetched(store, make_worker, tmp_path):
     worker = make_worker(store.mount, cache_dir=cache, page_size=PAGE, metadata_ttl=3600)
     fs = client(worker.address)
     assert fs.cat_file("data/obj.bin") == data
+    # Page files appear at their rename, a moment before the page store serves them.
+    assert wait_for(lambda: _stats(worker).pages == 4)
     files = page_files(cache)
     assert len(files) == 4
     for path in files:  # flip one byte inside each page's payload

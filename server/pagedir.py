@@ -1,0 +1,198 @@
+"""One cache directory on disk: its exclusive lock, layout, durable index and debris cleanup.
+
+Layout (dirs 0o700, files 0o600)::
+
+    <root>/lock                          flock(LOCK_EX|LOCK_NB) held while a PageStore has it open
+    <root>/store.json                    {"format": 1, "page_size": N}: pages of another page
+                                         size cover other byte ranges, so a change empties the dir
+    <root>/pages/<digest[:2]>/<digest>   page files (see pagefile.py)
+    <root>/tmp/<digest>.<random>.tmp     pages being written; leftovers are removed at startup
+    <root>/index/                        diskcache: digest -> (mount, key, version, index,
+                                         file_size, checksum, last_access)
+
+Index settings, measured on this machine (2 cores, ext4 on virtio; medians of 300-2000 ops):
+
+    diskcache.set, small tuple   WAL+synchronous=NORMAL 25 us | WAL+OFF 25 us | WAL+FULL 164 us
+                                 DELETE journal+NORMAL 626 us | DELETE journal+OFF 59 us
+    diskcache.delete             WAL+NORMAL 19 us
+    batched last_access flush    16 us/page (one transaction, contains + set)
+    recovery scan                7 us/entry (iterkeys + get)
+    1 MiB page file write+rename 2,650 us (3,490 us with fsync)
+    diskcache.set, 1 MiB value   2,290 us
+    xxh3_64 over 1 MiB           18.5 us (~57 GB/s)
+
+Chosen: ``eviction_policy="none"`` (the page store evicts, not diskcache), ``sqlite_journal_mode=
+"wal"``, ``sqlite_synchronous=1`` (NORMAL): as cheap as OFF here (~1% of a page write), and unlike
+OFF the database stays consistent after an OS crash; the last commits NORMAL may lose on power
+loss only turn pages into orphans, which recovery removes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import shutil
+import sqlite3
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import diskcache
+import xxhash
+
+if TYPE_CHECKING:
+    from cachefs.server.pagestore import _Entry
+
+__all__ = ["INDEX_ERRORS", "CacheDirInUseError", "DirHandle", "remove_path"]
+
+log = logging.getLogger(__name__)
+
+INDEX_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+INDEX_SETTINGS: dict[str, Any] = {
+    "eviction_policy": "none",
+    "sqlite_journal_mode": "wal",
+    "sqlite_synchronous": 1,
+    "statistics": 0,
+    "tag_index": 0,
+    "timeout": 10,  # seconds sqlite waits on a busy database before diskcache.Timeout
+}
+
+
+class CacheDirInUseError(RuntimeError):
+    """Another PageStore (in this or another process) holds the cache dir's lock file."""
+
+
+class DirHandle:
+    """An open, locked cache dir plus its in-memory accounting (guarded by the store's lock)."""
+
+    def __init__(self, root: str, quota: int, page_size: int) -> None:
+        self.root = root
+        self.quota = quota
+        self.pages = os.path.join(root, "pages")
+        self.tmp = os.path.join(root, "tmp")
+        self.used = 0  # bytes of READY + WRITING + not-yet-released REMOVING pages
+        self.lru: OrderedDict[str, _Entry] = OrderedDict()  # READY pages, least recent first
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        lock_path = os.path.join(root, "lock")
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise CacheDirInUseError(
+                f"cache dir {root} is in use by another process (lock {lock_path} is held)"
+            ) from None
+        try:
+            for sub in (self.pages, self.tmp):
+                os.makedirs(sub, mode=0o700, exist_ok=True)
+            for i in range(256):
+                fan = os.path.join(self.pages, f"{i:02x}")
+                if os.path.lexists(fan) and not os.path.isdir(fan):
+                    os.unlink(fan)
+                os.makedirs(fan, mode=0o700, exist_ok=True)
+            same = self._same_layout(page_size)
+            self.index: diskcache.Cache | None = self._open_index(reset=not same)
+            if not same:  # only after the old index is gone, so a crash cannot revive its pages
+                self._write_layout(page_size)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def page_path(self, digest: str) -> str:
+        return os.path.join(self.pages, digest[:2], digest)
+
+    def score(self, digest: str) -> float:
+        """Weighted rendezvous score: the dir with the highest score holds the page."""
+        h = xxhash.xxh3_64_intdigest(f"{digest}\0{self.root}".encode("utf-8", "surrogatepass"))
+        u = ((h >> 11) + 0.5) / float(1 << 53)  # uniform in the open interval (0, 1)
+        return -self.quota / math.log(u)
+
+    def _layout(self, page_size: int) -> tuple[str, dict[str, int]]:
+        return os.path.join(self.root, "store.json"), {"format": 1, "page_size": page_size}
+
+    def _same_layout(self, page_size: int) -> bool:
+        """False if the dir may hold pages of another size or format (they must not be served)."""
+        path, want = self._layout(page_size)
+        try:
+            with open(path, encoding="utf-8") as f:
+                if json.load(f) == want:
+                    return True
+            log.warning("cache dir %s holds pages of another size or format; emptying it", self.root)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read %s (%s); emptying the cache dir", path, exc)
+        return False
+
+    def _write_layout(self, page_size: int) -> None:
+        path, want = self._layout(page_size)
+        tmp = f"{path}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(want, f)
+        os.replace(tmp, path)
+
+    def _open_index(self, reset: bool = False) -> diskcache.Cache:
+        path = os.path.join(self.root, "index")
+        if reset:
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            return diskcache.Cache(path, **INDEX_SETTINGS)
+        except sqlite3.DatabaseError as exc:
+            if reset:
+                raise
+            log.warning("page index %s is unreadable (%s); starting empty", path, exc)
+            return self._open_index(reset=True)
+
+    def scan_index(self) -> list[tuple[str, object]]:
+        """All (digest, record) pairs; an unreadable index is replaced by an empty one."""
+        assert self.index is not None
+        try:
+            return [(digest, self.index.get(digest)) for digest in list(self.index.iterkeys())]
+        except sqlite3.DatabaseError as exc:  # its pages become orphans and are removed
+            log.warning("page index in %s is unreadable (%s); starting empty", self.root, exc)
+            self.index.close()
+            self.index = self._open_index(reset=True)
+            return []
+
+    def clean_tmp(self) -> int:
+        """Remove writes torn by a crash; returns how many."""
+        names = os.listdir(self.tmp)
+        for name in names:
+            remove_path(os.path.join(self.tmp, name))
+        return len(names)
+
+    def remove_orphans(self, known: set[str]) -> int:
+        """Remove page files the index does not know (crash between rename and insert)."""
+        removed = 0
+        for fan in os.listdir(self.pages):
+            fan_path = os.path.join(self.pages, fan)
+            for name in os.listdir(fan_path) if os.path.isdir(fan_path) else ():
+                if name not in known or name[:2] != fan:
+                    remove_path(os.path.join(fan_path, name))
+                    removed += 1
+        return removed
+
+    def close(self) -> None:
+        """Close the index and release the lock. Idempotent."""
+        if self.index is not None:
+            try:
+                self.index.close()
+            except INDEX_ERRORS as exc:
+                log.warning("cannot close page index in %s: %s", self.root, exc)
+            self.index = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+
+def remove_path(path: str) -> None:
+    """Remove a file (or a stray directory) during cleanup, logging instead of raising."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
