@@ -6,6 +6,12 @@
 Paths are ``<mount>/<key>``; the worker resolves the mount to its object store and holds
 the credentials. Each path prefers one worker (stable hashing), then the next; when none
 answers and ``fallback=True``, the client reads the object store itself.
+
+The class is an fsspec ``AsyncFileSystem`` (``asynchronous=True`` and the ``_cat_file``
+family work, and fsspec's concurrent ``cat_ranges``/``cat`` use them), but the work itself
+is done by blocking gRPC calls (see transport.py for why): the sync methods on the hot
+path (``cat_file``, ``info``, file reads) run them in the caller's thread with no event-loop
+hop, and the async methods run them on a thread.
 """
 
 from __future__ import annotations
@@ -14,13 +20,16 @@ import asyncio
 import json
 import logging
 import os
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec.asyn
 import grpc
 from fsspec.asyn import AsyncFileSystem
 from fsspec.spec import AbstractBufferedFile
 
+from cachefs.client.transport import WorkerSet
 from cachefs.config import ClientConfig
 from cachefs.errors import (
     RETRYABLE_CODES,
@@ -31,10 +40,11 @@ from cachefs.errors import (
 )
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import PROTOCOL, CachePath, parse_path, strip_protocol
-from cachefs.proto import common_pb2, worker_pb2
-from cachefs.client.transport import WorkerHandle, WorkerSet
+from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _info_dict(msg: common_pb2.ObjectInfo) -> dict[str, Any]:
@@ -46,6 +56,11 @@ def _info_dict(msg: common_pb2.ObjectInfo) -> dict[str, Any]:
         "version": msg.version,
         "mtime": msg.mtime,
     }
+
+
+def _meta_dict(meta: Any) -> dict[str, Any]:
+    return {"name": str(meta.path), "size": meta.size, "type": "directory" if meta.is_dir else "file",
+            "version": meta.version, "mtime": meta.mtime}
 
 
 class CacheFileSystem(AsyncFileSystem):
@@ -77,25 +92,31 @@ class CacheFileSystem(AsyncFileSystem):
             }
         )
         self._abandoned: list[WorkerSet] = []
-        self._start_process_state()
+        self._state_pid = -1
+        self._state_lock = threading.Lock()
+        self._process_state()
 
-    def _start_process_state(self) -> None:
-        """Per-process state: channels and the fallback store are never shared across a fork."""
-        self._workers = WorkerSet(list(self.config.workers))
-        self._fallback_table: MountTable | None = None
-        self._fallback_store = None
-        self._mounts_learned = False
+    # -- per-process state ----------------------------------------------------------------------
+    def _process_state(self) -> WorkerSet:
+        """Channels and the fallback store of *this* process; a forked child starts afresh."""
+        if self._state_pid != os.getpid():
+            with self._state_lock:
+                if self._state_pid != os.getpid():
+                    if self._state_pid != -1:
+                        # Keep the parent's channels referenced but untouched: closing them from
+                        # the child could disturb the parent.
+                        self._abandoned.append(self._workers)
+                    self._workers = WorkerSet(list(self.config.workers))
+                    self._fallback_store: Any = None
+                    self._mounts_learned = False
+                    self._state_pid = os.getpid()
+        return self._workers
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        if self._pid != os.getpid():
-            # A forked child (a DataLoader worker): the parent's loop thread and channels do
-            # not exist here. Keep the parent's objects referenced but untouched (closing them
-            # from the child could disturb the parent), and start afresh.
-            self._abandoned.append(self._workers)
+        if self._pid != os.getpid():  # forked: the parent's loop thread does not exist here
             self._pid = os.getpid()
             self._loop = fsspec.asyn.get_loop()
-            self._start_process_state()
         return self._loop
 
     @classmethod
@@ -105,12 +126,16 @@ class CacheFileSystem(AsyncFileSystem):
         return strip_protocol(path).rstrip("/")
 
     # -- calling workers ----------------------------------------------------------------------
-    async def _on_workers(self, key: str, call: Any, what: str) -> Any:
-        """Run ``call(stub)`` on the path's workers in preference order; None if none answered."""
+    def _on_workers(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub], T], what: str) -> T | None:
+        """Run ``call(stub)`` on the path's workers in preference order.
+
+        Returns None when no worker answered and fallback is on; raises otherwise.
+        """
+        workers = self._process_state()
         last_error: grpc.RpcError | None = None
-        for handle in self._workers.candidates(key, include_broken=not self.config.fallback):
+        for handle in workers.candidates(key, include_broken=not self.config.fallback):
             try:
-                result = await call(handle.stub())
+                result = call(handle.stub())
             except grpc.RpcError as err:
                 if err.code() not in RETRYABLE_CODES:
                     handle.breaker.record_success()  # it answered: the error is about the request
@@ -120,7 +145,7 @@ class CacheFileSystem(AsyncFileSystem):
                 last_error = err
                 continue
             handle.breaker.record_success()
-            await self._learn_mounts()
+            self._learn_mounts()
             return result
         if self.config.fallback:
             return None
@@ -128,137 +153,120 @@ class CacheFileSystem(AsyncFileSystem):
             raise from_rpc_error(last_error, f"{what}: no worker could serve it") from None
         raise WorkerUnavailableError(f"{what}: no worker is available")
 
-    def _read_timeout(self, length: int) -> float:
-        return self.config.timeout + max(length, 0) / self.config.min_throughput
-
     # -- fallback to the object store ---------------------------------------------------------
-    async def _fallback(self):  # -> ObjectStore
+    def _fallback(self) -> Any:  # -> cachefs.server.objectstore.ObjectStore
+        self._process_state()
         if self._fallback_store is None:
             from cachefs.server.objectstore import ObjectStore  # the same adapter the worker uses
 
             specs = [MountSpec.parse(v, name=k) for k, v in self.config.fallback_mounts.items()]
             if not specs:
-                specs = await self._public_mounts()
-            table = MountTable()
-            for spec in specs:
-                await asyncio.to_thread(table.add, spec)
-            self._fallback_store = ObjectStore(table, metadata_ttl=5.0, list_ttl=5.0)
+                specs = self._public_mounts()
+            self._fallback_store = ObjectStore(MountTable(specs), metadata_ttl=5.0, list_ttl=5.0)
         return self._fallback_store
 
-    async def _public_mounts(self) -> list[MountSpec]:
-        async def call(stub):
-            return await stub.ListMounts(worker_pb2.ListMountsRequest(), timeout=self.config.timeout)
-
-        resp = await self._on_workers("", call, "list mounts")
+    def _public_mounts(self) -> list[MountSpec]:
+        resp = self._on_workers(
+            "", lambda stub: stub.ListMounts(worker_pb2.ListMountsRequest(), timeout=self.config.timeout),
+            "list mounts",
+        )
         if resp is None:
             raise WorkerUnavailableError(
                 "no worker answered and no fallback_mounts are configured: cannot read the store directly"
             )
         return [MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only) for m in resp.mounts]
 
-    async def _learn_mounts(self) -> None:
+    def _learn_mounts(self) -> None:
         """While workers answer, remember their public mount table for a later fallback (once)."""
         if self.config.fallback and not self._mounts_learned:
             self._mounts_learned = True
             try:
-                await self._fallback()
+                self._fallback()
             except (OSError, ValueError) as exc:
                 self._mounts_learned = False
                 log.debug("could not learn mounts for fallback: %s", exc)
 
-    # -- fsspec API ------------------------------------------------------------------------------
-    async def _info(self, path: str, refresh: bool = False, **kwargs: Any) -> dict[str, Any]:
+    # -- the work, blocking ------------------------------------------------------------------------
+    def info(self, path: str, refresh: bool = False, **kwargs: Any) -> dict[str, Any]:
         bare = self._strip_protocol(path)
         if bare == "":
             return {"name": "", "size": 0, "type": "directory"}
         cp = parse_path(bare)
-
-        async def call(stub):
-            return await stub.GetInfo(worker_pb2.InfoRequest(path=str(cp), refresh=refresh), timeout=self.config.timeout)
-
-        msg = await self._on_workers(str(cp), call, f"info {cp}")
+        request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
+        msg = self._on_workers(str(cp), lambda stub: stub.GetInfo(request, timeout=self.config.timeout), f"info {cp}")
         if msg is not None:
             return _info_dict(msg)
-        store = await self._fallback()
-        meta = await asyncio.to_thread(store.info, cp, refresh)
-        return {"name": str(cp), "size": meta.size, "type": "directory" if meta.is_dir else "file",
-                "version": meta.version, "mtime": meta.mtime}
+        return _meta_dict(self._fallback().info(cp, refresh))
 
-    async def _ls(self, path: str, detail: bool = True, refresh: bool = False, **kwargs: Any) -> list[Any]:
+    def ls(self, path: str, detail: bool = False, refresh: bool = False, **kwargs: Any) -> list[Any]:
         bare = self._strip_protocol(path)
         if bare == "":
-            entries = [{"name": m.name, "size": 0, "type": "directory"} for m in await self._public_mounts()]
+            entries = [{"name": m.name, "size": 0, "type": "directory"} for m in self._public_mounts()]
         else:
-            entries = await self._list(parse_path(bare), recursive=False, refresh=refresh)
+            entries = self._list(parse_path(bare), recursive=False, refresh=refresh)
         return entries if detail else [e["name"] for e in entries]
 
-    async def _list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
-        async def call(stub):
-            out = []
-            async for batch in stub.List(
-                worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh), timeout=self.config.timeout
-            ):
-                out.extend(_info_dict(e) for e in batch.entries)
-            return out
+    def _list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
+        request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh)
 
-        entries = await self._on_workers(str(cp), call, f"list {cp}")
+        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> list[dict[str, Any]]:
+            return [_info_dict(e) for batch in stub.List(request, timeout=self.config.timeout) for e in batch.entries]
+
+        entries = self._on_workers(str(cp), call, f"list {cp}")
         if entries is not None:
             return entries
-        store = await self._fallback()
-        metas = await asyncio.to_thread(store.list, cp, recursive, refresh)
-        return [{"name": str(m.path), "size": m.size, "type": "directory" if m.is_dir else "file",
-                 "version": m.version, "mtime": m.mtime} for m in metas]
+        return [_meta_dict(m) for m in self._fallback().list(cp, recursive, refresh)]
 
-    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
         bare = self._strip_protocol(path)
         if maxdepth is not None or withdirs or bare == "":
-            return await super()._find(path, maxdepth=maxdepth, withdirs=withdirs, **kwargs)
+            return super().find(path, maxdepth=maxdepth, withdirs=withdirs, **kwargs)
         detail = kwargs.pop("detail", False)
         try:
-            entries = await self._list(parse_path(bare), recursive=True)
+            entries = self._list(parse_path(bare), recursive=True)
         except FileNotFoundError:
             entries = []
         if not entries:
             try:  # find() of a file is [file], as in fsspec
-                info = await self._info(bare)
+                info = self.info(bare)
                 entries = [info] if info["type"] == "file" else []
             except FileNotFoundError:
                 entries = []
         out = {e["name"]: e for e in entries}
         return out if detail else sorted(out)
 
-    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None,
-                        version: str = "", **kwargs: Any) -> bytes:
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, version: str = "",
+                 **kwargs: Any) -> bytes:
         cp = parse_path(self._strip_protocol(path))
         if (start is not None and start < 0) or (end is not None and end < 0):
-            size = (await self._info(str(cp)))["size"]
+            size = self.info(str(cp))["size"]
             start = None if start is None else max(0, size + start) if start < 0 else start
             end = None if end is None else max(0, size + end) if end < 0 else end
         offset = start or 0
         length = -1 if end is None else max(0, end - offset)
-        return await self._read(cp, offset, length, version)
+        return self.read_range(cp, offset, length, version)
 
-    async def _read(self, cp: CachePath, offset: int, length: int, version: str = "") -> bytes:
-        """Bytes [offset, offset+length) (length -1: to the end) of the version given, if any."""
+    def read_range(self, cp: CachePath, offset: int, length: int, version: str = "") -> bytes:
+        """Bytes [offset, offset+length) (length -1: to the end) of the given version, if any."""
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
-        timeout = self._read_timeout(length if length >= 0 else 1 << 30)
+        timeout = self.config.timeout + (length if length >= 0 else 1 << 30) / self.config.min_throughput
 
-        async def call(stub):
-            parts = [chunk.data async for chunk in stub.Read(request, timeout=timeout)]
+        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> bytes:
+            parts = [chunk.data for chunk in stub.Read(request, timeout=timeout)]
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
-        data = await self._on_workers(str(cp), call, f"read {cp}")
+        data = self._on_workers(str(cp), call, f"read {cp}")
         if data is not None:
             return data
-        return await self._read_from_store(cp, offset, length, version)
+        return self._read_from_store(cp, offset, length, version)
 
-    async def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> bytes:
-        store = await self._fallback()
+    def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> bytes:
+        store = self._fallback()
         if cp.mount not in store.mounts:
             raise UnknownMountError(f"no mount named {cp.mount!r} in the fallback mount table")
-        meta = await asyncio.to_thread(store.info, cp)
+        meta = store.info(cp)
         if version and meta.version != version:
-            meta = await asyncio.to_thread(store.info, cp, True)
+            meta = store.info(cp, refresh=True)
             if meta.version != version:
                 raise StaleObjectError(f"{cp} changed since it was opened (version {version} -> {meta.version})")
         if meta.is_dir:
@@ -266,8 +274,24 @@ class CacheFileSystem(AsyncFileSystem):
         end = meta.size if length < 0 else min(meta.size, offset + length)
         if offset >= end:
             return b""
-        return await asyncio.to_thread(store.read, meta, offset, end)
+        return store.read(meta, offset, end)
 
+    # -- the async API: the same work on a thread -------------------------------------------------
+    async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return await asyncio.to_thread(self.info, path, **kwargs)
+
+    async def _ls(self, path: str, detail: bool = False, **kwargs: Any) -> list[Any]:
+        return await asyncio.to_thread(self.ls, path, detail, **kwargs)
+
+    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
+        if maxdepth is not None or withdirs or self._strip_protocol(path) == "":
+            return await super()._find(path, maxdepth=maxdepth, withdirs=withdirs, **kwargs)
+        return await asyncio.to_thread(self.find, path, **kwargs)
+
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        return await asyncio.to_thread(self.cat_file, path, start, end, **kwargs)
+
+    # -- files ----------------------------------------------------------------------------------
     def _open(self, path: str, mode: str = "rb", block_size: int | None = None, autocommit: bool = True,
               cache_options: dict | None = None, cache_type: str = "readahead", **kwargs: Any) -> "CacheFile":
         if mode != "rb":
@@ -278,13 +302,10 @@ class CacheFileSystem(AsyncFileSystem):
         return CacheFile(self, info["name"], mode, block_size or self.config.block_size, cache_type=cache_type,
                          cache_options=cache_options, size=info["size"], version=info.get("version", ""))
 
-    async def _close_channels(self) -> None:
-        await self._workers.close()
-
     def close(self) -> None:
-        """Close this process's channels (a filesystem can be used again afterwards)."""
-        if self._pid == os.getpid():
-            fsspec.asyn.sync(self.loop, self._close_channels)
+        """Close this process's channels (the filesystem opens new ones if used again)."""
+        if self._state_pid == os.getpid():
+            self._workers.close()
 
 
 class CacheFile(AbstractBufferedFile):
@@ -298,5 +319,4 @@ class CacheFile(AbstractBufferedFile):
     def _fetch_range(self, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        fs: CacheFileSystem = self.fs
-        return fsspec.asyn.sync(fs.loop, fs._read, parse_path(self.path), start, end - start, self.version)
+        return self.fs.read_range(parse_path(self.path), start, end - start, self.version)

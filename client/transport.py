@@ -1,13 +1,15 @@
 """Talking to workers: lazily created gRPC channels, worker choice, and a breaker per worker.
 
-Channels belong to one process and one event loop. A filesystem object that crosses a
-fork (DataLoader workers) or is unpickled elsewhere starts with no channels and opens its
-own on first use; nothing created in the parent is ever touched in the child.
+Channels are gRPC's *synchronous* ones, on purpose: grpc.aio channels hang or crash in
+forked children (DataLoader workers) even when the child opens new ones, while sync
+channels opened after the fork work (tests/test_client.py forks under load). Channels
+belong to one process: a filesystem that crosses a fork or is unpickled starts with none
+and opens its own on first use; nothing made in the parent is touched in the child.
 """
 
 from __future__ import annotations
 
-import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -52,20 +54,26 @@ class Breaker:
 class WorkerHandle:
     address: str
     breaker: Breaker = field(default_factory=Breaker)
-    _channel: grpc.aio.Channel | None = None
+    _channel: grpc.Channel | None = None
     _stub: worker_pb2_grpc.WorkerServiceStub | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stub(self) -> worker_pb2_grpc.WorkerServiceStub:
-        """Must be called on the event loop that will use it (aio channels bind to their loop)."""
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-            self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
-        return self._stub
+        """The worker's stub; one channel per process, shared by all threads (channels are thread-safe)."""
+        stub = self._stub
+        if stub is None:
+            with self._lock:
+                if self._stub is None:
+                    self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                    self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+                stub = self._stub
+        return stub
 
-    async def close(self) -> None:
-        channel, self._channel, self._stub = self._channel, None, None
+    def close(self) -> None:
+        with self._lock:
+            channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
-            await channel.close(grace=None)
+            channel.close()
 
 
 class WorkerSet:
@@ -97,5 +105,6 @@ class WorkerSet:
             return healthy
         return healthy + [h for h in ranked if not h.breaker.available(now)]
 
-    async def close(self) -> None:
-        await asyncio.gather(*(h.close() for h in self.handles), return_exceptions=True)
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()

@@ -1,0 +1,132 @@
+"""The fsspec client: the API users call, pickling, fork (DataLoader workers), configuration."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.config import ClientConfig
+from helpers import client, payload
+
+PAGE = 64 << 10
+
+
+@pytest.fixture
+def served(local_store, make_worker):
+    for i in range(8):
+        local_store.add(f"train/s{i:02d}.bin", payload(3000 + 1000 * i, i))
+    local_store.add("train/nested/deep.bin", b"deep")
+    local_store.add("val/v.bin", b"val")
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    return local_store, worker
+
+
+def test_listing_info_and_existence(served):
+    store, worker = served
+    fs = client(worker.address)
+    assert fs.ls("") == ["data"]
+    assert sorted(fs.ls("cachefs://data", detail=False)) == ["data/train", "data/val"]
+    names = fs.ls("data/train", detail=False)
+    assert "data/train/s00.bin" in names and "data/train/nested" in names
+    found = fs.find("cachefs://data/train")
+    assert found == sorted(f"data/{k}" for k in store.objects if k.startswith("train/"))
+    assert fs.find("data/train/s03.bin") == ["data/train/s03.bin"]
+    assert fs.find("data/nothing-here") == []
+    assert fs.glob("data/train/s0[0-2].bin") == ["data/train/s00.bin", "data/train/s01.bin", "data/train/s02.bin"]
+    assert fs.exists("data/train/s01.bin") and not fs.exists("data/train/zz.bin")
+    assert fs.isdir("data/train") and fs.isfile("data/val/v.bin")
+    info = fs.info("data/train/s01.bin")
+    assert info["type"] == "file" and info["size"] == 4000 and info["version"]
+    assert fs.du("data/train") == sum(len(v) for k, v in store.objects.items() if k.startswith("train/"))
+
+
+def test_fsspec_open_with_storage_options(served):
+    store, worker = served
+    with fsspec.open("cachefs://data/train/s02.bin", "rb", workers=worker.address) as f:
+        assert f.read() == store.objects["train/s02.bin"]
+    with pytest.raises(NotImplementedError, match="read-only"):
+        client(worker.address).open("data/new.bin", "wb")
+
+
+def test_pickled_filesystem_reads(served):
+    store, worker = served
+    fs = client(worker.address)
+    assert fs.cat_file("data/val/v.bin") == b"val"
+    clone = pickle.loads(pickle.dumps(fs))
+    assert clone.cat_file("data/train/s03.bin") == store.objects["train/s03.bin"]
+    with fs.open("data/train/s04.bin") as f:
+        f.seek(10)
+        f2 = pickle.loads(pickle.dumps(f))
+        assert f2.read(5) == store.objects["train/s04.bin"][10:15] or f2.tell() == 0
+
+
+class _Samples(Dataset):
+    """Holds one filesystem object, created and used in the parent before the fork."""
+
+    def __init__(self, fs: CacheFileSystem, paths: list[str]) -> None:
+        self.fs, self.paths = fs, paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        data = self.fs.cat_file(self.paths[i])
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_read_through_an_inherited_filesystem(served, context):
+    store, worker = served
+    fs = client(worker.address)
+    paths = [f"data/train/s{i:02d}.bin" for i in range(8)]
+    assert fs.cat_file(paths[0]) == store.objects["train/s00.bin"]  # channels exist before the fork
+    loader = DataLoader(_Samples(fs, paths), batch_size=None, num_workers=2,
+                        multiprocessing_context=multiprocessing.get_context(context), timeout=120)
+    got = [bytes(t.numpy()) for t in loader]
+    assert got == [store.objects[p.split("/", 1)[1]] for p in paths]
+    assert fs.cat_file(paths[1]) == store.objects["train/s01.bin"]  # the parent still works
+
+
+def test_readinto_an_aligned_buffer(served):
+    store, worker = served
+    fs = client(worker.address)
+    data = store.objects["train/s07.bin"]
+    buf = np.empty(len(data), dtype=np.uint8)
+    with fs.open("data/train/s07.bin") as f:
+        assert f.readinto(memoryview(buf)) == len(data)
+    assert buf.tobytes() == data
+
+
+def test_client_configuration_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ClientConfig(workers=("localhost",))
+    with pytest.raises(ValueError, match="no workers"):
+        ClientConfig.from_options({}, environ={})
+    with pytest.raises(ValueError, match="timeout"):
+        ClientConfig(workers=("h:1",), timeout=0)
+    cfg = ClientConfig.from_options({"block_size": "2MiB"}, environ={"CACHEFS_WORKERS": "a:1, b:2"})
+    assert cfg.workers == ("a:1", "b:2") and cfg.block_size == 2 << 20
+    # Storage options win over the environment.
+    cfg = ClientConfig.from_options({"workers": "c:3"}, environ={"CACHEFS_WORKERS": "a:1"})
+    assert cfg.workers == ("c:3",)
+
+
+def test_reads_go_to_one_worker_per_path(local_store, make_worker):
+    for i in range(20):
+        local_store.add(f"k{i}.bin", payload(100, i))
+    workers = [make_worker(local_store.mount, page_size=PAGE) for _ in range(3)]
+    fs = client(*(w.address for w in workers))
+    for _ in range(2):
+        for key, data in local_store.objects.items():
+            assert fs.cat_file(f"data/{key}") == data
+    served = [w.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") or 0 for w in workers]
+    # Each object was fetched once, by the one worker its path maps to, and all workers got some.
+    assert sum(served) == sum(len(d) for d in local_store.objects.values())
+    assert all(s > 0 for s in served), served
