@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+BLOCK_READ_MAX = 4 << 20  # reads up to this size use the unary ReadBlock call
+
 
 def _info_dict(msg: common_pb2.ObjectInfo) -> dict[str, Any]:
     is_dir = msg.type == common_pb2.DIRECTORY
@@ -252,6 +254,18 @@ class CacheFileSystem(AsyncFileSystem):
         timeout = self.config.timeout + (length if length >= 0 else 1 << 30) / self.config.min_throughput
 
         def call(stub: worker_pb2_grpc.WorkerServiceStub) -> bytes:
+            if 0 <= length <= BLOCK_READ_MAX or length == -1:
+                # One unary call: a streaming call costs a thread and ~1 ms more per call here.
+                reply = stub.ReadBlock(request, timeout=timeout)
+                got = len(reply.data)
+                want = reply.info.size - offset if length == -1 else min(length, reply.info.size - offset)
+                if got >= want:
+                    return reply.data
+                # Larger than one block: stream the rest, pinned to the version just seen.
+                rest = worker_pb2.ReadRequest(path=str(cp), offset=offset + got, length=want - got,
+                                              version=reply.info.version)
+                parts = [reply.data, *(chunk.data for chunk in stub.Read(rest, timeout=timeout))]
+                return b"".join(parts)
             parts = [chunk.data for chunk in stub.Read(request, timeout=timeout)]
             return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import grpc.experimental
 import xxhash
 
 from cachefs.proto import worker_pb2_grpc
@@ -25,6 +26,8 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.enable_retries", 0),
+    # Streams without a helper thread per call (the sync API otherwise starts one per stream).
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
 
 

@@ -40,6 +40,11 @@ class WorkerServiceStub:
                 request_serializer=cachefs_dot_proto_dot_worker__pb2.ReadRequest.SerializeToString,
                 response_deserializer=cachefs_dot_proto_dot_worker__pb2.ReadChunk.FromString,
                 _registered_method=True)
+        self.ReadBlock = channel.unary_unary(
+                '/cachefs.v1.WorkerService/ReadBlock',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.ReadRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.ReadChunk.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/cachefs.v1.WorkerService/GetInfo',
                 request_serializer=cachefs_dot_proto_dot_worker__pb2.InfoRequest.SerializeToString,
@@ -67,6 +72,15 @@ class WorkerServiceServicer:
 
     def Read(self, request, context):
         """A byte range of one object, streamed in chunks of at most one page.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBlock(self, request, context):
+        """A small range in one message: no stream set-up, so much cheaper per call for small
+        objects. Returns at most 4 MiB; a shorter reply than asked (before the object's end)
+        means "continue with Read".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +116,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Read': grpc.unary_stream_rpc_method_handler(
                     servicer.Read,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.ReadRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.ReadChunk.SerializeToString,
+            ),
+            'ReadBlock': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadBlock,
                     request_deserializer=cachefs_dot_proto_dot_worker__pb2.ReadRequest.FromString,
                     response_serializer=cachefs_dot_proto_dot_worker__pb2.ReadChunk.SerializeToString,
             ),
@@ -151,6 +170,33 @@ class WorkerService:
             request,
             target,
             '/cachefs.v1.WorkerService/Read',
+            cachefs_dot_proto_dot_worker__pb2.ReadRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.ReadChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/ReadBlock',
             cachefs_dot_proto_dot_worker__pb2.ReadRequest.SerializeToString,
             cachefs_dot_proto_dot_worker__pb2.ReadChunk.FromString,
             options,

@@ -23,7 +23,8 @@ from cachefs.server.reader import PageReader
 
 log = logging.getLogger(__name__)
 
-MAX_CHUNK = 1 << 20  # bytes per ReadChunk: well under gRPC's 4 MiB default message limit
+MAX_CHUNK = 1 << 20  # bytes per streamed ReadChunk
+MAX_BLOCK = 4 << 20  # bytes per ReadBlock reply
 LIST_BATCH = 1000
 MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
 
@@ -117,16 +118,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise IsADirectoryError(f"{path} is a directory")
         return meta
 
-    @_rpc("Read", streaming=True)
-    def Read(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ReadChunk]:
+    def _check_read(self, request: worker_pb2.ReadRequest) -> tuple[ObjectMeta, int]:
         path = parse_path(request.path)
         if request.offset < 0 or request.offset > MAX_OFFSET:
             raise InvalidPathError(f"offset must be in [0, 2**62], got {request.offset}")
         if request.length < -1:
             raise InvalidPathError(f"length must be >= 0 (or -1 for the rest of the object), got {request.length}")
-        deadline = self._deadline(context)
         meta = self._file_meta(path, request.version)
-        length = meta.size if request.length == -1 else min(request.length, MAX_OFFSET)
+        return meta, (meta.size if request.length == -1 else min(request.length, MAX_OFFSET))
+
+    @_rpc("ReadBlock")
+    def ReadBlock(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> worker_pb2.ReadChunk:
+        deadline = self._deadline(context)
+        meta, length = self._check_read(request)
+        parts = list(self.reader.read(meta, request.offset, min(length, MAX_BLOCK), deadline))
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        data = data if isinstance(data, bytes) else bytes(data)
+        self.metrics.bytes_served.inc(len(data))
+        return worker_pb2.ReadChunk(offset=request.offset, data=data, info=info_message(meta))
+
+    @_rpc("Read", streaming=True)
+    def Read(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ReadChunk]:
+        deadline = self._deadline(context)
+        meta, length = self._check_read(request)
         info = info_message(meta)
         position = request.offset
         sent_first = False
