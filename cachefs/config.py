@@ -97,7 +97,8 @@ class WorkerConfig:
     fetch_threads: int = 16  # concurrent page fetches from the object store
     write_threads: int = 4  # background writes into the page store
     rpc_threads: int = 32
-    parallel_pages: int = 8  # pages of one read fetched at once
+    parallel_pages: int = 32  # pages of one read in flight (bounds a read's memory)
+    fetch_group_pages: int = 8  # consecutive missing pages fetched in one store request
     readahead_pages: int = 8  # max read-ahead window for sequential readers
     store_timeout: float = 60.0  # seconds for one page fetch from the object store
     shutdown_grace: float = 5.0
@@ -122,7 +123,7 @@ class WorkerConfig:
         for name in ("metadata_ttl", "list_ttl", "store_timeout", "shutdown_grace"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("fetch_threads", "write_threads", "rpc_threads", "parallel_pages"):
+        for name in ("fetch_threads", "write_threads", "rpc_threads", "parallel_pages", "fetch_group_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.readahead_pages < 0:

@@ -71,6 +71,7 @@ class Worker:
                 fetch_threads=config.fetch_threads,
                 write_threads=config.write_threads,
                 parallel_pages=config.parallel_pages,
+                fetch_group_pages=config.fetch_group_pages,
                 readahead_pages=config.readahead_pages,
                 store_timeout=config.store_timeout,
             ),

@@ -241,7 +241,8 @@ def test_one_store_fetch_per_page_however_many_readers(make_worker):
     mem = SlowMemoryFileSystem()
     mem.pipe_file("/sf/obj.bin", data)
     SlowMemoryFileSystem.reset_counters()
-    worker = make_worker(MountSpec("mem", "slowmem:///sf"), page_size=PAGE, readahead_pages=0, parallel_pages=8)
+    worker = make_worker(MountSpec("mem", "slowmem:///sf"), page_size=PAGE, readahead_pages=0, parallel_pages=8,
+                         fetch_group_pages=1)
     results: list[bytes] = []
     lock = threading.Lock()
 
@@ -280,3 +281,21 @@ def test_sequential_reader_gets_read_ahead(make_worker):
     hits_before = registry.get_sample_value("cachefs_worker_page_reads_total", {"outcome": "hit"}) or 0
     assert fs.cat_file("mem/obj.bin", 3 * PAGE, 5 * PAGE) == data[3 * PAGE:5 * PAGE]
     assert (registry.get_sample_value("cachefs_worker_page_reads_total", {"outcome": "hit"}) or 0) >= hits_before + 2
+
+
+def test_consecutive_missing_pages_are_fetched_in_one_request(make_worker):
+    from helpers import SlowMemoryFileSystem
+
+    data = payload(20 * PAGE + 5, 12)
+    SlowMemoryFileSystem().pipe_file("/grp/obj.bin", data)
+    worker = make_worker(MountSpec("mem", "slowmem:///grp"), page_size=PAGE, readahead_pages=0,
+                         parallel_pages=32, fetch_group_pages=8)
+    fs = client(worker.address)
+    assert fs.cat_file("mem/obj.bin", 3 * PAGE, 4 * PAGE) == data[3 * PAGE:4 * PAGE]  # page 3 cached alone
+    SlowMemoryFileSystem.reset_counters()
+    assert fs.cat_file("mem/obj.bin") == data
+    fetched = sorted((start, end) for path, start, end in SlowMemoryFileSystem.reads if path.endswith("obj.bin"))
+    # Pages 0-2 (stopped by cached page 3), then 4-11, 12-19, and the short last page 20.
+    assert fetched == [(0, 3 * PAGE), (4 * PAGE, 12 * PAGE), (12 * PAGE, 20 * PAGE), (20 * PAGE, len(data))]
+    assert SlowMemoryFileSystem.max_active > 1
+    assert fs.cat_file("mem/obj.bin") == data
