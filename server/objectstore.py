@@ -114,6 +114,11 @@ class _Backend:
     def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
         return fs.cat_file(store_path, start=start, end=end)
 
+    def head_read(self, fs: fsspec.AbstractFileSystem, store_path: str,
+                  length: int) -> tuple[tuple[int, str, float, bool], bytes | None]:
+        """Metadata, and the first ``length`` bytes where one request can give both (else None)."""
+        return self.info(fs, store_path), None
+
 
 class _LocalBackend(_Backend):
     """Local files: the version (size + mtime) is re-checked on the open descriptor after reading."""
@@ -159,10 +164,47 @@ class _S3Backend(_Backend):
 
         try:
             return sync(fs.loop, get)
-        except OSError as exc:
-            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+        except Exception as exc:  # s3fs raises OSError subclasses, or botocore's ClientError as is
+            if _precondition_failed(exc):
                 raise StaleObjectError(f"{store_path} changed in the store (ETag {version} no longer matches)") from exc
-            raise
+            if isinstance(exc, OSError):
+                raise
+            raise StoreError(f"{store_path}: {exc}") from exc
+
+
+    def head_read(self, fs: fsspec.AbstractFileSystem, store_path: str,
+                  length: int) -> tuple[tuple[int, str, float, bool], bytes | None]:
+        """One GET instead of HEAD + GET on a cold object: the reply carries size, ETag and data."""
+        bucket, key, _ = fs.split_path(store_path)
+
+        async def get() -> tuple[dict[str, Any], bytes]:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{length - 1}")
+            try:
+                return resp, await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        try:
+            resp, data = sync(fs.loop, get)
+        except Exception:  # noqa: BLE001
+            # A prefix ("directory"), an empty object (416) or a real error: let info() tell which.
+            return self.info(fs, store_path), None
+        total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+        size = int(total) if total.isdigit() else int(resp.get("ContentLength", len(data)))
+        version = str(resp.get("ETag", "")).strip('"')
+        if not version:
+            return self.info(fs, store_path), None
+        return (size, version, _mtime_of(resp), False), data
+
+
+def _precondition_failed(exc: BaseException | None) -> bool:
+    """True if S3 answered 412 (s3fs hides botocore's error code in the exception chain)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if "PreconditionFailed" in repr(exc) or "(412)" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _backend_for(fs: fsspec.AbstractFileSystem) -> _Backend:
@@ -202,6 +244,27 @@ class ObjectStore:
         meta = ObjectMeta(path, size, version, mtime, is_dir)
         self._meta.put(path, meta)
         return meta
+
+    def open(self, path: CachePath, head_bytes: int) -> tuple[ObjectMeta, bytes | None]:
+        """Metadata for a read, plus the object's first ``head_bytes`` when they came for free.
+
+        On a cold S3 object this is one GET where info() then read() would be a HEAD and a GET:
+        half the requests for a small object, which is what cold epochs are made of.
+        """
+        cached = self._meta.get(path)
+        if cached is not None:
+            return cached, None
+        resolved = self.mounts.resolve(path)
+        try:
+            (size, version, mtime, is_dir), head = self._backend(resolved).head_read(
+                resolved.fs, resolved.store_path, head_bytes)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{path}: no such object") from exc
+        meta = ObjectMeta(path, size, version, mtime, is_dir)
+        self._meta.put(path, meta)
+        if head is not None and len(head) != min(size, head_bytes):
+            head = None  # not what we asked for: fetch normally
+        return meta, head
 
     def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> list[ObjectMeta]:
         cache_key = (path, recursive)

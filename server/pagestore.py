@@ -254,6 +254,11 @@ class PageStore:
             entry = self._entries.get(pid.digest())
             return entry is not None and entry.state is _State.READY
 
+    def holds_object(self, mount: str, key: str) -> bool:
+        """True if any page of any version of the object is stored (or being written)."""
+        with self._lock:
+            return bool(self._by_object.get(mount, {}).get(key))
+
     def delete(self, pid: PageId) -> bool:
         """Drop one page; True if it was cached or being written (that write is then discarded)."""
         return self._delete_digests([pid.digest()]) > 0

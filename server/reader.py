@@ -176,6 +176,23 @@ class PageReader:
             self._inflight.pop(pid, None)
 
     # -- a range ------------------------------------------------------------------------------
+    def adopt(self, meta: ObjectMeta, data: bytes) -> None:
+        """Take the first page of an object that arrived with its metadata (see ObjectStore.open)."""
+        if not data or len(data) != self._page_bounds(meta, 0)[1]:
+            return
+        pid = self._page_id(meta, 0)
+        fut: Future[bytes] = Future()
+        fut.set_result(data)
+        with self._lock:
+            if self._closed or pid in self._inflight:
+                return
+            self._inflight[pid] = fut
+        self.metrics.bytes_from_store.inc(len(data))
+        try:
+            self._write_pool.submit(self._store, pid, data)
+        except RuntimeError:
+            self._forget(pid)
+
     def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None) -> Iterator[bytes | memoryview]:
         """Yield the bytes of [offset, offset+length) in order, at most one page per chunk.
 

@@ -108,8 +108,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         budget = self.max_rpc_seconds if remaining is None else min(remaining, self.max_rpc_seconds)
         return time.monotonic() + budget
 
-    def _file_meta(self, path: CachePath, version: str) -> ObjectMeta:
-        meta = self.objects.info(path)
+    def _file_meta(self, path: CachePath, version: str, wants_first_page: bool = False) -> ObjectMeta:
+        if wants_first_page and not version and not self.pages.holds_object(path.mount, path.key):
+            # Nothing of it cached: one GET can bring the metadata and the first page together.
+            # (If pages are cached, a metadata-only request is cheaper than refetching a page.)
+            meta, head = self.objects.open(path, self.pages.page_size)
+            if head is not None:
+                self.reader.adopt(meta, head)
+        else:
+            meta = self.objects.info(path)
         if version and meta.version != version:
             meta = self.objects.info(path, refresh=True)  # our metadata may be the stale one
             if meta.version != version:
@@ -124,7 +131,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidPathError(f"offset must be in [0, 2**62], got {request.offset}")
         if request.length < -1:
             raise InvalidPathError(f"length must be >= 0 (or -1 for the rest of the object), got {request.length}")
-        meta = self._file_meta(path, request.version)
+        meta = self._file_meta(path, request.version, wants_first_page=request.offset < self.pages.page_size)
         return meta, (meta.size if request.length == -1 else min(request.length, MAX_OFFSET))
 
     @_rpc("ReadBlock")

@@ -28,7 +28,34 @@ def page_files(cache_dir: Path) -> list[Path]:
 
 
 def disk_usage(cache_dir: Path) -> int:
-    return sum(p.stat().st_size for p in page_files(cache_dir))
+    total = 0
+    for path in page_files(cache_dir):
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:  # evicted while we looked
+            pass
+    return total
+
+
+def coexisting_usage(cache_dir: Path) -> int:
+    """Bytes of page files that all existed at one instant (between two directory passes).
+
+    One pass is not a snapshot: it can see a file that was evicted and, later in the same
+    pass, the file written after it. Files seen (same inode) in two passes existed together
+    at the moment between the passes, so their sum never over-counts.
+    """
+    def snapshot() -> dict[Path, tuple[int, int]]:
+        out = {}
+        for path in page_files(cache_dir):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            out[path] = (st.st_ino, st.st_size)
+        return out
+
+    first, second = snapshot(), snapshot()
+    return sum(size for path, (ino, size) in first.items() if second.get(path) == (ino, size))
 
 
 def scrape(metrics_port: int) -> dict[str, float]:
