@@ -297,3 +297,30 @@ def test_consecutive_missing_pages_are_fetched_in_one_request(make_worker):
     assert fetched == [(0, 3 * PAGE), (4 * PAGE, 12 * PAGE), (12 * PAGE, 20 * PAGE), (20 * PAGE, len(data))]
     assert SlowMemoryFileSystem.max_active > 1
     assert fs.cat_file("mem/obj.bin") == data
+
+
+def test_reader_does_not_wait_for_the_page_store_write(local_store, make_worker):
+    data = payload(4 * PAGE, 21)
+    local_store.add("obj.bin", data)
+    worker = make_worker(local_store.mount, page_size=PAGE, readahead_pages=0)
+    release = threading.Event()
+    real_put = worker.pages.put
+
+    def blocked_put(pid, page):  # the disk write cannot finish until the test says so
+        release.wait(timeout=30)
+        return real_put(pid, page)
+
+    worker.pages.put = blocked_put
+    out: list[bytes] = []
+    reader = threading.Thread(target=lambda: out.append(client(worker.address).cat_file("data/obj.bin")))
+    reader.start()
+    reader.join(timeout=15)
+    try:
+        assert not reader.is_alive(), "the read waited for the page store write"
+        assert out == [data]
+        # Meanwhile another reader shares the fetched pages instead of fetching again.
+        assert client(worker.address).cat_file("data/obj.bin") == data
+        assert _from_store(worker) == len(data)
+    finally:
+        release.set()
+    assert wait_for(lambda: worker.pages.stats().pages == 4)
