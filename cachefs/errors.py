@@ -92,14 +92,15 @@ _FROM_STATUS: dict[grpc.StatusCode, type[OSError]] = {
     grpc.StatusCode.ABORTED: StaleObjectError,
 }
 
-# Codes after which trying another worker or the object store may succeed.
+# Codes that say the *worker* could not serve (down, overloaded, too slow): try the next
+# worker, or the object store. INTERNAL is not among them: the worker answered, and what
+# failed behind it (usually the object store) would fail the same way elsewhere.
 RETRYABLE_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.INTERNAL,
         grpc.StatusCode.UNKNOWN,
     }
 )

@@ -13,7 +13,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -21,7 +22,7 @@ import fsspec
 from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
-from cachefs.errors import StaleObjectError, StoreError
+from cachefs.errors import CacheFSError, StaleObjectError, StoreError
 from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
 
@@ -167,9 +168,7 @@ class _S3Backend(_Backend):
         except Exception as exc:  # s3fs raises OSError subclasses, or botocore's ClientError as is
             if _precondition_failed(exc):
                 raise StaleObjectError(f"{store_path} changed in the store (ETag {version} no longer matches)") from exc
-            if isinstance(exc, OSError):
-                raise
-            raise StoreError(f"{store_path}: {exc}") from exc
+            raise
 
 
     def head_read(self, fs: fsspec.AbstractFileSystem, store_path: str,
@@ -195,6 +194,22 @@ class _S3Backend(_Backend):
         if not version:
             return self.info(fs, store_path), None
         return (size, version, _mtime_of(resp), False), data
+
+
+_PASS_THROUGH = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, TimeoutError,
+                 CacheFSError)
+
+
+@contextmanager
+def _store_errors(path: CachePath, what: str) -> Iterator[None]:
+    """Errors from the store keep their meaning (missing, denied...); anything else (a refused
+    connection, botocore's own exception types) becomes a StoreError that names the object."""
+    try:
+        yield
+    except _PASS_THROUGH:
+        raise
+    except Exception as exc:  # noqa: BLE001 - translated, with the cause kept
+        raise StoreError(f"{path}: object store {what} failed: {exc}") from exc
 
 
 def _precondition_failed(exc: BaseException | None) -> bool:
@@ -237,7 +252,8 @@ class ObjectStore:
                 return cached
         resolved = self.mounts.resolve(path)
         try:
-            size, version, mtime, is_dir = self._backend(resolved).info(resolved.fs, resolved.store_path)
+            with _store_errors(path, "info"):
+                size, version, mtime, is_dir = self._backend(resolved).info(resolved.fs, resolved.store_path)
         except FileNotFoundError as exc:
             self._meta.pop(path)
             raise FileNotFoundError(f"{path}: no such object") from exc
@@ -256,8 +272,9 @@ class ObjectStore:
             return cached, None
         resolved = self.mounts.resolve(path)
         try:
-            (size, version, mtime, is_dir), head = self._backend(resolved).head_read(
-                resolved.fs, resolved.store_path, head_bytes)
+            with _store_errors(path, "read"):
+                (size, version, mtime, is_dir), head = self._backend(resolved).head_read(
+                    resolved.fs, resolved.store_path, head_bytes)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such object") from exc
         meta = ObjectMeta(path, size, version, mtime, is_dir)
@@ -275,11 +292,12 @@ class ObjectStore:
         resolved = self.mounts.resolve(path)
         fs = resolved.fs
         try:
-            if recursive:
-                raw = list(fs.find(resolved.store_path, detail=True, withdirs=False).values())
-            else:
-                fs.invalidate_cache(resolved.store_path)  # we own the TTL, not the filesystem
-                raw = fs.ls(resolved.store_path, detail=True)
+            with _store_errors(path, "listing"):
+                if recursive:
+                    raw = list(fs.find(resolved.store_path, detail=True, withdirs=False).values())
+                else:
+                    fs.invalidate_cache(resolved.store_path)  # we own the TTL, not the filesystem
+                    raw = fs.ls(resolved.store_path, detail=True)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such directory") from exc
         entries = []
@@ -301,17 +319,11 @@ class ObjectStore:
         """Bytes [start, end) of the version described by ``meta``; StaleObjectError if it changed."""
         resolved = self.mounts.resolve(meta.path)
         try:
-            return self._backend(resolved).read(resolved.fs, resolved.store_path, start, end, meta.version)
-        except StaleObjectError:
-            self._meta.pop(meta.path)
+            with _store_errors(meta.path, "read"):
+                return self._backend(resolved).read(resolved.fs, resolved.store_path, start, end, meta.version)
+        except (StaleObjectError, FileNotFoundError):
+            self._meta.pop(meta.path)  # the next reader asks the store afresh
             raise
-        except FileNotFoundError:
-            self._meta.pop(meta.path)
-            raise
-        except (PermissionError, TimeoutError):
-            raise
-        except OSError as exc:
-            raise StoreError(f"{meta.path}: object store read failed: {exc}") from exc
 
     def invalidate(self, path: CachePath) -> None:
         self._meta.pop(path)

@@ -36,8 +36,10 @@ def _rpc(method: str, streaming: bool = False) -> Callable:
         def fail(self: "WorkerServicer", context: grpc.ServicerContext, exc: Exception) -> None:
             code = to_status(exc)
             self.metrics.requests.labels(method, code.name).inc()
-            if code == grpc.StatusCode.INTERNAL:
+            if not isinstance(exc, OSError):  # a bug, not a store or request problem: keep the trace
                 log.exception("%s failed", method)
+            elif code == grpc.StatusCode.INTERNAL:
+                log.warning("%s failed: %s", method, exc)
             context.abort(code, str(exc) or type(exc).__name__)
 
         if streaming:
