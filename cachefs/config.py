@@ -101,6 +101,7 @@ class WorkerConfig:
     fetch_group_pages: int = 8  # consecutive missing pages fetched in one store request
     readahead_pages: int = 8  # max read-ahead window for sequential readers
     store_timeout: float = 60.0  # seconds for one page fetch from the object store
+    max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the cache disk, at most
     shutdown_grace: float = 5.0
 
     def __post_init__(self) -> None:
@@ -126,6 +127,8 @@ class WorkerConfig:
         for name in ("fetch_threads", "write_threads", "rpc_threads", "parallel_pages", "fetch_group_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_pending_write_bytes < 0:
+            raise ValueError("max_pending_write_bytes must be >= 0")
         if self.readahead_pages < 0:
             raise ValueError("readahead_pages must be >= 0")
 
@@ -139,7 +142,7 @@ _COMPLEX_FIELDS = {
     ),
     "mounts": lambda v: tuple(MountSpec.parse_many(json.loads(v) if isinstance(v, str) else v)),
 }
-_SIZE_FIELDS = {"page_size"}
+_SIZE_FIELDS = {"page_size", "max_pending_write_bytes"}
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:

@@ -58,6 +58,11 @@ class WorkerMetrics:
             ["outcome"],
             registry=r,
         )
+        self.writes_dropped = Counter(
+            "cachefs_worker_page_writes_dropped",
+            "Fetched pages served but not cached because too many bytes were waiting for the disk.",
+            registry=r,
+        )
         self.store_errors = Counter("cachefs_worker_store_errors", "Failed object-store fetches.", registry=r)
         self.store_fetch_seconds = Histogram(
             "cachefs_worker_store_fetch_seconds", "Time to fetch one page from the object store.",

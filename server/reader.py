@@ -34,6 +34,7 @@ class ReaderOptions:
     fetch_group_pages: int = 8  # consecutive missing pages fetched in one store request
     readahead_pages: int = 8
     store_timeout: float = 60.0
+    max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the disk, at most
 
 
 class _SequentialTracker:
@@ -72,6 +73,7 @@ class PageReader:
         # holds it: readers arriving in between share the fetch instead of starting another.
         self._inflight: dict[PageId, Future[bytes]] = {}
         self._sequential = _SequentialTracker()
+        self._pending_write_bytes = 0
         self._closed = False
 
     # -- one page -------------------------------------------------------------------------
@@ -160,15 +162,33 @@ class PageReader:
             except InvalidStateError:  # failed by close() meanwhile
                 self._forget(pid)
                 continue
-            try:
-                self._write_pool.submit(self._store, pid, page)
-            except RuntimeError:  # pool shut down: the page is simply not cached
-                self._forget(pid)
+            self._queue_write(pid, page)
+
+    def _queue_write(self, pid: PageId, data: bytes) -> None:
+        """Hand a fetched page to the writers, unless too many bytes already wait for the disk.
+
+        A store faster than the cache disk must not grow the queue without bound: past
+        ``max_pending_write_bytes`` a page is served but not cached (counted), never waited on.
+        """
+        with self._lock:
+            if self._pending_write_bytes + len(data) > self.options.max_pending_write_bytes:
+                self._inflight.pop(pid, None)
+                self.metrics.writes_dropped.inc()
+                return
+            self._pending_write_bytes += len(data)
+        try:
+            self._write_pool.submit(self._store, pid, data)
+        except RuntimeError:  # pool shut down: the page is simply not cached
+            with self._lock:
+                self._pending_write_bytes -= len(data)
+            self._forget(pid)
 
     def _store(self, pid: PageId, data: bytes) -> None:
         try:
             self.pages.put(pid, data)
         finally:
+            with self._lock:
+                self._pending_write_bytes -= len(data)
             self._forget(pid)
 
     def _forget(self, pid: PageId) -> None:
@@ -188,10 +208,7 @@ class PageReader:
                 return
             self._inflight[pid] = fut
         self.metrics.bytes_from_store.inc(len(data))
-        try:
-            self._write_pool.submit(self._store, pid, data)
-        except RuntimeError:
-            self._forget(pid)
+        self._queue_write(pid, data)
 
     def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None) -> Iterator[bytes | memoryview]:
         """Yield the bytes of [offset, offset+length) in order, at most one page per chunk.

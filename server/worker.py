@@ -74,6 +74,7 @@ class Worker:
                 fetch_group_pages=config.fetch_group_pages,
                 readahead_pages=config.readahead_pages,
                 store_timeout=config.store_timeout,
+                max_pending_write_bytes=config.max_pending_write_bytes,
             ),
         )
         self.worker_id = _worker_id(config.cache_dirs[0].path)

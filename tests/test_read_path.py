@@ -5,6 +5,7 @@ Each test runs against a local directory and against moto S3 (the ``store`` fixt
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -324,3 +325,20 @@ def test_reader_does_not_wait_for_the_page_store_write(local_store, make_worker)
     finally:
         release.set()
     assert wait_for(lambda: worker.pages.stats().pages == 4)
+
+
+def test_pages_waiting_for_the_disk_are_bounded(local_store, make_worker):
+    data = payload(8 * PAGE, 22)
+    local_store.add("obj.bin", data)
+    worker = make_worker(local_store.mount, page_size=PAGE, readahead_pages=0)
+    worker.reader.options = dataclasses.replace(worker.reader.options, max_pending_write_bytes=3 * PAGE)
+    release = threading.Event()
+    real_put = worker.pages.put
+    worker.pages.put = lambda pid, page: (release.wait(timeout=30), real_put(pid, page))[1]
+    try:
+        assert client(worker.address).cat_file("data/obj.bin") == data  # served in full regardless
+        dropped = worker.metrics.registry.get_sample_value("cachefs_worker_page_writes_dropped_total")
+        assert dropped == 5  # 3 pages queued for the (stuck) disk, the rest not cached
+    finally:
+        release.set()
+    assert wait_for(lambda: worker.pages.stats().pages == 3)
