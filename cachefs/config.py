@@ -239,9 +239,13 @@ class ClientConfig:
     timeout: float = 30.0  # seconds for a metadata RPC; a read adds length / min_throughput
     min_throughput: int = 16 << 20  # bytes/s a read may be expected to sustain before its deadline
     block_size: int = 4 << 20  # read block of open() files
+    # Bytes per placement stripe of a large object (must match every client of a cluster).
+    stripe_size: int = 64 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", _split_addresses(self.workers))
+        if self.stripe_size <= 0 or self.stripe_size & (self.stripe_size - 1):
+            raise ValueError(f"stripe_size must be a power of two, got {self.stripe_size}")
         for address in self.workers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -269,8 +273,9 @@ class ClientConfig:
         layers = {**env, **{k: v for k, v in options.items() if v is not None}}
         if "block_size" in layers:
             layers["block_size"] = parse_size(layers["block_size"])
-        if "min_throughput" in layers:
-            layers["min_throughput"] = parse_size(layers["min_throughput"])
+        for name in ("min_throughput", "stripe_size"):
+            if name in layers:
+                layers[name] = parse_size(layers[name])
         if "fallback" in layers:
             layers["fallback"] = _parse_bool(layers["fallback"])
         if "timeout" in layers:

@@ -41,12 +41,11 @@ from cachefs.errors import (
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import PROTOCOL, CachePath, parse_path, strip_protocol
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.ring import RingConfig
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-BLOCK_READ_MAX = 4 << 20  # reads up to this size use the unary ReadBlock call
 
 
 def _info_dict(msg: common_pb2.ObjectInfo) -> dict[str, Any]:
@@ -78,6 +77,7 @@ class CacheFileSystem(AsyncFileSystem):
         timeout: float | None = None,
         block_size: int | str | None = None,
         min_throughput: int | str | None = None,
+        stripe_size: int | str | None = None,
         asynchronous: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
         **kwargs: Any,
@@ -91,6 +91,7 @@ class CacheFileSystem(AsyncFileSystem):
                 "timeout": timeout,
                 "block_size": block_size,
                 "min_throughput": min_throughput,
+                "stripe_size": stripe_size,
             }
         )
         self._abandoned: list[WorkerSet] = []
@@ -108,7 +109,7 @@ class CacheFileSystem(AsyncFileSystem):
                         # Keep the parent's channels referenced but untouched: closing them from
                         # the child could disturb the parent.
                         self._abandoned.append(self._workers)
-                    self._workers = WorkerSet(list(self.config.workers))
+                    self._workers = WorkerSet(list(self.config.workers), RingConfig(stripe_size=self.config.stripe_size))
                     self._fallback_store: Any = None
                     self._mounts_learned = False
                     self._state_pid = os.getpid()
@@ -128,14 +129,15 @@ class CacheFileSystem(AsyncFileSystem):
         return strip_protocol(path).rstrip("/")
 
     # -- calling workers ----------------------------------------------------------------------
-    def _on_workers(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub], T], what: str) -> T | None:
-        """Run ``call(stub)`` on the path's workers in preference order.
+    def _on_workers(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub], T], what: str,
+                    offset: int = 0) -> T | None:
+        """Run ``call(stub)`` on the workers placed for ``key`` (its stripe at ``offset``), in order.
 
         Returns None when no worker answered and fallback is on; raises otherwise.
         """
         workers = self._process_state()
         last_error: grpc.RpcError | None = None
-        for handle in workers.candidates(key, include_broken=not self.config.fallback):
+        for handle in workers.candidates(key, offset, include_broken=not self.config.fallback):
             try:
                 result = call(handle.stub())
             except grpc.RpcError as err:
@@ -249,32 +251,50 @@ class CacheFileSystem(AsyncFileSystem):
         return self.read_range(cp, offset, length, version)
 
     def read_range(self, cp: CachePath, offset: int, length: int, version: str = "") -> bytes:
-        """Bytes [offset, offset+length) (length -1: to the end) of the given version, if any."""
+        """Bytes [offset, offset+length) (length -1: to the end) of the given version, if any.
+
+        A range is read stripe by stripe, each from the workers the ring places that stripe
+        on; every stripe after the first is pinned to the version the first one saw.
+        """
+        stripe = self.config.stripe_size
+        end = None if length < 0 else offset + length
+        parts: list[bytes] = []
+        pos = offset
+        while True:
+            boundary = (pos // stripe + 1) * stripe
+            want = (boundary if end is None else min(end, boundary)) - pos
+            data, size, version = self._read_stripe(cp, pos, want, version)
+            parts.append(data)
+            pos += len(data)
+            end = size if end is None else min(end, size)
+            if len(data) < want or pos >= end:
+                break
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
+        """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version."""
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
-        timeout = self.config.timeout + (length if length >= 0 else 1 << 30) / self.config.min_throughput
+        timeout = self.config.timeout + length / self.config.min_throughput
 
-        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> bytes:
-            if 0 <= length <= BLOCK_READ_MAX or length == -1:
-                # One unary call: a streaming call costs a thread and ~1 ms more per call here.
-                reply = stub.ReadBlock(request, timeout=timeout)
-                got = len(reply.data)
-                want = reply.info.size - offset if length == -1 else min(length, reply.info.size - offset)
-                if got >= want:
-                    return reply.data
-                # Larger than one block: stream the rest, pinned to the version just seen.
-                rest = worker_pb2.ReadRequest(path=str(cp), offset=offset + got, length=want - got,
-                                              version=reply.info.version)
-                parts = [reply.data, *(chunk.data for chunk in stub.Read(rest, timeout=timeout))]
-                return b"".join(parts)
-            parts = [chunk.data for chunk in stub.Read(request, timeout=timeout)]
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[bytes, int, str]:
+            # The first block in one unary call (a streaming call costs a thread and ~1 ms more
+            # here, which is most of a small object's read); only what is left streams.
+            reply = stub.ReadBlock(request, timeout=timeout)
+            info = reply.info
+            want = max(0, min(length, info.size - offset))
+            if len(reply.data) >= want:
+                return reply.data, info.size, info.version
+            rest = worker_pb2.ReadRequest(path=str(cp), offset=offset + len(reply.data),
+                                          length=want - len(reply.data), version=info.version)
+            parts = [reply.data, *(chunk.data for chunk in stub.Read(rest, timeout=timeout))]
+            return b"".join(parts), info.size, info.version
 
-        data = self._on_workers(str(cp), call, f"read {cp}")
-        if data is not None:
-            return data
+        result = self._on_workers(str(cp), call, f"read {cp}", offset=offset)
+        if result is not None:
+            return result
         return self._read_from_store(cp, offset, length, version)
 
-    def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> bytes:
+    def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
         store = self._fallback()
         if cp.mount not in store.mounts:
             raise UnknownMountError(f"no mount named {cp.mount!r} in the fallback mount table")
@@ -285,10 +305,9 @@ class CacheFileSystem(AsyncFileSystem):
                 raise StaleObjectError(f"{cp} changed since it was opened (version {version} -> {meta.version})")
         if meta.is_dir:
             raise IsADirectoryError(f"{cp} is a directory")
-        end = meta.size if length < 0 else min(meta.size, offset + length)
-        if offset >= end:
-            return b""
-        return store.read(meta, offset, end)
+        end = min(meta.size, offset + length)
+        data = store.read(meta, offset, end) if offset < end else b""
+        return data, meta.size, meta.version
 
     # -- the async API: the same work on a thread -------------------------------------------------
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:

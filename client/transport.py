@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import grpc.experimental
-import xxhash
 
 from cachefs.proto import worker_pb2_grpc
+from cachefs.ring import HashRing, RingConfig
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 80 << 20),
@@ -80,28 +80,28 @@ class WorkerHandle:
 
 
 class WorkerSet:
-    """The workers a client may use, in a stable per-path preference order.
+    """The workers a client may use, in placement order for each path (or stripe of a path).
 
-    Rendezvous (highest-random-weight) hashing over the given addresses: every client
-    sends a path to the same first worker, so its pages are cached once. The cluster
-    issue replaces this with the master's consistent-hash ring.
+    Placement is the consistent-hash ring (cachefs/ring.py): every client sends a path to the
+    same first worker, so its pages are cached once, and a large object's stripes spread over
+    several workers. Later candidates are the ring's next distinct workers (failover order).
     """
 
-    def __init__(self, addresses: list[str]) -> None:
-        self.handles = [WorkerHandle(a) for a in addresses]
+    def __init__(self, addresses: list[str], ring_config: RingConfig | None = None) -> None:
+        self.handles = {a: WorkerHandle(a) for a in addresses}
+        self.ring = HashRing(addresses, ring_config)
 
     def __bool__(self) -> bool:
         return bool(self.handles)
 
-    def candidates(self, path: str, include_broken: bool = True) -> list[WorkerHandle]:
-        """Healthy workers in rank order, then (if ``include_broken``) those behind an open breaker.
+    def candidates(self, key: str, offset: int = 0, include_broken: bool = True) -> list[WorkerHandle]:
+        """Workers for the stripe of ``key`` holding ``offset``: healthy ones in ring order, then
+        (if ``include_broken``) those behind an open breaker.
 
         Without a fallback store the broken ones are still tried last, so a read never fails
         only because every breaker happens to be open.
         """
-        ranked = sorted(
-            self.handles, key=lambda h: xxhash.xxh3_64_intdigest(f"{h.address}\x00{path}".encode()), reverse=True
-        )
+        ranked = [self.handles[a] for a in self.ring.nodes_for_offset(key, offset, len(self.handles))]
         now = time.monotonic()
         healthy = [h for h in ranked if h.breaker.available(now)]
         if not include_broken:
@@ -109,5 +109,5 @@ class WorkerSet:
         return healthy + [h for h in ranked if not h.breaker.available(now)]
 
     def close(self) -> None:
-        for handle in self.handles:
+        for handle in self.handles.values():
             handle.close()

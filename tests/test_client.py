@@ -148,3 +148,39 @@ def test_async_api_and_concurrent_cat(served):
     assert asyncio.run(main()) == [store.objects[p.split("/", 1)[1]][1:101] for p in paths]
     fs = client(worker.address)
     assert fs.cat(paths) == {p: store.objects[p.split("/", 1)[1]] for p in paths}
+
+
+def test_large_objects_are_striped_over_workers(local_store, make_worker):
+    from cachefs.ring import HashRing, RingConfig, stripe_key
+
+    stripe = 2 * PAGE
+    data = payload(16 * stripe + 123, 31)
+    local_store.add("big.bin", data)
+    workers = [make_worker(local_store.mount, page_size=PAGE, readahead_pages=0) for _ in range(3)]
+    fs = client(*(w.address for w in workers), stripe_size=stripe)
+    assert fs.cat_file("data/big.bin") == data
+    assert fs.cat_file("data/big.bin", stripe - 5, 3 * stripe + 7) == data[stripe - 5:3 * stripe + 7]
+    # Each worker fetched exactly the stripes the ring places on it.
+    ring = HashRing([w.address for w in workers], RingConfig(stripe_size=stripe))
+    expected = {w.address: 0 for w in workers}
+    for start in range(0, len(data), stripe):
+        expected[ring.node(stripe_key("data/big.bin", start, stripe))] += min(stripe, len(data) - start)
+    fetched = {w.address: w.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") or 0
+               for w in workers}
+    assert fetched == expected
+    assert sum(1 for v in fetched.values() if v) >= 2
+    with fs.open("data/big.bin", block_size=stripe // 2) as f:
+        f.seek(5 * stripe - 3)
+        assert f.read(stripe) == data[5 * stripe - 3:6 * stripe - 3]
+
+
+def test_a_stopped_worker_fails_over_to_the_next_on_the_ring(local_store, make_worker):
+    for i in range(12):
+        local_store.add(f"k{i}.bin", payload(1000 + i, i))
+    workers = [make_worker(local_store.mount, page_size=PAGE) for _ in range(3)]
+    fs = client(*(w.address for w in workers), timeout=5)
+    for key, data in local_store.objects.items():
+        assert fs.cat_file(f"data/{key}") == data
+    workers[0].stop(grace=0.5)
+    for key, data in local_store.objects.items():  # no fallback: the ring's next worker serves
+        assert fs.cat_file(f"data/{key}") == data
