@@ -102,6 +102,9 @@ class WorkerConfig:
     readahead_pages: int = 8  # max read-ahead window for sequential readers
     store_timeout: float = 60.0  # seconds for one page fetch from the object store
     max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the cache disk, at most
+    master: str = ""  # master address (host:port); empty: a standalone worker with its own mounts
+    advertise_address: str = ""  # what clients dial; default host:port (with the bound port)
+    cluster_token: str = field(default="", repr=False)  # shared with the master: to register, to get credentials
     shutdown_grace: float = 5.0
 
     def __post_init__(self) -> None:
@@ -127,10 +130,64 @@ class WorkerConfig:
         for name in ("fetch_threads", "write_threads", "rpc_threads", "parallel_pages", "fetch_group_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.master:
+            _check_address(self.master, "master")
+        if self.advertise_address:
+            _check_address(self.advertise_address, "advertise_address")
         if self.max_pending_write_bytes < 0:
             raise ValueError("max_pending_write_bytes must be >= 0")
         if self.readahead_pages < 0:
             raise ValueError("readahead_pages must be >= 0")
+
+
+def _check_address(address: str, what: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {address!r} is not HOST:PORT")
+
+
+def _default_master_dir() -> str:
+    return str(Path(tempfile.gettempdir()) / f"cachefs-{os.getuid()}" / "master")
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """Everything a master needs; see docs/configuration.md for each field."""
+
+    host: str = "127.0.0.1"
+    port: int = 19998  # 0 = pick a free port and report it
+    metrics_port: int = -1
+    state_dir: str = field(default_factory=_default_master_dir)  # durable state (mounts, jobs)
+    lease_seconds: float = 10.0  # a worker that has not heartbeated for this long leaves the view
+    heartbeat_seconds: float = 2.0  # what workers are told to use
+    vnodes: int = 2000  # ring settings published in the view: every client uses the same
+    stripe_size: int = 64 << 20
+    cluster_token: str = field(default="", repr=False)  # if set: workers present it to register, get credentials
+    mounts: tuple[MountSpec, ...] = ()  # added at start when absent (the durable table wins)
+    rpc_threads: int = 16
+    shutdown_grace: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host is empty")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            low = -1 if name == "metrics_port" else 0
+            if not low <= value <= 65535:
+                raise ValueError(f"{name} must be in [{low}, 65535], got {value}")
+        if not self.state_dir:
+            raise ValueError("state_dir is empty")
+        if self.heartbeat_seconds <= 0 or self.lease_seconds < 2 * self.heartbeat_seconds:
+            raise ValueError("need heartbeat_seconds > 0 and lease_seconds >= 2 x heartbeat_seconds")
+        if self.vnodes < 1:
+            raise ValueError("vnodes must be >= 1")
+        if self.stripe_size <= 0 or self.stripe_size & (self.stripe_size - 1):
+            raise ValueError(f"stripe_size must be a power of two, got {self.stripe_size}")
+        names = [m.name for m in self.mounts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate mount names: {names}")
+        if self.rpc_threads < 1 or self.shutdown_grace < 0:
+            raise ValueError("rpc_threads must be >= 1 and shutdown_grace >= 0")
 
 
 _C = TypeVar("_C")
@@ -142,7 +199,7 @@ _COMPLEX_FIELDS = {
     ),
     "mounts": lambda v: tuple(MountSpec.parse_many(json.loads(v) if isinstance(v, str) else v)),
 }
-_SIZE_FIELDS = {"page_size", "max_pending_write_bytes"}
+_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size"}
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
@@ -198,23 +255,41 @@ def build_config(cls: type[_C], *layers: Mapping[str, Any] | None) -> _C:
     return cls(**merged)
 
 
+def _load_daemon_config(cls: type[_C], section: str, config_file: str | None,
+                        environ: Mapping[str, str] | None, flags: Mapping[str, Any] | None) -> _C:
+    """defaults < file (``[section]`` or top level) < env (``CACHEFS_<SECTION>_*``) < flags."""
+    environ = os.environ if environ is None else environ
+    prefix = f"CACHEFS_{section.upper()}_"
+    file_layer: dict[str, Any] = {}
+    config_file = config_file or environ.get(f"{prefix}CONFIG")
+    if config_file:
+        data = load_file(config_file)
+        file_layer = dict(data.get(section, data))
+        for other in ("worker", "master"):
+            file_layer.pop(other, None)
+        if "mounts" not in file_layer and "mounts" in data:
+            file_layer["mounts"] = data["mounts"]
+    env = env_layer(prefix, cls, environ)
+    env.pop("config", None)
+    return build_config(cls, file_layer, env, flags)
+
+
+def load_master_config(
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> MasterConfig:
+    """defaults < file < env (``CACHEFS_MASTER_*``) < flags."""
+    return _load_daemon_config(MasterConfig, "master", config_file, environ, flags)
+
+
 def load_worker_config(
     config_file: str | None = None,
     environ: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
 ) -> WorkerConfig:
     """defaults < file < env (``CACHEFS_WORKER_*``) < flags."""
-    environ = os.environ if environ is None else environ
-    file_layer: dict[str, Any] = {}
-    config_file = config_file or environ.get("CACHEFS_WORKER_CONFIG")
-    if config_file:
-        data = load_file(config_file)
-        file_layer = dict(data.get("worker", data))
-        if "mounts" not in file_layer and "mounts" in data:
-            file_layer["mounts"] = data["mounts"]
-    env = env_layer("CACHEFS_WORKER_", WorkerConfig, environ)
-    env.pop("config", None)
-    return build_config(WorkerConfig, file_layer, env, flags)
+    return _load_daemon_config(WorkerConfig, "worker", config_file, environ, flags)
 
 
 def _split_addresses(value: Any) -> tuple[str, ...]:

@@ -1,0 +1,152 @@
+from cachefs.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerStats(_message.Message):
+    __slots__ = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "bytes_from_cache", "bytes_from_store")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    used_bytes: int
+    pages: int
+    hits: int
+    misses: int
+    bytes_from_cache: int
+    bytes_from_store: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "stats", "registered_at", "last_heartbeat", "version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    stats: WorkerStats
+    registered_at: float
+    last_heartbeat: float
+    version: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., registered_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+
+class RingSettings(_message.Message):
+    __slots__ = ("vnodes", "stripe_size")
+    VNODES_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    vnodes: int
+    stripe_size: int
+    def __init__(self, vnodes: _Optional[int] = ..., stripe_size: _Optional[int] = ...) -> None: ...
+
+class ClusterView(_message.Message):
+    __slots__ = ("version", "workers", "mounts", "ring", "master_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    mounts: _containers.RepeatedCompositeFieldContainer[_common_pb2.MountInfo]
+    ring: RingSettings
+    master_id: str
+    def __init__(self, version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., mounts: _Optional[_Iterable[_Union[_common_pb2.MountInfo, _Mapping]]] = ..., ring: _Optional[_Union[RingSettings, _Mapping]] = ..., master_id: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("lease_seconds", "heartbeat_seconds", "view_version", "mounts_version")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    heartbeat_seconds: float
+    view_version: int
+    mounts_version: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., view_version: _Optional[int] = ..., mounts_version: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "stats")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    stats: WorkerStats
+    def __init__(self, worker_id: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("registered", "view_version", "mounts_version")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    registered: bool
+    view_version: int
+    mounts_version: int
+    def __init__(self, registered: _Optional[bool] = ..., view_version: _Optional[int] = ..., mounts_version: _Optional[int] = ...) -> None: ...
+
+class GetViewRequest(_message.Message):
+    __slots__ = ("known_version",)
+    KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    known_version: int
+    def __init__(self, known_version: _Optional[int] = ...) -> None: ...
+
+class AddMountRequest(_message.Message):
+    __slots__ = ("name", "url", "options_json", "read_only", "replace")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    url: str
+    options_json: str
+    read_only: bool
+    replace: bool
+    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., options_json: _Optional[str] = ..., read_only: _Optional[bool] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class AddMountResponse(_message.Message):
+    __slots__ = ("mounts_version",)
+    MOUNTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    mounts_version: int
+    def __init__(self, mounts_version: _Optional[int] = ...) -> None: ...
+
+class RemoveMountRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RemoveMountResponse(_message.Message):
+    __slots__ = ("mounts_version",)
+    MOUNTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    mounts_version: int
+    def __init__(self, mounts_version: _Optional[int] = ...) -> None: ...
+
+class GetMountsRequest(_message.Message):
+    __slots__ = ("with_credentials",)
+    WITH_CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    with_credentials: bool
+    def __init__(self, with_credentials: _Optional[bool] = ...) -> None: ...
+
+class GetMountsResponse(_message.Message):
+    __slots__ = ("mounts_version", "mounts")
+    MOUNTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    mounts_version: int
+    mounts: _containers.RepeatedCompositeFieldContainer[_common_pb2.MountInfo]
+    def __init__(self, mounts_version: _Optional[int] = ..., mounts: _Optional[_Iterable[_Union[_common_pb2.MountInfo, _Mapping]]] = ...) -> None: ...
