@@ -81,9 +81,21 @@ class WorkerMetrics:
     def watch_page_store(self, stats: Callable[[], PageStoreStats]) -> None:
         self.registry.register(_PageStoreCollector(stats))
 
-    def hit_ratio(self) -> float:
-        def count(outcome: str) -> float:
-            return self.registry.get_sample_value("cachefs_worker_page_reads_total", {"outcome": outcome}) or 0.0
+    def totals(self) -> dict[str, int]:
+        """Running totals that the status RPC and the master's view report."""
+        sample = self.registry.get_sample_value
 
-        hits, misses = count("hit"), count("miss") + count("joined")
-        return hits / (hits + misses) if hits + misses else 0.0
+        def reads(outcome: str) -> int:
+            return int(sample("cachefs_worker_page_reads_total", {"outcome": outcome}) or 0)
+
+        return {
+            "hits": reads("hit"),
+            "misses": reads("miss") + reads("joined"),
+            "bytes_from_cache": int(sample("cachefs_worker_bytes_from_cache_total") or 0),
+            "bytes_from_store": int(sample("cachefs_worker_bytes_from_store_total") or 0),
+        }
+
+    def hit_ratio(self) -> float:
+        t = self.totals()
+        lookups = t["hits"] + t["misses"]
+        return t["hits"] / lookups if lookups else 0.0

@@ -325,6 +325,11 @@ class ObjectStore:
             self._meta.pop(meta.path)  # the next reader asks the store afresh
             raise
 
+    def forget_mount(self, name: str) -> None:
+        """A mount changed or went away: nothing cached about it may be trusted."""
+        self._meta.pop_where(lambda p: p.mount == name)
+        self._lists.pop_where(lambda k: k[0].mount == name)
+
     def invalidate(self, path: CachePath) -> None:
         self._meta.pop(path)
         self._lists.pop_where(lambda k: k[0].mount == path.mount)

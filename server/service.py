@@ -196,14 +196,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @_rpc("GetStatus")
     def GetStatus(self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerStatus:
         s = self.pages.stats()
-        sample = self.metrics.registry.get_sample_value
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id, version=__version__, page_size=self.pages.page_size,
-            pages=s.pages, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes,
-            hits=int(sample("cachefs_worker_page_reads_total", {"outcome": "hit"}) or 0),
-            misses=int((sample("cachefs_worker_page_reads_total", {"outcome": "miss"}) or 0)
-                       + (sample("cachefs_worker_page_reads_total", {"outcome": "joined"}) or 0)),
-            evictions=s.evictions,
-            bytes_from_cache=int(sample("cachefs_worker_bytes_from_cache_total") or 0),
-            bytes_from_store=int(sample("cachefs_worker_bytes_from_store_total") or 0),
+            pages=s.pages, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes, evictions=s.evictions,
+            **self.metrics.totals(),
         )

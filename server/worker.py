@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -22,6 +23,7 @@ from cachefs.server.metrics import WorkerMetrics
 from cachefs.server.objectstore import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.reader import PageReader, ReaderOptions
+from cachefs.server.registration import Registrar, worker_stats
 from cachefs.server.service import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -78,13 +80,23 @@ class Worker:
             ),
         )
         self.worker_id = _worker_id(config.cache_dirs[0].path)
+        self.registrar: Registrar | None = None
 
     @property
     def address(self) -> str:
+        """What clients dial: the advertised address, else the bound host and port."""
         if self.port is None:
             raise RuntimeError("worker is not started")
+        if self.config.advertise_address:
+            return self.config.advertise_address
         host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def _on_mounts_changed(self, names: set[str]) -> None:
+        for name in names:
+            self.objects.forget_mount(name)
 
     def start(self) -> "Worker":
         server = grpc.server(
@@ -107,6 +119,12 @@ class Worker:
                 self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
             )
             self.metrics_port = self._metrics_http.server_port
+        if self.config.master:
+            self.registrar = Registrar(
+                self.config.master, self.worker_id, self.address, self.mounts,
+                stats=lambda: worker_stats(self.pages.stats(), self.metrics.totals()),
+                token=self.config.cluster_token, on_mounts_changed=self._on_mounts_changed,
+            ).start()
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
 
@@ -116,6 +134,8 @@ class Worker:
             return
         self._stopped.set()
         grace = self.config.shutdown_grace if grace is None else grace
+        if self.registrar is not None:
+            self.registrar.stop()
         if self._server is not None:
             self._server.stop(grace).wait(grace + 1)
         if self._metrics_http is not None:

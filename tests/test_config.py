@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.config import CacheDirSpec, WorkerConfig, load_worker_config, parse_size
+from cachefs.config import CacheDirSpec, MasterConfig, WorkerConfig, load_worker_config, parse_size
 from cachefs.mounts import MountSpec
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -58,8 +58,11 @@ def test_documented_example_config_loads(tmp_path):
     path.write_text(example)
     cfg = load_worker_config(str(path), environ={})
     assert cfg.port == 29999 and len(cfg.cache_dirs) == 2 and cfg.mounts[0].read_only
-    documented = set(re.findall(r"^\| `(\w+)` \|", text.split("## Client")[0], re.M))
+    worker_part, master_part = text.split("## Client")[0].split("## Master")
+    documented = set(re.findall(r"^\| `(\w+)` \|", worker_part, re.M))
     assert documented == {f for f in WorkerConfig.__dataclass_fields__}, "docs/configuration.md is out of date"
+    documented = set(re.findall(r"^\| `(\w+)` \|", master_part, re.M))
+    assert documented == {f for f in MasterConfig.__dataclass_fields__}, "docs/configuration.md is out of date"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,138 @@
+"""A worker's membership: register with the master, heartbeat, and follow its mount table.
+
+The master is not on the data path: when it is away the worker keeps serving with the
+mounts it last had, keeps retrying, and registers again as soon as the master answers
+(a restarted master knows no workers until they come back: soft state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from cachefs import __version__
+from cachefs.mounts import MountSpec, MountTable
+from cachefs.proto import master_pb2, master_pb2_grpc
+from cachefs.server.pagestore import PageStoreStats
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "x-cachefs-token"
+
+
+class Registrar:
+    """Runs the heartbeat loop on a thread of its own; ``stop()`` ends it."""
+
+    def __init__(
+        self,
+        master: str,
+        worker_id: str,
+        address: str,
+        mounts: MountTable,
+        stats: Callable[[], master_pb2.WorkerStats],
+        token: str = "",
+        on_mounts_changed: Callable[[set[str]], None] | None = None,
+        rpc_timeout: float = 5.0,
+    ) -> None:
+        self.master = master
+        self.worker_id = worker_id
+        self.address = address
+        self.mounts = mounts
+        self._stats = stats
+        self._metadata = ((TOKEN_HEADER, token),) if token else ()
+        self._on_mounts_changed = on_mounts_changed
+        self._rpc_timeout = rpc_timeout
+        self._channel = grpc.insecure_channel(master)
+        self._stub = master_pb2_grpc.MasterServiceStub(self._channel)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.registered = threading.Event()
+        self.heartbeat_seconds = 2.0
+        self._mounts_version = -1
+        self._master_mounts: set[str] = set()  # names this worker took from the master
+
+    def start(self) -> "Registrar":
+        self._thread = threading.Thread(target=self._run, name="cachefs-registrar", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._channel.close()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if not self.registered.is_set():
+                    self._register()
+                else:
+                    self._heartbeat()
+                failures = 0
+                delay = self.heartbeat_seconds
+            except grpc.RpcError as err:
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    log.warning("master %s: %s (%s); serving with the last known mounts",
+                                self.master, err.code().name, err.details())
+                if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    log.error("master %s refused this worker's token", self.master)
+                self.registered.clear()
+                delay = min(5.0, 0.2 * 2 ** min(failures, 5))
+            self._stop.wait(delay)
+
+    def _register(self) -> None:
+        info = master_pb2.WorkerInfo(worker_id=self.worker_id, address=self.address, stats=self._stats(),
+                                     version=__version__)
+        resp = self._stub.RegisterWorker(master_pb2.RegisterWorkerRequest(worker=info),
+                                         timeout=self._rpc_timeout, metadata=self._metadata)
+        self.heartbeat_seconds = max(0.05, resp.heartbeat_seconds or self.heartbeat_seconds)
+        self._sync_mounts(resp.mounts_version)
+        self.registered.set()
+        log.info("registered with master %s as %s (%s)", self.master, self.worker_id, self.address)
+
+    def _heartbeat(self) -> None:
+        resp = self._stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id=self.worker_id, stats=self._stats()),
+                                    timeout=self._rpc_timeout, metadata=self._metadata)
+        if not resp.registered:
+            self.registered.clear()
+            self._register()
+            return
+        self._sync_mounts(resp.mounts_version)
+
+    def _sync_mounts(self, version: int) -> None:
+        """Apply the master's mount table when its version moved (mounts from config stay)."""
+        if version == self._mounts_version:
+            return
+        resp = self._stub.GetMounts(master_pb2.GetMountsRequest(with_credentials=True),
+                                    timeout=self._rpc_timeout, metadata=self._metadata)
+        wanted = {m.name: MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only)
+                  for m in resp.mounts}
+        current = {spec.name: spec for spec in self.mounts.specs()}
+        changed: set[str] = set()
+        for name, spec in wanted.items():
+            old = current.get(name)
+            if old is None or (old.url, dict(old.options), old.read_only) != (spec.url, dict(spec.options), spec.read_only):
+                try:
+                    self.mounts.add(spec)
+                    changed.add(name)
+                except (ValueError, OSError, ImportError) as exc:
+                    log.error("cannot open mount %s (%s): %s", name, spec.url, exc)
+        for name in self._master_mounts - set(wanted):
+            if self.mounts.remove(name):
+                changed.add(name)
+        self._master_mounts = set(wanted)
+        self._mounts_version = resp.mounts_version
+        if changed and self._on_mounts_changed is not None:
+            self._on_mounts_changed(changed)
+
+
+def worker_stats(stats: PageStoreStats, totals: dict[str, int]) -> master_pb2.WorkerStats:
+    return master_pb2.WorkerStats(capacity_bytes=stats.capacity_bytes, used_bytes=stats.used_bytes,
+                                  pages=stats.pages, **totals)
