@@ -304,7 +304,8 @@ def _split_addresses(value: Any) -> tuple[str, ...]:
 class ClientConfig:
     """What a ``cachefs://`` client needs; built from fsspec storage options (and env)."""
 
-    workers: tuple[str, ...] = ()
+    master: str = ""  # the master's HOST:PORT: workers and placement come from its view
+    workers: tuple[str, ...] = ()  # without a master, or before its first view
     # Read the object store directly when no worker answers. Off by default: it needs the
     # client to be allowed to read the store itself (its own IAM role / env credentials).
     fallback: bool = False
@@ -322,11 +323,12 @@ class ClientConfig:
         if self.stripe_size <= 0 or self.stripe_size & (self.stripe_size - 1):
             raise ValueError(f"stripe_size must be a power of two, got {self.stripe_size}")
         for address in self.workers:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"worker address {address!r} is not HOST:PORT")
-        if not self.workers and not self.fallback:
-            raise ValueError("no workers given: pass workers='host:port,...' or set CACHEFS_WORKERS")
+            _check_address(address, "worker address")
+        if self.master:
+            _check_address(self.master, "master")
+        if not self.workers and not self.master and not self.fallback:
+            raise ValueError("no master or workers given: pass master='host:port' (or workers='host:port,...'), "
+                             "or set CACHEFS_MASTER / CACHEFS_WORKERS")
         if self.timeout <= 0:
             raise ValueError("timeout must be > 0")
         if self.min_throughput <= 0:
@@ -343,6 +345,8 @@ class ClientConfig:
         env: dict[str, Any] = {}
         if environ.get("CACHEFS_WORKERS"):
             env["workers"] = environ["CACHEFS_WORKERS"]
+        if environ.get("CACHEFS_MASTER"):
+            env["master"] = environ["CACHEFS_MASTER"]
         if environ.get("CACHEFS_FALLBACK"):
             env["fallback"] = environ["CACHEFS_FALLBACK"]
         layers = {**env, **{k: v for k, v in options.items() if v is not None}}

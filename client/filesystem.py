@@ -30,6 +30,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from cachefs.client.transport import WorkerSet
+from cachefs.client.view import ViewWatcher
 from cachefs.config import ClientConfig
 from cachefs.errors import (
     RETRYABLE_CODES,
@@ -40,7 +41,7 @@ from cachefs.errors import (
 )
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import PROTOCOL, CachePath, parse_path, strip_protocol
-from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.proto import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.ring import RingConfig
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class CacheFileSystem(AsyncFileSystem):
 
     def __init__(
         self,
+        master: str | None = None,
         workers: str | list[str] | None = None,
         fallback: bool | None = None,
         fallback_mounts: dict[str, Any] | None = None,
@@ -85,6 +87,7 @@ class CacheFileSystem(AsyncFileSystem):
         super().__init__(asynchronous=asynchronous, loop=loop, **kwargs)
         self.config = ClientConfig.from_options(
             {
+                "master": master,
                 "workers": workers,
                 "fallback": fallback,
                 "fallback_mounts": fallback_mounts,
@@ -112,8 +115,22 @@ class CacheFileSystem(AsyncFileSystem):
                     self._workers = WorkerSet(list(self.config.workers), RingConfig(stripe_size=self.config.stripe_size))
                     self._fallback_store: Any = None
                     self._mounts_learned = False
+                    self._view: master_pb2.ClusterView | None = None
+                    self._watcher: ViewWatcher | None = None
                     self._state_pid = os.getpid()
+                    if self.config.master:
+                        self._watcher = ViewWatcher(self.config.master, self._apply_view, timeout=self.config.timeout)
+                        self._watcher.fetch()
+                        self._watcher.start()
         return self._workers
+
+    def _apply_view(self, view: master_pb2.ClusterView) -> None:
+        """A newer cluster view: route by its live workers and ring settings from now on."""
+        ring = RingConfig(vnodes=view.ring.vnodes or RingConfig().vnodes,
+                          stripe_size=view.ring.stripe_size or self.config.stripe_size)
+        self._workers.update([w.address for w in view.workers], ring)
+        self._view = view
+        log.debug("cluster view %d: %d workers", view.version, len(view.workers))
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -170,6 +187,9 @@ class CacheFileSystem(AsyncFileSystem):
         return self._fallback_store
 
     def _public_mounts(self) -> list[MountSpec]:
+        view = self._view
+        if view is not None and view.mounts:
+            return [MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only) for m in view.mounts]
         resp = self._on_workers(
             "", lambda stub: stub.ListMounts(worker_pb2.ListMountsRequest(), timeout=self.config.timeout),
             "list mounts",
@@ -336,8 +356,10 @@ class CacheFileSystem(AsyncFileSystem):
                          cache_options=cache_options, size=info["size"], version=info.get("version", ""))
 
     def close(self) -> None:
-        """Close this process's channels (the filesystem opens new ones if used again)."""
+        """Close this process's channels and stop following the master."""
         if self._state_pid == os.getpid():
+            if self._watcher is not None:
+                self._watcher.stop()
             self._workers.close()
 
 

@@ -88,11 +88,32 @@ class WorkerSet:
     """
 
     def __init__(self, addresses: list[str], ring_config: RingConfig | None = None) -> None:
-        self.handles = {a: WorkerHandle(a) for a in addresses}
-        self.ring = HashRing(addresses, ring_config)
+        self._lock = threading.Lock()
+        handles = {a: WorkerHandle(a) for a in addresses}
+        # One tuple, replaced whole on a view change, so a reader never sees a ring and a
+        # handle table from two different views.
+        self._state: tuple[HashRing, dict[str, WorkerHandle]] = (HashRing(addresses, ring_config), handles)
 
     def __bool__(self) -> bool:
-        return bool(self.handles)
+        return bool(self._state[1])
+
+    @property
+    def ring(self) -> HashRing:
+        return self._state[0]
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._state[1])
+
+    def update(self, addresses: list[str], ring_config: RingConfig | None = None) -> None:
+        """A new view: keep the channels of workers that stay, close those of workers that left."""
+        with self._lock:
+            old = self._state[1]
+            handles = {a: old.get(a) or WorkerHandle(a) for a in addresses}
+            self._state = (HashRing(addresses, ring_config or self._state[0].config), handles)
+        for address, handle in old.items():
+            if address not in handles:
+                handle.close()
 
     def candidates(self, key: str, offset: int = 0, include_broken: bool = True) -> list[WorkerHandle]:
         """Workers for the stripe of ``key`` holding ``offset``: healthy ones in ring order, then
@@ -101,7 +122,8 @@ class WorkerSet:
         Without a fallback store the broken ones are still tried last, so a read never fails
         only because every breaker happens to be open.
         """
-        ranked = [self.handles[a] for a in self.ring.nodes_for_offset(key, offset, len(self.handles))]
+        ring, handles = self._state
+        ranked = [handles[a] for a in ring.nodes_for_offset(key, offset, len(handles))]
         now = time.monotonic()
         healthy = [h for h in ranked if h.breaker.available(now)]
         if not include_broken:
@@ -109,5 +131,5 @@ class WorkerSet:
         return healthy + [h for h in ranked if not h.breaker.available(now)]
 
     def close(self) -> None:
-        for handle in self.handles.values():
+        for handle in self._state[1].values():
             handle.close()

@@ -108,7 +108,7 @@ def test_readinto_an_aligned_buffer(served):
 def test_client_configuration_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="HOST:PORT"):
         ClientConfig(workers=("localhost",))
-    with pytest.raises(ValueError, match="no workers"):
+    with pytest.raises(ValueError, match="no master or workers"):
         ClientConfig.from_options({}, environ={})
     with pytest.raises(ValueError, match="timeout"):
         ClientConfig(workers=("h:1",), timeout=0)

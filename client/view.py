@@ -1,0 +1,88 @@
+"""Following the master's cluster view from a client.
+
+The client asks for the view once, then a thread watches for newer ones (a server stream,
+re-opened every ``watch_seconds`` and after errors). While the master is away the client
+keeps routing by the last view it had: the master is never on the data path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+
+import grpc
+
+from cachefs.proto import master_pb2, master_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ViewWatcher:
+    def __init__(self, master: str, on_view: Callable[[master_pb2.ClusterView], None], timeout: float = 5.0,
+                 watch_seconds: float = 30.0) -> None:
+        self.master = master
+        # A weak reference: a filesystem that is dropped lets its watcher end.
+        self._on_view = weakref.WeakMethod(on_view) if hasattr(on_view, "__self__") else (lambda: on_view)
+        self._timeout = timeout
+        self._watch_seconds = watch_seconds
+        self._channel = grpc.insecure_channel(master)
+        self._stub = master_pb2_grpc.MasterServiceStub(self._channel)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._call: grpc.Future | None = None
+        self.version = 0
+
+    def _deliver(self, view: master_pb2.ClusterView) -> bool:
+        callback = self._on_view()
+        if callback is None:
+            return False
+        if view.version > self.version:
+            self.version = view.version
+            callback(view)
+        return True
+
+    def fetch(self) -> bool:
+        """One synchronous GetView; False if the master did not answer."""
+        try:
+            view = self._stub.GetView(master_pb2.GetViewRequest(), timeout=self._timeout)
+        except grpc.RpcError as err:
+            log.warning("master %s: %s; routing with the workers known so far", self.master, err.code().name)
+            return False
+        self._deliver(view)
+        return True
+
+    def start(self) -> "ViewWatcher":
+        self._thread = threading.Thread(target=self._run, name="cachefs-view", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                call = self._stub.WatchView(master_pb2.GetViewRequest(known_version=self.version),
+                                            timeout=self._watch_seconds)
+                self._call = call
+                for view in call:
+                    failures = 0
+                    if not self._deliver(view):
+                        return
+            except grpc.RpcError as err:
+                if self._stop.is_set():
+                    return
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # the stream's normal end
+                    failures += 1
+                    if failures == 1:
+                        log.warning("master %s: %s; keeping view %d", self.master, err.code().name, self.version)
+                    self._stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._channel.close()
