@@ -1,4 +1,4 @@
-"""The ``cachefs`` command: ``cachefs worker`` runs a worker, ``cachefs demo`` the main job."""
+"""The ``cachefs`` command: daemons (worker, master), a local cluster, admin commands, the demo."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def _worker_flags(args: argparse.Namespace) -> dict:
         "page_size": args.page_size,
         "metadata_ttl": args.metadata_ttl,
         "list_ttl": args.list_ttl,
+        "master": args.master,
+        "advertise_address": args.advertise_address,
+        "cluster_token": args.cluster_token,
     }
     if args.cache_dir:
         flags["cache_dirs"] = args.cache_dir
@@ -37,10 +40,65 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def cmd_master(args: argparse.Namespace) -> int:
+    from cachefs.config import load_master_config
+    from cachefs.server.master import serve
+
+    flags = {
+        "host": args.host, "port": args.port, "metrics_port": args.metrics_port, "state_dir": args.state_dir,
+        "lease_seconds": args.lease_seconds, "heartbeat_seconds": args.heartbeat_seconds,
+        "cluster_token": args.cluster_token, "mounts": args.mount,
+    }
+    try:
+        config = load_master_config(args.config, flags={k: v for k, v in flags.items() if v is not None})
+    except (ValueError, OSError) as exc:
+        print(f"cachefs master: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    import signal
+    import tempfile
+    import threading
+
+    from cachefs.local import LocalCluster
+
+    mounts = {}
+    for item in args.mount or []:
+        name, sep, url = item.partition("=")
+        if not sep:
+            print(f"cachefs local: --mount {item!r}: expected NAME=URL", file=sys.stderr)
+            return 2
+        mounts[name] = url
+    workdir = args.dir or tempfile.mkdtemp(prefix="cachefs-local-")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = LocalCluster(workdir, workers=args.workers, mounts=mounts, quota=args.quota)
+    try:
+        cluster.start()
+        cluster.wait_for_workers()
+        print(f"cachefs local: master {cluster.master_address}, {args.workers} worker(s), state in {workdir}")
+        print(f"  export CACHEFS_MASTER={cluster.master_address}")
+        print("  Ctrl-C stops the cluster", flush=True)
+        while not stop.wait(1.0):
+            dead = [w for w in [cluster.master, *cluster.workers] if w is not None and w.proc.poll() is not None]
+            if dead:
+                print(f"cachefs local: a daemon exited ({dead[0].args[0]}); stopping", file=sys.stderr)
+                return 1
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("cachefs local: stopped")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cachefs.demo import run_demo
 
-    return run_demo(objects=args.objects, object_size=args.object_size, workdir=args.dir, threads=args.threads)
+    return run_demo(objects=args.objects, object_size=args.object_size, workdir=args.dir, threads=args.threads,
+                    workers=args.workers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +117,36 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--page-size", help="page size, e.g. 1MiB")
     w.add_argument("--metadata-ttl", type=float, help="seconds an object's size/version is trusted")
     w.add_argument("--list-ttl", type=float, help="seconds a listing is trusted")
+    w.add_argument("--master", help="master HOST:PORT to register with")
+    w.add_argument("--advertise-address", help="HOST:PORT clients dial, if not the bound one")
+    w.add_argument("--cluster-token", help="shared secret for the master (or CACHEFS_WORKER_CLUSTER_TOKEN)")
     w.set_defaults(func=cmd_worker)
 
-    d = sub.add_parser("demo", help="start a local worker over a generated dataset and read it twice")
+    m = sub.add_parser("master", help="run the master (gRPC): membership, view, mounts")
+    m.add_argument("--config", help="TOML file (settings at top level or under [master])")
+    m.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    m.add_argument("--port", type=int, help="gRPC port (0 = pick a free one)")
+    m.add_argument("--metrics-port", type=int, help="Prometheus port (-1 = off, 0 = pick a free one)")
+    m.add_argument("--state-dir", help="directory for the durable state (mount table)")
+    m.add_argument("--lease-seconds", type=float, help="a worker silent this long leaves the view")
+    m.add_argument("--heartbeat-seconds", type=float, help="heartbeat interval given to workers")
+    m.add_argument("--cluster-token", help="shared secret workers must present (or CACHEFS_MASTER_CLUSTER_TOKEN)")
+    m.add_argument("--mount", action="append", metavar="NAME=URL", help="mount to add at start if absent (repeatable)")
+    m.set_defaults(func=cmd_master)
+
+    loc = sub.add_parser("local", help="a master and N workers on this machine, until Ctrl-C")
+    loc.add_argument("--workers", type=int, default=2, help="number of worker processes")
+    loc.add_argument("--mount", action="append", metavar="NAME=URL", help="mount an fsspec URL (repeatable)")
+    loc.add_argument("--dir", help="state and cache directory (default: a new temporary one)")
+    loc.add_argument("--quota", default="2GiB", help="cache quota per worker")
+    loc.set_defaults(func=cmd_local)
+
+    from cachefs import admin
+
+    admin.register(sub)
+
+    d = sub.add_parser("demo", help="start a local cluster over a generated dataset and read it twice")
+    d.add_argument("--workers", type=int, default=2, help="worker processes")
     d.add_argument("--objects", type=int, default=400, help="number of sample objects")
     d.add_argument("--object-size", default="256KiB", help="size of each object")
     d.add_argument("--threads", type=int, default=8, help="concurrent readers")

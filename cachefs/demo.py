@@ -1,4 +1,4 @@
-"""The main job for now: a local worker over a generated dataset, read twice (cold, then warm)."""
+"""The main job: a local cluster (master + workers) over a generated dataset, read twice."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cachefs.config import parse_size
-from cachefs.local import worker_process
+from cachefs.local import LocalCluster
 
 
 def _generate(root: str, objects: int, size: int) -> int:
@@ -24,21 +24,25 @@ def _generate(root: str, objects: int, size: int) -> int:
 
 
 def run_demo(objects: int = 400, object_size: str | int = "256KiB", workdir: str | None = None,
-             threads: int = 8) -> int:
+             threads: int = 8, workers: int = 2) -> int:
     import fsspec
+    import grpc
 
     from cachefs.proto import worker_pb2, worker_pb2_grpc
-    import grpc
 
     size = parse_size(object_size)
     workdir = workdir or tempfile.mkdtemp(prefix="cachefs-demo-")
     data_dir = os.path.join(workdir, "dataset")
     total = _generate(data_dir, objects, size)
     print(f"dataset: {objects} objects x {size} bytes in {data_dir}")
-    with worker_process({"sample": data_dir}, os.path.join(workdir, "cache"), quota="4GiB",
-                        log_path=os.path.join(workdir, "worker.log")) as worker:
-        print(f"worker {worker.ready['worker_id']} on {worker.address}, metrics on :{worker.ready['metrics_port']}")
-        fs = fsspec.filesystem("cachefs", workers=worker.address, skip_instance_cache=True)
+    with LocalCluster(os.path.join(workdir, "cluster"), workers=workers, mounts={"sample": data_dir},
+                      quota="4GiB") as cluster:
+        if not cluster.wait_for_workers():
+            print("workers did not join the master in time")
+            return 1
+        print(f"cluster: master {cluster.master_address}, workers "
+              + ", ".join(w.address for w in cluster.workers))
+        fs = fsspec.filesystem("cachefs", master=cluster.master_address, skip_instance_cache=True)
         paths = fs.find("cachefs://sample/")
         expected = {p: open(os.path.join(data_dir, p.rsplit("/", 1)[1]), "rb").read() for p in paths}
         for label in ("cold", "warm"):
@@ -51,10 +55,16 @@ def run_demo(objects: int = 400, object_size: str | int = "256KiB", workdir: str
                   f"{len(paths) / elapsed:8.1f} objects/s, wrong bytes in {bad} objects")
             if bad:
                 return 1
-        with grpc.insecure_channel(worker.address) as channel:
-            status = worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
-        lookups = status.hits + status.misses
-        print(f"page hit ratio: {status.hits / lookups if lookups else 0:.3f} ({status.hits} hits, {status.misses} misses); "
-              f"cache holds {status.pages} pages, {status.used_bytes / 1e6:.1f} MB of {status.capacity_bytes / 1e9:.1f} GB")
+        hits = misses = pages = used = 0
+        for worker in cluster.workers:
+            with grpc.insecure_channel(worker.address) as channel:
+                status = worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(),
+                                                                              timeout=10)
+            hits, misses, pages, used = hits + status.hits, misses + status.misses, pages + status.pages, \
+                used + status.used_bytes
+            print(f"  worker {status.worker_id}: {status.pages} pages, {status.hits} hits, {status.misses} misses")
+        lookups = hits + misses
+        print(f"page hit ratio: {hits / lookups if lookups else 0:.3f} ({hits} hits, {misses} misses); "
+              f"the cluster caches {pages} pages, {used / 1e6:.1f} MB")
         fs.close()
     return 0

@@ -51,6 +51,20 @@ class DeadlineExceededError(CacheFSError, TimeoutError):
         super().__init__(errno.ETIMEDOUT, message)
 
 
+class UnauthenticatedError(CacheFSError, PermissionError):
+    """The caller did not present the cluster token (or presented a wrong one)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EACCES, message)
+
+
+class OverloadedError(CacheFSError):
+    """The server refuses more of this kind of work for now (e.g. too many open watch streams)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EBUSY, message)
+
+
 class StaleObjectError(CacheFSError):
     """The object changed in the store after the reader opened it (a read never mixes versions)."""
 
@@ -65,9 +79,12 @@ _TO_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (StaleObjectError, grpc.StatusCode.ABORTED),
     (UnknownMountError, grpc.StatusCode.NOT_FOUND),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (StoreError, grpc.StatusCode.INTERNAL),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (FileExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (IsADirectoryError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotADirectoryError, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
@@ -81,6 +98,7 @@ _FROM_STATUS: dict[grpc.StatusCode, type[OSError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidPathError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidPathError,
     grpc.StatusCode.NOT_FOUND: FileNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: FileExistsError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionError,
     grpc.StatusCode.UNAUTHENTICATED: PermissionError,
     grpc.StatusCode.FAILED_PRECONDITION: IsADirectoryError,
@@ -120,9 +138,10 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> OSError:
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     message = f"{what}: {details}" if what else details
     exc_type = _FROM_STATUS.get(code, StoreError)
-    if exc_type in (FileNotFoundError, PermissionError, IsADirectoryError):
+    if exc_type in (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError):
         errno_for = {
             FileNotFoundError: errno.ENOENT,
+            FileExistsError: errno.EEXIST,
             PermissionError: errno.EACCES,
             IsADirectoryError: errno.EISDIR,
         }

@@ -1,0 +1,188 @@
+"""Commands a shell user runs against the master: status, mount, unmount, mounts.
+
+Exit codes: 0 done; 1 the master refused (unknown mount, already exists, bad request);
+2 bad usage; 3 the master could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import grpc
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+TOKEN_HEADER = "x-cachefs-token"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class _Master:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from cachefs.proto import master_pb2_grpc
+
+        address = args.master or os.environ.get("CACHEFS_MASTER", "127.0.0.1:19998")
+        token = args.cluster_token or os.environ.get("CACHEFS_CLUSTER_TOKEN", "")
+        self.address = address
+        self.metadata = ((TOKEN_HEADER, token),) if token else ()
+        self.timeout = args.timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = master_pb2_grpc.MasterServiceStub(self.channel)
+
+    def call(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+
+
+def _run(args: argparse.Namespace, action) -> int:
+    master = _Master(args)
+    try:
+        return action(master)
+    except grpc.RpcError as err:
+        code = err.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            print(f"cachefs: cannot reach the master at {master.address}: {err.details()}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        print(f"cachefs: {code.name.lower().replace('_', ' ')}: {err.details()}", file=sys.stderr)
+        return EXIT_REFUSED
+    finally:
+        master.channel.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cachefs.proto import master_pb2
+
+    def action(master: _Master) -> int:
+        view = master.call("GetView", master_pb2.GetViewRequest())
+        now = time.time()
+        workers = []
+        for w in view.workers:
+            s = w.stats
+            lookups = s.hits + s.misses
+            workers.append({
+                "worker_id": w.worker_id, "address": w.address, "capacity_bytes": s.capacity_bytes,
+                "used_bytes": s.used_bytes, "pages": s.pages,
+                "hit_ratio": round(s.hits / lookups, 4) if lookups else None,
+                "heartbeat_age_s": round(max(0.0, now - w.last_heartbeat), 1) if w.last_heartbeat else None,
+            })
+        if args.json:
+            print(json.dumps({"master": master.address, "view_version": view.version, "workers": workers,
+                              "mounts": [m.name for m in view.mounts]}, indent=2))
+            return EXIT_OK
+        print(f"master {master.address}  view {view.version}  {len(workers)} live worker(s)  "
+              f"{len(view.mounts)} mount(s)")
+        if workers:
+            print(f"{'worker':18} {'address':24} {'used':>11} {'capacity':>11} {'pages':>8} {'hit ratio':>9} {'heartbeat':>9}")
+            for w in workers:
+                ratio = "-" if w["hit_ratio"] is None else f"{w['hit_ratio']:.3f}"
+                age = "-" if w["heartbeat_age_s"] is None else f"{w['heartbeat_age_s']}s ago"
+                print(f"{w['worker_id']:18} {w['address']:24} {_human(w['used_bytes']):>11} "
+                      f"{_human(w['capacity_bytes']):>11} {w['pages']:>8} {ratio:>9} {age:>9}")
+        return EXIT_OK
+
+    return _run(args, action)
+
+
+def cmd_mounts(args: argparse.Namespace) -> int:
+    from cachefs.proto import master_pb2
+
+    def action(master: _Master) -> int:
+        resp = master.call("GetMounts", master_pb2.GetMountsRequest())
+        rows = [{"name": m.name, "url": m.url, "read_only": m.read_only,
+                 "options": json.loads(m.options_json or "{}")} for m in resp.mounts]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                flags = " (read-only)" if r["read_only"] else ""
+                print(f"{r['name']:20} {r['url']}{flags}")
+        return EXIT_OK
+
+    return _run(args, action)
+
+
+def _parse_options(pairs: list[str], options_json: str | None) -> dict[str, Any]:
+    options: dict[str, Any] = json.loads(options_json) if options_json else {}
+    if not isinstance(options, dict):
+        raise ValueError("--options-json must be a JSON object")
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)  # numbers, booleans, objects
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from cachefs.proto import master_pb2
+
+    try:
+        options = _parse_options(args.option, args.options_json)
+    except ValueError as exc:
+        print(f"cachefs mount: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    def action(master: _Master) -> int:
+        resp = master.call("AddMount", master_pb2.AddMountRequest(
+            name=args.name, url=args.url, options_json=json.dumps(options), read_only=args.read_only,
+            replace=args.replace))
+        print(f"mounted {args.name} -> {args.url} (mounts version {resp.mounts_version})")
+        return EXIT_OK
+
+    return _run(args, action)
+
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    from cachefs.proto import master_pb2
+
+    def action(master: _Master) -> int:
+        resp = master.call("RemoveMount", master_pb2.RemoveMountRequest(name=args.name))
+        print(f"unmounted {args.name} (mounts version {resp.mounts_version})")
+        return EXIT_OK
+
+    return _run(args, action)
+
+
+def add_master_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--master", help="master HOST:PORT (default: $CACHEFS_MASTER or 127.0.0.1:19998)")
+    parser.add_argument("--cluster-token", help="cluster token (default: $CACHEFS_CLUSTER_TOKEN)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the master")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="workers, liveness, capacity, use, hit ratio")
+    add_master_options(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("mounts", help="list the mount table")
+    add_master_options(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_mounts)
+
+    p = sub.add_parser("mount", help="mount an fsspec URL under a name")
+    add_master_options(p)
+    p.add_argument("name")
+    p.add_argument("url", help="e.g. s3://bucket/prefix or /data/dir")
+    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="filesystem option (repeatable)")
+    p.add_argument("--options-json", help="filesystem options as one JSON object")
+    p.add_argument("--read-only", action="store_true")
+    p.add_argument("--replace", action="store_true", help="replace a mount of the same name")
+    p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser("unmount", help="remove a mount")
+    add_master_options(p)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_unmount)
