@@ -32,6 +32,8 @@ class DaemonProcess:
         return self.proc.pid
 
     def start(self, timeout: float = 60.0) -> "DaemonProcess":
+        if self.log_path:
+            os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
         stderr = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
