@@ -33,13 +33,16 @@ class ViewWatcher:
         self._thread: threading.Thread | None = None
         self._call: grpc.Future | None = None
         self.version = 0
+        self.master_id = ""
 
     def _deliver(self, view: master_pb2.ClusterView) -> bool:
         callback = self._on_view()
         if callback is None:
             return False
-        if view.version > self.version:
-            self.version = view.version
+        # Newer views only; but a different master (its state lost and rebuilt) starts its own
+        # numbering, so a new master_id is always taken.
+        if view.version > self.version or view.master_id != self.master_id:
+            self.version, self.master_id = view.version, view.master_id
             callback(view)
         return True
 

@@ -93,6 +93,7 @@ class Registrar:
         resp = self._stub.RegisterWorker(master_pb2.RegisterWorkerRequest(worker=info),
                                          timeout=self._rpc_timeout, metadata=self._metadata)
         self.heartbeat_seconds = max(0.05, resp.heartbeat_seconds or self.heartbeat_seconds)
+        self._mounts_version = -1  # (re)registered: maybe with a master that lost its state; re-read
         self._sync_mounts(resp.mounts_version)
         self.registered.set()
         log.info("registered with master %s as %s (%s)", self.master, self.worker_id, self.address)

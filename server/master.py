@@ -1,0 +1,145 @@
+"""The master daemon: wires config -> durable state, membership, view version, gRPC, metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from prometheus_client import start_http_server
+
+from cachefs.config import MasterConfig
+from cachefs.proto import master_pb2_grpc
+from cachefs.server.master_metrics import MasterFigures, MasterMetrics
+from cachefs.server.master_service import MasterServicer
+from cachefs.server.masterstate import MasterState
+from cachefs.server.membership import Membership
+from cachefs.server.viewversion import BOOT_SHIFT, ViewVersion
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [("grpc.so_reuseport", 0)]
+# Open WatchView streams each hold a server thread; they get their own share of the pool
+# (threads start lazily) so unary calls (heartbeats above all) always find a free one.
+MAX_WATCHERS = 256
+
+
+class Master:
+    """One master. ``start()`` binds its ports (port 0 = pick one) and reports them as attributes."""
+
+    def __init__(
+        self,
+        config: MasterConfig,
+        clock: Callable[[], float] = time.monotonic,
+        max_watchers: int = MAX_WATCHERS,
+        watch_poll_seconds: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.Server | None = None
+        self._metrics_http = None
+        self._stopping = threading.Event()
+        self.state = MasterState(config.state_dir)
+        self.master_id = self.state.master_id
+        added = self.state.ensure_mounts(config.mounts)
+        if added:
+            log.info("added configured mounts %s", ", ".join(added))
+        self.versions = ViewVersion(base=self.state.boot << BOOT_SHIFT)
+        self.membership = Membership(config.lease_seconds, self.versions, clock=clock)
+        self.metrics = MasterMetrics()
+        self.metrics.watch(self._figures)
+        self._max_watchers = max_watchers
+        self.servicer = MasterServicer(
+            config, self.master_id, self.state, self.membership, self.versions, self.metrics, self._stopping,
+            max_watchers=max_watchers, watch_poll_seconds=watch_poll_seconds,
+        )
+
+    def _figures(self) -> MasterFigures:
+        version, mounts = self.state.mounts()
+        return MasterFigures(self.membership.stats(), self.versions.value, len(mounts), version)
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("master is not started")
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def start(self) -> "Master":
+        threads = self.config.rpc_threads + self._max_watchers
+        server = grpc.server(
+            ThreadPoolExecutor(threads, thread_name_prefix="cachefs-master-rpc"),
+            options=GRPC_OPTIONS,
+            maximum_concurrent_rpcs=threads,
+        )
+        master_pb2_grpc.add_MasterServiceServicer_to_server(self.servicer, server)
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        server.start()
+        self._server, self.port = server, port
+        self.membership.start_reaper()
+        if self.config.metrics_port >= 0:
+            self._metrics_http, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
+            )
+            self.metrics_port = self._metrics_http.server_port
+        log.info("master %s serving on %s (metrics port %s)", self.master_id, self.address, self.metrics_port)
+        if not self.config.cluster_token and self.config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("no cluster token: anyone who reaches %s may register workers, change mounts "
+                        "and read mount credentials", self.address)
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Graceful: end watch streams, refuse new RPCs, let running ones finish within ``grace``."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self.versions.wake_all()
+        grace = self.config.shutdown_grace if grace is None else grace
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 1)
+        self.membership.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        self.state.close()
+        log.info("master %s stopped", self.master_id)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stopping.wait(timeout)
+
+    def __enter__(self) -> "Master":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(config: MasterConfig) -> int:
+    """Run a master until SIGTERM/SIGINT; prints one JSON line with its ports when ready."""
+    master = Master(config).start()
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop_requested.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        print(json.dumps({"event": "ready", "master_id": master.master_id, "address": master.address,
+                          "port": master.port, "metrics_port": master.metrics_port}), flush=True)
+        while not stop_requested.wait(1.0):
+            pass
+    finally:
+        master.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(json.dumps({"event": "stopped", "master_id": master.master_id}), file=sys.stdout, flush=True)
+    return 0

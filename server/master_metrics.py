@@ -1,0 +1,68 @@
+"""The master's Prometheus metrics, in a registry of its own (no process-global state).
+
+Figures that membership and the state already keep (live workers, registrations,
+expirations, versions, mounts) are read from them at scrape time by a collector rather
+than mirrored on every change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cachefs.server.membership import MembershipStats
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+
+@dataclass(frozen=True)
+class MasterFigures:
+    membership: MembershipStats
+    view_version: int
+    mounts: int
+    mounts_version: int
+
+
+class _MasterCollector(Collector):
+    def __init__(self, figures: Callable[[], MasterFigures]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        f = self._figures()
+        m = f.membership
+        yield GaugeMetricFamily("cachefs_master_workers_live", "Workers whose lease holds.", value=m.live)
+        yield GaugeMetricFamily("cachefs_master_view_version", "Version of the cluster view.", value=f.view_version)
+        yield GaugeMetricFamily("cachefs_master_mounts", "Mounts in the mount table.", value=f.mounts)
+        yield GaugeMetricFamily(
+            "cachefs_master_mounts_version", "Version of the durable mount table.", value=f.mounts_version
+        )
+        yield CounterMetricFamily(
+            "cachefs_master_registrations", "Worker registrations (joins and re-joins).", value=m.registrations
+        )
+        yield CounterMetricFamily("cachefs_master_heartbeats", "Accepted worker heartbeats.", value=m.heartbeats)
+        yield CounterMetricFamily(
+            "cachefs_master_expirations", "Workers removed from the view because their lease ran out.",
+            value=m.expirations,
+        )
+
+
+class MasterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.request_seconds = Histogram(
+            "cachefs_master_request_seconds", "Unary RPC latency by method (watch streams are not timed).",
+            ["method"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.requests = Counter(
+            "cachefs_master_requests", "RPCs by method and status code.", ["method", "code"], registry=r
+        )
+        self.watchers = Gauge("cachefs_master_watchers", "Open WatchView streams.", registry=r)
+        self.views_sent = Counter("cachefs_master_views_sent", "Views sent on WatchView streams.", registry=r)
+
+    def watch(self, figures: Callable[[], MasterFigures]) -> None:
+        self.registry.register(_MasterCollector(figures))

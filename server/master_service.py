@@ -1,0 +1,294 @@
+"""The master's gRPC service: membership, the watched cluster view, and the mount table.
+
+Every exception becomes a precise status through the table in ``cachefs/errors.py``.
+Calls that change who serves data or that hand out credentials (RegisterWorker, Heartbeat,
+AddMount, RemoveMount, GetMounts with credentials) need the cluster token when one is set;
+reading the public view does not. Credentials never appear in a log line or an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import fsspec
+import grpc
+
+from cachefs.config import MasterConfig
+from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError, to_status
+from cachefs.mounts import MountSpec, redact
+from cachefs.paths import validate_mount_name
+from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc
+from cachefs.server.master_metrics import MasterMetrics
+from cachefs.server.masterstate import MasterState
+from cachefs.server.membership import Member, Membership
+from cachefs.server.viewversion import ViewVersion
+
+log = logging.getLogger(__name__)
+
+# gRPC metadata key that carries the cluster token: ``[(TOKEN_METADATA, token)]``.
+TOKEN_METADATA = "x-cachefs-token"
+MAX_WORKER_ID = 128
+
+
+def _rpc(method: str, streaming: bool = False) -> Callable:
+    """Count the call (and time it if unary); turn any exception into a status with its message."""
+
+    def decorate(fn: Callable) -> Callable:
+        def fail(self: "MasterServicer", context: grpc.ServicerContext, exc: Exception) -> None:
+            code = to_status(exc)
+            self.metrics.requests.labels(method, code.name).inc()
+            if not isinstance(exc, OSError):  # a bug, not a request problem: keep the trace
+                log.exception("%s failed", method)
+            elif code == grpc.StatusCode.INTERNAL:
+                log.warning("%s failed: %s", method, exc)
+            context.abort(code, str(exc) or type(exc).__name__)
+
+        if streaming:
+            @functools.wraps(fn)
+            def stream(self: "MasterServicer", request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from fn(self, request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    fail(self, context, exc)
+                else:
+                    self.metrics.requests.labels(method, "OK").inc()
+
+            return stream
+
+        @functools.wraps(fn)
+        def unary(self: "MasterServicer", request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                result = fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                fail(self, context, exc)
+            else:
+                self.metrics.requests.labels(method, "OK").inc()
+                return result
+            finally:
+                self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
+
+        return unary
+
+    return decorate
+
+
+def mount_info(spec: MountSpec, with_credentials: bool = False) -> common_pb2.MountInfo:
+    """The wire form of a mount; without ``with_credentials`` its options are redacted."""
+    options = dict(spec.options) if with_credentials else redact(spec.options)
+    return common_pb2.MountInfo(
+        name=spec.name, url=spec.url, options_json=json.dumps(options, sort_keys=True, default=str),
+        read_only=spec.read_only,
+    )
+
+
+def worker_info(member: Member) -> master_pb2.WorkerInfo:
+    info = master_pb2.WorkerInfo(
+        worker_id=member.worker_id, address=member.address, version=member.version,
+        registered_at=member.registered_at, last_heartbeat=member.last_heartbeat,
+    )
+    if member.stats is not None:
+        info.stats.CopyFrom(member.stats)
+    return info
+
+
+def check_worker_id(worker_id: str) -> str:
+    if not worker_id:
+        raise InvalidPathError("worker_id is empty")
+    if len(worker_id) > MAX_WORKER_ID or not worker_id.isprintable() or any(c.isspace() for c in worker_id):
+        raise InvalidPathError(f"worker_id must be 1-{MAX_WORKER_ID} printable characters without spaces")
+    return worker_id
+
+
+def check_address(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in address):
+        raise InvalidPathError(f"address {address!r} is not HOST:PORT")
+    return address
+
+
+def parse_mount(request: master_pb2.AddMountRequest) -> MountSpec:
+    """Validate an AddMount request. Messages name the field, never echo the options."""
+    validate_mount_name(request.name)
+    if not request.url:
+        raise InvalidPathError(f"mount {request.name!r}: url is empty")
+    try:
+        options = json.loads(request.options_json) if request.options_json else {}
+    except ValueError:
+        raise InvalidPathError(f"mount {request.name!r}: options_json is not valid JSON") from None
+    if not isinstance(options, dict):
+        raise InvalidPathError(f"mount {request.name!r}: options_json must be a JSON object")
+    protocol = fsspec.core.split_protocol(request.url)[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError):
+        raise InvalidPathError(f"mount {request.name!r}: no filesystem for protocol {protocol!r}") from None
+    return MountSpec(request.name, request.url, options, request.read_only)
+
+
+class MasterServicer(master_pb2_grpc.MasterServiceServicer):
+    def __init__(
+        self,
+        config: MasterConfig,
+        master_id: str,
+        state: MasterState,
+        membership: Membership,
+        versions: ViewVersion,
+        metrics: MasterMetrics,
+        stopping: threading.Event,
+        max_watchers: int = 256,
+        watch_poll_seconds: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.master_id = master_id
+        self.state = state
+        self.membership = membership
+        self.versions = versions
+        self.metrics = metrics
+        self.stopping = stopping
+        self.max_watchers = max_watchers
+        self.watch_poll_seconds = watch_poll_seconds
+        self._watch_lock = threading.Lock()
+        self._watchers = 0
+
+    # -- helpers --
+
+    def _authorize(self, context: grpc.ServicerContext, what: str) -> None:
+        token = self.config.cluster_token
+        if not token:
+            return
+        presented = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == TOKEN_METADATA:
+                presented = value if isinstance(value, str) else value.decode("utf-8", "replace")
+                break
+        if not hmac.compare_digest(presented.encode(), token.encode()):
+            raise UnauthenticatedError(f"{what} needs the cluster token (gRPC metadata {TOKEN_METADATA!r})")
+
+    def build_view(self) -> master_pb2.ClusterView:
+        # The version is read first: the contents are then at least that new, so a watcher
+        # may see a change twice but never misses one.
+        version = self.versions.value
+        workers = [worker_info(m) for m in self.membership.live()]
+        _, mounts = self.state.mounts()
+        return master_pb2.ClusterView(
+            version=version,
+            workers=workers,
+            mounts=[mount_info(spec) for spec in mounts],
+            ring=master_pb2.RingSettings(vnodes=self.config.vnodes, stripe_size=self.config.stripe_size),
+            master_id=self.master_id,
+        )
+
+    @contextlib.contextmanager
+    def _watch_slot(self) -> Iterator[None]:
+        """Each watch holds a server thread: cap them so heartbeats always find one."""
+        with self._watch_lock:
+            if self._watchers >= self.max_watchers:
+                raise OverloadedError(f"too many open WatchView streams ({self.max_watchers}); retry later")
+            self._watchers += 1
+        self.metrics.watchers.inc()
+        try:
+            yield
+        finally:
+            with self._watch_lock:
+                self._watchers -= 1
+            self.metrics.watchers.dec()
+
+    # -- membership --
+
+    @_rpc("RegisterWorker")
+    def RegisterWorker(
+        self, request: master_pb2.RegisterWorkerRequest, context: grpc.ServicerContext
+    ) -> master_pb2.RegisterWorkerResponse:
+        self._authorize(context, "RegisterWorker")
+        info = request.worker
+        check_worker_id(info.worker_id)
+        check_address(info.address)
+        stats = master_pb2.WorkerStats()
+        stats.CopyFrom(info.stats)
+        self.membership.register(info.worker_id, info.address, info.version, stats)
+        return master_pb2.RegisterWorkerResponse(
+            lease_seconds=self.config.lease_seconds,
+            heartbeat_seconds=self.config.heartbeat_seconds,
+            view_version=self.versions.value,
+            mounts_version=self.state.mounts_version,
+        )
+
+    @_rpc("Heartbeat")
+    def Heartbeat(
+        self, request: master_pb2.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> master_pb2.HeartbeatResponse:
+        self._authorize(context, "Heartbeat")
+        check_worker_id(request.worker_id)
+        stats = None
+        if request.HasField("stats"):
+            stats = master_pb2.WorkerStats()
+            stats.CopyFrom(request.stats)
+        registered = self.membership.heartbeat(request.worker_id, stats)
+        return master_pb2.HeartbeatResponse(
+            registered=registered, view_version=self.versions.value, mounts_version=self.state.mounts_version
+        )
+
+    # -- the view --
+
+    @_rpc("GetView")
+    def GetView(self, request: master_pb2.GetViewRequest, context: grpc.ServicerContext) -> master_pb2.ClusterView:
+        return self.build_view()
+
+    @_rpc("WatchView", streaming=True)
+    def WatchView(
+        self, request: master_pb2.GetViewRequest, context: grpc.ServicerContext
+    ) -> Iterator[master_pb2.ClusterView]:
+        # "Differs from" rather than "newer than": a client that holds a view from a master
+        # whose state dir was lost has a higher number than this master will reach soon.
+        with self._watch_slot():
+            context.add_callback(self.versions.wake_all)  # a cancelled watch leaves at once
+            known = request.known_version
+            while context.is_active() and not self.stopping.is_set():
+                if self.versions.value != known:
+                    view = self.build_view()
+                    known = view.version
+                    self.metrics.views_sent.inc()
+                    yield view
+                else:
+                    self.versions.wait_change(known, self.watch_poll_seconds)
+
+    # -- mounts --
+
+    @_rpc("AddMount")
+    def AddMount(self, request: master_pb2.AddMountRequest, context: grpc.ServicerContext) -> master_pb2.AddMountResponse:
+        self._authorize(context, "AddMount")
+        spec = parse_mount(request)
+        version = self.state.add_mount(spec, replace=request.replace)
+        self.versions.bump()
+        log.info("mount %s %s (%s)", spec.name, "set" if request.replace else "added",
+                 fsspec.core.split_protocol(spec.url)[0] or "file")
+        return master_pb2.AddMountResponse(mounts_version=version)
+
+    @_rpc("RemoveMount")
+    def RemoveMount(
+        self, request: master_pb2.RemoveMountRequest, context: grpc.ServicerContext
+    ) -> master_pb2.RemoveMountResponse:
+        self._authorize(context, "RemoveMount")
+        validate_mount_name(request.name)
+        version = self.state.remove_mount(request.name)
+        self.versions.bump()
+        log.info("mount %s removed", request.name)
+        return master_pb2.RemoveMountResponse(mounts_version=version)
+
+    @_rpc("GetMounts")
+    def GetMounts(self, request: master_pb2.GetMountsRequest, context: grpc.ServicerContext) -> master_pb2.GetMountsResponse:
+        if request.with_credentials:
+            self._authorize(context, "GetMounts with credentials")
+        version, mounts = self.state.mounts()
+        return master_pb2.GetMountsResponse(
+            mounts_version=version, mounts=[mount_info(s, request.with_credentials) for s in mounts]
+        )
