@@ -23,6 +23,14 @@ def _view(master: str) -> master_pb2.ClusterView:
         return master_pb2_grpc.MasterServiceStub(channel).GetView(master_pb2.GetViewRequest(), timeout=5)
 
 
+def _live(master: str) -> int:
+    """Live workers in the master's view (-1 if it did not answer: a loaded machine, not a failure)."""
+    try:
+        return len(_view(master).workers)
+    except grpc.RpcError:
+        return -1
+
+
 def _status(address: str) -> worker_pb2.WorkerStatus:
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
@@ -86,18 +94,18 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
         time.sleep(0.5)
         victim.kill()  # kill -9 under load
         # It leaves the master's view after its lease, and the client's view follows.
-        assert wait_for(lambda: len(_view(cluster.master_address).workers) == 2, timeout=10)
-        assert wait_for(lambda: victim.address not in fs._workers.addresses, timeout=10)
+        assert wait_for(lambda: _live(cluster.master_address) == 2, timeout=15)
+        assert wait_for(lambda: victim.address not in fs._workers.addresses, timeout=15)
         time.sleep(0.5)
         stop.set()
         for t in threads:
             t.join(timeout=30)
         assert not errors, errors[:3]
-        assert reads[0] > 50
+        assert reads[0] > 20, reads[0]
         # Restarted on its cache dir, it rejoins and serves its old pages without the store.
         cluster.workers[0] = restarted = cluster.start_worker(0)
-        assert wait_for(lambda: len(_view(cluster.master_address).workers) == 3, timeout=10)
-        assert wait_for(lambda: restarted.address in fs._workers.addresses, timeout=10)
+        assert wait_for(lambda: _live(cluster.master_address) == 3, timeout=15)
+        assert wait_for(lambda: restarted.address in fs._workers.addresses, timeout=15)
         for key in victim_keys:
             if fs._workers.ring.node(f"data/{key}") == restarted.address:
                 assert fs.cat_file(f"data/{key}") == dataset.objects[key]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cachefs.server.viewversion import ViewVersion
+from cachefs.server.master.viewversion import ViewVersion
 
 log = logging.getLogger(__name__)
 

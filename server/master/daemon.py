@@ -16,11 +16,11 @@ from prometheus_client import start_http_server
 
 from cachefs.config import MasterConfig
 from cachefs.proto import master_pb2_grpc
-from cachefs.server.master_metrics import MasterFigures, MasterMetrics
-from cachefs.server.master_service import MasterServicer
-from cachefs.server.masterstate import MasterState
-from cachefs.server.membership import Membership
-from cachefs.server.viewversion import BOOT_SHIFT, ViewVersion
+from cachefs.server.master.metrics import MasterFigures, MasterMetrics
+from cachefs.server.master.service import MasterServicer
+from cachefs.server.master.state import MasterState
+from cachefs.server.master.membership import Membership
+from cachefs.server.master.viewversion import BOOT_SHIFT, ViewVersion
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedErr
 from cachefs.mounts import MountSpec, redact
 from cachefs.paths import validate_mount_name
 from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc
-from cachefs.server.master_metrics import MasterMetrics
-from cachefs.server.masterstate import MasterState
-from cachefs.server.membership import Member, Membership
-from cachefs.server.viewversion import ViewVersion
+from cachefs.server.master.metrics import MasterMetrics
+from cachefs.server.master.state import MasterState
+from cachefs.server.master.membership import Member, Membership
+from cachefs.server.master.viewversion import ViewVersion
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from prometheus_client import start_http_server
 from cachefs.config import WorkerConfig
 from cachefs.mounts import MountTable
 from cachefs.proto import worker_pb2_grpc
-from cachefs.server.metrics import WorkerMetrics
+from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.objectstore import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
-from cachefs.server.reader import PageReader, ReaderOptions
-from cachefs.server.registration import Registrar, worker_stats
-from cachefs.server.service import WorkerServicer
+from cachefs.server.worker.reader import PageReader, ReaderOptions
+from cachefs.server.worker.registration import Registrar, worker_stats
+from cachefs.server.worker.service import WorkerServicer
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from cachefs.errors import InvalidPathError, StaleObjectError, to_status
 from cachefs.mounts import MountTable
 from cachefs.paths import CachePath, parse_path
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from cachefs.server.metrics import WorkerMetrics
+from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.objectstore import ObjectMeta, ObjectStore
 from cachefs.server.pagestore import PageStore
-from cachefs.server.reader import PageReader
+from cachefs.server.worker.reader import PageReader
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from cachefs.errors import DeadlineExceededError, StaleObjectError, WorkerUnavailableError
-from cachefs.server.metrics import WorkerMetrics
+from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.objectstore import ObjectMeta, ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
 
