@@ -1,11 +1,133 @@
 from cachefs.proto import common_pb2 as _common_pb2
+from cachefs.proto import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_KIND_UNSPECIFIED: _ClassVar[JobKind]
+    LOAD: _ClassVar[JobKind]
+    FREE: _ClassVar[JobKind]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    PENDING: _ClassVar[JobState]
+    RUNNING: _ClassVar[JobState]
+    SUCCEEDED: _ClassVar[JobState]
+    FAILED: _ClassVar[JobState]
+    CANCELLED: _ClassVar[JobState]
+JOB_KIND_UNSPECIFIED: JobKind
+LOAD: JobKind
+FREE: JobKind
+JOB_STATE_UNSPECIFIED: JobState
+PENDING: JobState
+RUNNING: JobState
+SUCCEEDED: JobState
+FAILED: JobState
+CANCELLED: JobState
+
+class StatRequest(_message.Message):
+    __slots__ = ("path", "refresh")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    refresh: bool
+    def __init__(self, path: _Optional[str] = ..., refresh: _Optional[bool] = ...) -> None: ...
+
+class WorkerShare(_message.Message):
+    __slots__ = ("worker_id", "address", "cached_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    cached_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
+
+class StatResponse(_message.Message):
+    __slots__ = ("info", "objects", "total_bytes", "cached_bytes", "workers", "truncated")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.ObjectInfo
+    objects: int
+    total_bytes: int
+    cached_bytes: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerShare]
+    truncated: bool
+    def __init__(self, info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., objects: _Optional[int] = ..., total_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerShare, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "kind", "path", "replicas", "state", "objects_total", "objects_done", "objects_failed", "bytes_total", "bytes_done", "bytes_skipped", "error", "created_at", "updated_at", "finished_at")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_DONE_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    kind: JobKind
+    path: str
+    replicas: int
+    state: JobState
+    objects_total: int
+    objects_done: int
+    objects_failed: int
+    bytes_total: int
+    bytes_done: int
+    bytes_skipped: int
+    error: str
+    created_at: float
+    updated_at: float
+    finished_at: float
+    def __init__(self, job_id: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., path: _Optional[str] = ..., replicas: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., objects_total: _Optional[int] = ..., objects_done: _Optional[int] = ..., objects_failed: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_skipped: _Optional[int] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("kind", "path", "replicas")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    kind: JobKind
+    path: str
+    replicas: int
+    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., path: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("active_only",)
+    ACTIVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    active_only: bool
+    def __init__(self, active_only: _Optional[bool] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "bytes_from_cache", "bytes_from_store")

@@ -3,7 +3,9 @@
 import grpc
 import warnings
 
+from cachefs.proto import common_pb2 as cachefs_dot_proto_dot_common__pb2
 from cachefs.proto import master_pb2 as cachefs_dot_proto_dot_master__pb2
+from cachefs.proto import worker_pb2 as cachefs_dot_proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -69,6 +71,41 @@ class MasterServiceStub:
                 request_serializer=cachefs_dot_proto_dot_master__pb2.GetMountsRequest.SerializeToString,
                 response_deserializer=cachefs_dot_proto_dot_master__pb2.GetMountsResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/cachefs.v1.MasterService/GetInfo',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
+                _registered_method=True)
+        self.List = channel.unary_stream(
+                '/cachefs.v1.MasterService/List',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.ListRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.ListResponse.FromString,
+                _registered_method=True)
+        self.Stat = channel.unary_unary(
+                '/cachefs.v1.MasterService/Stat',
+                request_serializer=cachefs_dot_proto_dot_master__pb2.StatRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_master__pb2.StatResponse.FromString,
+                _registered_method=True)
+        self.SubmitJob = channel.unary_unary(
+                '/cachefs.v1.MasterService/SubmitJob',
+                request_serializer=cachefs_dot_proto_dot_master__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_master__pb2.Job.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/cachefs.v1.MasterService/GetJob',
+                request_serializer=cachefs_dot_proto_dot_master__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_master__pb2.Job.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/cachefs.v1.MasterService/ListJobs',
+                request_serializer=cachefs_dot_proto_dot_master__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_master__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/cachefs.v1.MasterService/CancelJob',
+                request_serializer=cachefs_dot_proto_dot_master__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_master__pb2.Job.FromString,
+                _registered_method=True)
 
 
 class MasterServiceServicer:
@@ -120,6 +157,52 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """The metadata and listing cache over the object stores (TTL, explicit refresh), so that a
+        huge prefix is listed once, not by every client.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stat(self, request, context):
+        """How much of a path is cached, and where.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitJob(self, request, context):
+        """Cluster jobs: load (preload a prefix across workers by placement) and free (evict it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +240,41 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.GetMounts,
                     request_deserializer=cachefs_dot_proto_dot_master__pb2.GetMountsRequest.FromString,
                     response_serializer=cachefs_dot_proto_dot_master__pb2.GetMountsResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.SerializeToString,
+            ),
+            'List': grpc.unary_stream_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.ListRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.ListResponse.SerializeToString,
+            ),
+            'Stat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stat,
+                    request_deserializer=cachefs_dot_proto_dot_master__pb2.StatRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_master__pb2.StatResponse.SerializeToString,
+            ),
+            'SubmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=cachefs_dot_proto_dot_master__pb2.SubmitJobRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_master__pb2.Job.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=cachefs_dot_proto_dot_master__pb2.GetJobRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_master__pb2.Job.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=cachefs_dot_proto_dot_master__pb2.ListJobsRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_master__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=cachefs_dot_proto_dot_master__pb2.GetJobRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_master__pb2.Job.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +466,195 @@ class MasterService:
             '/cachefs.v1.MasterService/GetMounts',
             cachefs_dot_proto_dot_master__pb2.GetMountsRequest.SerializeToString,
             cachefs_dot_proto_dot_master__pb2.GetMountsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.MasterService/GetInfo',
+            cachefs_dot_proto_dot_worker__pb2.InfoRequest.SerializeToString,
+            cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cachefs.v1.MasterService/List',
+            cachefs_dot_proto_dot_worker__pb2.ListRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.MasterService/Stat',
+            cachefs_dot_proto_dot_master__pb2.StatRequest.SerializeToString,
+            cachefs_dot_proto_dot_master__pb2.StatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.MasterService/SubmitJob',
+            cachefs_dot_proto_dot_master__pb2.SubmitJobRequest.SerializeToString,
+            cachefs_dot_proto_dot_master__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.MasterService/GetJob',
+            cachefs_dot_proto_dot_master__pb2.GetJobRequest.SerializeToString,
+            cachefs_dot_proto_dot_master__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.MasterService/ListJobs',
+            cachefs_dot_proto_dot_master__pb2.ListJobsRequest.SerializeToString,
+            cachefs_dot_proto_dot_master__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.MasterService/CancelJob',
+            cachefs_dot_proto_dot_master__pb2.GetJobRequest.SerializeToString,
+            cachefs_dot_proto_dot_master__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,

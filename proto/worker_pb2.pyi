@@ -92,3 +92,45 @@ class WorkerStatus(_message.Message):
     bytes_from_cache: int
     bytes_from_store: int
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("paths",)
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("objects_loaded", "bytes_loaded", "bytes_skipped", "failed")
+    OBJECTS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    objects_loaded: int
+    bytes_loaded: int
+    bytes_skipped: int
+    failed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, objects_loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_skipped: _Optional[int] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("pages_freed",)
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    pages_freed: int
+    def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
+
+class GetCachedRequest(_message.Message):
+    __slots__ = ("paths",)
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetCachedResponse(_message.Message):
+    __slots__ = ("cached_bytes",)
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    cached_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cached_bytes: _Optional[_Iterable[int]] = ...) -> None: ...

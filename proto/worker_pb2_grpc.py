@@ -65,6 +65,21 @@ class WorkerServiceStub:
                 request_serializer=cachefs_dot_proto_dot_worker__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=cachefs_dot_proto_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/cachefs.v1.WorkerService/Load',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.LoadResponse.FromString,
+                _registered_method=True)
+        self.Free = channel.unary_unary(
+                '/cachefs.v1.WorkerService/Free',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.FreeRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.FreeResponse.FromString,
+                _registered_method=True)
+        self.GetCached = channel.unary_unary(
+                '/cachefs.v1.WorkerService/GetCached',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.GetCachedRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.GetCachedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -111,6 +126,26 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """Cluster jobs (the master calls these): bring whole objects into this worker's cache
+        (pages already cached are skipped), drop a prefix's pages, and say what is cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Free(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCached(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +178,21 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=cachefs_dot_proto_dot_worker__pb2.GetStatusRequest.FromString,
                     response_serializer=cachefs_dot_proto_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.LoadRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.LoadResponse.SerializeToString,
+            ),
+            'Free': grpc.unary_unary_rpc_method_handler(
+                    servicer.Free,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.FreeRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.FreeResponse.SerializeToString,
+            ),
+            'GetCached': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCached,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.GetCachedRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.GetCachedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +357,87 @@ class WorkerService:
             '/cachefs.v1.WorkerService/GetStatus',
             cachefs_dot_proto_dot_worker__pb2.GetStatusRequest.SerializeToString,
             cachefs_dot_proto_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/Load',
+            cachefs_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Free(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/Free',
+            cachefs_dot_proto_dot_worker__pb2.FreeRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.FreeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCached(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/GetCached',
+            cachefs_dot_proto_dot_worker__pb2.GetCachedRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.GetCachedResponse.FromString,
             options,
             channel_credentials,
             insecure,
