@@ -111,12 +111,35 @@ def master_process(state_dir: str, extra: list[str] | None = None, log_path: str
                          log_path=log_path)
 
 
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def _mounts_toml(mounts: dict[str, Any]) -> str:
+    """``{name: url}`` or ``{name: {"url":..., "options":..., "read_only":...}}`` as TOML tables."""
+    lines = []
+    for name, spec in mounts.items():
+        spec = {"url": spec} if isinstance(spec, str) else dict(spec)
+        lines.append(f"[mounts.{json.dumps(name)}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in spec.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
 class LocalCluster:
     """A master and N workers as child processes on this machine (``cachefs local``, demo, tests)."""
 
-    def __init__(self, workdir: str, workers: int = 2, mounts: dict[str, str] | None = None,
+    def __init__(self, workdir: str, workers: int = 2, mounts: dict[str, Any] | None = None,
                  quota: str = "2GiB", worker_args: list[str] | None = None, master_args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, master_port: int = 0) -> None:
         if workers < 1:
             raise ValueError("a local cluster needs at least one worker")
         self.workdir = workdir
@@ -126,6 +149,7 @@ class LocalCluster:
         self.worker_args = list(worker_args or [])
         self.master_args = list(master_args or [])
         self.env = env
+        self.master_port = master_port  # 0: a free one; a fixed one lets a restarted master keep its address
         self.master: DaemonProcess | None = None
         self.workers: list[DaemonProcess] = []
 
@@ -137,17 +161,28 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> "LocalCluster":
         os.makedirs(self.workdir, exist_ok=True)
         master_args = list(self.master_args)
-        for name, url in self.mounts.items():
-            master_args += ["--mount", f"{name}={url}"]
+        if self.mounts:
+            # Mounts with options (credentials) go in a config file, never on a command line.
+            path = os.path.join(self.workdir, "master.toml")
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(_mounts_toml(self.mounts))
+            master_args += ["--config", path]
+        self._master_args = master_args
         try:
-            self.master = master_process(os.path.join(self.workdir, "master"), master_args,
-                                         log_path=os.path.join(self.workdir, "master.log"), env=self.env).start(timeout)
+            self.master = self.start_master(timeout)
             for i in range(self.n_workers):
                 self.workers.append(self.start_worker(i, timeout))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_master(self, timeout: float = 60.0) -> DaemonProcess:
+        """The master (again, after a stop: same state dir, same port if one was chosen)."""
+        master = master_process(os.path.join(self.workdir, "master"), self._master_args,
+                                log_path=os.path.join(self.workdir, "master.log"), env=self.env)
+        master.args[master.args.index("--port") + 1] = str(self.master_port)
+        return master.start(timeout)
 
     def start_worker(self, i: int, timeout: float = 60.0) -> DaemonProcess:
         """Worker ``i`` (its cache dir is kept across restarts, so it rejoins with its pages)."""

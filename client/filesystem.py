@@ -128,7 +128,14 @@ class CacheFileSystem(AsyncFileSystem):
         """A newer cluster view: route by its live workers and ring settings from now on."""
         ring = RingConfig(vnodes=view.ring.vnodes or RingConfig().vnodes,
                           stripe_size=view.ring.stripe_size or self.config.stripe_size)
-        self._workers.update([w.address for w in view.workers], ring)
+        if view.workers or not self._workers:
+            self._workers.update([w.address for w in view.workers], ring)
+        else:
+            # No live workers: a master that just restarted (workers have not re-registered
+            # yet), or a cluster that is really down. Either way the last workers are the best
+            # bet: dead ones fail fast behind their breakers, and fallback still applies.
+            log.warning("cluster view %d has no workers; keeping the last %d", view.version,
+                        len(self._workers.addresses))
         self._view = view
         log.debug("cluster view %d: %d workers", view.version, len(view.workers))
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 
-from cachefs.local import LocalCluster, master_process
+from cachefs.local import LocalCluster
 from cachefs.proto import master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
 from helpers import client, payload, wait_for
@@ -37,15 +36,52 @@ def _status(address: str) -> worker_pb2.WorkerStatus:
 
 
 @pytest.fixture
-def dataset(local_store):
+def dataset(store):
+    """30 objects in a local directory, and (second run) in moto S3."""
     for i in range(30):
-        local_store.add(f"d/o{i:02d}.bin", payload(20_000 + 97 * i, i))
-    return local_store
+        store.add(f"d/o{i:02d}.bin", payload(20_000 + 97 * i, i))
+    return store
+
+
+def _mounts(store) -> dict:
+    return {"data": {"url": store.mount.url, "options": dict(store.mount.options)}}
+
+
+class _ReadLoop:
+    """Readers that check every byte, in threads, until stopped; errors are collected."""
+
+    def __init__(self, fs, objects: dict[str, bytes], threads: int = 4) -> None:
+        self.fs, self.objects, self.keys = fs, objects, sorted(objects)
+        self.errors: list[BaseException] = []
+        self.reads = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(s,)) for s in range(threads)]
+
+    def _run(self, seed: int) -> None:
+        i = seed
+        while not self._stop.is_set():
+            key = self.keys[i % len(self.keys)]
+            i += 7
+            try:
+                if self.fs.cat_file(f"data/{key}", 3, 15_000) != self.objects[key][3:15_000]:
+                    self.errors.append(AssertionError(f"wrong bytes for {key}"))
+                self.reads += 1
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                self.errors.append(exc)
+
+    def __enter__(self) -> "_ReadLoop":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
 
 
 def test_reads_spread_over_workers_as_placement_says(dataset, tmp_path):
-    with LocalCluster(str(tmp_path / "c"), workers=3, mounts={"data": dataset.mount.url},
-                      master_args=FAST) as cluster:
+    with LocalCluster(str(tmp_path / "c"), workers=3, mounts=_mounts(dataset), master_args=FAST) as cluster:
         assert cluster.wait_for_workers()
         fs = client(master=cluster.master_address)
         assert sorted(fs.find("data/d")) == sorted(f"data/{k}" for k in dataset.objects)
@@ -62,8 +98,7 @@ def test_reads_spread_over_workers_as_placement_says(dataset, tmp_path):
 
 
 def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
-    with LocalCluster(str(tmp_path / "c"), workers=3, mounts={"data": dataset.mount.url},
-                      master_args=FAST) as cluster:
+    with LocalCluster(str(tmp_path / "c"), workers=3, mounts=_mounts(dataset), master_args=FAST) as cluster:
         assert cluster.wait_for_workers()
         fs = client(master=cluster.master_address, timeout=5)
         keys = sorted(dataset.objects)
@@ -72,36 +107,15 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
         victim = cluster.workers[0]
         victim_keys = [k for k in keys if fs._workers.ring.node(f"data/{k}") == victim.address]
         assert victim_keys
-        errors: list[BaseException] = []
-        reads = [0]
-        stop = threading.Event()
-
-        def loop(seed: int) -> None:
-            i = seed
-            while not stop.is_set():
-                key = keys[i % len(keys)]
-                i += 7
-                try:
-                    if fs.cat_file(f"data/{key}", 3, 15_000) != dataset.objects[key][3:15_000]:
-                        errors.append(AssertionError(f"wrong bytes for {key}"))
-                    reads[0] += 1
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
-
-        threads = [threading.Thread(target=loop, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        victim.kill()  # kill -9 under load
-        # It leaves the master's view after its lease, and the client's view follows.
-        assert wait_for(lambda: _live(cluster.master_address) == 2, timeout=15)
-        assert wait_for(lambda: victim.address not in fs._workers.addresses, timeout=15)
-        time.sleep(0.5)
-        stop.set()
-        for t in threads:
-            t.join(timeout=30)
-        assert not errors, errors[:3]
-        assert reads[0] > 20, reads[0]
+        with _ReadLoop(fs, dataset.objects) as loop:
+            time.sleep(0.5)
+            victim.kill()  # kill -9 under load
+            # It leaves the master's view after its lease, and the client's view follows.
+            assert wait_for(lambda: _live(cluster.master_address) == 2, timeout=15)
+            assert wait_for(lambda: victim.address not in fs._workers.addresses, timeout=15)
+            time.sleep(0.5)
+        assert not loop.errors, loop.errors[:3]
+        assert loop.reads > 20, loop.reads
         # Restarted on its cache dir, it rejoins and serves its old pages without the store.
         cluster.workers[0] = restarted = cluster.start_worker(0)
         assert wait_for(lambda: _live(cluster.master_address) == 3, timeout=15)
@@ -120,36 +134,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_master_down_and_restarted(dataset, tmp_path):
-    port = _free_port()
-    state = str(tmp_path / "master")
-    args = [*FAST, "--mount", f"data={dataset.mount.url}"]
-    master = master_process(state, args, log_path=str(tmp_path / "m1.log"))
-    master.args[master.args.index("--port") + 1] = str(port)
-    master.start()
-    cluster = LocalCluster(str(tmp_path / "c"), workers=2, master_args=FAST)
-    cluster.master = master
+def test_master_killed_and_restarted_during_reads(dataset, tmp_path):
+    # The master must come back on the same address: give it a free port chosen up front.
+    cluster = LocalCluster(str(tmp_path / "c"), workers=2, mounts=_mounts(dataset), master_args=FAST,
+                           master_port=_free_port())
+    cluster.start()
     try:
-        cluster.workers = [cluster.start_worker(i) for i in range(2)]
         assert cluster.wait_for_workers()
-        fs = client(master=master.address, timeout=5)
+        first_id = cluster.master.ready.get("master_id")
+        fs = client(master=cluster.master_address, timeout=5)
         for key, data in dataset.objects.items():
             assert fs.cat_file(f"data/{key}") == data
-        master.kill()
-        # Clients and workers keep working from their last view.
-        for key, data in dataset.objects.items():
-            assert fs.cat_file(f"data/{key}") == data
-        dataset.add("d/new.bin", b"added while the master was down")
-        assert fs.cat_file("data/d/new.bin") == b"added while the master was down"
-        # The master comes back on the same address: mounts are durable, workers re-register.
-        master2 = master_process(state, FAST, log_path=str(tmp_path / "m2.log"))
-        master2.args[master2.args.index("--port") + 1] = str(port)
-        cluster.master = master2.start()
-        assert master2.ready.get("master_id") == master.ready.get("master_id")
-        assert cluster.wait_for_workers()
-        assert [m.name for m in _view(master2.address).mounts] == ["data"]
+        with _ReadLoop(fs, dataset.objects) as loop:
+            time.sleep(0.3)
+            cluster.master.kill()  # kill -9: clients and workers keep working from their last view
+            time.sleep(1.0)
+            reads_while_down = loop.reads
+            dataset.add("d/new.bin", b"added while the master was down")
+            assert fs.cat_file("data/d/new.bin") == b"added while the master was down"
+            cluster.master = cluster.start_master()
+            assert cluster.wait_for_workers()
+            time.sleep(0.5)
+        assert not loop.errors, loop.errors[:3]
+        assert loop.reads > reads_while_down > 0
+        # Same identity, durable mounts; the workers came back by re-registering.
+        assert cluster.master.ready.get("master_id") == first_id
+        assert [m.name for m in _view(cluster.master_address).mounts] == ["data"]
         for key, data in dataset.objects.items():
             assert fs.cat_file(f"data/{key}") == data
     finally:
         cluster.stop()
-        master.kill()

@@ -88,13 +88,15 @@ class Registrar:
             self._stop.wait(delay)
 
     def _register(self) -> None:
+        # Mounts first: once this worker is in the view, clients send it reads for them.
+        self._mounts_version = -1  # maybe a master that lost its state: re-read whatever the number
+        self._sync_mounts(None)
         info = master_pb2.WorkerInfo(worker_id=self.worker_id, address=self.address, stats=self._stats(),
                                      version=__version__)
         resp = self._stub.RegisterWorker(master_pb2.RegisterWorkerRequest(worker=info),
                                          timeout=self._rpc_timeout, metadata=self._metadata)
         self.heartbeat_seconds = max(0.05, resp.heartbeat_seconds or self.heartbeat_seconds)
-        self._mounts_version = -1  # (re)registered: maybe with a master that lost its state; re-read
-        self._sync_mounts(resp.mounts_version)
+        self._sync_mounts(resp.mounts_version)  # a mount may have changed in between
         self.registered.set()
         log.info("registered with master %s as %s (%s)", self.master, self.worker_id, self.address)
 
@@ -107,9 +109,12 @@ class Registrar:
             return
         self._sync_mounts(resp.mounts_version)
 
-    def _sync_mounts(self, version: int) -> None:
-        """Apply the master's mount table when its version moved (mounts from config stay)."""
-        if version == self._mounts_version:
+    def _sync_mounts(self, version: int | None) -> None:
+        """Apply the master's mount table when its version moved (None: fetch it regardless).
+
+        Mounts from the worker's own config stay unless the master has one of the same name.
+        """
+        if version is not None and version == self._mounts_version:
             return
         resp = self._stub.GetMounts(master_pb2.GetMountsRequest(with_credentials=True),
                                     timeout=self._rpc_timeout, metadata=self._metadata)
