@@ -1,7 +1,12 @@
-"""Commands a shell user runs against the master: status, mount, unmount, mounts.
+"""Commands a shell user runs against the master.
 
-Exit codes: 0 done; 1 the master refused (unknown mount, already exists, bad request);
-2 bad usage; 3 the master could not be reached.
+Cluster: status, mount, unmount, mounts. Data: ls, stat (through the master's metadata cache
+and the workers' reports). Jobs (cachefs/admin_jobs.py): load, free, jobs, job, cancel.
+
+Exit codes: 0 done; 1 the master refused (unknown mount or path, already exists, bad
+request) or a waited-for job did not succeed (FAILED, or cancelled elsewhere); 2 bad usage;
+3 the master could not be reached; 130 interrupted (Ctrl-C while waiting for a job, which
+cancels it).
 """
 
 from __future__ import annotations
@@ -15,16 +20,13 @@ from typing import Any
 
 import grpc
 
+from cachefs.progress import human_bytes
+
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 TOKEN_HEADER = "x-cachefs-token"
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+_human = human_bytes
 
 
 class _Master:
@@ -155,6 +157,63 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     return _run(args, action)
 
 
+def _entry(info: Any) -> dict[str, Any]:
+    from cachefs.proto import common_pb2
+
+    return {"path": info.path, "type": "directory" if info.type == common_pb2.DIRECTORY else "file",
+            "size": info.size, "version": info.version, "mtime": info.mtime}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from cachefs.proto import worker_pb2
+
+    def action(master: _Master) -> int:
+        request = worker_pb2.ListRequest(path=args.path, recursive=args.recursive, refresh=args.refresh)
+        entries = [_entry(e) for batch in master.stub.List(request, timeout=master.timeout, metadata=master.metadata)
+                   for e in batch.entries]
+        if args.json:
+            print(json.dumps(entries, indent=2))
+            return EXIT_OK
+        for e in entries:
+            if e["type"] == "directory":
+                print(f"{'DIR':>12}  {'':19}  {e['path']}/")
+            else:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["mtime"])) if e["mtime"] else "-"
+                print(f"{e['size']:>12}  {when:19}  {e['path']}")
+        return EXIT_OK
+
+    return _run(args, action)
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    from cachefs.proto import master_pb2
+
+    def action(master: _Master) -> int:
+        resp = master.call("Stat", master_pb2.StatRequest(path=args.path, refresh=args.refresh))
+        fraction = resp.cached_bytes / resp.total_bytes if resp.total_bytes else 1.0
+        out = {**_entry(resp.info), "objects": resp.objects, "total_bytes": resp.total_bytes,
+               "cached_bytes": resp.cached_bytes, "cached_fraction": round(fraction, 6),
+               "truncated": resp.truncated,
+               "workers": [{"worker_id": w.worker_id, "address": w.address, "cached_bytes": w.cached_bytes}
+                           for w in resp.workers]}
+        if args.json:
+            print(json.dumps(out, indent=2))
+            return EXIT_OK
+        kind = out["type"] + (f" ({resp.objects} objects)" if out["type"] == "directory" else "")
+        print(f"path     {resp.info.path}")
+        print(f"type     {kind}{'  (counted the first objects only: too many)' if resp.truncated else ''}")
+        print(f"size     {_human(resp.total_bytes)} ({resp.total_bytes} bytes)")
+        if resp.info.version:
+            print(f"version  {resp.info.version}")
+        print(f"cached   {fraction * 100:.1f}% ({_human(resp.cached_bytes)})")
+        for i, w in enumerate(resp.workers):
+            label = "workers " if i == 0 else ""
+            print(f"{label:8} {w.worker_id or '?':18} {w.address:24} {_human(w.cached_bytes):>11}")
+        return EXIT_OK
+
+    return _run(args, action)
+
+
 def add_master_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", help="master HOST:PORT (default: $CACHEFS_MASTER or 127.0.0.1:19998)")
     parser.add_argument("--cluster-token", help="cluster token (default: $CACHEFS_CLUSTER_TOKEN)")
@@ -186,3 +245,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_master_options(p)
     p.add_argument("name")
     p.set_defaults(func=cmd_unmount)
+
+    p = sub.add_parser("ls", help="list a path through the master's listing cache")
+    add_master_options(p)
+    p.add_argument("path", metavar="PATH", help="<mount>[/<prefix>]")
+    p.add_argument("-r", "--recursive", action="store_true", help="every object below PATH")
+    p.add_argument("--refresh", action="store_true", help="ask the store, not the master's cache")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("stat", help="size, version, fraction cached and on which workers")
+    add_master_options(p)
+    p.add_argument("path", metavar="PATH", help="an object or a prefix")
+    p.add_argument("--refresh", action="store_true", help="ask the store, not the master's cache")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_stat)
+
+    from cachefs import admin_jobs
+
+    admin_jobs.register(sub, add_master_options)

@@ -48,6 +48,7 @@ def cmd_master(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "metrics_port": args.metrics_port, "state_dir": args.state_dir,
         "lease_seconds": args.lease_seconds, "heartbeat_seconds": args.heartbeat_seconds,
         "cluster_token": args.cluster_token, "mounts": args.mount,
+        "metadata_ttl": args.metadata_ttl, "list_ttl": args.list_ttl, "job_threads": args.job_threads,
     }
     try:
         config = load_master_config(args.config, flags={k: v for k, v in flags.items() if v is not None})
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cluster-token", help="shared secret for the master (or CACHEFS_WORKER_CLUSTER_TOKEN)")
     w.set_defaults(func=cmd_worker)
 
-    m = sub.add_parser("master", help="run the master (gRPC): membership, view, mounts")
+    m = sub.add_parser("master", help="run the master (gRPC): membership, view, mounts, metadata cache, jobs")
     m.add_argument("--config", help="TOML file (settings at top level or under [master])")
     m.add_argument("--host", help="address to bind (default 127.0.0.1)")
     m.add_argument("--port", type=int, help="gRPC port (0 = pick a free one)")
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heartbeat-seconds", type=float, help="heartbeat interval given to workers")
     m.add_argument("--cluster-token", help="shared secret workers must present (or CACHEFS_MASTER_CLUSTER_TOKEN)")
     m.add_argument("--mount", action="append", metavar="NAME=URL", help="mount to add at start if absent (repeatable)")
+    m.add_argument("--metadata-ttl", type=float, help="seconds the master trusts an object's size/version")
+    m.add_argument("--list-ttl", type=float, help="seconds the master trusts a listing")
+    m.add_argument("--job-threads", type=int, help="cluster jobs (load, free) running at once")
     m.set_defaults(func=cmd_master)
 
     loc = sub.add_parser("local", help="a master and N workers on this machine, until Ctrl-C")

@@ -166,6 +166,9 @@ class MasterConfig:
     mounts: tuple[MountSpec, ...] = ()  # added at start when absent (the durable table wins)
     rpc_threads: int = 16
     shutdown_grace: float = 2.0
+    metadata_ttl: float = 30.0  # the master's metadata cache (GetInfo, Stat, job listings)
+    list_ttl: float = 30.0  # the master's listing cache (List)
+    job_threads: int = 2  # cluster jobs (load, free) running at once; more wait PENDING
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -188,6 +191,11 @@ class MasterConfig:
             raise ValueError(f"duplicate mount names: {names}")
         if self.rpc_threads < 1 or self.shutdown_grace < 0:
             raise ValueError("rpc_threads must be >= 1 and shutdown_grace >= 0")
+        for name in ("metadata_ttl", "list_ttl"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.job_threads <= 64:
+            raise ValueError(f"job_threads must be in [1, 64], got {self.job_threads}")
 
 
 _C = TypeVar("_C")
@@ -312,6 +320,9 @@ class ClientConfig:
     # Client-side mount table for fallback: {name: url} or {name: {"url":..., "options":...}}.
     # Without it, the client uses the public part of the workers' mount table (never secrets).
     fallback_mounts: Mapping[str, Any] = field(default_factory=dict)
+    # Reads this process sends to the store at once while no worker answers: a flapping
+    # cluster must not turn every DataLoader worker of every job into a stampede on the store.
+    fallback_concurrency: int = 8
     timeout: float = 30.0  # seconds for a metadata RPC; a read adds length / min_throughput
     min_throughput: int = 16 << 20  # bytes/s a read may be expected to sustain before its deadline
     block_size: int = 4 << 20  # read block of open() files
@@ -331,6 +342,8 @@ class ClientConfig:
                              "or set CACHEFS_MASTER / CACHEFS_WORKERS")
         if self.timeout <= 0:
             raise ValueError("timeout must be > 0")
+        if self.fallback_concurrency < 1:
+            raise ValueError("fallback_concurrency must be >= 1")
         if self.min_throughput <= 0:
             raise ValueError("min_throughput must be > 0")
         if self.block_size <= 0:
@@ -359,4 +372,6 @@ class ClientConfig:
             layers["fallback"] = _parse_bool(layers["fallback"])
         if "timeout" in layers:
             layers["timeout"] = float(layers["timeout"])
+        if "fallback_concurrency" in layers:
+            layers["fallback_concurrency"] = int(layers["fallback_concurrency"])
         return cls(**layers)

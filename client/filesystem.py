@@ -76,6 +76,7 @@ class CacheFileSystem(AsyncFileSystem):
         workers: str | list[str] | None = None,
         fallback: bool | None = None,
         fallback_mounts: dict[str, Any] | None = None,
+        fallback_concurrency: int | None = None,
         timeout: float | None = None,
         block_size: int | str | None = None,
         min_throughput: int | str | None = None,
@@ -91,6 +92,7 @@ class CacheFileSystem(AsyncFileSystem):
                 "workers": workers,
                 "fallback": fallback,
                 "fallback_mounts": fallback_mounts,
+                "fallback_concurrency": fallback_concurrency,
                 "timeout": timeout,
                 "block_size": block_size,
                 "min_throughput": min_throughput,
@@ -115,6 +117,7 @@ class CacheFileSystem(AsyncFileSystem):
                     self._workers = WorkerSet(list(self.config.workers), RingConfig(stripe_size=self.config.stripe_size))
                     self._fallback_store: Any = None
                     self._mounts_learned = False
+                    self._fallback_slots = threading.BoundedSemaphore(self.config.fallback_concurrency)
                     self._view: master_pb2.ClusterView | None = None
                     self._watcher: ViewWatcher | None = None
                     self._state_pid = os.getpid()
@@ -301,7 +304,7 @@ class CacheFileSystem(AsyncFileSystem):
     def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
         """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version."""
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
-        timeout = self.config.timeout + length / self.config.min_throughput
+        timeout = self._read_timeout(length)
 
         def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[bytes, int, str]:
             # The first block in one unary call (a streaming call costs a thread and ~1 ms more
@@ -333,8 +336,18 @@ class CacheFileSystem(AsyncFileSystem):
         if meta.is_dir:
             raise IsADirectoryError(f"{cp} is a directory")
         end = min(meta.size, offset + length)
-        data = store.read(meta, offset, end) if offset < end else b""
-        return data, meta.size, meta.version
+        if offset >= end:
+            return b"", meta.size, meta.version
+        if not self._fallback_slots.acquire(timeout=self._read_timeout(end - offset)):
+            raise WorkerUnavailableError(f"read {cp}: no worker answered and the store is busy with this "
+                                         f"process's other fallback reads (fallback_concurrency)")
+        try:
+            return store.read(meta, offset, end), meta.size, meta.version
+        finally:
+            self._fallback_slots.release()
+
+    def _read_timeout(self, length: int) -> float:
+        return self.config.timeout + length / self.config.min_throughput
 
     # -- the async API: the same work on a thread -------------------------------------------------
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:

@@ -233,9 +233,11 @@ def _backend_for(fs: fsspec.AbstractFileSystem) -> _Backend:
 class ObjectStore:
     """Metadata, listings and versioned ranged reads over every mount."""
 
-    def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0):
+    def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0,
+                 max_objects: int = 1_000_000):
         self.mounts = mounts
-        self._meta: TTLCache[CachePath, ObjectMeta] = TTLCache(metadata_ttl)
+        from cachefs.server.metatable import MetadataTable  # here: metatable imports ObjectMeta from this module
+        self._meta = MetadataTable(metadata_ttl, max_entries=max_objects)
         self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
         self._backends: dict[int, _Backend] = {}
 
@@ -329,6 +331,12 @@ class ObjectStore:
         """A mount changed or went away: nothing cached about it may be trusted."""
         self._meta.pop_where(lambda p: p.mount == name)
         self._lists.pop_where(lambda k: k[0].mount == name)
+
+    def forget_prefix(self, mount: str, prefix: str) -> None:
+        """Drop the metadata of every key starting with ``prefix`` (and the mount's listings),
+        so what is read or loaded after a free is looked up afresh."""
+        self._meta.pop_where(lambda p: p.mount == mount and p.key.startswith(prefix))
+        self._lists.pop_where(lambda k: k[0].mount == mount)
 
     def invalidate(self, path: CachePath) -> None:
         self._meta.pop(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import pickle
 
 import fsspec
@@ -184,3 +185,20 @@ def test_a_stopped_worker_fails_over_to_the_next_on_the_ring(local_store, make_w
     workers[0].stop(grace=0.5)
     for key, data in local_store.objects.items():  # no fallback: the ring's next worker serves
         assert fs.cat_file(f"data/{key}") == data
+
+
+def test_fallback_reads_are_bounded_per_process(make_worker):
+    from helpers import SlowMemoryFileSystem
+
+    SlowMemoryFileSystem().pipe_file("/fb/obj.bin", b"z" * 1000)
+    fs = client("127.0.0.1:1", fallback=True, fallback_concurrency=2, timeout=5,
+                fallback_mounts={"mem": "slowmem:///fb"})
+    SlowMemoryFileSystem.reset_counters()
+    results: list[bytes] = []
+    threads = [threading.Thread(target=lambda: results.append(fs.cat_file("mem/obj.bin"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [b"z" * 1000] * 8  # every read served by the store directly...
+    assert SlowMemoryFileSystem.max_active <= 2  # ...but never more than 2 at once

@@ -1,4 +1,5 @@
-"""The master daemon: wires config -> durable state, membership, view version, gRPC, metrics."""
+"""The master daemon: wires config -> durable state, membership, view version, metadata cache,
+jobs, gRPC, metrics."""
 
 from __future__ import annotations
 
@@ -16,11 +17,17 @@ from prometheus_client import start_http_server
 
 from cachefs.config import MasterConfig
 from cachefs.proto import master_pb2_grpc
+from cachefs.ring import RingConfig
+from cachefs.server.master.catalog import Catalog
+from cachefs.server.master.jobs import JobManager, JobRecord, JobSettings
+from cachefs.server.master.loadrun import LoadProgress
 from cachefs.server.master.metrics import MasterFigures, MasterMetrics
 from cachefs.server.master.service import MasterServicer
 from cachefs.server.master.state import MasterState
 from cachefs.server.master.membership import Membership
+from cachefs.server.master.stat import CacheStat
 from cachefs.server.master.viewversion import BOOT_SHIFT, ViewVersion
+from cachefs.server.master.workerstubs import WorkerStubs
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +61,35 @@ class Master:
         self.versions = ViewVersion(base=self.state.boot << BOOT_SHIFT)
         self.membership = Membership(config.lease_seconds, self.versions, clock=clock)
         self.metrics = MasterMetrics()
-        self.metrics.watch(self._figures)
         self._max_watchers = max_watchers
+        self.catalog = Catalog(self.state, config.metadata_ttl, config.list_ttl)
+        self.worker_stubs = WorkerStubs(config.cluster_token)
+        ring = RingConfig(vnodes=config.vnodes, stripe_size=config.stripe_size)
+        settle = 2 * config.heartbeat_seconds + 0.5  # every live worker has re-registered by then
+        self.jobs = JobManager(
+            self.state, self.catalog, self.membership.live, self.worker_stubs, lambda: ring,
+            JobSettings(threads=config.job_threads, settle_seconds=settle,
+                        settle_max_seconds=max(settle, 2 * config.lease_seconds)),
+            on_finish=self._job_finished,
+        )
+        self.metrics.watch(self._figures)
         self.servicer = MasterServicer(
             config, self.master_id, self.state, self.membership, self.versions, self.metrics, self._stopping,
             max_watchers=max_watchers, watch_poll_seconds=watch_poll_seconds,
+            catalog=self.catalog, jobs=self.jobs, cache_stat=CacheStat(self.catalog, self.worker_stubs),
         )
 
     def _figures(self) -> MasterFigures:
         version, mounts = self.state.mounts()
-        return MasterFigures(self.membership.stats(), self.versions.value, len(mounts), version)
+        return MasterFigures(self.membership.stats(), self.versions.value, len(mounts), version,
+                             jobs=self.jobs.counts())
+
+    def _job_finished(self, record: JobRecord, progress: LoadProgress | None) -> None:
+        if progress is not None:
+            self.metrics.job_bytes_loaded.inc(progress.bytes_loaded)
+            self.metrics.job_bytes_skipped.inc(progress.bytes_skipped)
+            self.metrics.job_objects.labels("done").inc(progress.objects_done)
+            self.metrics.job_objects.labels("failed").inc(progress.objects_failed)
 
     @property
     def address(self) -> str:
@@ -86,6 +112,7 @@ class Master:
         server.start()
         self._server, self.port = server, port
         self.membership.start_reaper()
+        self.jobs.start()
         if self.config.metrics_port >= 0:
             self._metrics_http, _ = start_http_server(
                 self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
@@ -106,6 +133,8 @@ class Master:
         grace = self.config.shutdown_grace if grace is None else grace
         if self._server is not None:
             self._server.stop(grace).wait(grace + 1)
+        self.jobs.stop(timeout=grace + 2)
+        self.worker_stubs.close()
         self.membership.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

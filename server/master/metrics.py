@@ -7,8 +7,8 @@ than mirrored on every change.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,6 +25,7 @@ class MasterFigures:
     view_version: int
     mounts: int
     mounts_version: int
+    jobs: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, state) -> jobs
 
 
 class _MasterCollector(Collector):
@@ -48,6 +49,11 @@ class _MasterCollector(Collector):
             "cachefs_master_expirations", "Workers removed from the view because their lease ran out.",
             value=m.expirations,
         )
+        jobs = GaugeMetricFamily("cachefs_master_jobs", "Jobs the master knows, by kind and state.",
+                                 labels=["kind", "state"])
+        for (kind, state), count in sorted(f.jobs.items()):
+            jobs.add_metric([kind, state], count)
+        yield jobs
 
 
 class MasterMetrics:
@@ -63,6 +69,15 @@ class MasterMetrics:
         )
         self.watchers = Gauge("cachefs_master_watchers", "Open WatchView streams.", registry=r)
         self.views_sent = Counter("cachefs_master_views_sent", "Views sent on WatchView streams.", registry=r)
+        self.job_bytes_loaded = Counter(
+            "cachefs_master_job_bytes_loaded", "Bytes load jobs made workers fetch from the store.", registry=r
+        )
+        self.job_bytes_skipped = Counter(
+            "cachefs_master_job_bytes_skipped", "Bytes load jobs found already cached.", registry=r
+        )
+        self.job_objects = Counter(
+            "cachefs_master_job_objects", "Objects finished by load jobs, by outcome.", ["outcome"], registry=r
+        )
 
     def watch(self, figures: Callable[[], MasterFigures]) -> None:
         self.registry.register(_MasterCollector(figures))

@@ -1,9 +1,11 @@
-"""The master's gRPC service: membership, the watched cluster view, and the mount table.
+"""The master's gRPC service: membership, the watched cluster view, the mount table, the
+metadata/listing cache (GetInfo, List), Stat, and cluster jobs.
 
 Every exception becomes a precise status through the table in ``cachefs/errors.py``.
-Calls that change who serves data or that hand out credentials (RegisterWorker, Heartbeat,
-AddMount, RemoveMount, GetMounts with credentials) need the cluster token when one is set;
-reading the public view does not. Credentials never appear in a log line or an error.
+Calls that change who serves data or what is cached, or that hand out credentials
+(RegisterWorker, Heartbeat, AddMount, RemoveMount, GetMounts with credentials, SubmitJob,
+CancelJob) need the cluster token when one is set; reading (the view, metadata, listings,
+stat, jobs) does not. Credentials never appear in a log line or an error.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ import grpc
 from cachefs.config import MasterConfig
 from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError, to_status
 from cachefs.mounts import MountSpec, redact
-from cachefs.paths import validate_mount_name
-from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc
+from cachefs.paths import parse_path, validate_mount_name
+from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc, worker_pb2
+from cachefs.ring import RingConfig
+from cachefs.server.master.catalog import Catalog, info_message
+from cachefs.server.master.jobs import JobManager
 from cachefs.server.master.metrics import MasterMetrics
 from cachefs.server.master.state import MasterState
 from cachefs.server.master.membership import Member, Membership
+from cachefs.server.master.stat import CacheStat
 from cachefs.server.master.viewversion import ViewVersion
 
 log = logging.getLogger(__name__)
@@ -36,6 +42,8 @@ log = logging.getLogger(__name__)
 # gRPC metadata key that carries the cluster token: ``[(TOKEN_METADATA, token)]``.
 TOKEN_METADATA = "x-cachefs-token"
 MAX_WORKER_ID = 128
+LIST_BATCH = 1000  # entries per List message: a huge prefix never needs one huge message
+MAX_JOB_ID = 64
 
 
 def _rpc(method: str, streaming: bool = False) -> Callable:
@@ -146,6 +154,9 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         stopping: threading.Event,
         max_watchers: int = 256,
         watch_poll_seconds: float = 1.0,
+        catalog: Catalog | None = None,
+        jobs: JobManager | None = None,
+        cache_stat: CacheStat | None = None,
     ) -> None:
         self.config = config
         self.master_id = master_id
@@ -158,6 +169,9 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         self.watch_poll_seconds = watch_poll_seconds
         self._watch_lock = threading.Lock()
         self._watchers = 0
+        self.catalog = catalog
+        self.jobs = jobs
+        self.cache_stat = cache_stat
 
     # -- helpers --
 
@@ -292,3 +306,71 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         return master_pb2.GetMountsResponse(
             mounts_version=version, mounts=[mount_info(s, request.with_credentials) for s in mounts]
         )
+
+    # -- metadata and listing cache --
+
+    def _catalog(self) -> Catalog:
+        if self.catalog is None:
+            raise NotImplementedError("this master has no metadata cache")
+        return self.catalog
+
+    def _jobs(self) -> JobManager:
+        if self.jobs is None:
+            raise NotImplementedError("this master runs no jobs")
+        return self.jobs
+
+    @_rpc("GetInfo")
+    def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
+        return info_message(self._catalog().info(parse_path(request.path), refresh=request.refresh))
+
+    @_rpc("List", streaming=True)
+    def List(self, request: worker_pb2.ListRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ListResponse]:
+        path = parse_path(request.path)
+        entries = self._catalog().list(path, recursive=request.recursive, refresh=request.refresh)
+        for start in range(0, len(entries), LIST_BATCH):
+            if not context.is_active():
+                return
+            yield worker_pb2.ListResponse(entries=[info_message(m) for m in entries[start:start + LIST_BATCH]])
+        if not entries:
+            yield worker_pb2.ListResponse()
+
+    @_rpc("Stat")
+    def Stat(self, request: master_pb2.StatRequest, context: grpc.ServicerContext) -> master_pb2.StatResponse:
+        if self.cache_stat is None:
+            raise NotImplementedError("this master cannot stat")
+        members = self.membership.live()
+        ring = RingConfig(vnodes=self.config.vnodes, stripe_size=self.config.stripe_size)
+        result = self.cache_stat.stat(parse_path(request.path), members, ring, refresh=request.refresh)
+        ids = {m.address: m.worker_id for m in members}
+        return master_pb2.StatResponse(
+            info=info_message(result.root), objects=result.objects, total_bytes=result.total_bytes,
+            cached_bytes=result.cached_bytes, truncated=result.truncated,
+            workers=[master_pb2.WorkerShare(worker_id=ids.get(address, ""), address=address, cached_bytes=n)
+                     for address, n in sorted(result.shares.items())],
+        )
+
+    # -- jobs --
+
+    @_rpc("SubmitJob")
+    def SubmitJob(self, request: master_pb2.SubmitJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
+        self._authorize(context, "SubmitJob")
+        return self._jobs().submit(request.kind, request.path, request.replicas)
+
+    @_rpc("GetJob")
+    def GetJob(self, request: master_pb2.GetJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
+        return self._jobs().get(check_job_id(request.job_id))
+
+    @_rpc("ListJobs")
+    def ListJobs(self, request: master_pb2.ListJobsRequest, context: grpc.ServicerContext) -> master_pb2.ListJobsResponse:
+        return master_pb2.ListJobsResponse(jobs=self._jobs().list(active_only=request.active_only))
+
+    @_rpc("CancelJob")
+    def CancelJob(self, request: master_pb2.GetJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
+        self._authorize(context, "CancelJob")
+        return self._jobs().cancel(check_job_id(request.job_id))
+
+
+def check_job_id(job_id: str) -> str:
+    if not job_id or len(job_id) > MAX_JOB_ID or not job_id.isalnum():
+        raise InvalidPathError(f"job id must be 1-{MAX_JOB_ID} letters and digits, got {job_id[:80]!r}")
+    return job_id

@@ -1,4 +1,4 @@
-"""The master's durable state in ``state_dir``: the mount table, its version, the master's id.
+"""The master's durable state in ``state_dir``: the mount table, its version, the jobs, the master's id.
 
 Stored in SQLite (stdlib, WAL, synchronous=FULL: mount changes are rare and must survive a
 crash). One connection guarded by a lock; reads are served from an in-memory copy kept in
@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from cachefs.errors import UnknownMountError
 from cachefs.mounts import MountSpec
@@ -28,7 +29,13 @@ CREATE TABLE IF NOT EXISTS mounts (
     options_json TEXT NOT NULL,
     read_only INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    record_json TEXT NOT NULL
+);
 """
+
 
 
 def _private_dir(path: Path) -> None:
@@ -144,6 +151,32 @@ class MasterState:
                 continue
             added.append(spec.name)
         return added
+
+    # -- jobs: the record is opaque here (server/master/jobs.py owns its shape) --
+
+    def save_job(self, job_id: str, created_at: float, record: dict[str, Any]) -> None:
+        """Insert or overwrite one job's record (progress is saved about once a second per job)."""
+        text = json.dumps(record, sort_keys=True)
+        with self._lock:
+            with self._transaction():
+                self._db.execute(
+                    "INSERT OR REPLACE INTO jobs (job_id, created_at, record_json) VALUES (?, ?, ?)",
+                    (job_id, created_at, text),
+                )
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every stored job record, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT record_json FROM jobs ORDER BY created_at, job_id").fetchall()
+        return [json.loads(text) for (text,) in rows]
+
+    def delete_jobs(self, job_ids: Iterable[str]) -> None:
+        ids = [(job_id,) for job_id in job_ids]
+        if not ids:
+            return
+        with self._lock:
+            with self._transaction():
+                self._db.executemany("DELETE FROM jobs WHERE job_id = ?", ids)
 
     def close(self) -> None:
         with self._lock:

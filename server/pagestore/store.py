@@ -259,6 +259,19 @@ class PageStore:
         with self._lock:
             return bool(self._by_object.get(mount, {}).get(key))
 
+    def cached_bytes(self, mount: str, key: str, version: str) -> int:
+        """Payload bytes of one version's READY pages: what a read would find, from memory only.
+
+        Lets the worker answer "how much of this object is cached" without touching a file.
+        """
+        total = 0
+        with self._lock:
+            for digest in self._by_object.get(mount, {}).get(key, ()):
+                entry = self._entries.get(digest)
+                if entry is not None and entry.state is _State.READY and entry.pid.version == version:
+                    total += entry.size - TRAILER_SIZE
+        return total
+
     def delete(self, pid: PageId) -> bool:
         """Drop one page; True if it was cached or being written (that write is then discarded)."""
         return self._delete_digests([pid.digest()]) > 0

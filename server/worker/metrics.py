@@ -54,7 +54,7 @@ class WorkerMetrics:
         self.page_reads = Counter(
             "cachefs_worker_page_reads",
             "Page lookups by outcome: hit (page store), miss (fetched), joined (shared a fetch "
-            "already in flight), prefetch (read-ahead fetch).",
+            "already in flight), prefetch (read-ahead or load fetch).",
             ["outcome"],
             registry=r,
         )
@@ -75,8 +75,20 @@ class WorkerMetrics:
         self.requests = Counter(
             "cachefs_worker_requests", "RPCs by method and status code.", ["method", "code"], registry=r
         )
+        self.load_bytes = Counter(
+            "cachefs_worker_load_bytes",
+            "Bytes of objects named in Load requests, by outcome: fetched (from the store by a load, "
+            "re-fetches included), skipped (already cached), failed (size of objects a load reported failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.pages_freed = Counter(
+            "cachefs_worker_pages_freed", "Pages dropped from the page store by Free requests.", registry=r
+        )
         for outcome in ("hit", "miss", "joined", "prefetch"):
             self.page_reads.labels(outcome)
+        for outcome in ("fetched", "skipped", "failed"):
+            self.load_bytes.labels(outcome)
 
     def watch_page_store(self, stats: Callable[[], PageStoreStats]) -> None:
         self.registry.register(_PageStoreCollector(stats))

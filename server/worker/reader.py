@@ -69,6 +69,8 @@ class PageReader:
         self._fetch_pool = ThreadPoolExecutor(options.fetch_threads, thread_name_prefix="cachefs-fetch")
         self._write_pool = ThreadPoolExecutor(options.write_threads, thread_name_prefix="cachefs-write")
         self._lock = threading.Lock()
+        # Signalled when a page leaves _inflight or pending write bytes drop: loads wait on it.
+        self._settled = threading.Condition(self._lock)
         # Page -> future of its bytes, from the moment a fetch starts until the page store
         # holds it: readers arriving in between share the fetch instead of starting another.
         self._inflight: dict[PageId, Future[bytes]] = {}
@@ -173,6 +175,7 @@ class PageReader:
         with self._lock:
             if self._pending_write_bytes + len(data) > self.options.max_pending_write_bytes:
                 self._inflight.pop(pid, None)
+                self._settled.notify_all()
                 self.metrics.writes_dropped.inc()
                 return
             self._pending_write_bytes += len(data)
@@ -194,6 +197,28 @@ class PageReader:
     def _forget(self, pid: PageId) -> None:
         with self._lock:
             self._inflight.pop(pid, None)
+            self._settled.notify_all()
+
+    # -- waits for loads ----------------------------------------------------------------------
+    def wait_write_room(self, nbytes: int, deadline: float) -> bool:
+        """Wait until ``nbytes`` more could queue for the disk without being dropped.
+
+        A load fetches only what can be cached: past ``max_pending_write_bytes`` the writers
+        drop pages, so the load waits for room instead. False at the deadline, or at once if
+        ``nbytes`` can never fit.
+        """
+        limit = self.options.max_pending_write_bytes
+        if nbytes > limit:
+            return False
+        with self._settled:
+            return self._settled.wait_for(lambda: self._pending_write_bytes + nbytes <= limit,
+                                          timeout=max(0.0, deadline - time.monotonic()))
+
+    def wait_settled(self, pid: PageId, deadline: float) -> bool:
+        """Wait until the page's fetch and page-store write are over (cached, dropped or failed)."""
+        with self._settled:
+            return self._settled.wait_for(lambda: pid not in self._inflight,
+                                          timeout=max(0.0, deadline - time.monotonic()))
 
     # -- a range ------------------------------------------------------------------------------
     def adopt(self, meta: ObjectMeta, data: bytes) -> None:

@@ -12,13 +12,14 @@ from typing import Any
 import grpc
 
 from cachefs import __version__
-from cachefs.errors import InvalidPathError, StaleObjectError, to_status
+from cachefs.errors import DeadlineExceededError, InvalidPathError, StaleObjectError, to_status
 from cachefs.mounts import MountTable
 from cachefs.paths import CachePath, parse_path
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.objectstore import ObjectMeta, ObjectStore
 from cachefs.server.pagestore import PageStore
+from cachefs.server.worker.loader import Loader, failure, resolve_for_load
 from cachefs.server.worker.reader import PageReader
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ MAX_CHUNK = 1 << 20  # bytes per streamed ReadChunk
 MAX_BLOCK = 4 << 20  # bytes per ReadBlock reply
 LIST_BATCH = 1000
 MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
+MAX_JOB_PATHS = 10_000  # paths per Load/GetCached request: the master sends batches
 
 
 def _rpc(method: str, streaming: bool = False) -> Callable:
@@ -110,6 +112,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         budget = self.max_rpc_seconds if remaining is None else min(remaining, self.max_rpc_seconds)
         return time.monotonic() + budget
 
+    def _load_deadline(self, context: grpc.ServicerContext) -> float:
+        """The RPC deadline less a margin, so a load that runs out of time still gets its answer back."""
+        deadline = self._deadline(context)
+        return deadline - min(2.0, 0.1 * max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _check_job_paths(paths: Any) -> None:
+        if len(paths) > MAX_JOB_PATHS:
+            raise InvalidPathError(f"at most {MAX_JOB_PATHS} paths per request, got {len(paths)}")
+
     def _file_meta(self, path: CachePath, version: str, wants_first_page: bool = False) -> ObjectMeta:
         if wants_first_page and not version and not self.pages.holds_object(path.mount, path.key):
             # Nothing of it cached: one GET can bring the metadata and the first page together.
@@ -192,6 +204,60 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 read_only=public["read_only"],
             ))
         return worker_pb2.ListMountsResponse(mounts=mounts)
+
+    @_rpc("Load")
+    def Load(self, request: worker_pb2.LoadRequest, context: grpc.ServicerContext) -> worker_pb2.LoadResponse:
+        """Bring whole objects into this worker's page store; one bad object fails only itself."""
+        self._check_job_paths(request.paths)
+        deadline = self._load_deadline(context)
+        metas: dict[CachePath, ObjectMeta] = {}
+        failed: list[str] = []
+        for raw in request.paths:
+            try:
+                path = parse_path(raw)
+                if path not in metas:
+                    metas[path] = resolve_for_load(self.objects, path)
+            except OSError as exc:  # a bad path, unknown mount, missing object, directory, store error
+                failed.append(failure(raw, exc))
+        result = Loader(self.reader, self.pages, self.metrics, deadline).run(list(metas.values()))
+        return worker_pb2.LoadResponse(
+            objects_loaded=result.objects_loaded, bytes_loaded=result.bytes_loaded,
+            bytes_skipped=result.bytes_skipped, failed=failed + result.failed,
+        )
+
+    @_rpc("Free")
+    def Free(self, request: worker_pb2.FreeRequest, context: grpc.ServicerContext) -> worker_pb2.FreeResponse:
+        """Drop every version's pages under a prefix, and what we know of those objects."""
+        path = parse_path(request.prefix)
+        # parse_path drops a trailing '/': keep it, so "data/dir/" does not also free "data/dir2/...".
+        prefix = path.key + "/" if path.key and request.prefix.endswith("/") else path.key
+        self.objects.forget_prefix(path.mount, prefix)
+        freed = self.pages.delete_prefix(path.mount, prefix)
+        self.metrics.pages_freed.inc(freed)
+        return worker_pb2.FreeResponse(pages_freed=freed)
+
+    @_rpc("GetCached")
+    def GetCached(self, request: worker_pb2.GetCachedRequest,
+                  context: grpc.ServicerContext) -> worker_pb2.GetCachedResponse:
+        """Per path, bytes of the object's current version in this worker's page store."""
+        self._check_job_paths(request.paths)
+        deadline = self._deadline(context)
+        paths = [parse_path(raw) for raw in request.paths]  # all checked before any store call
+        sizes = []
+        for path in paths:
+            if time.monotonic() > deadline:
+                raise DeadlineExceededError(f"GetCached: {len(sizes)} of {len(paths)} paths answered in time")
+            sizes.append(self._cached_bytes(path))
+        return worker_pb2.GetCachedResponse(cached_bytes=sizes)
+
+    def _cached_bytes(self, path: CachePath) -> int:
+        if not self.pages.holds_object(path.mount, path.key):
+            return 0  # nothing of any version: no need to ask the store for the current one
+        try:
+            meta = self.objects.info(path)
+        except FileNotFoundError:  # gone from the store, or its mount is
+            return 0
+        return 0 if meta.is_dir else self.pages.cached_bytes(path.mount, path.key, meta.version)
 
     @_rpc("GetStatus")
     def GetStatus(self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerStatus:

@@ -1,0 +1,309 @@
+"""MetadataTable: the same answers as TTLCache (its model), in far less memory."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachefs.paths import CachePath
+from cachefs.server import metatable
+from cachefs.server.metatable import MetadataTable
+from cachefs.server.objectstore import ObjectMeta, TTLCache
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def check_invariants(t: MetadataTable) -> None:
+    """Every live row is reachable through the index from its key; the counters add up."""
+    recs = [t._row(r) for r in range(len(t._rows) // metatable._RS)]  # hash, off, klen, mf, vlen, ...
+    live = [r for r, rec in enumerate(recs) if rec[3] & metatable._LIVE]
+    assert t._live == len(live)
+    assert t._live_bytes == sum(recs[r][2] + recs[r][4] for r in live)
+    assert sorted(r for r in t._index if r >= 0) == live
+    assert t._used == sum(1 for r in t._index if r != metatable._EMPTY)
+    assert t._used <= metatable._MAX_LOAD * len(t._index)
+    assert set(t._free).isdisjoint(live)
+    for r in live:
+        h, o, klen, mf = recs[r][:4]
+        _, found, _ = t._find(mf >> metatable._FLAG_BITS, bytes(t._arena[o:o + klen]), h)
+        assert found == r
+
+
+KEYS = ["a", "b/c", "data/x.bin", "ünïcødé/ключ/鍵", "emoji/🙂.jpg", "", "a" * 300, "k\ud800x"]
+MOUNTS = ["m1", "m2"]
+VERSIONS = ["0123456789abcdef0123456789abcdef", "0123456789ABCDEF0123456789ABCDEF",
+            "0123456789abcdef0123456789abcdef-12", "", "v", "x" * 40, "vérsion-ü", "sur\udc80r"]
+
+paths = st.builds(CachePath, st.sampled_from(MOUNTS), st.sampled_from(KEYS))
+metas = st.tuples(st.integers(0, 2**62), st.sampled_from(VERSIONS + [None]), st.sampled_from([0.0, 1.5, 1.7e9, -3.25]),
+                  st.booleans())
+ops = st.one_of(
+    st.tuples(st.just("put"), paths, metas),
+    st.tuples(st.just("get"), paths),
+    st.tuples(st.just("pop"), paths),
+    st.tuples(st.just("pop_where"), st.sampled_from(MOUNTS), st.sampled_from(["", "a", "d", "ü", "zz"])),
+    st.tuples(st.just("tick"), st.sampled_from([0.0, 1.0, 4.0, 9.999, 10.0, 25.0])),
+)
+
+
+def make_meta(path: CachePath, spec: tuple) -> ObjectMeta:
+    size, version, mtime, is_dir = spec
+    if version is None:  # what local stores get: size + mtime
+        version = f"{size}-{mtime!r}"
+    return ObjectMeta(path, size, version, mtime, is_dir)
+
+
+def run_against_model(ops_list: list, max_entries: int, ttl: float = 10.0) -> MetadataTable:
+    clock = Clock()
+    table = MetadataTable(ttl, max_entries=max_entries, clock=clock)
+    model: TTLCache[CachePath, ObjectMeta] = TTLCache(ttl, max_entries=max_entries, clock=clock)
+    for op in ops_list:
+        if op[0] == "put":
+            meta = make_meta(op[1], op[2])
+            table.put(op[1], meta)
+            model.put(op[1], meta)
+        elif op[0] == "get":
+            got, want = table.get(op[1]), model.get(op[1])
+            assert got == want
+            if got is not None:  # exact round trip, types included
+                assert repr(got) == repr(want)
+        elif op[0] == "pop":
+            table.pop(op[1])
+            model.pop(op[1])
+        elif op[0] == "pop_where":
+            mount, prefix = op[1], op[2]
+            pred = lambda p, m=mount, pre=prefix: p.mount == m and p.key.startswith(pre)  # noqa: E731
+            table.pop_where(pred)
+            model.pop_where(pred)
+        else:
+            clock.now += op[1]
+        assert len(table) == len(model._data)
+    check_invariants(table)
+    for mount in MOUNTS:
+        for key in KEYS:
+            p = CachePath(mount, key)
+            assert table.get(p) == model.get(p)
+    return table
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(ops, max_size=60), st.integers(1, 6))
+def test_matches_ttlcache(ops_list, max_entries):
+    run_against_model(ops_list, max_entries)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(ops, max_size=40))
+def test_matches_ttlcache_with_every_hash_colliding(ops_list):
+    saved = metatable._hash
+    metatable._hash = lambda kb, seed=0: 42
+    try:
+        run_against_model(ops_list, max_entries=100)
+    finally:
+        metatable._hash = saved
+
+
+def test_collisions_never_answer_for_another_key(monkeypatch):
+    monkeypatch.setattr(metatable, "_hash", lambda kb, seed=0: 7)
+    t = MetadataTable(10, max_entries=1000)
+    ps = [CachePath("m", f"k{i}") for i in range(100)]
+    for i, p in enumerate(ps[:50]):
+        t.put(p, ObjectMeta(p, i, f"{i:032x}", float(i)))
+    for i, p in enumerate(ps):
+        got = t.get(p)
+        assert (got is None) if i >= 50 else (got.size == i and got.path == p)
+    assert t.get(CachePath("other", "k1")) is None
+    for p in ps[:50:2]:
+        t.pop(p)
+    for i, p in enumerate(ps[:50]):
+        assert (t.get(p) is None) == (i % 2 == 0)
+    check_invariants(t)
+
+
+def test_ttl_and_expiry():
+    clock = Clock()
+    p = CachePath("m", "k")
+    meta = ObjectMeta(p, 1, "v", 2.0)
+    t = MetadataTable(10, clock=clock)
+    t.put(p, meta)
+    clock.now += 9.99
+    assert t.get(p) == meta
+    clock.now += 0.01
+    assert t.get(p) is None and len(t) == 0
+    off = MetadataTable(0, clock=clock)
+    off.put(p, meta)
+    assert off.get(p) is None and len(off) == 0
+
+
+def test_versions_and_directories_round_trip():
+    t = MetadataTable(100)
+    cases = [
+        ("etag", 5, "d41d8cd98f00b204e9800998ecf8427e", 1.7e9, False),
+        ("etag-upper", 5, "D41D8CD98F00B204E9800998ECF8427E", 1.7e9, False),
+        ("multipart", 5, "d41d8cd98f00b204e9800998ecf8427e-17", 1.7e9, False),
+        ("local", 12345, "12345-1712345678.123456", 1712345678.123456, False),
+        ("local-mismatch", 12345, "12345-1712345678.5", 1712345678.123456, False),
+        ("dir", 0, "", 1.0, True),
+        ("odd", 1, "gen:1712345678901234", 0.0, False),
+        ("ключ/🙂", 2**40, "ü" * 33, -1.5, False),
+    ]
+    for key, size, version, mtime, is_dir in cases:
+        p = CachePath("m", key)
+        t.put(p, ObjectMeta(p, size, version, mtime, is_dir))
+    for key, size, version, mtime, is_dir in cases:
+        got = t.get(CachePath("m", key))
+        assert (got.size, got.version, got.mtime, got.is_dir) == (size, version, mtime, is_dir)
+        assert type(got.version) is str and type(got.is_dir) is bool
+    assert t._row(0)[3] & metatable._ETAG and t._row(0)[4] == 16
+    assert t._row(3)[3] & metatable._DERIVED and t._row(3)[4] == 0
+
+
+def test_update_changes_version_length_both_ways():
+    t = MetadataTable(100)
+    p = CachePath("m", "obj")
+    for version in ["short", "a-much-longer-version-string", "d41d8cd98f00b204e9800998ecf8427e", "", "x" * 100,
+                    "7-1.0", "mid"]:
+        t.put(p, ObjectMeta(p, 7, version, 1.0))
+        assert t.get(p).version == version
+        check_invariants(t)
+    assert len(t) == 1
+
+
+def test_eviction_order_with_batched_scans_matches_ttlcache():
+    """Bounds above 256 scan for several candidates at once; the order must still be TTLCache's."""
+    rng = random.Random(5)
+    clock = Clock()
+    t = MetadataTable(50, max_entries=700, clock=clock)
+    model: TTLCache[CachePath, ObjectMeta] = TTLCache(50, max_entries=700, clock=clock)
+    keys = [CachePath(rng.choice(MOUNTS), f"dir{i % 7}/" + "k" * rng.randint(1, 30) + str(i)) for i in range(2000)]
+    for step in range(20_000):
+        p = rng.choice(keys)
+        r = rng.random()
+        if r < 0.6:
+            meta = ObjectMeta(p, step, f"{step:032x}" if step % 3 else f"v{step}", float(step))
+            t.put(p, meta)
+            model.put(p, meta)
+        elif r < 0.9:
+            assert t.get(p) == model.get(p)
+        elif r < 0.99:
+            t.pop(p)
+            model.pop(p)
+        elif r < 0.995:
+            t.pop_where(lambda q: q.key.startswith("dir3"))
+            model.pop_where(lambda q: q.key.startswith("dir3"))
+        else:
+            clock.now += rng.choice([1.0, 20.0])
+        assert len(t) == len(model._data)
+    check_invariants(t)
+    for p in keys:
+        assert t.get(p) == model.get(p)
+
+
+def test_arena_compaction_keeps_every_entry(monkeypatch):
+    monkeypatch.setattr(metatable, "_COMPACT_MIN", 256)
+    t = MetadataTable(100, max_entries=10_000)
+    rng = random.Random(1)
+    want: dict[CachePath, ObjectMeta] = {}
+    for i in range(2000):  # long keys, then most of them gone: the arena is mostly garbage
+        p = CachePath("m", f"long/{'y' * 100}/{i}")
+        want[p] = ObjectMeta(p, i, "w" * 30, 0.0)
+        t.put(p, want[p])
+    for i in range(0, 2000, 20):
+        for j in range(i + 1, i + 20):
+            p = CachePath("m", f"long/{'y' * 100}/{j}")
+            t.pop(p)
+            del want[p]
+    before = len(t._arena)
+    for step in range(5000):
+        p = CachePath("m", "x" * rng.randint(0, 60) + str(rng.randint(0, 300)))
+        if rng.random() < 0.4 and want:
+            victim = rng.choice(list(want))
+            t.pop(victim)
+            del want[victim]
+        meta = ObjectMeta(p, step, "v" * rng.randint(0, 50), float(step))
+        t.put(p, meta)
+        want[p] = meta
+        if step == 0:
+            assert len(t._arena) < before // 4  # compacted on the first put
+    check_invariants(t)
+    assert len(t._arena) - t._live_bytes <= max(256, len(t._arena) // 2)
+    for p, meta in want.items():
+        assert t.get(p) == meta
+
+
+def test_pop_where_gets_real_paths():
+    t = MetadataTable(100)
+    for mount in ("a", "b"):
+        for key in ("x/1", "x/2", "y/ü"):
+            p = CachePath(mount, key)
+            t.put(p, ObjectMeta(p, 1, "v", 1.0))
+    seen = []
+    t.pop_where(lambda p: seen.append(p) or (p.mount == "a" and p.key.startswith("x/")))
+    assert sorted(seen, key=str) == sorted((CachePath(m, k) for m in "ab" for k in ("x/1", "x/2", "y/ü")), key=str)
+    assert [t.get(CachePath("a", k)) is None for k in ("x/1", "x/2", "y/ü")] == [True, True, False]
+    assert all(t.get(CachePath("b", k)) is not None for k in ("x/1", "x/2", "y/ü"))
+    check_invariants(t)
+
+
+def test_threads_share_one_table():
+    t = MetadataTable(100, max_entries=3000)
+    errors = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(3000):
+                p = CachePath("m", f"t{seed}/k{i % 1000}")
+                t.put(p, ObjectMeta(p, i, f"{i:032x}", 1.0))
+                got = t.get(p)
+                assert got is None or got.path == p
+                if i % 7 == 0:
+                    t.pop(p)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert len(t) <= 3000
+    check_invariants(t)
+
+
+def test_memory_per_object_at_100k():
+    n = 100_000
+    t = MetadataTable(3600, max_entries=n + 1)
+    for i in range(1, n + 1):
+        p = CachePath("data", f"train/shard-{i // 1000:05d}/sample-{i:09d}.jpg")
+        t.put(p, ObjectMeta(p, 100_000 + i, f"{i:032x}", 1.7e9 + i))
+    per_object = t.memory_bytes() / n
+    assert per_object < 200, per_object
+    p = CachePath("data", f"train/shard-00012/sample-{12345:09d}.jpg")
+    assert t.get(p) == ObjectMeta(p, 112_345, f"{12345:032x}", 1.7e9 + 12345)
+
+
+def test_objectstore_uses_it():
+    from cachefs.mounts import MountTable
+    from cachefs.server.objectstore import ObjectStore
+
+    store = ObjectStore(MountTable([]), max_objects=5)
+    assert isinstance(store._meta, MetadataTable) and store._meta._max == 5
+
+
+@pytest.mark.parametrize("max_entries", [0, -1])
+def test_no_room_means_nothing_kept(max_entries):
+    t = MetadataTable(10, max_entries=max_entries)
+    p = CachePath("m", "k")
+    t.put(p, ObjectMeta(p, 1, "v", 1.0))
+    assert t.get(p) is None

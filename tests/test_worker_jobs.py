@@ -1,0 +1,235 @@
+"""The worker's job RPCs: Load (whole objects into the page store), Free (a prefix), GetCached.
+
+Real in-process workers over a local directory and moto S3 (the ``store`` fixture), and the
+slow in-memory store where fetch counts matter.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+import pytest
+
+from cachefs.mounts import MountSpec
+from cachefs.proto import worker_pb2, worker_pb2_grpc
+from cachefs.server.pagestore.pagefile import TRAILER_SIZE
+from helpers import SlowMemoryFileSystem, client, coexisting_usage, payload, wait_for
+
+PAGE = 64 << 10
+TIMEOUT = 30.0
+
+
+def _stub(worker) -> worker_pb2_grpc.WorkerServiceStub:
+    return worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(worker.address))
+
+
+def _load(worker, *paths: str) -> worker_pb2.LoadResponse:
+    return _stub(worker).Load(worker_pb2.LoadRequest(paths=list(paths)), timeout=TIMEOUT)
+
+
+def _cached(worker, *paths: str) -> list[int]:
+    return list(_stub(worker).GetCached(worker_pb2.GetCachedRequest(paths=list(paths)), timeout=TIMEOUT).cached_bytes)
+
+
+def _free(worker, prefix: str) -> int:
+    return _stub(worker).Free(worker_pb2.FreeRequest(prefix=prefix), timeout=TIMEOUT).pages_freed
+
+
+def _from_store(worker) -> float:
+    return worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") or 0.0
+
+
+def _load_metric(worker, outcome: str) -> float:
+    return worker.metrics.registry.get_sample_value("cachefs_worker_load_bytes_total", {"outcome": outcome}) or 0.0
+
+
+def _pages(size: int) -> int:
+    return (size + PAGE - 1) // PAGE
+
+
+def test_load_then_read_touches_no_store_and_a_second_load_skips_everything(store, make_worker):
+    sizes = {"a/one.bin": 3 * PAGE + 5, "a/two.bin": PAGE, "b/small.bin": 1000, "b/empty.bin": 0}
+    for i, (key, size) in enumerate(sizes.items()):
+        store.add(key, payload(size, i))
+    worker = make_worker(store.mount, page_size=PAGE)
+    paths = [f"data/{k}" for k in sizes]
+    total = sum(sizes.values())
+
+    first = _load(worker, *paths)
+    assert (first.objects_loaded, first.bytes_loaded, first.bytes_skipped, list(first.failed)) == (4, total, 0, [])
+    assert worker.pages.stats().pages == sum(_pages(s) for s in sizes.values())
+    assert _cached(worker, *paths) == list(sizes.values())
+
+    before = _from_store(worker)
+    fs = client(worker.address)
+    for key, data in store.objects.items():
+        assert fs.cat_file(f"data/{key}") == data
+    assert _from_store(worker) == before, "a read after a load went to the store"
+
+    second = _load(worker, *paths, paths[0])  # a path named twice is loaded once
+    assert (second.objects_loaded, second.bytes_loaded, second.bytes_skipped, list(second.failed)) == (4, 0, total, [])
+    assert _from_store(worker) == before
+    assert _load_metric(worker, "fetched") == total
+    assert _load_metric(worker, "skipped") == total
+
+
+def test_partly_cached_object_loads_only_its_missing_pages(store, make_worker):
+    data = payload(6 * PAGE + 7, 3)
+    store.add("obj.bin", data)
+    worker = make_worker(store.mount, page_size=PAGE, readahead_pages=0)
+    assert client(worker.address).cat_file("data/obj.bin", 0, 2 * PAGE) == data[:2 * PAGE]
+    assert wait_for(lambda: worker.pages.stats().pages == 2)
+    before = _from_store(worker)
+
+    result = _load(worker, "data/obj.bin")
+    assert (result.objects_loaded, result.bytes_skipped, result.bytes_loaded) == (1, 2 * PAGE, len(data) - 2 * PAGE)
+    assert _from_store(worker) - before == len(data) - 2 * PAGE
+    assert _cached(worker, "data/obj.bin") == [len(data)]
+
+
+def test_load_coalesces_missing_pages_into_few_store_requests(make_worker):
+    root = f"/load-{uuid.uuid4().hex[:8]}"
+    data = payload(20 * PAGE + 5, 4)
+    SlowMemoryFileSystem().pipe_file(f"{root}/obj.bin", data)
+    worker = make_worker(MountSpec("mem", f"slowmem://{root}"), page_size=PAGE, readahead_pages=0,
+                         fetch_group_pages=8)
+    assert client(worker.address).cat_file("mem/obj.bin", 3 * PAGE, 4 * PAGE) == data[3 * PAGE:4 * PAGE]
+    assert wait_for(lambda: worker.pages.stats().pages == 1)
+    SlowMemoryFileSystem.reset_counters()
+
+    result = _load(worker, "mem/obj.bin")
+    assert result.objects_loaded == 1 and result.bytes_skipped == PAGE
+    fetched = sorted((s, e) for p, s, e in SlowMemoryFileSystem.reads if p.endswith("obj.bin"))
+    assert fetched == [(0, 3 * PAGE), (4 * PAGE, 12 * PAGE), (12 * PAGE, 20 * PAGE), (20 * PAGE, len(data))]
+
+
+def test_load_waits_for_page_writes_instead_of_dropping_them(make_worker):
+    root = f"/load-{uuid.uuid4().hex[:8]}"
+    data = payload(24 * PAGE, 5)
+    SlowMemoryFileSystem().pipe_file(f"{root}/obj.bin", data)
+    # Room for two pages waiting for the disk: a load that did not wait would drop most of them.
+    worker = make_worker(MountSpec("mem", f"slowmem://{root}"), page_size=PAGE, max_pending_write_bytes=2 * PAGE,
+                         write_threads=1)
+    result = _load(worker, "mem/obj.bin")
+    assert (result.objects_loaded, result.bytes_loaded, list(result.failed)) == (1, len(data), [])
+    assert (worker.metrics.registry.get_sample_value("cachefs_worker_page_writes_dropped_total") or 0) == 0
+    assert worker.pages.stats().pages == 24
+
+
+def test_failed_paths_are_listed_while_the_others_load(store, make_worker):
+    good = payload(2 * PAGE + 1, 6)
+    store.add("good.bin", good)
+    store.add("dir/inner.bin", b"x" * 10)
+    worker = make_worker(store.mount, page_size=PAGE)
+    bad = ["data/missing.bin", "data/../etc/passwd", "nomount/x.bin", "data/dir"]
+    result = _load(worker, "data/good.bin", *bad)
+    assert result.objects_loaded == 1 and result.bytes_loaded == len(good)
+    failed = list(result.failed)
+    assert len(failed) == len(bad)
+    for path, entry in zip(bad, failed):
+        assert entry.startswith(f"{path}: ") and len(entry) > len(path) + 2, entry
+    assert "no such object" in failed[0]
+    assert "is a directory" in failed[3]
+    assert _cached(worker, "data/good.bin") == [len(good)]
+
+
+def test_too_many_paths_is_invalid_argument(local_store, make_worker):
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    paths = [f"data/k{i}" for i in range(10_001)]
+    for call in (lambda: _load(worker, *paths), lambda: _cached(worker, *paths)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_free_drops_exactly_the_prefix(store, make_worker):
+    objects = {"a/1.bin": 2 * PAGE, "a/2.bin": PAGE + 3, "ab/3.bin": PAGE, "b/4.bin": 3 * PAGE}
+    for i, (key, size) in enumerate(objects.items()):
+        store.add(key, payload(size, 10 + i))
+    worker = make_worker(store.mount, page_size=PAGE)
+    paths = [f"data/{k}" for k in objects]
+    assert _load(worker, *paths).objects_loaded == 4
+
+    first = _free(worker, "data/a/")
+    assert first == _pages(2 * PAGE) + _pages(PAGE + 3)  # not ab/
+    assert _cached(worker, *paths) == [0, 0, PAGE, 3 * PAGE]
+    before = _from_store(worker)
+    assert client(worker.address).cat_file("data/a/1.bin") == store.objects["a/1.bin"]
+    assert _from_store(worker) - before == 2 * PAGE, "a freed object was not fetched again"
+    assert _cached(worker, "data/b/4.bin") == [3 * PAGE]
+
+    assert _free(worker, "data/a") == 2 + 1  # a/1.bin again (read back) and ab/3.bin
+    assert _free(worker, "data") == 3
+    assert worker.pages.stats().pages == 0
+    for bad in ("", "data/../x", "/"):
+        with pytest.raises(grpc.RpcError) as err:
+            _free(worker, bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert worker.metrics.registry.get_sample_value("cachefs_worker_pages_freed_total") == first + 3 + 3
+
+
+def test_get_cached_reports_full_partial_none_and_zero_after_a_change(store, make_worker):
+    full, part = payload(3 * PAGE + 9, 20), payload(4 * PAGE, 21)
+    store.add("full.bin", full)
+    store.add("part.bin", part)
+    store.add("cold.bin", payload(PAGE, 22))
+    worker = make_worker(store.mount, page_size=PAGE, metadata_ttl=0.5, readahead_pages=0)
+    assert _load(worker, "data/full.bin").objects_loaded == 1
+    assert client(worker.address).cat_file("data/part.bin", PAGE, 2 * PAGE) == part[PAGE:2 * PAGE]
+    assert wait_for(lambda: _cached(worker, "data/part.bin") == [PAGE])
+    paths = ["data/full.bin", "data/part.bin", "data/cold.bin", "data/missing.bin", "nomount/x"]
+    assert _cached(worker, *paths) == [len(full), PAGE, 0, 0, 0]
+
+    time.sleep(0.05)  # a new mtime for the local store
+    store.add("full.bin", payload(len(full), 23))
+    time.sleep(0.6)  # the metadata expires
+    assert _cached(worker, "data/full.bin") == [0]
+    store.delete("part.bin")
+    assert _cached(worker, "data/part.bin") == [0]
+    with pytest.raises(grpc.RpcError) as err:
+        _cached(worker, "data/../x")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_load_under_a_small_quota_ends_and_stays_within_it(store, make_worker, tmp_path):
+    quota = 8 * (PAGE + TRAILER_SIZE)
+    store.add("other.bin", payload(6 * PAGE, 29))
+    for i in range(3):
+        store.add(f"fits-{i}.bin", payload(5 * PAGE, 30 + i))  # each fits, no two together do
+    store.add("huge.bin", payload(12 * PAGE, 34))  # never fits
+    cache = tmp_path / "small-cache"
+    worker = make_worker(store.mount, cache_dir=cache, quota=quota, page_size=PAGE, readahead_pages=0)
+    assert client(worker.address).cat_file("data/other.bin") == store.objects["other.bin"]
+    assert wait_for(lambda: worker.pages.stats().pages == 6)  # the cache is most of the way full
+    paths = ["data/huge.bin"] + [f"data/fits-{i}.bin" for i in range(3)]
+    before = _from_store(worker)
+
+    t0 = time.monotonic()
+    result = _load(worker, *paths)
+    assert time.monotonic() - t0 < 20
+    # The first object that fits loads (evicting older pages); the rest fail without being fetched.
+    assert (result.objects_loaded, result.bytes_loaded) == (1, 5 * PAGE)
+    assert _from_store(worker) - before == 5 * PAGE
+    failed = list(result.failed)
+    assert [f.partition(": ")[0] for f in failed] == ["data/huge.bin", "data/fits-1.bin", "data/fits-2.bin"]
+    assert all("cache quota smaller than the load" in f for f in failed), failed
+    assert _cached(worker, *paths) == [0, 5 * PAGE, 0, 0]
+    assert worker.pages.stats().used_bytes <= quota
+    assert coexisting_usage(cache) <= quota
+    assert _load_metric(worker, "failed") == 12 * PAGE + 2 * 5 * PAGE
+
+
+def test_a_load_past_its_deadline_answers_with_what_is_unfinished(make_worker, monkeypatch):
+    root = f"/load-{uuid.uuid4().hex[:8]}"
+    SlowMemoryFileSystem().pipe_file(f"{root}/small.bin", b"s" * 100)
+    SlowMemoryFileSystem().pipe_file(f"{root}/slow.bin", payload(40 * PAGE, 7))
+    monkeypatch.setattr(SlowMemoryFileSystem, "delay", 0.1)
+    worker = make_worker(MountSpec("mem", f"slowmem://{root}"), page_size=PAGE, fetch_group_pages=1,
+                         fetch_threads=1)
+    t0 = time.monotonic()
+    result = _stub(worker).Load(worker_pb2.LoadRequest(paths=["mem/small.bin", "mem/slow.bin"]), timeout=2.0)
+    assert time.monotonic() - t0 < 2.0
+    assert result.objects_loaded == 1
+    assert list(result.failed) == ["mem/slow.bin: not loaded within the deadline"]
