@@ -5,8 +5,9 @@
 What it measures (DESIGN.md section 5 targets in brackets):
 - ring: keys moved when a 9th worker joins 8 [<= 1.1/9], max/mean load at 3/8/16 workers [<= 1.10],
   build time, placement lookups per second on one core (what every client does per read);
-- metadata lookups per second [>= 20k per core]: in the master's process (its cache, one core)
-  and over gRPC (`GetInfo` against a real master process, 1 and 8 client threads);
+- metadata lookups per second [>= 20k per core]: in the master's process (its cache, one core),
+  over gRPC one object per call (`GetInfo` against a real master process, 1 and 8 client
+  threads), and in bulk (`List` of a cached 10k-object prefix, 1,000 entries per message);
 - memory per tracked object [10 M in < 2 GiB]: the master's metadata cache filled with N
   objects in a fresh process, RSS measured at N/4, N/2 and N; the slope gives bytes per object.
 Writes benchmarks/results/master-<timestamp>.json (and master-latest.json).
@@ -111,6 +112,10 @@ def grpc_figures(seconds: float) -> dict:
         store.mkdir()
         for i in range(100):
             (store / f"o{i}.bin").write_bytes(b"x" * 100)
+        listed = store / "many"
+        listed.mkdir()
+        for i in range(10_000):
+            (listed / f"s{i:05d}.bin").write_bytes(b"")
         master = master_process(str(Path(tmp) / "m"), ["--mount", f"data={store}"]).start()
         try:
             channel = grpc.insecure_channel(master.address)
@@ -134,6 +139,15 @@ def grpc_figures(seconds: float) -> dict:
                 with ThreadPoolExecutor(threads) as pool:
                     count[0] = sum(pool.map(loop, range(threads)))
                 result[f"grpc_getinfo_per_s_{threads}_threads"] = round(count[0] / (time.perf_counter() - t0))
+            # Bulk metadata: a cached listing streams 1,000 entries per message.
+            request = worker_pb2.ListRequest(path="data/many", recursive=True)
+            entries = sum(len(b.entries) for b in stub.List(request, timeout=60))  # fills the cache
+            t0 = time.perf_counter()
+            rounds = 0
+            while time.perf_counter() - t0 < seconds:
+                entries = sum(len(b.entries) for b in stub.List(request, timeout=60))
+                rounds += 1
+            result["grpc_list_entries_per_s"] = round(rounds * entries / (time.perf_counter() - t0))
             channel.close()
             return result
         finally:
