@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -63,6 +65,29 @@ def _get_job(master: _Master, job_id: str, patience: float) -> Any:
             time.sleep(POLL_SECONDS)
 
 
+def _cancel_interrupted(master: _Master, job_id: str) -> int:
+    from cachefs.proto import master_pb2
+
+    try:
+        master.call("CancelJob", master_pb2.GetJobRequest(job_id=job_id))
+        print(f"cachefs: interrupted: cancelled job {job_id}", file=sys.stderr)
+    except grpc.RpcError as err:
+        print(f"cachefs: interrupted; could not cancel job {job_id}: {err.details()}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _submit_job(master: _Master, request: Any) -> tuple[Any, bool]:
+    """SubmitJob with Ctrl-C held back until it returns (an interrupt in the middle of the call
+    would leave a job running whose id we never saw); returns (job, interrupted)."""
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    try:
+        job = master.call("SubmitJob", request)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return job, interrupted.is_set()
+
+
 def _follow(master: _Master, job: Any, args: argparse.Namespace) -> int:
     """Wait for ``job`` to finish, showing progress on stderr; Ctrl-C cancels it."""
     from cachefs.proto import master_pb2
@@ -80,12 +105,7 @@ def _follow(master: _Master, job: Any, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if show is not None:
             show.close()
-        try:
-            master.call("CancelJob", master_pb2.GetJobRequest(job_id=job.job_id))
-            print(f"cachefs: interrupted: cancelled job {job.job_id}", file=sys.stderr)
-        except grpc.RpcError as err:
-            print(f"cachefs: interrupted; could not cancel job {job.job_id}: {err.details()}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _cancel_interrupted(master, job.job_id)
     if args.json:
         print(json.dumps(job_dict(job), indent=2))
     else:
@@ -101,7 +121,10 @@ def _submit(args: argparse.Namespace, kind: int, replicas: int) -> int:
     from cachefs.proto import master_pb2
 
     def action(master: _Master) -> int:
-        job = master.call("SubmitJob", master_pb2.SubmitJobRequest(kind=kind, path=args.path, replicas=replicas))
+        job, interrupted = _submit_job(master, master_pb2.SubmitJobRequest(kind=kind, path=args.path,
+                                                                          replicas=replicas))
+        if interrupted and not args.no_wait:
+            return _cancel_interrupted(master, job.job_id)
         if args.no_wait:
             print(json.dumps(job_dict(job), indent=2) if args.json else job.job_id)
             return EXIT_OK

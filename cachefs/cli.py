@@ -163,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # a command without its own handling: no traceback, the usual code
+        print("cachefs: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
