@@ -14,7 +14,7 @@ from cachefs.proto import master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_gr
 from cachefs.ring import HashRing, RingConfig
 from helpers import client, payload, wait_for
 
-FAST = ["--lease-seconds", "1.5", "--heartbeat-seconds", "0.3"]
+FAST = ["--lease-seconds", "3", "--heartbeat-seconds", "0.5"]  # short, with room for a loaded CI machine
 
 
 def _view(master: str) -> master_pb2.ClusterView:
