@@ -34,7 +34,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator

@@ -21,14 +21,6 @@ from cachefs.server.objectstore import ObjectMeta, ObjectStore
 log = logging.getLogger(__name__)
 
 
-def info_message(meta: ObjectMeta) -> common_pb2.ObjectInfo:
-    """The wire form of one object or directory."""
-    return common_pb2.ObjectInfo(
-        path=str(meta.path), size=meta.size, version=meta.version, mtime=meta.mtime,
-        type=common_pb2.DIRECTORY if meta.is_dir else common_pb2.FILE,
-    )
-
-
 class Catalog:
     """Metadata, listings and "every object below a path", over the master's mount table."""
 

@@ -11,25 +11,23 @@ stat, jobs) does not. Credentials never appear in a log line or an error.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hmac
 import json
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import fsspec
 import grpc
 
 from cachefs.config import MasterConfig
-from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError, to_status
+from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError
 from cachefs.mounts import MountSpec, redact
 from cachefs.paths import parse_path, validate_mount_name
+from cachefs.server.rpc import info_message, rpc
 from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc, worker_pb2
 from cachefs.ring import RingConfig
-from cachefs.server.master.catalog import Catalog, info_message
+from cachefs.server.master.catalog import Catalog
 from cachefs.server.master.jobs import JobManager
 from cachefs.server.master.metrics import MasterMetrics
 from cachefs.server.master.state import MasterState
@@ -46,47 +44,6 @@ LIST_BATCH = 1000  # entries per List message: a huge prefix never needs one hug
 MAX_JOB_ID = 64
 
 
-def _rpc(method: str, streaming: bool = False) -> Callable:
-    """Count the call (and time it if unary); turn any exception into a status with its message."""
-
-    def decorate(fn: Callable) -> Callable:
-        def fail(self: "MasterServicer", context: grpc.ServicerContext, exc: Exception) -> None:
-            code = to_status(exc)
-            self.metrics.requests.labels(method, code.name).inc()
-            if not isinstance(exc, OSError):  # a bug, not a request problem: keep the trace
-                log.exception("%s failed", method)
-            elif code == grpc.StatusCode.INTERNAL:
-                log.warning("%s failed: %s", method, exc)
-            context.abort(code, str(exc) or type(exc).__name__)
-
-        if streaming:
-            @functools.wraps(fn)
-            def stream(self: "MasterServicer", request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                try:
-                    yield from fn(self, request, context)
-                except Exception as exc:  # noqa: BLE001 - mapped to a status
-                    fail(self, context, exc)
-                else:
-                    self.metrics.requests.labels(method, "OK").inc()
-
-            return stream
-
-        @functools.wraps(fn)
-        def unary(self: "MasterServicer", request: Any, context: grpc.ServicerContext) -> Any:
-            t0 = time.perf_counter()
-            try:
-                result = fn(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - mapped to a status
-                fail(self, context, exc)
-            else:
-                self.metrics.requests.labels(method, "OK").inc()
-                return result
-            finally:
-                self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
-
-        return unary
-
-    return decorate
 
 
 def mount_info(spec: MountSpec, with_credentials: bool = False) -> common_pb2.MountInfo:
@@ -218,7 +175,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
 
     # -- membership --
 
-    @_rpc("RegisterWorker")
+    @rpc("RegisterWorker")
     def RegisterWorker(
         self, request: master_pb2.RegisterWorkerRequest, context: grpc.ServicerContext
     ) -> master_pb2.RegisterWorkerResponse:
@@ -236,7 +193,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
             mounts_version=self.state.mounts_version,
         )
 
-    @_rpc("Heartbeat")
+    @rpc("Heartbeat")
     def Heartbeat(
         self, request: master_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> master_pb2.HeartbeatResponse:
@@ -253,11 +210,11 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
 
     # -- the view --
 
-    @_rpc("GetView")
+    @rpc("GetView")
     def GetView(self, request: master_pb2.GetViewRequest, context: grpc.ServicerContext) -> master_pb2.ClusterView:
         return self.build_view()
 
-    @_rpc("WatchView", streaming=True)
+    @rpc("WatchView", streaming=True, timed=False)
     def WatchView(
         self, request: master_pb2.GetViewRequest, context: grpc.ServicerContext
     ) -> Iterator[master_pb2.ClusterView]:
@@ -277,7 +234,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
 
     # -- mounts --
 
-    @_rpc("AddMount")
+    @rpc("AddMount")
     def AddMount(self, request: master_pb2.AddMountRequest, context: grpc.ServicerContext) -> master_pb2.AddMountResponse:
         self._authorize(context, "AddMount")
         spec = parse_mount(request)
@@ -287,7 +244,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
                  fsspec.core.split_protocol(spec.url)[0] or "file")
         return master_pb2.AddMountResponse(mounts_version=version)
 
-    @_rpc("RemoveMount")
+    @rpc("RemoveMount")
     def RemoveMount(
         self, request: master_pb2.RemoveMountRequest, context: grpc.ServicerContext
     ) -> master_pb2.RemoveMountResponse:
@@ -298,7 +255,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         log.info("mount %s removed", request.name)
         return master_pb2.RemoveMountResponse(mounts_version=version)
 
-    @_rpc("GetMounts")
+    @rpc("GetMounts")
     def GetMounts(self, request: master_pb2.GetMountsRequest, context: grpc.ServicerContext) -> master_pb2.GetMountsResponse:
         if request.with_credentials:
             self._authorize(context, "GetMounts with credentials")
@@ -319,11 +276,11 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
             raise NotImplementedError("this master runs no jobs")
         return self.jobs
 
-    @_rpc("GetInfo")
+    @rpc("GetInfo")
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
         return info_message(self._catalog().info(parse_path(request.path), refresh=request.refresh))
 
-    @_rpc("List", streaming=True)
+    @rpc("List", streaming=True)
     def List(self, request: worker_pb2.ListRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ListResponse]:
         path = parse_path(request.path)
         entries = self._catalog().list(path, recursive=request.recursive, refresh=request.refresh)
@@ -334,7 +291,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         if not entries:
             yield worker_pb2.ListResponse()
 
-    @_rpc("Stat")
+    @rpc("Stat")
     def Stat(self, request: master_pb2.StatRequest, context: grpc.ServicerContext) -> master_pb2.StatResponse:
         if self.cache_stat is None:
             raise NotImplementedError("this master cannot stat")
@@ -351,20 +308,20 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
 
     # -- jobs --
 
-    @_rpc("SubmitJob")
+    @rpc("SubmitJob")
     def SubmitJob(self, request: master_pb2.SubmitJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
         self._authorize(context, "SubmitJob")
         return self._jobs().submit(request.kind, request.path, request.replicas)
 
-    @_rpc("GetJob")
+    @rpc("GetJob")
     def GetJob(self, request: master_pb2.GetJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
         return self._jobs().get(check_job_id(request.job_id))
 
-    @_rpc("ListJobs")
+    @rpc("ListJobs")
     def ListJobs(self, request: master_pb2.ListJobsRequest, context: grpc.ServicerContext) -> master_pb2.ListJobsResponse:
         return master_pb2.ListJobsResponse(jobs=self._jobs().list(active_only=request.active_only))
 
-    @_rpc("CancelJob")
+    @rpc("CancelJob")
     def CancelJob(self, request: master_pb2.GetJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
         self._authorize(context, "CancelJob")
         return self._jobs().cancel(check_job_id(request.job_id))

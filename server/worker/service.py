@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
 from cachefs import __version__
-from cachefs.errors import DeadlineExceededError, InvalidPathError, StaleObjectError, to_status
+from cachefs.errors import DeadlineExceededError, InvalidPathError, StaleObjectError
 from cachefs.mounts import MountTable
 from cachefs.paths import CachePath, parse_path
+from cachefs.server.rpc import info_message, rpc
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.objectstore import ObjectMeta, ObjectStore
@@ -31,60 +31,6 @@ MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
 MAX_JOB_PATHS = 10_000  # paths per Load/GetCached request: the master sends batches
 
 
-def _rpc(method: str, streaming: bool = False) -> Callable:
-    """Time the call and turn any exception into a precise status with the error's message."""
-
-    def decorate(fn: Callable) -> Callable:
-        def fail(self: "WorkerServicer", context: grpc.ServicerContext, exc: Exception) -> None:
-            code = to_status(exc)
-            self.metrics.requests.labels(method, code.name).inc()
-            if not isinstance(exc, OSError):  # a bug, not a store or request problem: keep the trace
-                log.exception("%s failed", method)
-            elif code == grpc.StatusCode.INTERNAL:
-                log.warning("%s failed: %s", method, exc)
-            context.abort(code, str(exc) or type(exc).__name__)
-
-        if streaming:
-            @functools.wraps(fn)
-            def stream(self: "WorkerServicer", request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                t0 = time.perf_counter()
-                try:
-                    yield from fn(self, request, context)
-                except Exception as exc:  # noqa: BLE001 - mapped to a status
-                    fail(self, context, exc)
-                else:
-                    self.metrics.requests.labels(method, "OK").inc()
-                finally:
-                    self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
-
-            return stream
-
-        @functools.wraps(fn)
-        def unary(self: "WorkerServicer", request: Any, context: grpc.ServicerContext) -> Any:
-            t0 = time.perf_counter()
-            try:
-                result = fn(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - mapped to a status
-                fail(self, context, exc)
-            else:
-                self.metrics.requests.labels(method, "OK").inc()
-                return result
-            finally:
-                self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
-
-        return unary
-
-    return decorate
-
-
-def info_message(meta: ObjectMeta) -> common_pb2.ObjectInfo:
-    return common_pb2.ObjectInfo(
-        path=str(meta.path),
-        size=meta.size,
-        version=meta.version,
-        mtime=meta.mtime,
-        type=common_pb2.DIRECTORY if meta.is_dir else common_pb2.FILE,
-    )
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -148,7 +94,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         meta = self._file_meta(path, request.version, wants_first_page=request.offset < self.pages.page_size)
         return meta, (meta.size if request.length == -1 else min(request.length, MAX_OFFSET))
 
-    @_rpc("ReadBlock")
+    @rpc("ReadBlock")
     def ReadBlock(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> worker_pb2.ReadChunk:
         deadline = self._deadline(context)
         meta, length = self._check_read(request)
@@ -158,7 +104,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics.bytes_served.inc(len(data))
         return worker_pb2.ReadChunk(offset=request.offset, data=data, info=info_message(meta))
 
-    @_rpc("Read", streaming=True)
+    @rpc("Read", streaming=True)
     def Read(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ReadChunk]:
         deadline = self._deadline(context)
         meta, length = self._check_read(request)
@@ -181,11 +127,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not sent_first:  # empty range: still tell the caller what it read
             yield worker_pb2.ReadChunk(offset=request.offset, info=info)
 
-    @_rpc("GetInfo")
+    @rpc("GetInfo")
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
         return info_message(self.objects.info(parse_path(request.path), refresh=request.refresh))
 
-    @_rpc("List", streaming=True)
+    @rpc("List", streaming=True)
     def List(self, request: worker_pb2.ListRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ListResponse]:
         path = parse_path(request.path)
         entries = self.objects.list(path, recursive=request.recursive, refresh=request.refresh)
@@ -194,7 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not entries:
             yield worker_pb2.ListResponse()
 
-    @_rpc("ListMounts")
+    @rpc("ListMounts")
     def ListMounts(self, request: worker_pb2.ListMountsRequest, context: grpc.ServicerContext) -> worker_pb2.ListMountsResponse:
         mounts = []
         for spec in self.mounts.specs():
@@ -205,7 +151,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             ))
         return worker_pb2.ListMountsResponse(mounts=mounts)
 
-    @_rpc("Load")
+    @rpc("Load")
     def Load(self, request: worker_pb2.LoadRequest, context: grpc.ServicerContext) -> worker_pb2.LoadResponse:
         """Bring whole objects into this worker's page store; one bad object fails only itself."""
         self._check_job_paths(request.paths)
@@ -225,7 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             bytes_skipped=result.bytes_skipped, failed=failed + result.failed,
         )
 
-    @_rpc("Free")
+    @rpc("Free")
     def Free(self, request: worker_pb2.FreeRequest, context: grpc.ServicerContext) -> worker_pb2.FreeResponse:
         """Drop every version's pages under a prefix, and what we know of those objects."""
         path = parse_path(request.prefix)
@@ -236,7 +182,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics.pages_freed.inc(freed)
         return worker_pb2.FreeResponse(pages_freed=freed)
 
-    @_rpc("GetCached")
+    @rpc("GetCached")
     def GetCached(self, request: worker_pb2.GetCachedRequest,
                   context: grpc.ServicerContext) -> worker_pb2.GetCachedResponse:
         """Per path, bytes of the object's current version in this worker's page store."""
@@ -259,7 +205,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return 0
         return 0 if meta.is_dir else self.pages.cached_bytes(path.mount, path.key, meta.version)
 
-    @_rpc("GetStatus")
+    @rpc("GetStatus")
     def GetStatus(self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerStatus:
         s = self.pages.stats()
         return worker_pb2.WorkerStatus(

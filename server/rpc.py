@@ -1,0 +1,79 @@
+"""What the servicers share: exceptions become precise statuses, calls are counted and timed,
+objects have one wire form.
+
+Used by the worker's and the master's servicers; ``self.metrics`` must have ``requests``
+(a counter by method and code) and ``request_seconds`` (a histogram by method).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from cachefs.errors import to_status
+from cachefs.proto import common_pb2
+from cachefs.server.objectstore import ObjectMeta
+
+log = logging.getLogger(__name__)
+
+
+def _fail(servicer: Any, method: str, context: grpc.ServicerContext, exc: Exception) -> None:
+    code = to_status(exc)
+    servicer.metrics.requests.labels(method, code.name).inc()
+    if not isinstance(exc, OSError):  # a bug, not a store or request problem: keep the trace
+        log.exception("%s failed", method)
+    elif code == grpc.StatusCode.INTERNAL:
+        log.warning("%s failed: %s", method, exc)
+    context.abort(code, str(exc) or type(exc).__name__)
+
+
+def rpc(method: str, streaming: bool = False, timed: bool = True) -> Callable:
+    """Decorate a servicer method; ``timed=False`` for streams that last as long as a client
+    wants (a watch), whose duration says nothing about the service."""
+
+    def decorate(fn: Callable) -> Callable:
+        if streaming:
+            @functools.wraps(fn)
+            def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                t0 = time.perf_counter()
+                try:
+                    yield from fn(self, request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    _fail(self, method, context, exc)
+                else:
+                    self.metrics.requests.labels(method, "OK").inc()
+                finally:
+                    if timed:
+                        self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
+
+            return stream
+
+        @functools.wraps(fn)
+        def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                result = fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                _fail(self, method, context, exc)
+            else:
+                self.metrics.requests.labels(method, "OK").inc()
+                return result
+            finally:
+                self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
+
+        return unary
+
+    return decorate
+
+
+def info_message(meta: ObjectMeta) -> common_pb2.ObjectInfo:
+    """The wire form of one object or directory."""
+    return common_pb2.ObjectInfo(
+        path=str(meta.path), size=meta.size, version=meta.version, mtime=meta.mtime,
+        type=common_pb2.DIRECTORY if meta.is_dir else common_pb2.FILE,
+    )
