@@ -7,7 +7,8 @@ What it measures (DESIGN.md section 5 targets in brackets):
   build time, placement lookups per second on one core (what every client does per read);
 - metadata lookups per second [>= 20k per core]: in the master's process (its cache, one core),
   over gRPC one object per call (`GetInfo` against a real master process, 1 and 8 client
-  threads), and in bulk (`List` of a cached 10k-object prefix, 1,000 entries per message);
+  threads), batched (`GetInfos`, 1,000 paths per call), and in bulk (`List` of a cached
+  10k-object prefix, 1,000 entries per message);
 - memory per tracked object [10 M in < 2 GiB]: the master's metadata cache filled with N
   objects in a fresh process, RSS measured at N/4, N/2 and N; the slope gives bytes per object.
 Writes benchmarks/results/master-<timestamp>.json (and master-latest.json).
@@ -139,6 +140,17 @@ def grpc_figures(seconds: float) -> dict:
                 with ThreadPoolExecutor(threads) as pool:
                     count[0] = sum(pool.map(loop, range(threads)))
                 result[f"grpc_getinfo_per_s_{threads}_threads"] = round(count[0] / (time.perf_counter() - t0))
+            # Batched lookups: 1,000 paths per GetInfos call.
+            from cachefs.proto import master_pb2
+
+            batch = master_pb2.GetInfosRequest(paths=[paths[i % 100] for i in range(1000)])
+            stub.GetInfos(batch, timeout=30)
+            t0 = time.perf_counter()
+            calls = 0
+            while time.perf_counter() - t0 < seconds:
+                stub.GetInfos(batch, timeout=30)
+                calls += 1
+            result["grpc_getinfos_lookups_per_s_batch_1000"] = round(calls * 1000 / (time.perf_counter() - t0))
             # Bulk metadata: a cached listing streams 1,000 entries per message.
             request = worker_pb2.ListRequest(path="data/many", recursive=True)
             entries = sum(len(b.entries) for b in stub.List(request, timeout=60))  # fills the cache

@@ -33,6 +33,28 @@ SUCCEEDED: JobState
 FAILED: JobState
 CANCELLED: JobState
 
+class GetInfosRequest(_message.Message):
+    __slots__ = ("paths", "refresh")
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    refresh: bool
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., refresh: _Optional[bool] = ...) -> None: ...
+
+class GetInfosResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[InfoResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[InfoResult, _Mapping]]] = ...) -> None: ...
+
+class InfoResult(_message.Message):
+    __slots__ = ("info", "error")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.ObjectInfo
+    error: str
+    def __init__(self, info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
 class StatRequest(_message.Message):
     __slots__ = ("path", "refresh")
     PATH_FIELD_NUMBER: _ClassVar[int]

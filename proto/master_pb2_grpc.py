@@ -76,6 +76,11 @@ class MasterServiceStub:
                 request_serializer=cachefs_dot_proto_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
                 _registered_method=True)
+        self.GetInfos = channel.unary_unary(
+                '/cachefs.v1.MasterService/GetInfos',
+                request_serializer=cachefs_dot_proto_dot_master__pb2.GetInfosRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_master__pb2.GetInfosResponse.FromString,
+                _registered_method=True)
         self.List = channel.unary_stream(
                 '/cachefs.v1.MasterService/List',
                 request_serializer=cachefs_dot_proto_dot_worker__pb2.ListRequest.SerializeToString,
@@ -165,6 +170,13 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfos(self, request, context):
+        """Many objects in one call: a Python gRPC call costs ~0.5 ms here, a cached lookup ~2 us.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def List(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -245,6 +257,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=cachefs_dot_proto_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.SerializeToString,
+            ),
+            'GetInfos': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfos,
+                    request_deserializer=cachefs_dot_proto_dot_master__pb2.GetInfosRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_master__pb2.GetInfosResponse.SerializeToString,
             ),
             'List': grpc.unary_stream_rpc_method_handler(
                     servicer.List,
@@ -493,6 +510,33 @@ class MasterService:
             '/cachefs.v1.MasterService/GetInfo',
             cachefs_dot_proto_dot_worker__pb2.InfoRequest.SerializeToString,
             cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfos(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.MasterService/GetInfos',
+            cachefs_dot_proto_dot_master__pb2.GetInfosRequest.SerializeToString,
+            cachefs_dot_proto_dot_master__pb2.GetInfosResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,3 +92,30 @@ def test_jobs_need_the_token_and_valid_requests(master):
     assert not stub.ListJobs(master_pb2.ListJobsRequest(active_only=True), timeout=5).jobs
     metrics = scrape(m.metrics_port)
     assert metrics['cachefs_master_jobs{kind="LOAD",state="FAILED"}'] == 1
+
+
+def test_get_infos_answers_many_paths_in_one_call(tmp_path):
+    import grpc
+
+    from cachefs.config import MasterConfig
+    from cachefs.mounts import MountSpec
+    from cachefs.proto import master_pb2, master_pb2_grpc
+    from cachefs.server.master import Master
+
+    store = tmp_path / "store"
+    store.mkdir()
+    for i in range(50):
+        (store / f"o{i}.bin").write_bytes(b"x" * i)
+    config = MasterConfig(port=0, state_dir=str(tmp_path / "state"), mounts=(MountSpec("data", str(store)),))
+    with Master(config) as master, grpc.insecure_channel(master.address) as channel:
+        stub = master_pb2_grpc.MasterServiceStub(channel)
+        paths = [f"data/o{i}.bin" for i in range(50)] + ["data/missing.bin", "data/../x", "nomount/x"]
+        resp = stub.GetInfos(master_pb2.GetInfosRequest(paths=paths), timeout=10)
+        assert [r.info.size for r in resp.results[:50]] == list(range(50))
+        assert all(not r.error for r in resp.results[:50])
+        errors = [r.error for r in resp.results[50:]]
+        assert errors[0].startswith("not found") and errors[1].startswith("invalid") and errors[2].startswith("not found")
+        assert not any(r.HasField("info") for r in resp.results[50:])
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetInfos(master_pb2.GetInfosRequest(paths=["data/o1.bin"] * 10_001), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 TOKEN_METADATA = "x-cachefs-token"
 MAX_WORKER_ID = 128
 LIST_BATCH = 1000  # entries per List message: a huge prefix never needs one huge message
+MAX_INFOS = 10_000  # paths per GetInfos call
 MAX_JOB_ID = 64
 
 
@@ -279,6 +280,21 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
     @rpc("GetInfo")
     def GetInfo(self, request: worker_pb2.InfoRequest, context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
         return info_message(self._catalog().info(parse_path(request.path), refresh=request.refresh))
+
+    @rpc("GetInfos")
+    def GetInfos(self, request: master_pb2.GetInfosRequest, context: grpc.ServicerContext) -> master_pb2.GetInfosResponse:
+        if len(request.paths) > MAX_INFOS:
+            raise InvalidPathError(f"at most {MAX_INFOS} paths per GetInfos call, got {len(request.paths)}")
+        catalog = self._catalog()
+        results = []
+        for path in request.paths:
+            try:
+                results.append(master_pb2.InfoResult(info=info_message(catalog.info(parse_path(path), request.refresh))))
+            except OSError as exc:  # one bad path does not fail the others
+                kind = "not found" if isinstance(exc, FileNotFoundError) else (
+                    "invalid" if isinstance(exc, InvalidPathError) else "error")
+                results.append(master_pb2.InfoResult(error=f"{kind}: {exc}"))
+        return master_pb2.GetInfosResponse(results=results)
 
     @rpc("List", streaming=True)
     def List(self, request: worker_pb2.ListRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ListResponse]:
