@@ -82,6 +82,21 @@ def _default_cache_dir() -> tuple[CacheDirSpec, ...]:
     return (CacheDirSpec(str(base), 8 * 1024**3),)
 
 
+def _check_listen(host: str, port: int, metrics_port: int) -> None:
+    if not host:
+        raise ValueError("host is empty")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    if not -1 <= metrics_port <= 65535:
+        raise ValueError(f"metrics_port must be in [-1, 65535], got {metrics_port}")
+
+
+def _check_unique_mounts(mounts: tuple[MountSpec, ...]) -> None:
+    names = [m.name for m in mounts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate mount names: {names}")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker needs; see docs/configuration.md for each field."""
@@ -108,22 +123,14 @@ class WorkerConfig:
     shutdown_grace: float = 5.0
 
     def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("host is empty")
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            low = -1 if name == "metrics_port" else 0
-            if not low <= value <= 65535:
-                raise ValueError(f"{name} must be in [{low}, 65535], got {value}")
+        _check_listen(self.host, self.port, self.metrics_port)
         if not self.cache_dirs:
             raise ValueError("at least one cache dir is required")
         if len({d.path for d in self.cache_dirs}) != len(self.cache_dirs):
             raise ValueError("cache dirs must be distinct")
         if not 4096 <= self.page_size <= 64 << 20 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [4 KiB, 64 MiB], got {self.page_size}")
-        names = [m.name for m in self.mounts]
-        if len(set(names)) != len(names):
-            raise ValueError(f"duplicate mount names: {names}")
+        _check_unique_mounts(self.mounts)
         for name in ("metadata_ttl", "list_ttl", "store_timeout", "shutdown_grace"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -171,13 +178,7 @@ class MasterConfig:
     job_threads: int = 2  # cluster jobs (load, free) running at once; more wait PENDING
 
     def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("host is empty")
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            low = -1 if name == "metrics_port" else 0
-            if not low <= value <= 65535:
-                raise ValueError(f"{name} must be in [{low}, 65535], got {value}")
+        _check_listen(self.host, self.port, self.metrics_port)
         if not self.state_dir:
             raise ValueError("state_dir is empty")
         if self.heartbeat_seconds <= 0 or self.lease_seconds < 2 * self.heartbeat_seconds:
@@ -186,9 +187,7 @@ class MasterConfig:
             raise ValueError("vnodes must be >= 1")
         if self.stripe_size <= 0 or self.stripe_size & (self.stripe_size - 1):
             raise ValueError(f"stripe_size must be a power of two, got {self.stripe_size}")
-        names = [m.name for m in self.mounts]
-        if len(set(names)) != len(names):
-            raise ValueError(f"duplicate mount names: {names}")
+        _check_unique_mounts(self.mounts)
         if self.rpc_threads < 1 or self.shutdown_grace < 0:
             raise ValueError("rpc_threads must be >= 1 and shutdown_grace >= 0")
         for name in ("metadata_ttl", "list_ttl"):
