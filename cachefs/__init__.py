@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheFileSystem", "__version__"]
+__all__ = ["CacheDataset", "CacheFileSystem", "__version__"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from cachefs.client.filesystem import CacheFileSystem
 
         return CacheFileSystem
+    if name == "CacheDataset":  # imports torch: only when asked for
+        from cachefs.client.dataset import CacheDataset
+
+        return CacheDataset
     raise AttributeError(f"module 'cachefs' has no attribute {name!r}")

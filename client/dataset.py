@@ -1,0 +1,316 @@
+"""CacheDataset: a map-style torch Dataset that reads samples (one object each) through cachefs.
+
+    ds = CacheDataset.from_prefix("cachefs://datasets/train/", storage_options={"master": "m:19998"},
+                                  transform=decode)
+    loader = DataLoader(ds, batch_size=256, sampler=ds.sampler(), num_workers=8, pin_memory=True)
+    for epoch in range(start_epoch, epochs):
+        ds.set_epoch(epoch)
+        for batch in ds.track(loader):          # counts consumed samples for state_dict()
+            ...
+            save({"data": ds.state_dict(), ...})
+
+Index ``i`` is a **position in this rank's epoch order** (see sampling.py), not an index into
+``paths``: ``len(ds)`` is this rank's sample count, ``ds[i]`` reads ``paths[ds.plan.sample(i)]``,
+and the DataLoader's default sequential order already is the shuffled, sharded epoch order.
+Positions are unique even where padding repeats a sample, so a DataLoader worker that is asked
+for position i knows exactly which positions it will be asked for next, and prefetches them.
+``ds.read(sample_index)`` reads by index into ``paths``.
+
+The filesystem and the prefetcher are made lazily in each process (DataLoader workers included)
+from ``storage_options``; nothing made in the parent is used after a fork or a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler, get_worker_info
+
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.prefetch import Prefetcher
+from cachefs.client.sampling import EpochPlan
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+class SampleReadError(OSError):
+    """Reading one sample failed; the message names the sample (index and path) and the cause."""
+
+
+def to_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A writable, 64-byte-aligned uint8 tensor holding ``data``: one memcpy, no Python-level copy.
+
+    The client hands out immutable ``bytes`` (the gRPC message); ``torch.frombuffer`` over them
+    would give a tensor over read-only memory. Instead the bytes are copied once (numpy memcpy,
+    ~10 GB/s here) into ``torch.empty`` (64-byte-aligned, owned by torch), ready for
+    ``pin_memory`` and ``.to(device, non_blocking=True)``. ``torch.tensor(bytes)`` would go
+    element by element through Python objects (~1000x slower).
+    """
+    out = torch.empty(len(data), dtype=torch.uint8)
+    if len(data):
+        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+def _default_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class CacheDataset(Dataset):
+    def __init__(self, paths: Sequence[str], *, storage_options: dict[str, Any] | None = None,
+                 sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_depth: int = 32,
+                 prefetch_threads: int = 4, timeout: float = 300.0) -> None:
+        self.paths = list(paths)
+        self.storage_options = dict(storage_options or {})
+        if sizes is None:
+            sizes = self._resolve_sizes(self.paths, self.storage_options)
+        if len(sizes) != len(self.paths):
+            raise ValueError(f"{len(sizes)} sizes for {len(self.paths)} paths")
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.transform = transform
+        if (rank is None) != (world_size is None):
+            raise ValueError("give both rank and world_size, or neither")
+        if rank is None:
+            rank, world_size = _default_rank_world()
+        self.rank, self.world_size = int(rank), int(world_size)  # type: ignore[arg-type]
+        self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
+        self.prefetch_bytes, self.prefetch_depth = int(prefetch_bytes), int(prefetch_depth)
+        self.prefetch_threads, self.timeout = int(prefetch_threads), float(timeout)
+        self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, 0, self.shuffle,
+                              self.drop_last)
+        self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
+        self._fs: CacheFileSystem | None = None
+        self._prefetcher: Prefetcher | None = None
+        self._pid = -1
+
+    # -- construction --------------------------------------------------------------------------------
+    @staticmethod
+    def _filesystem(storage_options: dict[str, Any]) -> CacheFileSystem:
+        return CacheFileSystem(skip_instance_cache=True, **storage_options)
+
+    @classmethod
+    def _resolve_sizes(cls, paths: list[str], storage_options: dict[str, Any]) -> list[int]:
+        """Sizes of ``paths`` by ``info``, a few at a time (once, here; then shipped with the dataset)."""
+        if not paths:
+            return []
+        fs = cls._filesystem(storage_options)
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                return [int(info["size"]) for info in pool.map(fs.info, paths)]
+        finally:
+            fs.close()
+
+    @classmethod
+    def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> "CacheDataset":
+        """Every object below ``url`` (sorted by path), with sizes from one recursive listing."""
+        fs = cls._filesystem(dict(storage_options or {}))
+        try:
+            entries = fs.find(url, detail=True)
+        finally:
+            fs.close()
+        files = sorted((name, info) for name, info in entries.items() if info.get("type", "file") == "file")
+        if not files:
+            raise FileNotFoundError(f"no objects below {url}")
+        return cls([f"cachefs://{name}" for name, _ in files], sizes=[int(i["size"]) for _, i in files],
+                   storage_options=storage_options, **kwargs)
+
+    @classmethod
+    def from_manifest(cls, path_or_url: str, *, storage_options: dict[str, Any] | None = None,
+                      **kwargs: Any) -> "CacheDataset":
+        """Paths from a manifest: a JSON list (of paths, or of {"path", "size"}), or one path a line.
+
+        A ``cachefs://`` manifest is read through the cache; anything else through fsspec.
+        Lines that are empty or start with ``#`` are skipped. Sizes not given are looked up.
+        """
+        if path_or_url.startswith("cachefs://"):
+            fs = cls._filesystem(dict(storage_options or {}))
+            try:
+                text = fs.cat_file(path_or_url).decode()
+            finally:
+                fs.close()
+        else:
+            import fsspec
+
+            with fsspec.open(path_or_url, "rt") as f:
+                text = f.read()
+        sizes: list[int] | None = None
+        if text.lstrip().startswith("["):
+            items = json.loads(text)
+            if items and all(isinstance(i, dict) for i in items):
+                paths = [str(i["path"]) for i in items]
+                if all("size" in i for i in items):
+                    sizes = [int(i["size"]) for i in items]
+            else:
+                paths = [str(i) for i in items]
+        else:
+            paths = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        return cls(paths, sizes=sizes, storage_options=storage_options, **kwargs)
+
+    # -- pickling and per-process state ---------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_fs=None, _prefetcher=None, _pid=-1)
+        return state
+
+    def _process(self) -> tuple[CacheFileSystem, Prefetcher]:
+        if self._pid != os.getpid():  # first use here, or a fork: never the parent's objects
+            self._fs = self._filesystem(self.storage_options)
+            self._prefetcher = Prefetcher(self._fetch_position, self._size_of_position,
+                                          max_bytes=self.prefetch_bytes, max_depth=self.prefetch_depth,
+                                          threads=self.prefetch_threads, timeout=self.timeout)
+            self._pid = os.getpid()
+        return self._fs, self._prefetcher  # type: ignore[return-value]
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        """This process's prefetcher (its ``stats`` hold the counters)."""
+        return self._process()[1]
+
+    # -- reading ----------------------------------------------------------------------------------------
+    def _fetch_position(self, position: int) -> torch.Tensor:
+        return self._read_raw(self.plan.sample(position))
+
+    def _size_of_position(self, position: int) -> int:
+        return int(self.sizes[self.plan.sample(position)])
+
+    def _read_raw(self, sample: int) -> torch.Tensor:
+        fs = self._process()[0]
+        return to_tensor(fs.cat_file(self.paths[sample]))
+
+    def _error(self, sample: int, position: int | None, exc: BaseException) -> SampleReadError:
+        where = "" if position is None else f" (position {position} of rank {self.rank}, epoch {self.plan.epoch})"
+        return SampleReadError(f"cannot read sample {sample} {self.paths[sample]!r}{where}: "
+                               f"{type(exc).__name__}: {exc}")
+
+    def read(self, sample: int) -> Any:
+        """Sample ``sample`` (an index into ``paths``), transformed, without prefetch."""
+        try:
+            data = self._read_raw(sample)
+        except Exception as exc:
+            raise self._error(sample, None, exc) from exc
+        return self.transform(data) if self.transform is not None else data
+
+    def _get(self, position: int, upcoming: Iterable[int]) -> Any:
+        if not 0 <= position < len(self.plan):
+            raise IndexError(f"position {position} is outside this rank's {len(self.plan)} samples")
+        _, prefetcher = self._process()
+        try:
+            data = prefetcher.get(position, upcoming)
+        except Exception as exc:
+            raise self._error(self.plan.sample(position), position, exc) from exc
+        return self.transform(data) if self.transform is not None else data
+
+    @staticmethod
+    def _num_workers() -> int:
+        info = get_worker_info()
+        return 1 if info is None else info.num_workers
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, position: int) -> Any:
+        # One position per call: batch_size=None, or a caller indexing by hand. The same worker
+        # is next asked for position + num_workers.
+        position = int(position)
+        return self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), len(self)))
+
+    def __getitems__(self, positions: list[int]) -> list[Any]:
+        # A batch (DataLoader with batch_size): the batch's positions are consecutive (sampler()
+        # or the default sequential sampler), and the worker's next batch starts num_workers
+        # batches later. Anything else still reads correctly, with a less useful prefetch.
+        positions = [int(p) for p in positions]
+        if not positions:
+            return []
+        start, n, end, workers = positions[0], len(positions), len(self), self._num_workers()
+        out = []
+        for j, pos in enumerate(positions):
+            out.append(self._get(pos, EpochPlan.upcoming(start, n, workers, end, after=start + j)))
+        return out
+
+    # -- epochs, sampler, resume -------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order. Progress resets only when the epoch changes, so calling
+        it with the epoch a loaded state is in keeps the resume point. Call before ``iter(loader)``."""
+        if int(epoch) == self.plan.epoch:
+            return
+        self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, int(epoch), self.shuffle,
+                              self.drop_last)
+        self.samples_seen = 0
+        self._reset_prefetch()
+
+    def _reset_prefetch(self) -> None:
+        if self._prefetcher is not None and self._pid == os.getpid():
+            self._prefetcher.reset()
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    def sampler(self) -> "CacheSampler":
+        return CacheSampler(self)
+
+    def advance(self, n: int) -> None:
+        """Record that the training loop consumed ``n`` more samples (``track`` does this for you)."""
+        if n < 0 or self.samples_seen + n > len(self):
+            raise ValueError(f"cannot advance {n} from {self.samples_seen} of {len(self)} samples")
+        self.samples_seen += n
+
+    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``loader`` (a DataLoader over this dataset), counting the samples handed out.
+
+        The count is taken in the main process as each batch is yielded, so ``state_dict()``
+        inside the loop body is exact whatever ``num_workers`` is (the sampler itself runs ahead
+        of consumption by the DataLoader's prefetch). Needs a DataLoader with ``batch_size``
+        (or ``batch_size=None``), not a custom ``batch_sampler``.
+        """
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_sampler is not None and batch_size is None:
+            raise ValueError("track() needs a DataLoader built with batch_size (or batch_size=None), "
+                             "not a custom batch_sampler; call advance(n) yourself instead")
+        per_batch = 1 if batch_sampler is None else int(batch_size)  # type: ignore[arg-type]
+        for batch in loader:
+            self.samples_seen += min(per_batch, len(self) - self.samples_seen)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is: epoch, seed, samples of its order consumed (plus checks)."""
+        return self.plan.state(self.samples_seen)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the same or another number of DataLoader workers or ranks
+        (see sampling.py for how a different world size is handled). Call before ``iter(loader)``."""
+        self.plan, self.samples_seen = EpochPlan.resume(
+            state, n_samples=len(self.paths), rank=self.rank, world_size=self.world_size, shuffle=self.shuffle,
+            drop_last=self.drop_last)
+        self.seed = int(state["seed"])
+        self._reset_prefetch()
+
+
+class CacheSampler(Sampler[int]):
+    """Positions ``samples_seen .. len(ds)-1`` of the dataset's current epoch plan, read at ``iter``."""
+
+    def __init__(self, dataset: CacheDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.dataset.samples_seen, len(self.dataset)))
+
+    def __len__(self) -> int:
+        return len(self.dataset) - self.dataset.samples_seen
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)

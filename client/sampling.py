@@ -1,0 +1,141 @@
+"""Epoch order and sharding for CacheDataset: pure, deterministic, no torch.distributed needed.
+
+An epoch's order is known before it starts, which is what lets each DataLoader worker
+prefetch exactly the samples it will be asked for next.
+
+* **Global order.** A permutation of ``range(n_samples)`` from numpy's PCG64 seeded by
+  ``(seed, epoch)`` (identity when ``shuffle=False``): the same in every process and rank.
+* **Resume offset.** An epoch may start part-way into that permutation (``offset``: samples
+  already consumed by *all* ranks together); only ``perm[offset:]`` is dealt out. Offset is
+  0 except after resuming with a different world size (see below).
+* **Ranks.** The rest is padded by repeating it from its start (or truncated, with
+  ``drop_last``) to a multiple of ``world_size`` so every rank gets the same count (no DDP
+  hang at the end of an epoch), then dealt out interleaved: rank r gets positions
+  ``r, r + world_size, ...``, as torch's DistributedSampler does.
+* **DataLoader workers.** A rank's order is consumed by position. With a batch sampler of
+  ``batch_size`` over it, batch k goes to worker ``k % num_workers`` (torch's round robin for
+  map-style datasets), so a worker that is serving the batch starting at position p will next
+  be asked for the batch starting at ``p + num_workers * batch_size``.
+
+Resume state (per rank): ``{"epoch", "seed", "samples_seen", "offset", "world_size", ...}``;
+``samples_seen`` is how many samples of this rank's order were already yielded. Resuming with
+the same world size skips exactly those (whatever the number of DataLoader workers, which
+does not change the order). Resuming with another world size starts the rest of the epoch at
+``offset + samples_seen * old_world_size`` of the global order, re-dealt over the new ranks:
+exact when every old rank had consumed the same count, which DDP's lock-step guarantees (the
+state saved by any rank, usually rank 0, is the state of all ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+STATE_VERSION = 1
+
+
+def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    return np.random.Generator(np.random.PCG64([int(seed), int(epoch)])).permutation(n).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    n_samples: int
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    offset: int = 0  # global samples of this epoch consumed before this plan started
+
+    def __post_init__(self) -> None:
+        if self.n_samples < 0:
+            raise ValueError(f"n_samples must be >= 0, got {self.n_samples}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
+        if not 0 <= self.offset <= self.n_samples:
+            raise ValueError(f"offset {self.offset} is outside 0..{self.n_samples}")
+        object.__setattr__(self, "_order", self._make_order())
+
+    def _make_order(self) -> np.ndarray:
+        rest = _permutation(self.n_samples, self.seed, self.epoch, self.shuffle)[self.offset:]
+        ws = self.world_size
+        if self.drop_last:
+            per_rank = len(rest) // ws
+        else:
+            per_rank = -(-len(rest) // ws)
+        total = per_rank * ws
+        if total > len(rest):  # pad by repeating from the start (several times if need be)
+            rest = np.resize(rest, total)
+        return np.ascontiguousarray(rest[self.rank:total:ws])
+
+    # -- this rank's order ------------------------------------------------------------------------
+    @property
+    def order(self) -> np.ndarray:
+        """Sample indices of this rank, in the order they are read (positions 0..len-1)."""
+        return self._order  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def sample(self, position: int) -> int:
+        """The sample index at ``position`` of this rank's order."""
+        return int(self.order[position])
+
+    def remaining(self, samples_seen: int = 0) -> np.ndarray:
+        return self.order[samples_seen:]
+
+    # -- DataLoader workers ------------------------------------------------------------------------
+    def worker_positions(self, worker_id: int, num_workers: int, batch_size: int = 1,
+                         start: int = 0) -> np.ndarray:
+        """Positions worker ``worker_id`` will be asked for when the loader starts at ``start``."""
+        pos = np.arange(start, len(self), dtype=np.int64)
+        batch = (pos - start) // max(1, batch_size)
+        return pos[batch % max(1, num_workers) == worker_id]
+
+    @staticmethod
+    def upcoming(batch_start: int, batch_len: int, num_workers: int, end: int,
+                 after: int | None = None) -> Iterator[int]:
+        """Positions the same worker will be asked for after ``after`` (default: the batch's first).
+
+        The rest of the current batch first, then the batches ``num_workers`` batches apart.
+        """
+        after = batch_start if after is None else after
+        yield from range(after + 1, min(end, batch_start + batch_len))
+        step = max(1, num_workers) * max(1, batch_len)
+        start = batch_start + step
+        while start < end:
+            yield from range(start, min(end, start + batch_len))
+            start += step
+
+    # -- resume ------------------------------------------------------------------------------------
+    def state(self, samples_seen: int) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "epoch": self.epoch, "seed": self.seed,
+                "samples_seen": int(samples_seen), "offset": self.offset, "world_size": self.world_size,
+                "n_samples": self.n_samples, "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+    @classmethod
+    def resume(cls, state: dict[str, Any], *, n_samples: int, rank: int, world_size: int, shuffle: bool,
+               drop_last: bool) -> tuple["EpochPlan", int]:
+        """The plan and this rank's samples_seen that continue ``state`` (see the module doc)."""
+        if state.get("version", STATE_VERSION) != STATE_VERSION:
+            raise ValueError(f"unknown CacheDataset state version {state.get('version')}")
+        if state["n_samples"] != n_samples:
+            raise ValueError(f"the state is for {state['n_samples']} samples, this dataset has {n_samples}")
+        if bool(state["shuffle"]) != shuffle:
+            raise ValueError("the state was saved with shuffle={}; this dataset has shuffle={}".format(
+                state["shuffle"], shuffle))
+        seen, offset, old_ws = int(state["samples_seen"]), int(state.get("offset", 0)), int(state["world_size"])
+        same_deal = old_ws == world_size and bool(state["drop_last"]) == drop_last
+        if not same_deal:  # re-deal what no rank has consumed yet
+            offset, seen = min(n_samples, offset + seen * old_ws), 0
+        plan = cls(n_samples, rank, world_size, int(state["seed"]), int(state["epoch"]), shuffle, drop_last, offset)
+        if not 0 <= seen <= len(plan):
+            raise ValueError(f"samples_seen {seen} is outside this rank's {len(plan)} samples")
+        return plan, seen
