@@ -42,7 +42,10 @@ class _Pool:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=60.0)  # idle threads just look again
+            except queue.Empty:
+                continue
             if item is None:
                 return
             future, call = item
