@@ -20,10 +20,11 @@ from typing import Any
 
 import grpc
 
+from cachefs.auth import token_metadata
+
 from cachefs.progress import human_bytes
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-TOKEN_HEADER = "x-cachefs-token"
 
 
 _human = human_bytes
@@ -36,7 +37,7 @@ class _Master:
         address = args.master or os.environ.get("CACHEFS_MASTER", "127.0.0.1:19998")
         token = args.cluster_token or os.environ.get("CACHEFS_CLUSTER_TOKEN", "")
         self.address = address
-        self.metadata = ((TOKEN_HEADER, token),) if token else ()
+        self.metadata = token_metadata(token)
         self.timeout = args.timeout
         self.channel = grpc.insecure_channel(address)
         self.stub = master_pb2_grpc.MasterServiceStub(self.channel)

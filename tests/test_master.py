@@ -21,7 +21,7 @@ from cachefs.errors import UnknownMountError
 from cachefs.mounts import MountSpec
 from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.server.master import Master
-from cachefs.server.master.service import TOKEN_METADATA
+from cachefs.auth import TOKEN_METADATA
 from cachefs.server.master.state import DB_NAME, MasterState
 from cachefs.server.master.membership import Membership
 from cachefs.server.master.viewversion import ViewVersion

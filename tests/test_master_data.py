@@ -11,7 +11,8 @@ from cachefs.config import MasterConfig
 from cachefs.mounts import MountSpec
 from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc, worker_pb2
 from cachefs.server.master import Master
-from cachefs.server.master.service import TOKEN_METADATA, LIST_BATCH
+from cachefs.auth import TOKEN_METADATA
+from cachefs.server.master.service import LIST_BATCH
 from helpers import scrape, wait_for
 
 

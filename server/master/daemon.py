@@ -3,10 +3,7 @@ jobs, gRPC, metrics."""
 
 from __future__ import annotations
 
-import json
 import logging
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +23,7 @@ from cachefs.server.master.service import MasterServicer
 from cachefs.server.master.state import MasterState
 from cachefs.server.master.membership import Membership
 from cachefs.server.master.stat import CacheStat
+from cachefs.server.lifecycle import serve_until_signalled
 from cachefs.server.master.viewversion import BOOT_SHIFT, ViewVersion
 from cachefs.server.master.workerstubs import WorkerStubs
 
@@ -155,20 +153,9 @@ class Master:
 def serve(config: MasterConfig) -> int:
     """Run a master until SIGTERM/SIGINT; prints one JSON line with its ports when ready."""
     master = Master(config).start()
-    stop_requested = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop_requested.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        print(json.dumps({"event": "ready", "master_id": master.master_id, "address": master.address,
-                          "port": master.port, "metrics_port": master.metrics_port}), flush=True)
-        while not stop_requested.wait(1.0):
-            pass
-    finally:
-        master.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print(json.dumps({"event": "stopped", "master_id": master.master_id}), file=sys.stdout, flush=True)
-    return 0
+    return serve_until_signalled(
+        master.stop,
+        ready={"master_id": master.master_id, "address": master.address, "port": master.port,
+               "metrics_port": master.metrics_port},
+        stopped={"master_id": master.master_id},
+    )

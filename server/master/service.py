@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import fsspec
 import grpc
 
+from cachefs.auth import TOKEN_METADATA
 from cachefs.config import MasterConfig
 from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError
 from cachefs.mounts import MountSpec, redact
@@ -37,8 +38,6 @@ from cachefs.server.master.viewversion import ViewVersion
 
 log = logging.getLogger(__name__)
 
-# gRPC metadata key that carries the cluster token: ``[(TOKEN_METADATA, token)]``.
-TOKEN_METADATA = "x-cachefs-token"
 MAX_WORKER_ID = 128
 LIST_BATCH = 1000  # entries per List message: a huge prefix never needs one huge message
 MAX_INFOS = 10_000  # paths per GetInfos call

@@ -11,9 +11,10 @@ from typing import Any
 
 import grpc
 
+from cachefs.auth import TOKEN_METADATA
+
 from cachefs.proto import worker_pb2_grpc
 
-TOKEN_METADATA = "x-cachefs-token"
 
 
 class _CallDetails(grpc.ClientCallDetails):

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
 import socket
-import sys
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +17,7 @@ from cachefs.config import WorkerConfig
 from cachefs.mounts import MountTable
 from cachefs.proto import worker_pb2_grpc
 from cachefs.server.worker.metrics import WorkerMetrics
+from cachefs.server.lifecycle import serve_until_signalled
 from cachefs.server.objectstore import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
@@ -158,20 +156,9 @@ class Worker:
 def serve(config: WorkerConfig) -> int:
     """Run a worker until SIGTERM/SIGINT; prints one JSON line with its ports when ready."""
     worker = Worker(config).start()
-    stop_requested = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop_requested.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        print(json.dumps({"event": "ready", "worker_id": worker.worker_id, "address": worker.address,
-                          "port": worker.port, "metrics_port": worker.metrics_port}), flush=True)
-        while not stop_requested.wait(1.0):
-            pass
-    finally:
-        worker.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print(json.dumps({"event": "stopped", "worker_id": worker.worker_id}), file=sys.stdout, flush=True)
-    return 0
+    return serve_until_signalled(
+        worker.stop,
+        ready={"worker_id": worker.worker_id, "address": worker.address, "port": worker.port,
+               "metrics_port": worker.metrics_port},
+        stopped={"worker_id": worker.worker_id},
+    )

@@ -15,13 +15,12 @@ from collections.abc import Callable
 import grpc
 
 from cachefs import __version__
+from cachefs.auth import token_metadata
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.server.pagestore import PageStoreStats
 
 log = logging.getLogger(__name__)
-
-TOKEN_HEADER = "x-cachefs-token"
 
 
 class Registrar:
@@ -43,7 +42,7 @@ class Registrar:
         self.address = address
         self.mounts = mounts
         self._stats = stats
-        self._metadata = ((TOKEN_HEADER, token),) if token else ()
+        self._metadata = token_metadata(token)
         self._on_mounts_changed = on_mounts_changed
         self._rpc_timeout = rpc_timeout
         self._channel = grpc.insecure_channel(master)
