@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheDataset", "CacheFileSystem", "__version__"]
+__all__ = ["CacheDataset", "CacheFileSystem", "CacheIterableDataset", "write_tar_shards", "__version__"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,12 @@ def __getattr__(name: str):
         from cachefs.client.dataset import CacheDataset
 
         return CacheDataset
+    if name == "CacheIterableDataset":
+        from cachefs.client.iterable import CacheIterableDataset
+
+        return CacheIterableDataset
+    if name == "write_tar_shards":
+        from cachefs.client.shards import write_tar_shards
+
+        return write_tar_shards
     raise AttributeError(f"module 'cachefs' has no attribute {name!r}")

@@ -67,7 +67,41 @@ def _default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-class CacheDataset(Dataset):
+class ConsumptionTracking:
+    """``advance``/``track``: samples the training loop consumed, counted in the main process.
+
+    Needs ``self.samples_seen`` and ``len(self.plan)`` (this rank's samples this epoch).
+    """
+
+    samples_seen: int
+    plan: Any
+
+    def advance(self, n: int) -> None:
+        """Record that the training loop consumed ``n`` more samples (``track`` does this for you)."""
+        if n < 0 or self.samples_seen + n > len(self.plan):
+            raise ValueError(f"cannot advance {n} from {self.samples_seen} of {len(self.plan)} samples")
+        self.samples_seen += n
+
+    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``loader`` (a DataLoader over this dataset), counting the samples handed out.
+
+        The count is taken in the main process as each batch is yielded, so ``state_dict()``
+        inside the loop body is exact whatever ``num_workers`` is (the sampler itself runs ahead
+        of consumption by the DataLoader's prefetch). Needs a DataLoader with ``batch_size``
+        (or ``batch_size=None``), not a custom ``batch_sampler``.
+        """
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_sampler is not None and batch_size is None:
+            raise ValueError("track() needs a DataLoader built with batch_size (or batch_size=None), "
+                             "not a custom batch_sampler; call advance(n) yourself instead")
+        per_batch = 1 if batch_sampler is None else int(batch_size)  # type: ignore[arg-type]
+        for batch in loader:
+            self.samples_seen += min(per_batch, len(self.plan) - self.samples_seen)
+            yield batch
+
+
+class CacheDataset(ConsumptionTracking, Dataset):
     def __init__(self, paths: Sequence[str], *, storage_options: dict[str, Any] | None = None,
                  sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
@@ -261,30 +295,6 @@ class CacheDataset(Dataset):
 
     def sampler(self) -> "CacheSampler":
         return CacheSampler(self)
-
-    def advance(self, n: int) -> None:
-        """Record that the training loop consumed ``n`` more samples (``track`` does this for you)."""
-        if n < 0 or self.samples_seen + n > len(self):
-            raise ValueError(f"cannot advance {n} from {self.samples_seen} of {len(self)} samples")
-        self.samples_seen += n
-
-    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """Iterate ``loader`` (a DataLoader over this dataset), counting the samples handed out.
-
-        The count is taken in the main process as each batch is yielded, so ``state_dict()``
-        inside the loop body is exact whatever ``num_workers`` is (the sampler itself runs ahead
-        of consumption by the DataLoader's prefetch). Needs a DataLoader with ``batch_size``
-        (or ``batch_size=None``), not a custom ``batch_sampler``.
-        """
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        batch_size = getattr(loader, "batch_size", None)
-        if batch_sampler is not None and batch_size is None:
-            raise ValueError("track() needs a DataLoader built with batch_size (or batch_size=None), "
-                             "not a custom batch_sampler; call advance(n) yourself instead")
-        per_batch = 1 if batch_sampler is None else int(batch_size)  # type: ignore[arg-type]
-        for batch in loader:
-            self.samples_seen += min(per_batch, len(self) - self.samples_seen)
-            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: epoch, seed, samples of its order consumed (plus checks)."""

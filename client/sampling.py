@@ -139,3 +139,132 @@ class EpochPlan:
         if not 0 <= seen <= len(plan):
             raise ValueError(f"samples_seen {seen} is outside this rank's {len(plan)} samples")
         return plan, seen
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The epoch order of a sharded dataset, dealt in **blocks** of consecutive samples.
+
+    A shard is read by byte range, so samples that follow each other in a shard should be read
+    together. The global order keeps shards whole: the shards in a seeded permutation (by
+    ``(seed, epoch)``), each shard's samples in file order. What has not been consumed yet
+    (``order[offset:]``) is padded by repeating its start (or truncated, with ``drop_last``) to
+    a multiple of ``world_size``, so every rank gets the same count, and cut into rounds:
+    round k gives block k of every rank, ``block`` samples each (``rank * block`` into the
+    round), and a last, shorter round splits what is left equally. Within a block the order is
+    shuffled (seeded), which costs no extra reads.
+
+    A DataLoader worker ``w`` of ``W`` takes its rank's blocks ``w, w + W, ...``: with the
+    loader's ``batch_size`` equal to ``block``, batch i is block i, so what the loader has
+    handed out is always a prefix of the rank's order, and the samples all ranks consumed in
+    lock-step (``samples_seen`` each, a multiple of ``block``) are the prefix
+    ``order[offset : offset + samples_seen * world_size]``. That is what resume with another
+    world size continues from, as in EpochPlan.
+    """
+
+    counts: tuple[int, ...]
+    block: int = 32
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if any(c < 0 for c in self.counts):
+            raise ValueError("shard sample counts must be >= 0")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
+        if not 0 <= self.offset <= self.n_samples:
+            raise ValueError(f"offset {self.offset} is outside 0..{self.n_samples}")
+        object.__setattr__(self, "_rest", self._make_rest())
+
+    @property
+    def n_samples(self) -> int:
+        return int(sum(self.counts))
+
+    def _make_rest(self) -> np.ndarray:
+        starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
+        shards = _permutation(len(self.counts), self.seed, self.epoch, self.shuffle)
+        parts = [np.arange(starts[s], starts[s + 1], dtype=np.int64) for s in shards]
+        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        rest = order[self.offset:]
+        ws = self.world_size
+        total = (len(rest) // ws if self.drop_last else -(-len(rest) // ws)) * ws
+        return np.resize(rest, total) if total > len(rest) else rest[:total]
+
+    @property
+    def order(self) -> np.ndarray:
+        """Every rank's samples of the rest of the epoch, padded, before dealing (global ids)."""
+        return self._rest  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        """Samples of this rank."""
+        return len(self.order) // self.world_size
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-len(self) // self.block)
+
+    def block_span(self, j: int) -> tuple[int, int]:
+        """[start, end) of this rank's block ``j`` in ``order``."""
+        if not 0 <= j < self.n_blocks:
+            raise IndexError(f"block {j} is outside this rank's {self.n_blocks} blocks")
+        full = len(self) // self.block
+        if j < full:
+            start = (j * self.world_size + self.rank) * self.block
+            return start, start + self.block
+        rem = len(self) - full * self.block
+        base = full * self.world_size * self.block
+        return base + self.rank * rem, base + (self.rank + 1) * rem
+
+    def block_samples(self, j: int) -> np.ndarray:
+        """Global sample ids of this rank's block ``j``, in the order they are yielded."""
+        start, end = self.block_span(j)
+        ids = self.order[start:end]
+        if not self.shuffle or len(ids) < 2:
+            return ids
+        rng = np.random.Generator(np.random.PCG64([self.seed, self.epoch, 2, start]))
+        return ids[rng.permutation(len(ids))]
+
+    def worker_blocks(self, worker_id: int, num_workers: int, first: int = 0) -> range:
+        """Blocks worker ``worker_id`` of ``num_workers`` reads, when the loader starts at ``first``."""
+        return range(first + worker_id, self.n_blocks, max(1, num_workers))
+
+    # -- resume ------------------------------------------------------------------------------------
+    def state(self, samples_seen: int) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "kind": "blocks", "epoch": self.epoch, "seed": self.seed,
+                "samples_seen": int(samples_seen), "offset": self.offset, "world_size": self.world_size,
+                "n_samples": self.n_samples, "n_shards": len(self.counts), "block": self.block,
+                "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+    @classmethod
+    def resume(cls, state: dict[str, Any], *, counts: tuple[int, ...], block: int, rank: int, world_size: int,
+               shuffle: bool, drop_last: bool) -> tuple["BlockPlan", int]:
+        """The plan and this rank's samples_seen that continue ``state`` (see the class doc)."""
+        if state.get("version") != STATE_VERSION or state.get("kind") != "blocks":
+            raise ValueError("not a CacheIterableDataset state (version {}, kind {})".format(
+                state.get("version"), state.get("kind")))
+        if state["n_samples"] != sum(counts) or state["n_shards"] != len(counts):
+            raise ValueError(f"the state is for {state['n_samples']} samples in {state['n_shards']} shards; "
+                             f"this dataset has {sum(counts)} in {len(counts)}")
+        if bool(state["shuffle"]) != shuffle:
+            raise ValueError(f"the state was saved with shuffle={state['shuffle']}; this dataset has {shuffle}")
+        seen, offset, old_ws = int(state["samples_seen"]), int(state["offset"]), int(state["world_size"])
+        old = cls(counts, int(state["block"]), 0, old_ws, int(state["seed"]), int(state["epoch"]), shuffle,
+                  bool(state["drop_last"]), offset)
+        if not 0 <= seen <= len(old):
+            raise ValueError(f"samples_seen {seen} is outside the {len(old)} samples of a rank")
+        same_deal = old_ws == world_size and old.block == block and old.drop_last == drop_last
+        if not same_deal:  # re-deal the prefix all ranks consumed
+            if seen % old.block and seen != len(old):
+                raise ValueError(f"cannot resume {seen} samples into a block of {old.block} with another world "
+                                 "size, block or drop_last: resume at a batch boundary (batch_size == block)")
+            offset, seen = min(old.n_samples, offset + seen * old_ws), 0
+        plan = cls(counts, block, rank, world_size, int(state["seed"]), int(state["epoch"]), shuffle, drop_last,
+                   offset)
+        return plan, seen

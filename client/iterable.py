@@ -1,0 +1,301 @@
+"""CacheIterableDataset: samples streamed out of shard files (tar, WebDataset style) through cachefs.
+
+    ds = CacheIterableDataset.from_prefix("cachefs://datasets/train-shards/", batch_size=256,
+                                          storage_options={"master": "m:19998"}, transform=decode)
+    loader = DataLoader(ds, batch_size=256, num_workers=8, pin_memory=True)
+    for epoch in range(start_epoch, epochs):
+        ds.set_epoch(epoch)
+        for batch in ds.track(loader):
+            ...
+
+Samples are read a **block** (``batch_size`` consecutive samples of one shard) at a time: one
+range request through the cache per block, the fields sliced out of it into aligned tensors.
+The order, dealing over ranks and DataLoader workers, and resume are BlockPlan's
+(sampling.py): each sample once per epoch (up to the padding that gives every rank the same
+count), the same order for the same seed and epoch, exact resume at a batch boundary, also with
+another number of workers or ranks. Each DataLoader worker prefetches its next blocks (bounded
+in bytes) and hints the shards after those to the cache (hints.py), so a cold epoch streams.
+
+A sample is a dict: ``{"__key__": key, "__index__": global sample id, "<field>": uint8 tensor}``
+(WebDataset field names: ``jpg``, ``cls``, ...), passed through ``transform`` if given.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from cachefs.client.dataset import ConsumptionTracking, SampleReadError, _default_rank_world, to_tensor
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.hints import Hinter
+from cachefs.client.prefetch import Prefetcher
+from cachefs.client.sampling import BlockPlan
+from cachefs.client.shards import FORMATS, ShardIndex, index_from_json, index_to_json
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: Two samples' byte spans closer than this are read in one request (tar headers and padding).
+MERGE_GAP = 64 << 10
+
+
+class CacheIterableDataset(ConsumptionTracking, IterableDataset):
+    def __init__(self, shards: Sequence[ShardIndex], *, storage_options: dict[str, Any] | None = None,
+                 batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
+                 prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0) -> None:
+        self.shards = list(shards)
+        if not self.shards:
+            raise ValueError("a CacheIterableDataset needs at least one shard")
+        self.storage_options = dict(storage_options or {})
+        self.transform = transform
+        if (rank is None) != (world_size is None):
+            raise ValueError("give both rank and world_size, or neither")
+        if rank is None:
+            rank, world_size = _default_rank_world()
+        self.rank, self.world_size = int(rank), int(world_size)  # type: ignore[arg-type]
+        self.block, self.seed, self.shuffle, self.drop_last = int(batch_size), int(seed), bool(shuffle), bool(drop_last)
+        self.prefetch_bytes, self.prefetch_blocks = int(prefetch_bytes), int(prefetch_blocks)
+        self.prefetch_threads, self.hint_shards, self.timeout = int(prefetch_threads), int(hint_shards), float(timeout)
+        self.counts = tuple(len(s) for s in self.shards)
+        self._starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
+        self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, 0, self.shuffle,
+                              self.drop_last)
+        self.samples_seen = 0
+        self._fs: CacheFileSystem | None = None
+        self._prefetcher: Prefetcher | None = None
+        self._hinter: Hinter | None = None
+        self._pid = -1
+
+    # -- construction --------------------------------------------------------------------------------
+    @staticmethod
+    def _filesystem(storage_options: dict[str, Any]) -> CacheFileSystem:
+        return CacheFileSystem(skip_instance_cache=True, **storage_options)
+
+    @classmethod
+    def from_index(cls, url: str, *, storage_options: dict[str, Any] | None = None, **kwargs: Any
+                   ) -> "CacheIterableDataset":
+        """Shards and samples from an index file (``index.json`` as ``write_tar_shards`` writes)."""
+        fs = cls._filesystem(dict(storage_options or {}))
+        try:
+            text = fs.cat_file(url)
+        finally:
+            fs.close()
+        _, shards = index_from_json(text, base=url.rsplit("/", 1)[0])
+        return cls(shards, storage_options=storage_options, **kwargs)
+
+    @classmethod
+    def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, format: str = "tar",
+                    index: str | None = "index.json", **kwargs: Any) -> "CacheIterableDataset":
+        """The shards below ``url``: from its ``index`` file when there is one, else by scanning
+        every ``*.<format>`` object once (read through the cache, several shards at a time)."""
+        fs = cls._filesystem(dict(storage_options or {}))
+        try:
+            entries = fs.find(url, detail=True)
+        finally:
+            fs.close()
+        base = url.rstrip("/")
+        names = {name.rsplit("/", 1)[-1]: name for name in entries}
+        if index and index in names:
+            return cls.from_index(f"cachefs://{names[index]}", storage_options=storage_options, **kwargs)
+        paths = sorted((f"cachefs://{n}", int(i["size"])) for n, i in entries.items()
+                       if n.endswith("." + format) and i.get("type", "file") == "file")
+        if not paths:
+            raise FileNotFoundError(f"no index and no .{format} shards below {base}")
+        return cls(scan_shards(paths, storage_options, format), storage_options=storage_options, **kwargs)
+
+    def index_json(self, base: str = "") -> str:
+        """This dataset's index, to save (e.g. beside the shards) so the next start needs no scan."""
+        return index_to_json(self.shards, base)
+
+    # -- pickling and per-process state ---------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_fs=None, _prefetcher=None, _hinter=None, _pid=-1)
+        return state
+
+    def _process(self) -> tuple[CacheFileSystem, Prefetcher, Hinter]:
+        if self._pid != os.getpid():
+            self._fs = self._filesystem(self.storage_options)
+            self._prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
+                                          max_depth=self.prefetch_blocks, threads=self.prefetch_threads,
+                                          timeout=self.timeout)
+            self._hinter = Hinter(self._fs)
+            self._pid = os.getpid()
+        return self._fs, self._prefetcher, self._hinter  # type: ignore[return-value]
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        return self._process()[1]
+
+    @property
+    def hinter(self) -> Hinter:
+        return self._process()[2]
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _locate(self, sample: int) -> tuple[int, int]:
+        shard = bisect.bisect_right(self._starts, sample) - 1  # type: ignore[arg-type]
+        return shard, sample - int(self._starts[shard])
+
+    def _block_bytes(self, j: int) -> int:
+        total = 0
+        for sample in self.plan.block_samples(j):
+            shard, i = self._locate(int(sample))
+            span = self.shards[shard].samples[i]
+            total += span.end - span.start
+        return total
+
+    def _read_block(self, j: int) -> list[dict[str, Any]]:
+        """Block ``j``'s samples: each run of nearby samples of a shard in one range read."""
+        fs = self._process()[0]
+        ids = [int(s) for s in self.plan.block_samples(j)]
+        where = [self._locate(s) for s in ids]
+        spans = sorted({(shard, i) for shard, i in where},
+                       key=lambda si: (si[0], self.shards[si[0]].samples[si[1]].start))
+        runs: list[tuple[int, int, int]] = []  # (shard, start, end)
+        for shard, i in spans:
+            span = self.shards[shard].samples[i]
+            if runs and runs[-1][0] == shard and span.start - runs[-1][2] <= MERGE_GAP:
+                runs[-1] = (shard, runs[-1][1], max(runs[-1][2], span.end))
+            else:
+                runs.append((shard, span.start, span.end))
+        buffers: dict[int, list[tuple[int, memoryview]]] = {}
+        for shard, start, end in runs:
+            try:
+                data = fs.cat_file(self.shards[shard].path, start, end)
+            except Exception as exc:
+                raise SampleReadError(f"cannot read bytes {start}-{end} of shard {self.shards[shard].path!r} "
+                                      f"(block {j} of rank {self.rank}, epoch {self.plan.epoch}): "
+                                      f"{type(exc).__name__}: {exc}") from exc
+            if len(data) != end - start:
+                raise SampleReadError(f"shard {self.shards[shard].path!r} is shorter than its index says: "
+                                      f"{len(data)} of {end - start} bytes at {start}")
+            buffers.setdefault(shard, []).append((start, memoryview(data)))
+        out = []
+        for sample, (shard, i) in zip(ids, where):
+            span = self.shards[shard].samples[i]
+            base, view = next((s, v) for s, v in buffers[shard] if s <= span.start and span.end <= s + len(v))
+            item: dict[str, Any] = {"__key__": span.key, "__index__": sample}
+            for name, offset, size in span.fields:
+                item[name] = to_tensor(view[offset - base:offset - base + size])
+            out.append(item)
+        return out
+
+    def _hint_after(self, blocks: range, k: int) -> None:
+        """Hint the shards of this worker's blocks after the prefetch window (once each per epoch)."""
+        if self.hint_shards <= 0:
+            return
+        fs, _, hinter = self._process()
+        stripe = fs._process_state().ring.config.stripe_size
+        shards: list[str] = []
+        for j in blocks[k + self.prefetch_blocks:]:
+            for sample in (self.plan.block_span(j)[0], self.plan.block_span(j)[1] - 1):
+                shard = self.shards[self._locate(int(self.plan.order[sample]))[0]]
+                # Load brings a whole object to one worker: only worth it within one stripe.
+                if shard.path not in shards and shard.size <= stripe:
+                    shards.append(shard.path)
+            if len(shards) >= self.hint_shards:
+                break
+        if shards:
+            hinter.hint(shards[:self.hint_shards])
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        first, skip = divmod(self.samples_seen, self.block)
+        blocks = self.plan.worker_blocks(worker, workers, first)
+        _, prefetcher, _ = self._process()
+        for k, j in enumerate(blocks):
+            if k % max(1, self.prefetch_blocks // 2) == 0:
+                self._hint_after(blocks, k)
+            try:
+                samples = prefetcher.get(j, iter(blocks[k + 1:]))
+            except SampleReadError:
+                raise
+            except Exception as exc:
+                raise SampleReadError(f"cannot read block {j} of rank {self.rank}, epoch {self.plan.epoch}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+            if j == first and skip:  # resumed inside this block (same world size only)
+                samples = samples[skip:]
+            for sample in samples:
+                yield self.transform(sample) if self.transform is not None else sample
+
+    def __len__(self) -> int:
+        """Samples this rank yields from where it stands (the whole epoch unless resumed)."""
+        return len(self.plan) - self.samples_seen
+
+    # -- epochs and resume ---------------------------------------------------------------------------
+    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """As CacheDataset.track; batch i of the loader is block i, so the count is exact."""
+        workers = getattr(loader, "num_workers", 0)
+        batch_size = getattr(loader, "batch_size", None)
+        if workers and batch_size != self.block:
+            raise ValueError(f"with DataLoader workers, track() needs the loader's batch_size ({batch_size}) "
+                             f"equal to the dataset's ({self.block}): a batch must be one block")
+        if not workers:
+            yield from super().track(loader)
+            return
+        first = self.samples_seen // self.block
+        j = first
+        for batch in loader:
+            start, end = self.plan.block_span(j)
+            done = (self.samples_seen % self.block) if j == first else 0
+            self.samples_seen += end - start - done
+            j += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order; progress resets only when the epoch changes."""
+        if int(epoch) == self.plan.epoch:
+            return
+        self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, int(epoch),
+                              self.shuffle, self.drop_last)
+        self.samples_seen = 0
+        self._reset()
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    def _reset(self) -> None:
+        if self._pid == os.getpid():
+            if self._prefetcher is not None:
+                self._prefetcher.reset()
+            if self._hinter is not None:
+                self._hinter.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.plan.state(self.samples_seen)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.plan, self.samples_seen = BlockPlan.resume(
+            state, counts=self.counts, block=self.block, rank=self.rank, world_size=self.world_size,
+            shuffle=self.shuffle, drop_last=self.drop_last)
+        self.seed = int(state["seed"])
+        self._reset()
+
+
+def scan_shards(paths: Sequence[tuple[str, int]], storage_options: dict[str, Any] | None = None,
+                format: str = "tar", threads: int = 8) -> list[ShardIndex]:
+    """Index shards by reading each once through the cache (which also brings it into the cache)."""
+    shard_format = FORMATS[format]
+    fs = CacheFileSystem(skip_instance_cache=True, **dict(storage_options or {}))
+
+    def one(item: tuple[str, int]) -> ShardIndex:
+        path, size = item
+        samples = shard_format.scan(lambda off, n: fs.cat_file(path, off, off + n), size)
+        return ShardIndex(path, size, tuple(samples))
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(one, paths))
+    finally:
+        fs.close()
