@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import EpochPlan
 
@@ -106,7 +107,7 @@ class CacheDataset(ConsumptionTracking, Dataset):
                  sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_depth: int = 32,
-                 prefetch_threads: int = 4, timeout: float = 300.0) -> None:
+                 prefetch_threads: int = 4, hint_samples: int = 256, timeout: float = 300.0) -> None:
         self.paths = list(paths)
         self.storage_options = dict(storage_options or {})
         if sizes is None:
@@ -123,11 +124,14 @@ class CacheDataset(ConsumptionTracking, Dataset):
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.prefetch_bytes, self.prefetch_depth = int(prefetch_bytes), int(prefetch_depth)
         self.prefetch_threads, self.timeout = int(prefetch_threads), float(timeout)
+        self.hint_samples = int(hint_samples)
         self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, 0, self.shuffle,
                               self.drop_last)
         self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
         self._fs: CacheFileSystem | None = None
         self._prefetcher: Prefetcher | None = None
+        self._hinter: Hinter | None = None
+        self._calls = 0
         self._pid = -1
 
     # -- construction --------------------------------------------------------------------------------
@@ -196,7 +200,7 @@ class CacheDataset(ConsumptionTracking, Dataset):
     # -- pickling and per-process state ---------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fs=None, _prefetcher=None, _pid=-1)
+        state.update(_fs=None, _prefetcher=None, _hinter=None, _pid=-1)
         return state
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher]:
@@ -205,8 +209,27 @@ class CacheDataset(ConsumptionTracking, Dataset):
             self._prefetcher = Prefetcher(self._fetch_position, self._size_of_position,
                                           max_bytes=self.prefetch_bytes, max_depth=self.prefetch_depth,
                                           threads=self.prefetch_threads, timeout=self.timeout)
+            self._hinter = Hinter(self._fs)
             self._pid = os.getpid()
         return self._fs, self._prefetcher  # type: ignore[return-value]
+
+    def _hint(self, upcoming: Iterator[int]) -> None:
+        """Every few samples, tell the cache the samples after the prefetch window (hints.py).
+
+        ``upcoming`` is what is left after the prefetcher took its window from it.
+        """
+        self._calls += 1
+        if self.hint_samples <= 0 or self._calls % 16 != 1:
+            return
+        paths = [self.paths[self.plan.sample(p)] for _, p in zip(range(self.hint_samples), upcoming)]
+        if paths:
+            self._hinter.hint(paths)  # type: ignore[union-attr]
+
+    @property
+    def hinter(self) -> Hinter:
+        """This process's hinter (its ``stats`` hold the counters)."""
+        self._process()
+        return self._hinter  # type: ignore[return-value]
 
     @property
     def prefetcher(self) -> Prefetcher:
@@ -242,7 +265,9 @@ class CacheDataset(ConsumptionTracking, Dataset):
             raise IndexError(f"position {position} is outside this rank's {len(self.plan)} samples")
         _, prefetcher = self._process()
         try:
+            upcoming = iter(upcoming)
             data = prefetcher.get(position, upcoming)
+            self._hint(upcoming)
         except Exception as exc:
             raise self._error(self.plan.sample(position), position, exc) from exc
         return self.transform(data) if self.transform is not None else data
@@ -288,6 +313,8 @@ class CacheDataset(ConsumptionTracking, Dataset):
     def _reset_prefetch(self) -> None:
         if self._prefetcher is not None and self._pid == os.getpid():
             self._prefetcher.reset()
+            if self._hinter is not None:
+                self._hinter.reset()
 
     @property
     def epoch(self) -> int:

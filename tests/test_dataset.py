@@ -19,7 +19,10 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from cachefs.client.dataset import CacheDataset, SampleReadError, to_tensor
 from cachefs.client.sampling import EpochPlan
-from helpers import payload
+import grpc
+
+from cachefs.proto import worker_pb2, worker_pb2_grpc
+from helpers import payload, wait_for
 
 PAGE = 64 << 10
 TIMEOUT = 60  # DataLoader timeout: a hang fails the test instead of stalling it
@@ -329,3 +332,19 @@ def test_over_s3_every_sample_once_across_ranks(s3_store, make_worker):
             got.append(_sample_id(t))
     assert sorted(got) == list(range(10))
     assert np.unique(got).size == 10
+
+
+def test_hints_cache_the_samples_after_the_prefetch_window(served):
+    store, opts = served(80)
+    ds = _dataset(opts, rank=0, world_size=1, prefetch_depth=2, hint_samples=30, seed=4)
+    stub = worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(opts["workers"]))
+
+    def cached(positions):
+        paths = [ds.paths[ds.plan.sample(p)].removeprefix("cachefs://") for p in positions]
+        return list(stub.GetCached(worker_pb2.GetCachedRequest(paths=paths), timeout=10).cached_bytes)
+
+    ds[0]  # reads position 0, prefetches 1-2, hints 3-32
+    hinted = range(3, 33)
+    assert wait_for(lambda: all(cached(hinted)))
+    assert not any(cached(range(33, 80)))  # nothing past the hint window
+    assert ds.hinter.stats["paths"] == 30 and ds.hinter.stats["failed"] == 0
