@@ -70,6 +70,8 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, 0, self.shuffle,
                               self.drop_last)
         self.samples_seen = 0
+        self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
+        self._worker_resume: tuple[int, int, int] | None = None
         self._fs: CacheFileSystem | None = None
         self._prefetcher: Prefetcher | None = None
         self._hinter: Hinter | None = None
@@ -212,9 +214,23 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         first, skip = divmod(self.samples_seen, self.block)
         blocks = self.plan.worker_blocks(worker, workers, first)
+        # Resumed from a DataLoader worker's own state (StatefulDataLoader): skip what it yielded.
+        own = self._worker_resume
+        skip_own = own[2] if own is not None and own[:2] == (worker, workers) else 0
+        self._iter_from, self._yielded = self.samples_seen, 0
         _, prefetcher, _ = self._process()
-        for k, j in enumerate(blocks):
-            if k % max(1, self.prefetch_blocks // 2) == 0:
+        k0 = 0
+        while skip_own and k0 < len(blocks):
+            start, end = self.plan.block_span(blocks[k0])
+            size = end - start - (skip if blocks[k0] == first else 0)
+            if size > skip_own:
+                break
+            skip_own -= size
+            self._yielded += size
+            k0 += 1
+        for k in range(k0, len(blocks)):
+            j = blocks[k]
+            if (k - k0) % max(1, self.prefetch_blocks // 2) == 0:
                 self._hint_after(blocks, k)
             try:
                 samples = prefetcher.get(j, iter(blocks[k + 1:]))
@@ -225,7 +241,11 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
                                       f"{type(exc).__name__}: {exc}") from exc
             if j == first and skip:  # resumed inside this block (same world size only)
                 samples = samples[skip:]
+            if k == k0 and skip_own:
+                self._yielded += skip_own
+                samples, skip_own = samples[skip_own:], 0
             for sample in samples:
+                self._yielded += 1
                 yield self.transform(sample) if self.transform is not None else sample
 
     def __len__(self) -> int:
@@ -258,7 +278,8 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
             return
         self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, int(epoch),
                               self.shuffle, self.drop_last)
-        self.samples_seen = 0
+        self.samples_seen = self._iter_from = self._yielded = 0
+        self._worker_resume = None
         self._reset()
 
     @property
@@ -273,13 +294,24 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
                 self._hinter.reset()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.plan.state(self.samples_seen)
+        """Where this rank is. In a DataLoader worker (torchdata's StatefulDataLoader asks each
+        worker), where that worker is: what it yielded of its own blocks since the loader started."""
+        info = get_worker_info()
+        if info is not None:
+            return {**self.plan.state(self._iter_from), "worker": info.id, "num_workers": info.num_workers,
+                    "worker_yielded": self._yielded}
+        return self.plan.state(max(self.samples_seen, self._iter_from + self._yielded))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a rank's: any worker count or world size, see BlockPlan; a
+        worker's, from StatefulDataLoader: the same worker count, as torchdata requires)."""
         self.plan, self.samples_seen = BlockPlan.resume(
             state, counts=self.counts, block=self.block, rank=self.rank, world_size=self.world_size,
             shuffle=self.shuffle, drop_last=self.drop_last)
         self.seed = int(state["seed"])
+        self._worker_resume = ((int(state["worker"]), int(state["num_workers"]), int(state["worker_yielded"]))
+                               if "worker" in state else None)
+        self._iter_from, self._yielded = self.samples_seen, 0
         self._reset()
 
 
