@@ -1,0 +1,388 @@
+"""Training-loop benchmark: DataLoaders over the same samples, side by side, in one run.
+
+    bash benchmarks/setup_peers.sh                       # once: a venv with the peers
+    .venv-bench/bin/python benchmarks/bench_dataset.py   # full: 2,000 samples of 256 KiB
+    .venv-bench/bin/python benchmarks/bench_dataset.py --quick
+
+One moto S3 server holds the samples three ways: one object per sample, tar shards (with
+cachefs's index.json) and MosaicML MDS shards (64 MiB each); a local directory holds them as
+files. Each loader reads a cold epoch and a warm one, with DataLoader workers 0 and 2, batch 32:
+
+* ``local``: files on local disk, aligned ``readinto`` + ``torch.frombuffer`` (the limit);
+* ``s3fs``: a map Dataset calling ``cat_file`` per sample;
+* ``streaming``: MosaicML ``StreamingDataset`` over the MDS shards (its local cache dir is new
+  for a cold epoch);
+* ``s3torchconnector``: ``S3MapDataset.from_prefix`` (no cache: cold and warm alike);
+* ``cachefs-map``: ``CacheDataset`` over the per-sample objects through one worker process;
+* ``cachefs-tar``: ``CacheIterableDataset`` over the tar shards through the same worker.
+Cold cachefs epochs start from an empty cache (the worker's ``Free``). Every epoch checks that
+each sample came exactly once. Then the data-stall share: a warm epoch with a simulated step of
+2x the sample's read time (``time.sleep``, as a GPU step leaves the CPU free) per batch.
+
+Writes benchmarks/results/dataset-<timestamp>.json (and latest-dataset.json) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import types
+from collections import Counter
+from collections.abc import Callable, Iterator
+from importlib.machinery import ModuleSpec
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_read import machine_info, toml_value  # noqa: E402
+
+from cachefs.testing import MotoServer  # noqa: E402
+
+MOUNT = "bench"
+HERE = os.path.dirname(os.path.abspath(__file__))
+ID = 8  # every sample starts with its index as 8 ASCII digits
+
+
+# -- samples -------------------------------------------------------------------------------------------
+def sample_bytes(i: int, size: int, noise: bytes) -> bytes:
+    return f"{i:08d}".encode() + noise[: size - ID]
+
+
+def ids_of(batch: torch.Tensor) -> list[int]:
+    return [int(bytes(row)) for row in batch[:, :ID].numpy()]
+
+
+def _stub_torchvision() -> None:
+    """MosaicML streaming imports torchvision, whose PyPI build does not load beside this torch."""
+    if "torchvision" in sys.modules:
+        return
+    for name, attrs in {"torchvision": {}, "torchvision.datasets": {"VisionDataset": type("VisionDataset", (), {}),
+                                                                   "CIFAR10": type("CIFAR10", (), {})},
+                        "torchvision.transforms": {}, "torchvision.transforms.functional": {"to_tensor": lambda x: x}
+                        }.items():
+        mod = types.ModuleType(name)
+        mod.__spec__ = ModuleSpec(name, None)
+        mod.__path__ = []  # type: ignore[attr-defined]
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+
+
+# -- the datasets (module level: DataLoader workers fork) --------------------------------------------------
+class LocalFiles(Dataset):
+    def __init__(self, paths: list[str], size: int) -> None:
+        self.paths, self.size = paths, size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        out = torch.empty(self.size, dtype=torch.uint8)  # aligned, owned by torch
+        with open(self.paths[i], "rb", buffering=0) as f:
+            f.readinto(out.numpy())
+        return out
+
+
+class S3fsMap(Dataset):
+    def __init__(self, keys: list[str], so: dict[str, Any]) -> None:
+        self.keys, self.so, self._fs = keys, so, None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self._fs is None or self._pid != os.getpid():
+            import s3fs
+            self._fs, self._pid = s3fs.S3FileSystem(skip_instance_cache=True, **self.so), os.getpid()
+        return torch.frombuffer(bytearray(self._fs.cat_file(self.keys[i])), dtype=torch.uint8)
+
+
+def connector_transform(reader: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(reader.read()), dtype=torch.uint8)
+
+
+def tar_sample(sample: dict[str, Any]) -> torch.Tensor:
+    return sample["bin"]
+
+
+def make_streaming(remote: str, local: str, batch_size: int) -> Dataset:
+    _stub_torchvision()
+    from streaming import StreamingDataset
+
+    class Streaming(StreamingDataset):
+        def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+            return torch.frombuffer(bytearray(super().__getitem__(i)["data"]), dtype=torch.uint8)
+
+    return Streaming(remote=remote, local=local, shuffle=True, batch_size=batch_size, predownload=8 * batch_size)
+
+
+# -- running epochs --------------------------------------------------------------------------------------
+def epoch(loader: DataLoader, n: int, step: float = 0.0) -> dict[str, Any]:
+    """One pass; every sample exactly once; wait = time spent waiting on the loader."""
+    seen: Counter[int] = Counter()
+    t0 = time.perf_counter()
+    wait = 0.0
+    it = iter(loader)
+    while True:
+        w0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        wait += time.perf_counter() - w0
+        seen.update(ids_of(batch))
+        if step:
+            time.sleep(step)
+    seconds = time.perf_counter() - t0
+    if sorted(seen) != list(range(n)) or max(seen.values()) != 1:
+        dup = sum(c - 1 for c in seen.values())
+        raise AssertionError(f"epoch read {len(seen)} distinct of {n} samples ({dup} repeats)")
+    return {"items": n, "seconds": round(seconds, 4), "items_per_s": round(n / seconds, 1),
+            "wait_s": round(wait, 4), "stall_share": round(wait / seconds, 4) if step else None}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, tmp: str) -> None:
+        self.args, self.tmp = args, tmp
+        self.n, self.size, self.batch = args.samples, args.size, args.batch_size
+        self.results: list[dict[str, Any]] = []
+
+    # -- data -------------------------------------------------------------------------------------------
+    def setup(self, moto: MotoServer) -> None:
+        import s3fs
+
+        self.so = moto.storage_options()
+        self.bucket = moto.new_bucket("bench-dataset")
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.so)
+        noise = np.random.default_rng(0).integers(0, 256, self.size, dtype=np.uint8).tobytes()
+        samples = [sample_bytes(i, self.size, noise) for i in range(self.n)]
+        local_root = os.path.join(self.tmp, "local")
+        os.makedirs(local_root)
+        self.local_paths = []
+        for i, data in enumerate(samples):
+            path = os.path.join(local_root, f"{i:06d}.bin")
+            with open(path, "wb") as f:
+                f.write(data)
+            self.local_paths.append(path)
+        self.fs.pipe({f"{self.bucket}/objs/{i:06d}.bin": d for i, d in enumerate(samples)}, batch_size=16)
+        from cachefs.client.shards import write_tar_shards
+        write_tar_shards(((f"s/{i:06d}", {"bin": d}) for i, d in enumerate(samples)), f"s3://{self.bucket}/tars",
+                         shard_bytes=self.args.shard_bytes, storage_options=self.so)
+        if "streaming" in self.args.loaders:
+            _stub_torchvision()
+            from streaming import MDSWriter
+            mds = os.path.join(self.tmp, "mds")
+            with MDSWriter(out=mds, columns={"data": "bytes"}, size_limit=self.args.shard_bytes) as w:
+                for d in samples:
+                    w.write({"data": d})
+            self.fs.put(mds + "/", f"{self.bucket}/mds/", recursive=True)
+        self.keys = [f"{self.bucket}/objs/{i:06d}.bin" for i in range(self.n)]
+
+    # -- the cachefs worker -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def worker(self) -> Iterator[str]:
+        from cachefs.local import worker_process
+
+        config = os.path.join(self.tmp, "worker.toml")
+        with open(config, "w") as f:
+            f.write(f"[worker]\n\n[mounts.{MOUNT}]\nurl = {toml_value('s3://' + self.bucket)}\n"
+                    f"options = {toml_value(self.so)}\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+        proc = worker_process({}, os.path.join(self.tmp, "cache"), quota="8GiB", env=env,
+                              log_path=os.path.join(self.tmp, "worker.log"), extra=["--config", config])
+        proc.start(timeout=60)
+        try:
+            yield proc.address
+        finally:
+            proc.stop()
+            proc.kill()
+
+    @staticmethod
+    def free(address: str) -> None:
+        import grpc
+
+        from cachefs.proto import worker_pb2, worker_pb2_grpc
+        with grpc.insecure_channel(address) as ch:
+            worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix=MOUNT), timeout=60)
+
+    # -- loaders: name -> (make a loader for num_workers, before a cold epoch) -----------------------------
+    def loaders(self, address: str) -> dict[str, tuple[Callable[[int], DataLoader], Callable[[], None]]]:
+        b, so, args = self.batch, {"workers": address}, self.args
+        kw = lambda w: dict(batch_size=b, num_workers=w, timeout=300 if w else 0)  # noqa: E731
+        out: dict[str, tuple[Callable[[int], DataLoader], Callable[[], None]]] = {}
+        nothing = lambda: None  # noqa: E731
+        out["local"] = (lambda w: DataLoader(LocalFiles(self.local_paths, self.size), shuffle=True, **kw(w)),
+                        lambda: os.system("sync"))  # the page cache stays: local is always warm-ish
+        out["s3fs"] = (lambda w: DataLoader(S3fsMap(self.keys, self.so), shuffle=True, **kw(w)), nothing)
+        if "streaming" in args.loaders:
+            state = {"local": ""}
+
+            def cold_streaming() -> None:
+                from streaming.base.util import clean_stale_shared_memory
+                clean_stale_shared_memory()
+                state["local"] = tempfile.mkdtemp(dir=self.tmp, prefix="streaming-")
+
+            def streaming(w: int) -> DataLoader:
+                from streaming.base.util import clean_stale_shared_memory
+                clean_stale_shared_memory()
+                ds = make_streaming(f"s3://{self.bucket}/mds", state["local"], b)
+                return DataLoader(ds, **kw(w))
+            out["streaming"] = (streaming, cold_streaming)
+        if "s3torchconnector" in args.loaders:
+            def connector(w: int) -> DataLoader:
+                from s3torchconnector import S3ClientConfig, S3MapDataset
+                ds = S3MapDataset.from_prefix(f"s3://{self.bucket}/objs/", region="us-east-1",
+                                              endpoint=self.so["endpoint_url"], transform=connector_transform,
+                                              s3client_config=S3ClientConfig(force_path_style=True))
+                return DataLoader(ds, shuffle=True, **kw(w))
+            out["s3torchconnector"] = (connector, nothing)
+        from cachefs.client.dataset import CacheDataset
+        from cachefs.client.iterable import CacheIterableDataset
+        self.map_ds = CacheDataset.from_prefix(f"cachefs://{MOUNT}/objs", storage_options=so, rank=0, world_size=1)
+        self.tar_ds = CacheIterableDataset.from_prefix(f"cachefs://{MOUNT}/tars", storage_options=so, batch_size=b,
+                                                       rank=0, world_size=1, transform=tar_sample)
+        out["cachefs-map"] = (lambda w: DataLoader(self.map_ds, sampler=self.map_ds.sampler(), **kw(w)),
+                              lambda: self.free(address))
+        out["cachefs-tar"] = (lambda w: DataLoader(self.tar_ds, **kw(w)), lambda: self.free(address))
+        return {k: v for k, v in out.items() if k in args.loaders}
+
+    def run(self, address: str) -> None:
+        loaders = self.loaders(address)
+        for name, (make, make_cold) in loaders.items():
+            for w in self.args.workers:
+                for phase in ("cold", "warm"):
+                    if phase == "cold":
+                        make_cold()
+                    row = {"loader": name, "num_workers": w, "phase": phase}
+                    try:
+                        row.update(epoch(make(w), self.n))
+                    except Exception as exc:  # one loader failing must not lose the others' figures
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    print(json.dumps(row), flush=True)
+                    self.results.append(row)
+        for name in self.args.stall:  # a warm epoch with a step of 2x the sample's warm read time
+            if name not in loaders:
+                continue
+            w = max(self.args.workers)
+            warm = [r for r in self.results if r["loader"] == name and r["num_workers"] == w
+                    and r["phase"] == "warm" and "error" not in r]
+            if not warm:
+                continue
+            step = 2 * self.batch / warm[0]["items_per_s"]
+            row = {"loader": name, "num_workers": w, "phase": "warm+step", "step_s": round(step, 5)}
+            try:
+                row.update(epoch(loaders[name][0](w), self.n, step=step))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            print(json.dumps(row), flush=True)
+            self.results.append(row)
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
+    get = {(r["loader"], r["num_workers"], r["phase"]): r.get("items_per_s") for r in results if "error" not in r}
+    out: dict[str, Any] = {}
+    for w in sorted({r["num_workers"] for r in results}):
+        def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
+            x, y = get.get((a[0], w, a[1])), get.get((b[0], w, b[1]))
+            return round(x / y, 3) if x and y else None
+        out[f"workers={w}"] = {
+            "cachefs-map warm / local warm (target >= 0.8)": ratio(("cachefs-map", "warm"), ("local", "warm")),
+            "cachefs-tar warm / local warm (target >= 0.8)": ratio(("cachefs-tar", "warm"), ("local", "warm")),
+            "cachefs-map warm / streaming warm (target >= 1.3)": ratio(("cachefs-map", "warm"), ("streaming", "warm")),
+            "cachefs-tar warm / streaming warm (target >= 1.3)": ratio(("cachefs-tar", "warm"), ("streaming", "warm")),
+            "cachefs-tar cold / streaming cold (target >= 1.0)": ratio(("cachefs-tar", "cold"), ("streaming", "cold")),
+            "cachefs-map cold / s3torchconnector cold (target >= 0.9)": ratio(("cachefs-map", "cold"),
+                                                                              ("s3torchconnector", "cold")),
+        }
+    out["stall_share (target < 0.05)"] = {f"{r['loader']} workers={r['num_workers']}": r.get("stall_share")
+                                          for r in results if r["phase"] == "warm+step"}
+    return out
+
+
+def plot(results: list[dict[str, Any]], path: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable: no plot"
+    workers = sorted({r["num_workers"] for r in results})
+    fig, axes = plt.subplots(1, len(workers), figsize=(7 * len(workers), 5), squeeze=False)
+    for ax, w in zip(axes[0], workers):
+        rows = [r for r in results if r["num_workers"] == w and r["phase"] in ("cold", "warm") and "error" not in r]
+        names = sorted({r["loader"] for r in rows}, key=[r["loader"] for r in rows].index)
+        x = np.arange(len(names))
+        for k, phase in enumerate(("cold", "warm")):
+            vals = [next((r["items_per_s"] for r in rows if r["loader"] == n and r["phase"] == phase), 0)
+                    for n in names]
+            bars = ax.bar(x + (k - 0.5) * 0.4, vals, 0.4, label=phase)
+            for bar, v in zip(bars, vals):
+                ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, names, rotation=25, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("items/s (log)")
+        ax.set_title(f"DataLoader num_workers={w}, batch 32, 256 KiB samples")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="400 samples, 16 MiB shards")
+    p.add_argument("--samples", type=int)
+    p.add_argument("--size", type=int, default=256 << 10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--shard-bytes", type=int)
+    p.add_argument("--workers", default="0,2")
+    p.add_argument("--loaders", default="local,s3fs,streaming,s3torchconnector,cachefs-map,cachefs-tar")
+    p.add_argument("--stall", default="cachefs-map,cachefs-tar,local",
+                   help="loaders to measure the data-stall share for")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    args.samples = args.samples or (400 if args.quick else 2000)
+    args.shard_bytes = args.shard_bytes or ((16 if args.quick else 64) << 20)
+    args.workers = [int(w) for w in args.workers.split(",")]
+    args.loaders = args.loaders.split(",")
+    args.stall = [s for s in args.stall.split(",") if s]
+    os.makedirs(args.out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="bench-dataset-")
+    started = dt.datetime.now(dt.timezone.utc)
+    try:
+        with MotoServer(key_buffer_size=512 << 20) as moto:
+            for k, v in {"S3_ENDPOINT_URL": moto.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
+                         "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+                os.environ[k] = v  # streaming's and the connector's own S3 clients read these
+            bench = Bench(args, tmp)
+            bench.setup(moto)
+            with bench.worker() as address:
+                bench.run(address)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    doc = {"benchmark": "dataset", "started": started.isoformat(), "args": {k: v for k, v in vars(args).items()},
+           "machine": machine_info(), "results": bench.results, "ratios": ratios(bench.results)}
+    stamp = started.strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(args.out, f"dataset-{stamp}.json")
+    for target in (path, os.path.join(args.out, "latest-dataset.json")):
+        with open(target, "w") as f:
+            json.dump(doc, f, indent=1)
+    note = plot(bench.results, path[:-5] + ".png")
+    print(json.dumps(doc["ratios"], indent=1))
+    print(f"wrote {path}" + (f" ({note})" if note else f" and {path[:-5]}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
