@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from cachefs.client.dataset import ConsumptionTracking, SampleReadError, _default_rank_world, to_tensor
@@ -169,7 +170,9 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
                 runs[-1] = (shard, runs[-1][1], max(runs[-1][2], span.end))
             else:
                 runs.append((shard, span.start, span.end))
-        buffers: dict[int, list[tuple[int, memoryview]]] = {}
+        # One aligned tensor per run; fields are views of it (tar data starts on 512-byte
+        # boundaries, so every view is 64-byte aligned too): one copy per run, not per field.
+        buffers: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for shard, start, end in runs:
             try:
                 data = fs.cat_file(self.shards[shard].path, start, end)
@@ -180,14 +183,14 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
             if len(data) != end - start:
                 raise SampleReadError(f"shard {self.shards[shard].path!r} is shorter than its index says: "
                                       f"{len(data)} of {end - start} bytes at {start}")
-            buffers.setdefault(shard, []).append((start, memoryview(data)))
+            buffers.setdefault(shard, []).append((start, to_tensor(data)))
         out = []
         for sample, (shard, i) in zip(ids, where):
             span = self.shards[shard].samples[i]
-            base, view = next((s, v) for s, v in buffers[shard] if s <= span.start and span.end <= s + len(v))
+            base, run = next((s, t) for s, t in buffers[shard] if s <= span.start and span.end <= s + len(t))
             item: dict[str, Any] = {"__key__": span.key, "__index__": sample}
             for name, offset, size in span.fields:
-                item[name] = to_tensor(view[offset - base:offset - base + size])
+                item[name] = run[offset - base:offset - base + size]
             out.append(item)
         return out
 
