@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from cachefs.auth import token_metadata
+from cachefs.tls import TLSConfig, explain, open_channel
 
 from cachefs.progress import human_bytes
 
@@ -35,25 +36,43 @@ class _Master:
         from cachefs.proto import master_pb2_grpc
 
         address = args.master or os.environ.get("CACHEFS_MASTER", "127.0.0.1:19998")
-        token = args.cluster_token or os.environ.get("CACHEFS_CLUSTER_TOKEN", "")
+        # The cluster token (changes, credentials) also passes the access check; else the access token.
+        token = (args.cluster_token or os.environ.get("CACHEFS_CLUSTER_TOKEN", "")
+                 or getattr(args, "token", None) or os.environ.get("CACHEFS_TOKEN", ""))
         self.address = address
         self.metadata = token_metadata(token)
         self.timeout = args.timeout
-        self.channel = grpc.insecure_channel(address)
+        self.tls = admin_tls(args)
+        self.channel = open_channel(address, self.tls)
         self.stub = master_pb2_grpc.MasterServiceStub(self.channel)
 
     def call(self, method: str, request: Any) -> Any:
         return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
 
 
+def admin_tls(args: argparse.Namespace) -> TLSConfig:
+    """TLS for admin commands: flags over ``CACHEFS_TLS_CA_FILE`` / ``_CERT_FILE`` / ``_KEY_FILE``."""
+
+    def pick(name: str) -> str:
+        return getattr(args, name, None) or os.environ.get(f"CACHEFS_{name.upper()}", "")
+
+    return TLSConfig(ca_file=pick("tls_ca_file"), cert_file=pick("tls_cert_file"), key_file=pick("tls_key_file"))
+
+
 def _run(args: argparse.Namespace, action) -> int:
-    master = _Master(args)
+    try:
+        master = _Master(args)
+    except ValueError as exc:  # unreadable TLS files
+        print(f"cachefs: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return action(master)
     except grpc.RpcError as err:
         code = err.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            print(f"cachefs: cannot reach the master at {master.address}: {err.details()}", file=sys.stderr)
+            hint = explain(err.details(), master.tls)
+            print(f"cachefs: cannot reach the master at {master.address}: {err.details()}"
+                  + (f" ({hint})" if hint else ""), file=sys.stderr)
             return EXIT_UNREACHABLE
         print(f"cachefs: {code.name.lower().replace('_', ' ')}: {err.details()}", file=sys.stderr)
         return EXIT_REFUSED
@@ -141,7 +160,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         resp = master.call("AddMount", master_pb2.AddMountRequest(
             name=args.name, url=args.url, options_json=json.dumps(options), read_only=args.read_only,
             replace=args.replace))
-        print(f"mounted {args.name} -> {args.url} (mounts version {resp.mounts_version})")
+        flags = " (read-only)" if args.read_only else ""
+        print(f"mounted {args.name} -> {args.url}{flags} (mounts version {resp.mounts_version})")
         return EXIT_OK
 
     return _run(args, action)
@@ -218,6 +238,11 @@ def cmd_stat(args: argparse.Namespace) -> int:
 def add_master_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", help="master HOST:PORT (default: $CACHEFS_MASTER or 127.0.0.1:19998)")
     parser.add_argument("--cluster-token", help="cluster token (default: $CACHEFS_CLUSTER_TOKEN)")
+    parser.add_argument("--token", help="access token, if the cluster wants one (default: $CACHEFS_TOKEN)")
+    parser.add_argument("--tls-ca-file", help="CA bundle (PEM) to verify the master: use TLS "
+                        "(default: $CACHEFS_TLS_CA_FILE)")
+    parser.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS (default: $CACHEFS_TLS_CERT_FILE)")
+    parser.add_argument("--tls-key-file", help="its private key (PEM) (default: $CACHEFS_TLS_KEY_FILE)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the master")
 
 

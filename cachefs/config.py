@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cachefs.mounts import MountSpec
+from cachefs.tls import TLSConfig
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 
@@ -97,6 +98,24 @@ def _check_unique_mounts(mounts: tuple[MountSpec, ...]) -> None:
         raise ValueError(f"duplicate mount names: {names}")
 
 
+def _check_tokens(config: Any, *names: str) -> None:
+    """Tokens travel as gRPC metadata values: printable ASCII, no spaces (never echoed here)."""
+    for name in names:
+        value = getattr(config, name)
+        if value and not (value.isascii() and value.isprintable() and " " not in value):
+            raise ValueError(f"{name} must be printable ASCII without spaces")
+
+
+def _check_daemon_tls(config: Any) -> None:
+    """A daemon's TLS settings parse, and a daemon that dials with TLS also serves with it.
+    Its tokens are checked here too: the same place, the same reason (the wire)."""
+    _check_tokens(config, "access_token", "cluster_token")
+    tls = TLSConfig.from_fields(config)
+    if tls.enabled and not tls.cert_file:
+        raise ValueError("tls_ca_file is set but tls_cert_file/tls_key_file are not: a daemon serves TLS "
+                         "with its own certificate whenever it uses TLS at all")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker needs; see docs/configuration.md for each field."""
@@ -121,6 +140,15 @@ class WorkerConfig:
     advertise_address: str = ""  # what clients dial; default host:port (with the bound port)
     cluster_token: str = field(default="", repr=False)  # shared with the master: to register, to get credentials
     shutdown_grace: float = 5.0
+    access_token: str = field(default="", repr=False)  # if set: every gRPC call must carry it (or the cluster token)
+    open_status: bool = False  # with access_token: GetStatus answers without a token (probes)
+    tls_cert_file: str = ""  # PEM chain: serve TLS with it (and present it when dialing the master)
+    tls_key_file: str = ""
+    tls_ca_file: str = ""  # PEM CA bundle: verify the master (and clients, with tls_require_client_cert)
+    tls_require_client_cert: bool = False  # mutual TLS: callers must present a certificate from tls_ca_file
+    # Unix socket for short-circuit reads by clients on this host ("auto": in the first cache
+    # dir, or the temp dir if that path is too long for a socket; "": off).
+    short_circuit_socket: str = "auto"
 
     def __post_init__(self) -> None:
         _check_listen(self.host, self.port, self.metrics_port)
@@ -145,6 +173,11 @@ class WorkerConfig:
             raise ValueError("max_pending_write_bytes must be >= 0")
         if self.readahead_pages < 0:
             raise ValueError("readahead_pages must be >= 0")
+        _check_daemon_tls(self)
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig.from_fields(self)
 
 
 def _check_address(address: str, what: str) -> None:
@@ -176,6 +209,12 @@ class MasterConfig:
     metadata_ttl: float = 30.0  # the master's metadata cache (GetInfo, Stat, job listings)
     list_ttl: float = 30.0  # the master's listing cache (List)
     job_threads: int = 2  # cluster jobs (load, free) running at once; more wait PENDING
+    access_token: str = field(default="", repr=False)  # if set: every gRPC call must carry it (or the cluster token)
+    open_status: bool = False  # with access_token: GetView answers without a token (`cachefs status`)
+    tls_cert_file: str = ""  # PEM chain: serve TLS with it (and present it when dialing workers)
+    tls_key_file: str = ""
+    tls_ca_file: str = ""  # PEM CA bundle: verify workers (and clients, with tls_require_client_cert)
+    tls_require_client_cert: bool = False  # mutual TLS: callers must present a certificate from tls_ca_file
 
     def __post_init__(self) -> None:
         _check_listen(self.host, self.port, self.metrics_port)
@@ -195,6 +234,11 @@ class MasterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.job_threads <= 64:
             raise ValueError(f"job_threads must be in [1, 64], got {self.job_threads}")
+        _check_daemon_tls(self)
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig.from_fields(self)
 
 
 _C = TypeVar("_C")
@@ -272,8 +316,9 @@ def _load_daemon_config(cls: type[_C], section: str, config_file: str | None,
     if config_file:
         data = load_file(config_file)
         file_layer = dict(data.get(section, data))
-        for other in ("worker", "master"):
-            file_layer.pop(other, None)
+        for other in ("worker", "master"):  # the other daemon's table, not the worker's `master` address
+            if isinstance(file_layer.get(other), Mapping):
+                file_layer.pop(other)
         if "mounts" not in file_layer and "mounts" in data:
             file_layer["mounts"] = data["mounts"]
     env = env_layer(prefix, cls, environ)
@@ -327,6 +372,13 @@ class ClientConfig:
     block_size: int = 4 << 20  # read block of open() files
     # Bytes per placement stripe of a large object (must match every client of a cluster).
     stripe_size: int = 64 << 20
+    token: str = field(default="", repr=False)  # the cluster's access token, sent on every call
+    tls_ca_file: str = ""  # PEM CA bundle: use TLS and verify the workers and the master with it
+    tls_cert_file: str = ""  # client certificate chain, for a cluster that requires one (mutual TLS)
+    tls_key_file: str = ""
+    # Read cached pages of a worker on this host as file descriptors over its Unix socket
+    # (client/shortcircuit.py), not through gRPC.
+    short_circuit: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", _split_addresses(self.workers))
@@ -349,6 +401,12 @@ class ClientConfig:
             raise ValueError("block_size must be > 0")
         if not isinstance(self.fallback_mounts, Mapping):
             raise ValueError("fallback_mounts must be a mapping of mount name -> url")
+        TLSConfig.from_fields(self)  # files exist and parse
+        _check_tokens(self, "token")
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig.from_fields(self)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "ClientConfig":
@@ -361,14 +419,20 @@ class ClientConfig:
             env["master"] = environ["CACHEFS_MASTER"]
         if environ.get("CACHEFS_FALLBACK"):
             env["fallback"] = environ["CACHEFS_FALLBACK"]
+        if environ.get("CACHEFS_SHORT_CIRCUIT"):
+            env["short_circuit"] = environ["CACHEFS_SHORT_CIRCUIT"]
+        for name in ("token", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if environ.get(f"CACHEFS_{name.upper()}"):
+                env[name] = environ[f"CACHEFS_{name.upper()}"]
         layers = {**env, **{k: v for k, v in options.items() if v is not None}}
         if "block_size" in layers:
             layers["block_size"] = parse_size(layers["block_size"])
         for name in ("min_throughput", "stripe_size"):
             if name in layers:
                 layers[name] = parse_size(layers[name])
-        if "fallback" in layers:
-            layers["fallback"] = _parse_bool(layers["fallback"])
+        for name in ("fallback", "short_circuit"):
+            if name in layers:
+                layers[name] = _parse_bool(layers[name])
         if "timeout" in layers:
             layers["timeout"] = float(layers["timeout"])
         if "fallback_concurrency" in layers:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cachefs.config import parse_size
 from cachefs.local import LocalCluster
+from cachefs.tls import open_channel
 
 
 def _generate(root: str, objects: int, size: int) -> int:
@@ -26,7 +27,6 @@ def _generate(root: str, objects: int, size: int) -> int:
 def run_demo(objects: int = 400, object_size: str | int = "256KiB", workdir: str | None = None,
              threads: int = 8, workers: int = 2) -> int:
     import fsspec
-    import grpc
 
     from cachefs.proto import worker_pb2, worker_pb2_grpc
 
@@ -57,7 +57,7 @@ def run_demo(objects: int = 400, object_size: str | int = "256KiB", workdir: str
                 return 1
         hits = misses = pages = used = 0
         for worker in cluster.workers:
-            with grpc.insecure_channel(worker.address) as channel:
+            with open_channel(worker.address) as channel:
                 status = worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(),
                                                                               timeout=10)
             hits, misses, pages, used = hits + status.hits, misses + status.misses, pages + status.pages, \

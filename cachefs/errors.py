@@ -46,6 +46,18 @@ class StoreError(CacheFSError):
         super().__init__(errno.EIO, message)
 
 
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The object store cannot be reached (refused, timed out, or its breaker is open).
+
+    Cached data is still served; only reads that need the store fail, and they fail fast.
+    """
+
+    MARKER = "object store unavailable"
+
+    def __init__(self, message: str) -> None:
+        OSError.__init__(self, errno.ECONNREFUSED, message)
+
+
 class DeadlineExceededError(CacheFSError, TimeoutError):
     def __init__(self, message: str) -> None:
         super().__init__(errno.ETIMEDOUT, message)
@@ -76,6 +88,7 @@ class StaleObjectError(CacheFSError):
 # so the two directions cannot drift apart.
 _TO_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidPathError, grpc.StatusCode.INVALID_ARGUMENT),
+    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (StaleObjectError, grpc.StatusCode.ABORTED),
     (UnknownMountError, grpc.StatusCode.NOT_FOUND),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -100,7 +113,7 @@ _FROM_STATUS: dict[grpc.StatusCode, type[OSError]] = {
     grpc.StatusCode.NOT_FOUND: FileNotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: FileExistsError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionError,
-    grpc.StatusCode.UNAUTHENTICATED: PermissionError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,  # a PermissionError: no or a wrong token
     grpc.StatusCode.FAILED_PRECONDITION: IsADirectoryError,
     grpc.StatusCode.UNAVAILABLE: WorkerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
@@ -138,6 +151,8 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> OSError:
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     message = f"{what}: {details}" if what else details
     exc_type = _FROM_STATUS.get(code, StoreError)
+    if code == grpc.StatusCode.UNAVAILABLE and StoreUnavailableError.MARKER in details:
+        exc_type = StoreUnavailableError  # the worker is up; the store behind it is not
     if exc_type in (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError):
         errno_for = {
             FileNotFoundError: errno.ENOENT,

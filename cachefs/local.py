@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+from cachefs.tls import PLAINTEXT, TLSConfig, open_channel
+
 
 class DaemonProcess:
     """A ``cachefs`` daemon in a child process; ``start()`` returns once it reports its ports."""
@@ -139,7 +141,8 @@ class LocalCluster:
 
     def __init__(self, workdir: str, workers: int = 2, mounts: dict[str, Any] | None = None,
                  quota: str = "2GiB", worker_args: list[str] | None = None, master_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, master_port: int = 0) -> None:
+                 env: dict[str, str] | None = None, master_port: int = 0, tls: TLSConfig | None = None,
+                 access_token: str = "", cluster_token: str = "") -> None:
         if workers < 1:
             raise ValueError("a local cluster needs at least one worker")
         self.workdir = workdir
@@ -150,6 +153,19 @@ class LocalCluster:
         self.master_args = list(master_args or [])
         self.env = env
         self.master_port = master_port  # 0: a free one; a fixed one lets a restarted master keep its address
+        self.tls = tls or PLAINTEXT  # one certificate for every daemon (it serves and dials with it)
+        self.access_token = access_token
+        self.cluster_token = cluster_token
+        if tls is not None or access_token or cluster_token:
+            # Secrets go to the children in their environment, never on a command line (ps shows those).
+            self.env = dict(os.environ if env is None else env)
+            for section in ("MASTER", "WORKER"):
+                prefix = f"CACHEFS_{section}_"
+                settings = {"ACCESS_TOKEN": access_token, "CLUSTER_TOKEN": cluster_token,
+                            "TLS_CA_FILE": self.tls.ca_file, "TLS_CERT_FILE": self.tls.cert_file,
+                            "TLS_KEY_FILE": self.tls.key_file,
+                            "TLS_REQUIRE_CLIENT_CERT": "true" if self.tls.require_client_cert else ""}
+                self.env.update({prefix + k: v for k, v in settings.items() if v})
         self.master: DaemonProcess | None = None
         self.workers: list[DaemonProcess] = []
 
@@ -198,7 +214,8 @@ class LocalCluster:
 
         count = self.n_workers if count is None else count
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.master_address) as channel:
+        token = self.cluster_token or self.access_token
+        with open_channel(self.master_address, self.tls, token=token) as channel:
             stub = master_pb2_grpc.MasterServiceStub(channel)
             while time.monotonic() < deadline:
                 try:

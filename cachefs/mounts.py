@@ -19,7 +19,8 @@ from cachefs.errors import InvalidPathError, UnknownMountError
 from cachefs.paths import CachePath, validate_mount_name
 
 # Option names (at any depth) whose values are secrets and never leave the daemon.
-_SECRET_MARKERS = ("secret", "password", "token", "key", "credential", "session", "auth")
+_SECRET_MARKERS = ("secret", "password", "token", "key", "credential", "session", "auth",
+                   "passphrase", "connection_string")  # the last: Azure's holds the account key
 _NOT_SECRET = {"endpoint_url", "region_name", "anon", "use_ssl", "requester_pays"}
 
 
@@ -89,6 +90,19 @@ class MountSpec:
         return [cls.parse(v) for v in value]
 
 
+# botocore's defaults (legacy mode: 5 attempts with backoff, 60 s connect timeout) make a read
+# against a store that refuses connections take ~10 s before it fails; a cache must fail fast
+# and let its breaker (server/storehealth.py) take over. A mount's own config_kwargs win.
+_S3_CLIENT_DEFAULTS = {"connect_timeout": 3, "retries": {"max_attempts": 2, "mode": "standard"}}
+
+
+def _with_store_defaults(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(options)
+    if url.split("://", 1)[0] in ("s3", "s3a"):
+        out["config_kwargs"] = {**_S3_CLIENT_DEFAULTS, **dict(out.get("config_kwargs") or {})}
+    return out
+
+
 @dataclass(frozen=True)
 class ResolvedPath:
     """Where a :class:`CachePath` lives in its object store."""
@@ -108,7 +122,7 @@ class MountTable:
             self.add(spec)
 
     def add(self, spec: MountSpec) -> None:
-        fs, root = fsspec.core.url_to_fs(spec.url, **dict(spec.options))
+        fs, root = fsspec.core.url_to_fs(spec.url, **_with_store_defaults(spec.url, spec.options))
         root = root.rstrip("/")
         if isinstance(fs, LocalFileSystem):
             root = os.path.realpath(root)

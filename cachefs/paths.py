@@ -77,6 +77,11 @@ def validate_key(key: str) -> str:
         for part in key.split("/"):
             if part in ("", ".", ".."):
                 raise InvalidPathError(f"key escapes or is not normalised ({part!r} component): {key!r}")
+        # Look-alikes ('\u2025', full-width dots and slashes) become '..' or '/' under NFKC:
+        # a store or proxy that normalises keys would see a path that escapes the mount.
+        folded = unicodedata.normalize("NFKC", key)
+        if folded != key and ("\\" in folded or any(p in ("", ".", "..") for p in folded.split("/"))):
+            raise InvalidPathError(f"key has Unicode look-alikes of '.', '/' or '\\' that escape when normalised: {key!r}")
     return key
 
 

@@ -27,9 +27,14 @@ from typing import Any, TypeVar
 import fsspec.asyn
 import grpc
 from fsspec.asyn import AsyncFileSystem
+from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from cachefs.client.transport import WorkerSet
+from cachefs.client.urlmap import UrlMap
+from cachefs.client.writer import CacheWriteFile, WriteMethods, Writes, check_write_mode
+
+from cachefs.client.shortcircuit import ShortCircuit
+from cachefs.client.transport import CHANNEL_OPTIONS, WorkerSet
 from cachefs.client.view import ViewWatcher
 from cachefs.config import ClientConfig
 from cachefs.errors import (
@@ -43,6 +48,7 @@ from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import PROTOCOL, CachePath, parse_path, strip_protocol
 from cachefs.proto import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.ring import RingConfig
+from cachefs.tls import explain, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,9 @@ def _meta_dict(meta: Any) -> dict[str, Any]:
             "version": meta.version, "mtime": meta.mtime}
 
 
-class CacheFileSystem(AsyncFileSystem):
+class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
+    """``cachefs://mount/key``; chained (``cachefs::s3://bucket/key``) it maps store URLs onto mounts."""
+
     protocol = PROTOCOL
     root_marker = ""
     async_impl = True
@@ -81,11 +89,30 @@ class CacheFileSystem(AsyncFileSystem):
         block_size: int | str | None = None,
         min_throughput: int | str | None = None,
         stripe_size: int | str | None = None,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        short_circuit: bool | str | None = None,
+        write_via: str = "worker",
+        target_protocol: str | None = None,
+        target_options: dict[str, Any] | None = None,
+        fo: str | None = None,
+        unmounted: str = "error",
         asynchronous: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(asynchronous=asynchronous, loop=loop, **kwargs)
+        if unmounted not in ("error", "direct"):
+            raise ValueError(f"unmounted must be 'error' or 'direct', got {unmounted!r}")
+        # Chained use (cachefs::s3://...): paths are the target store's; see client/urlmap.py.
+        self._target_protocol = target_protocol
+        self._target_options = dict(target_options or {})
+        self._unmounted = unmounted
+        self._urlmap_cached: UrlMap | None = None
+        self._direct_fs: Any = None
+        self._writes = Writes(self, write_via)
         self.config = ClientConfig.from_options(
             {
                 "master": master,
@@ -97,8 +124,14 @@ class CacheFileSystem(AsyncFileSystem):
                 "block_size": block_size,
                 "min_throughput": min_throughput,
                 "stripe_size": stripe_size,
+                "token": token,
+                "tls_ca_file": tls_ca_file,
+                "tls_cert_file": tls_cert_file,
+                "tls_key_file": tls_key_file,
+                "short_circuit": short_circuit,
             }
         )
+        self._short_circuit = ShortCircuit(self)
         self._abandoned: list[WorkerSet] = []
         self._state_pid = -1
         self._state_lock = threading.Lock()
@@ -114,7 +147,8 @@ class CacheFileSystem(AsyncFileSystem):
                         # Keep the parent's channels referenced but untouched: closing them from
                         # the child could disturb the parent.
                         self._abandoned.append(self._workers)
-                    self._workers = WorkerSet(list(self.config.workers), RingConfig(stripe_size=self.config.stripe_size))
+                    self._workers = WorkerSet(list(self.config.workers), RingConfig(stripe_size=self.config.stripe_size),
+                                              connect=self._connect)
                     self._fallback_store: Any = None
                     self._mounts_learned = False
                     self._fallback_slots = threading.BoundedSemaphore(self.config.fallback_concurrency)
@@ -122,10 +156,15 @@ class CacheFileSystem(AsyncFileSystem):
                     self._watcher: ViewWatcher | None = None
                     self._state_pid = os.getpid()
                     if self.config.master:
-                        self._watcher = ViewWatcher(self.config.master, self._apply_view, timeout=self.config.timeout)
+                        self._watcher = ViewWatcher(self.config.master, self._apply_view, timeout=self.config.timeout,
+                                                    tls=self.config.tls, token=self.config.token)
                         self._watcher.fetch()
                         self._watcher.start()
         return self._workers
+
+    def _connect(self, address: str) -> grpc.Channel:
+        """A channel to one worker with this filesystem's TLS and token (cachefs/tls.py)."""
+        return open_channel(address, self.config.tls, options=CHANNEL_OPTIONS, token=self.config.token)
 
     def _apply_view(self, view: master_pb2.ClusterView) -> None:
         """A newer cluster view: route by its live workers and ring settings from now on."""
@@ -181,7 +220,9 @@ class CacheFileSystem(AsyncFileSystem):
         if self.config.fallback:
             return None
         if last_error is not None:
-            raise from_rpc_error(last_error, f"{what}: no worker could serve it") from None
+            hint = explain(last_error.details(), self.config.tls)  # e.g. a TLS cluster dialled in plaintext
+            raise from_rpc_error(last_error, f"{what}: no worker could serve it"
+                                 + (f" ({hint})" if hint else "")) from None
         raise WorkerUnavailableError(f"{what}: no worker is available")
 
     # -- fallback to the object store ---------------------------------------------------------
@@ -220,24 +261,63 @@ class CacheFileSystem(AsyncFileSystem):
                 self._mounts_learned = False
                 log.debug("could not learn mounts for fallback: %s", exc)
 
+    # -- paths: plain, or chained onto a mount ----------------------------------------------------
+    def _urlmap(self) -> UrlMap:
+        if self._urlmap_cached is None:
+            assert self._target_protocol
+            self._urlmap_cached = UrlMap(self._target_protocol, self._public_mounts())
+        return self._urlmap_cached
+
+    def _path(self, path: str) -> CachePath | None:
+        """The cachefs path of a caller's path; None for a chained URL under no mount when the
+        caller asked for direct reads (``unmounted='direct'``)."""
+        if not self._target_protocol:
+            return parse_path(self._strip_protocol(path))
+        cp = self._urlmap().to_cache_path(path)
+        if cp is None and self._unmounted != "direct":
+            self._urlmap().require(path)  # raises, naming the mounts that exist
+        return cp
+
+    def _write_path(self, path: str) -> CachePath:
+        if not self._target_protocol:
+            return parse_path(self._strip_protocol(path))
+        return self._urlmap().require(path)  # never write around the cache
+
+    def _direct(self) -> Any:
+        if self._direct_fs is None:
+            self._direct_fs = fsspec.filesystem(self._target_protocol, **self._target_options)
+        return self._direct_fs
+
+    def _named(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """An entry as the caller addressed it: chained callers get store paths back."""
+        if self._target_protocol:
+            entry["name"] = self._urlmap().to_store_path(entry["name"])
+        return entry
+
+    def _is_root(self, path: str) -> bool:
+        return not self._target_protocol and self._strip_protocol(path) == ""
+
     # -- the work, blocking ------------------------------------------------------------------------
     def info(self, path: str, refresh: bool = False, **kwargs: Any) -> dict[str, Any]:
-        bare = self._strip_protocol(path)
-        if bare == "":
+        if self._is_root(path):
             return {"name": "", "size": 0, "type": "directory"}
-        cp = parse_path(bare)
+        cp = self._path(path)
+        if cp is None:
+            return self._direct().info(path, refresh=refresh)
         request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
         msg = self._on_workers(str(cp), lambda stub: stub.GetInfo(request, timeout=self.config.timeout), f"info {cp}")
         if msg is not None:
-            return _info_dict(msg)
-        return _meta_dict(self._fallback().info(cp, refresh))
+            return self._named(_info_dict(msg))
+        return self._named(_meta_dict(self._fallback().info(cp, refresh)))
 
     def ls(self, path: str, detail: bool = False, refresh: bool = False, **kwargs: Any) -> list[Any]:
-        bare = self._strip_protocol(path)
-        if bare == "":
+        if self._is_root(path):
             entries = [{"name": m.name, "size": 0, "type": "directory"} for m in self._public_mounts()]
         else:
-            entries = self._list(parse_path(bare), recursive=False, refresh=refresh)
+            cp = self._path(path)
+            if cp is None:
+                return self._direct().ls(path, detail=detail, refresh=refresh)
+            entries = [self._named(e) for e in self._list(cp, recursive=False, refresh=refresh)]
         return entries if detail else [e["name"] for e in entries]
 
     def _list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
@@ -252,17 +332,17 @@ class CacheFileSystem(AsyncFileSystem):
         return [_meta_dict(m) for m in self._fallback().list(cp, recursive, refresh)]
 
     def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
-        bare = self._strip_protocol(path)
-        if maxdepth is not None or withdirs or bare == "":
+        cp = None if maxdepth is not None or withdirs or self._is_root(path) else self._path(path)
+        if cp is None:
             return super().find(path, maxdepth=maxdepth, withdirs=withdirs, **kwargs)
         detail = kwargs.pop("detail", False)
         try:
-            entries = self._list(parse_path(bare), recursive=True)
+            entries = [self._named(e) for e in self._list(cp, recursive=True)]
         except FileNotFoundError:
             entries = []
         if not entries:
             try:  # find() of a file is [file], as in fsspec
-                info = self.info(bare)
+                info = self.info(path)
                 entries = [info] if info["type"] == "file" else []
             except FileNotFoundError:
                 entries = []
@@ -271,9 +351,11 @@ class CacheFileSystem(AsyncFileSystem):
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, version: str = "",
                  **kwargs: Any) -> bytes:
-        cp = parse_path(self._strip_protocol(path))
+        cp = self._path(path)
+        if cp is None:
+            return self._direct().cat_file(path, start=start, end=end)
         if (start is not None and start < 0) or (end is not None and end < 0):
-            size = self.info(str(cp))["size"]
+            size = self.info(path)["size"]
             start = None if start is None else max(0, size + start) if start < 0 else start
             end = None if end is None else max(0, size + end) if end < 0 else end
         offset = start or 0
@@ -303,6 +385,10 @@ class CacheFileSystem(AsyncFileSystem):
 
     def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
         """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version."""
+        if self.config.short_circuit:  # a worker on this host: its page files, not gRPC messages
+            got = self._short_circuit.read(str(cp), offset, length, version)
+            if got is not None:
+                return got
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
         timeout = self._read_timeout(length)
 
@@ -357,7 +443,7 @@ class CacheFileSystem(AsyncFileSystem):
         return await asyncio.to_thread(self.ls, path, detail, **kwargs)
 
     async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
-        if maxdepth is not None or withdirs or self._strip_protocol(path) == "":
+        if maxdepth is not None or withdirs or self._is_root(path):
             return await super()._find(path, maxdepth=maxdepth, withdirs=withdirs, **kwargs)
         return await asyncio.to_thread(self.find, path, **kwargs)
 
@@ -366,14 +452,22 @@ class CacheFileSystem(AsyncFileSystem):
 
     # -- files ----------------------------------------------------------------------------------
     def _open(self, path: str, mode: str = "rb", block_size: int | None = None, autocommit: bool = True,
-              cache_options: dict | None = None, cache_type: str = "readahead", **kwargs: Any) -> "CacheFile":
+              cache_options: dict | None = None, cache_type: str = "readahead", **kwargs: Any) -> Any:
         if mode != "rb":
-            raise NotImplementedError(f"cachefs is read-only for now: mode {mode!r} is not supported")
+            check_write_mode(mode)
+            cp = self._write_path(path)
+            if mode == "xb" and self._exists_now(path):
+                raise FileExistsError(f"{path} exists (mode 'xb')")
+            return CacheWriteFile(self, cp, "wb", block_size or self.config.block_size)
+        cp = self._path(path)
+        if cp is None:
+            return self._direct().open(path, mode, block_size=block_size, cache_options=cache_options,
+                                       cache_type=cache_type, **kwargs)
         info = self.info(path)
         if info["type"] != "file":
             raise IsADirectoryError(f"{path} is a directory")
         return CacheFile(self, info["name"], mode, block_size or self.config.block_size, cache_type=cache_type,
-                         cache_options=cache_options, size=info["size"], version=info.get("version", ""))
+                         cache_options=cache_options, size=info["size"], version=info.get("version", ""), cp=cp)
 
     def close(self) -> None:
         """Close this process's channels and stop following the master."""
@@ -381,17 +475,19 @@ class CacheFileSystem(AsyncFileSystem):
             if self._watcher is not None:
                 self._watcher.stop()
             self._workers.close()
+        self._short_circuit.close()
 
 
 class CacheFile(AbstractBufferedFile):
     """A read-only file pinned to the object version seen at open: it never mixes versions."""
 
     def __init__(self, fs: CacheFileSystem, path: str, mode: str, block_size: int, *, version: str,
-                 **kwargs: Any) -> None:
+                 cp: CachePath, **kwargs: Any) -> None:
         self.version = version
+        self.cp = cp  # the object in the cache (path may be a chained caller's store path)
         super().__init__(fs, path, mode, block_size, **kwargs)
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        return self.fs.read_range(parse_path(self.path), start, end - start, self.version)
+        return self.fs.read_range(self.cp, start, end - start, self.version)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -18,6 +19,7 @@ import grpc.experimental
 
 from cachefs.proto import worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
+from cachefs.tls import open_channel
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 80 << 20),
@@ -53,10 +55,16 @@ class Breaker:
         self.open_until = 0.0
 
 
+def plain_connect(address: str) -> grpc.Channel:
+    """The default way to reach a worker: plaintext, no token."""
+    return open_channel(address, options=CHANNEL_OPTIONS)
+
+
 @dataclass
 class WorkerHandle:
     address: str
     breaker: Breaker = field(default_factory=Breaker)
+    connect: Callable[[str], grpc.Channel] = plain_connect  # opens the channel (TLS, token: cachefs/tls.py)
     _channel: grpc.Channel | None = None
     _stub: worker_pb2_grpc.WorkerServiceStub | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -67,7 +75,7 @@ class WorkerHandle:
         if stub is None:
             with self._lock:
                 if self._stub is None:
-                    self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                    self._channel = self.connect(self.address)
                     self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
                 stub = self._stub
         return stub
@@ -87,9 +95,11 @@ class WorkerSet:
     several workers. Later candidates are the ring's next distinct workers (failover order).
     """
 
-    def __init__(self, addresses: list[str], ring_config: RingConfig | None = None) -> None:
+    def __init__(self, addresses: list[str], ring_config: RingConfig | None = None,
+                 connect: Callable[[str], grpc.Channel] = plain_connect) -> None:
         self._lock = threading.Lock()
-        handles = {a: WorkerHandle(a) for a in addresses}
+        self._connect = connect
+        handles = {a: WorkerHandle(a, connect=connect) for a in addresses}
         # One tuple, replaced whole on a view change, so a reader never sees a ring and a
         # handle table from two different views.
         self._state: tuple[HashRing, dict[str, WorkerHandle]] = (HashRing(addresses, ring_config), handles)
@@ -109,7 +119,7 @@ class WorkerSet:
         """A new view: keep the channels of workers that stay, close those of workers that left."""
         with self._lock:
             old = self._state[1]
-            handles = {a: old.get(a) or WorkerHandle(a) for a in addresses}
+            handles = {a: old.get(a) or WorkerHandle(a, connect=self._connect) for a in addresses}
             self._state = (HashRing(addresses, ring_config or self._state[0].config), handles)
         for address, handle in old.items():
             if address not in handles:

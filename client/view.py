@@ -15,19 +15,21 @@ from collections.abc import Callable
 import grpc
 
 from cachefs.proto import master_pb2, master_pb2_grpc
+from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
 log = logging.getLogger(__name__)
 
 
 class ViewWatcher:
     def __init__(self, master: str, on_view: Callable[[master_pb2.ClusterView], None], timeout: float = 5.0,
-                 watch_seconds: float = 30.0) -> None:
+                 watch_seconds: float = 30.0, tls: TLSConfig = PLAINTEXT, token: str = "") -> None:
         self.master = master
         # A weak reference: a filesystem that is dropped lets its watcher end.
         self._on_view = weakref.WeakMethod(on_view) if hasattr(on_view, "__self__") else (lambda: on_view)
         self._timeout = timeout
         self._watch_seconds = watch_seconds
-        self._channel = grpc.insecure_channel(master)
+        self._tls = tls
+        self._channel = open_channel(master, tls, token=token)
         self._stub = master_pb2_grpc.MasterServiceStub(self._channel)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -51,7 +53,9 @@ class ViewWatcher:
         try:
             view = self._stub.GetView(master_pb2.GetViewRequest(), timeout=self._timeout)
         except grpc.RpcError as err:
-            log.warning("master %s: %s; routing with the workers known so far", self.master, err.code().name)
+            hint = explain(err.details(), self._tls)
+            log.warning("master %s: %s (%s)%s; routing with the workers known so far", self.master,
+                        err.code().name, err.details(), f"; {hint}" if hint else "")
             return False
         self._deliver(view)
         return True

@@ -68,7 +68,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "version", "page_size", "pages", "used_bytes", "capacity_bytes", "hits", "misses", "evictions", "bytes_from_cache", "bytes_from_store")
+    __slots__ = ("worker_id", "version", "page_size", "pages", "used_bytes", "capacity_bytes", "hits", "misses", "evictions", "bytes_from_cache", "bytes_from_store", "degraded", "disk_errors", "corrupt_pages", "stores_unavailable", "short_circuit_socket", "host_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,12 @@ class WorkerStatus(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DISK_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORES_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    SHORT_CIRCUIT_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: str
     page_size: int
@@ -91,7 +97,13 @@ class WorkerStatus(_message.Message):
     evictions: int
     bytes_from_cache: int
     bytes_from_store: int
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ...) -> None: ...
+    degraded: bool
+    disk_errors: int
+    corrupt_pages: int
+    stores_unavailable: _containers.RepeatedScalarFieldContainer[str]
+    short_circuit_socket: str
+    host_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ..., degraded: _Optional[bool] = ..., disk_errors: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., stores_unavailable: _Optional[_Iterable[str]] = ..., short_circuit_socket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("paths",)
@@ -134,3 +146,49 @@ class GetCachedResponse(_message.Message):
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     cached_bytes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, cached_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WriteChunk(_message.Message):
+    __slots__ = ("path", "data", "size_hint")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_HINT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    data: bytes
+    size_hint: int
+    def __init__(self, path: _Optional[str] = ..., data: _Optional[bytes] = ..., size_hint: _Optional[int] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("path", "recursive")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    recursive: bool
+    def __init__(self, path: _Optional[str] = ..., recursive: _Optional[bool] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("pages_freed",)
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    pages_freed: int
+    def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
+
+class MakeDirRequest(_message.Message):
+    __slots__ = ("path", "create_parents", "exist_ok")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CREATE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    create_parents: bool
+    exist_ok: bool
+    def __init__(self, path: _Optional[str] = ..., create_parents: _Optional[bool] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class MakeDirResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CopyRequest(_message.Message):
+    __slots__ = ("source", "destination")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    destination: str
+    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...

@@ -80,6 +80,26 @@ class WorkerServiceStub:
                 request_serializer=cachefs_dot_proto_dot_worker__pb2.GetCachedRequest.SerializeToString,
                 response_deserializer=cachefs_dot_proto_dot_worker__pb2.GetCachedResponse.FromString,
                 _registered_method=True)
+        self.Write = channel.stream_unary(
+                '/cachefs.v1.WorkerService/Write',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.WriteChunk.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
+                _registered_method=True)
+        self.Remove = channel.unary_unary(
+                '/cachefs.v1.WorkerService/Remove',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.RemoveRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.RemoveResponse.FromString,
+                _registered_method=True)
+        self.MakeDir = channel.unary_unary(
+                '/cachefs.v1.WorkerService/MakeDir',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.MakeDirRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.MakeDirResponse.FromString,
+                _registered_method=True)
+        self.Copy = channel.unary_unary(
+                '/cachefs.v1.WorkerService/Copy',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.CopyRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -146,6 +166,37 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Write(self, request_iterator, context):
+        """Write-through (clients call these on the worker that owns the path's stripe 0, so the
+        caches that matter are the ones invalidated). Refused with PERMISSION_DENIED on a
+        read-only mount.
+        One object, streamed: the first message names the path; the data goes on into the
+        store as it arrives (multipart on S3). A call that ends early (cancelled, or an error)
+        leaves the old object in place.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Remove(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MakeDir(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Copy(self, request, context):
+        """Store-side copy where source and destination share a store, else streamed through the worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +244,26 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetCached,
                     request_deserializer=cachefs_dot_proto_dot_worker__pb2.GetCachedRequest.FromString,
                     response_serializer=cachefs_dot_proto_dot_worker__pb2.GetCachedResponse.SerializeToString,
+            ),
+            'Write': grpc.stream_unary_rpc_method_handler(
+                    servicer.Write,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.WriteChunk.FromString,
+                    response_serializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.SerializeToString,
+            ),
+            'Remove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Remove,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.RemoveRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.RemoveResponse.SerializeToString,
+            ),
+            'MakeDir': grpc.unary_unary_rpc_method_handler(
+                    servicer.MakeDir,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.MakeDirRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.MakeDirResponse.SerializeToString,
+            ),
+            'Copy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Copy,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.CopyRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +509,114 @@ class WorkerService:
             '/cachefs.v1.WorkerService/GetCached',
             cachefs_dot_proto_dot_worker__pb2.GetCachedRequest.SerializeToString,
             cachefs_dot_proto_dot_worker__pb2.GetCachedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Write(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/cachefs.v1.WorkerService/Write',
+            cachefs_dot_proto_dot_worker__pb2.WriteChunk.SerializeToString,
+            cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Remove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/Remove',
+            cachefs_dot_proto_dot_worker__pb2.RemoveRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.RemoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MakeDir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/MakeDir',
+            cachefs_dot_proto_dot_worker__pb2.MakeDirRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.MakeDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Copy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/Copy',
+            cachefs_dot_proto_dot_worker__pb2.CopyRequest.SerializeToString,
+            cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,8 @@ How the version is checked depends on the store (see the backends below).
 
 from __future__ import annotations
 
+import errno
+import errno
 import logging
 import os
 import threading
@@ -22,9 +24,12 @@ import fsspec
 from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
-from cachefs.errors import CacheFSError, StaleObjectError, StoreError
+from cachefs.errors import CacheFSError, InvalidPathError, StaleObjectError, StoreError, StoreUnavailableError
 from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
+from cachefs.server.storehealth import StoreBreaker, is_connection_error
+from cachefs.server.storewrite import StoreWriter, copy_between, make_dir, open_writer
+from cachefs.server.storewrite import remove as remove_path
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +190,9 @@ class _S3Backend(_Backend):
 
         try:
             resp, data = sync(fs.loop, get)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            if is_connection_error(exc):
+                raise  # the store is down: asking again with a HEAD would only double the wait
             # A prefix ("directory"), an empty object (416) or a real error: let info() tell which.
             return self.info(fs, store_path), None
         total = str(resp.get("ContentRange", "")).rpartition("/")[2]
@@ -206,8 +213,12 @@ def _store_errors(path: CachePath, what: str) -> Iterator[None]:
     connection, botocore's own exception types) becomes a StoreError that names the object."""
     try:
         yield
-    except _PASS_THROUGH:
-        raise
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:  # a key the store's file system cannot name
+            raise InvalidPathError(f"{path}: a name in the key is too long for this store") from exc
+        if isinstance(exc, _PASS_THROUGH):
+            raise
+        raise StoreError(f"{path}: object store {what} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - translated, with the cause kept
         raise StoreError(f"{path}: object store {what} failed: {exc}") from exc
 
@@ -230,22 +241,50 @@ def _backend_for(fs: fsspec.AbstractFileSystem) -> _Backend:
     return _Backend()
 
 
+class CacheFSErrorPassThrough(CacheFSError):
+    """Carries a store error that must keep its own type through _store_errors."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.errno, str(error))
+        self.error = error
+
+
 class ObjectStore:
     """Metadata, listings and versioned ranged reads over every mount."""
 
     def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0,
-                 max_objects: int = 1_000_000):
+                 max_objects: int = 1_000_000, breaker: StoreBreaker | None = None):
         self.mounts = mounts
+        # Per mount: after a few connection failures in a row, fail at once (see storehealth.py).
+        self.breaker = breaker or StoreBreaker()
         from cachefs.server.metatable import MetadataTable  # here: metatable imports ObjectMeta from this module
         self._meta = MetadataTable(metadata_ttl, max_entries=max_objects)
         self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
         self._backends: dict[int, _Backend] = {}
+
+    @contextmanager
+    def _call(self, path: CachePath, what: str) -> Iterator[None]:
+        """One store call: refused at once while the mount's breaker is open, else run, its
+        outcome counted, and errors translated (a connection failure -> StoreUnavailableError)."""
+        self.breaker.check(path.mount, f"{path}: {what}")
+        try:
+            with _store_errors(path, what):
+                yield
+        except Exception as exc:
+            if self.breaker.record(path.mount, exc) and not isinstance(exc, StoreUnavailableError):
+                raise StoreUnavailableError(f"{path}: {what}: {StoreUnavailableError.MARKER}: {exc}") from exc
+            raise
+        self.breaker.record(path.mount, None)
 
     def _backend(self, resolved: ResolvedPath) -> _Backend:
         backend = self._backends.get(id(resolved.fs))
         if backend is None:
             backend = self._backends.setdefault(id(resolved.fs), _backend_for(resolved.fs))
         return backend
+
+    def cached_info(self, path: CachePath) -> ObjectMeta | None:
+        """What is known of ``path`` without asking the store (None: not known, or expired)."""
+        return self._meta.get(path)
 
     def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
         if not refresh:
@@ -254,7 +293,7 @@ class ObjectStore:
                 return cached
         resolved = self.mounts.resolve(path)
         try:
-            with _store_errors(path, "info"):
+            with self._call(path, "info"):
                 size, version, mtime, is_dir = self._backend(resolved).info(resolved.fs, resolved.store_path)
         except FileNotFoundError as exc:
             self._meta.pop(path)
@@ -274,7 +313,7 @@ class ObjectStore:
             return cached, None
         resolved = self.mounts.resolve(path)
         try:
-            with _store_errors(path, "read"):
+            with self._call(path, "read"):
                 (size, version, mtime, is_dir), head = self._backend(resolved).head_read(
                     resolved.fs, resolved.store_path, head_bytes)
         except FileNotFoundError as exc:
@@ -294,7 +333,7 @@ class ObjectStore:
         resolved = self.mounts.resolve(path)
         fs = resolved.fs
         try:
-            with _store_errors(path, "listing"):
+            with self._call(path, "listing"):
                 if recursive:
                     raw = list(fs.find(resolved.store_path, detail=True, withdirs=False).values())
                 else:
@@ -321,7 +360,7 @@ class ObjectStore:
         """Bytes [start, end) of the version described by ``meta``; StaleObjectError if it changed."""
         resolved = self.mounts.resolve(meta.path)
         try:
-            with _store_errors(meta.path, "read"):
+            with self._call(meta.path, "read"):
                 return self._backend(resolved).read(resolved.fs, resolved.store_path, start, end, meta.version)
         except (StaleObjectError, FileNotFoundError):
             self._meta.pop(meta.path)  # the next reader asks the store afresh
@@ -342,3 +381,73 @@ class ObjectStore:
         self._meta.pop(path)
         self._lists.pop_where(lambda k: k[0].mount == path.mount)
 
+
+    # -- write-through ------------------------------------------------------------------------
+    @staticmethod
+    @contextmanager
+    def _write_errors(path: CachePath, what: str) -> Iterator[None]:
+        """As _store_errors, and an existing target or a non-empty directory keep their meaning."""
+        try:
+            with _store_errors(path, what):
+                try:
+                    yield
+                except OSError as exc:
+                    if isinstance(exc, FileExistsError) or exc.errno == errno.ENOTEMPTY:
+                        raise CacheFSErrorPassThrough(exc) from exc
+                    raise
+        except CacheFSErrorPassThrough as wrapped:
+            raise wrapped.error from wrapped.error.__cause__
+
+    def writable(self, path: CachePath) -> ResolvedPath:
+        """Where a write to ``path`` goes; PermissionError on a read-only mount or a mount's root."""
+        resolved = self.mounts.resolve(path)
+        if resolved.spec.read_only:
+            raise PermissionError(errno.EROFS, f"{path}: mount {path.mount!r} is read-only")
+        if not path.key:
+            raise PermissionError(errno.EPERM, f"{path}: the root of a mount cannot be written or removed")
+        return resolved
+
+    def open_write(self, path: CachePath, block_size: int | None = None) -> "StoreWriter":
+        """A writer that replaces ``path`` whole on commit (see server/storewrite.py)."""
+        resolved = self.writable(path)
+        with self._write_errors(path, "write"):
+            return open_writer(resolved, block_size)
+
+    def written(self, path: CachePath) -> ObjectMeta:
+        """After a write: forget what we knew of ``path`` and its listings, return its new metadata."""
+        self.invalidate(path)
+        self._forget_parents(path)
+        return self.info(path, refresh=True)
+
+    def _forget_parents(self, path: CachePath) -> None:
+        """Directories above a changed path may have appeared or (on S3, when emptied) vanished."""
+        key = path.key
+        while key:
+            key = key.rpartition("/")[0]
+            self._meta.pop(CachePath(path.mount, key))
+
+    def remove(self, path: CachePath, recursive: bool = False) -> None:
+        resolved = self.writable(path)
+        meta = self.info(path, refresh=True)  # FileNotFoundError if there is nothing to remove
+        try:
+            with self._write_errors(path, "remove"):
+                remove_path(resolved, path, meta.is_dir, recursive)
+        finally:
+            self.forget_prefix(path.mount, path.key)  # the path and everything below it
+            self._forget_parents(path)
+
+    def make_dir(self, path: CachePath, create_parents: bool = True, exist_ok: bool = False) -> None:
+        resolved = self.writable(path)
+        with self._write_errors(path, "mkdir"):
+            make_dir(resolved, create_parents, exist_ok)
+        self.invalidate(path)
+        self._forget_parents(path)
+
+    def copy(self, source: CachePath, destination: CachePath) -> ObjectMeta:
+        dst = self.writable(destination)
+        if self.info(source, refresh=True).is_dir:  # as fsspec's local cp_file: make the directory
+            self.make_dir(destination, create_parents=True, exist_ok=True)
+            return self.info(destination, refresh=True)  # FileNotFoundError on S3: it has no empty dirs
+        with self._write_errors(destination, "copy"):
+            copy_between(self.mounts.resolve(source), dst)
+        return self.written(destination)

@@ -10,11 +10,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from prometheus_client import start_http_server
 
+from cachefs.auth import outgoing_token, server_interceptors
 from cachefs.config import MasterConfig
 from cachefs.proto import master_pb2_grpc
 from cachefs.ring import RingConfig
+from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.master.catalog import Catalog
 from cachefs.server.master.jobs import JobManager, JobRecord, JobSettings
 from cachefs.server.master.loadrun import LoadProgress
@@ -23,9 +24,11 @@ from cachefs.server.master.service import MasterServicer
 from cachefs.server.master.state import MasterState
 from cachefs.server.master.membership import Membership
 from cachefs.server.master.stat import CacheStat
+from cachefs.server.master.statuspage import StatusPage
 from cachefs.server.lifecycle import serve_until_signalled
 from cachefs.server.master.viewversion import BOOT_SHIFT, ViewVersion
 from cachefs.server.master.workerstubs import WorkerStubs
+from cachefs.tls import bind_port
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,9 @@ GRPC_OPTIONS = [("grpc.so_reuseport", 0)]
 # Open WatchView streams each hold a server thread; they get their own share of the pool
 # (threads start lazily) so unary calls (heartbeats above all) always find a free one.
 MAX_WATCHERS = 256
+# Calls that answer without the access token when ``open_status`` is set: the view is what
+# `cachefs status` shows (workers, their stats, mount names and URLs; never credentials).
+MASTER_OPEN_METHODS = ("GetView",)
 
 
 class Master:
@@ -49,7 +55,7 @@ class Master:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.Server | None = None
-        self._metrics_http = None
+        self._metrics_http: HttpServer | None = None
         self._stopping = threading.Event()
         self.state = MasterState(config.state_dir)
         self.master_id = self.state.master_id
@@ -61,7 +67,7 @@ class Master:
         self.metrics = MasterMetrics()
         self._max_watchers = max_watchers
         self.catalog = Catalog(self.state, config.metadata_ttl, config.list_ttl)
-        self.worker_stubs = WorkerStubs(config.cluster_token)
+        self.worker_stubs = WorkerStubs(outgoing_token(config.access_token, config.cluster_token), config.tls)
         ring = RingConfig(vnodes=config.vnodes, stripe_size=config.stripe_size)
         settle = 2 * config.heartbeat_seconds + 0.5  # every live worker has re-registered by then
         self.jobs = JobManager(
@@ -80,7 +86,8 @@ class Master:
     def _figures(self) -> MasterFigures:
         version, mounts = self.state.mounts()
         return MasterFigures(self.membership.stats(), self.versions.value, len(mounts), version,
-                             jobs=self.jobs.counts())
+                             jobs=self.jobs.counts(), worker_stats=[m.stats for m in self.membership.live()],
+                             active_jobs=self.jobs.list(active_only=True))
 
     def _job_finished(self, record: JobRecord, progress: LoadProgress | None) -> None:
         if progress is not None:
@@ -102,20 +109,22 @@ class Master:
             ThreadPoolExecutor(threads, thread_name_prefix="cachefs-master-rpc"),
             options=GRPC_OPTIONS,
             maximum_concurrent_rpcs=threads,
+            interceptors=server_interceptors(self.config.access_token, self.config.cluster_token,
+                                             MASTER_OPEN_METHODS if self.config.open_status else ()),
         )
         master_pb2_grpc.add_MasterServiceServicer_to_server(self.servicer, server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
         server.start()
         self._server, self.port = server, port
         self.membership.start_reaper()
         self.jobs.start()
         if self.config.metrics_port >= 0:
-            self._metrics_http, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
-            )
-            self.metrics_port = self._metrics_http.server_port
+            page = StatusPage(self.master_id, self.membership, self.versions, self.state, self.jobs,
+                              self.worker_stubs)
+            self._metrics_http = HttpServer(self.config.host, self.config.metrics_port, HttpEndpoints(
+                self.metrics.registry, live=self._live, ready=self._ready,
+                pages={"/status": page.html}, redirects={"/": "/status"})).start()
+            self.metrics_port = self._metrics_http.port
         log.info("master %s serving on %s (metrics port %s)", self.master_id, self.address, self.metrics_port)
         if not self.config.cluster_token and self.config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no cluster token: anyone who reaches %s may register workers, change mounts "
@@ -135,10 +144,26 @@ class Master:
         self.worker_stubs.close()
         self.membership.stop()
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+            self._metrics_http.stop()
         self.state.close()
         log.info("master %s stopped", self.master_id)
+
+    def _live(self) -> tuple[bool, str]:
+        """/healthz: serving and not stopping."""
+        if self._stopping.is_set():
+            return False, "stopping"
+        return (self._server is not None), ("ok" if self._server is not None else "not started")
+
+    def _ready(self) -> tuple[bool, str]:
+        """/readyz: live, and the durable state answers a query (a wedged disk makes the probe fail)."""
+        live, why = self._live()
+        if not live:
+            return False, why
+        try:
+            self.state.jobs()  # a real query: a closed or broken SQLite state fails the probe
+        except Exception as exc:
+            return False, f"state unreadable: {type(exc).__name__}: {exc}"
+        return True, "ok"
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopping.wait(timeout)

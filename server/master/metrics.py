@@ -7,8 +7,9 @@ than mirrored on every change.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,6 +27,10 @@ class MasterFigures:
     mounts: int
     mounts_version: int
     jobs: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, state) -> jobs
+    # The live workers' last heartbeat stats (master_pb2.WorkerStats; None before the first).
+    worker_stats: Sequence[Any] = ()
+    # Jobs pending or running (master_pb2.Job): their progress, summed.
+    active_jobs: Sequence[Any] = ()
 
 
 class _MasterCollector(Collector):
@@ -54,6 +59,44 @@ class _MasterCollector(Collector):
         for (kind, state), count in sorted(f.jobs.items()):
             jobs.add_metric([kind, state], count)
         yield jobs
+        yield from _cluster_families(f.worker_stats)
+        yield from _job_progress_families(f.active_jobs)
+
+
+def _cluster_families(stats: Sequence[Any]) -> Iterator[GaugeMetricFamily]:
+    """The cluster's cache as the workers' heartbeats last reported it (one scrape for a whole cluster)."""
+    known = [s for s in stats if s is not None]
+
+    def total(name: str) -> int:
+        return sum(int(getattr(s, name)) for s in known)
+
+    yield GaugeMetricFamily("cachefs_master_cluster_capacity_bytes",
+                            "Sum of the live workers' page-store quotas (last heartbeats).",
+                            value=total("capacity_bytes"))
+    yield GaugeMetricFamily("cachefs_master_cluster_used_bytes",
+                            "Sum of the live workers' page-store usage (last heartbeats).", value=total("used_bytes"))
+    yield GaugeMetricFamily("cachefs_master_cluster_pages", "Pages held by the live workers (last heartbeats).",
+                            value=total("pages"))
+    hits, lookups = total("hits"), total("hits") + total("misses")
+    yield GaugeMetricFamily("cachefs_master_cluster_hit_ratio",
+                            "Live workers' page hits / lookups since each started (last heartbeats).",
+                            value=hits / lookups if lookups else 0.0)
+
+
+def _job_progress_families(active: Sequence[Any]) -> Iterator[GaugeMetricFamily]:
+    """How far the pending and running jobs are, summed (a job's own figures: `cachefs jobs`)."""
+    objects = GaugeMetricFamily("cachefs_master_active_job_objects",
+                                "Objects of pending/running jobs: planned (total), finished (done), failed.",
+                                labels=["part"])
+    for part, name in (("total", "objects_total"), ("done", "objects_done"), ("failed", "objects_failed")):
+        objects.add_metric([part], sum(getattr(j, name) for j in active))
+    yield objects
+    size = GaugeMetricFamily("cachefs_master_active_job_bytes",
+                             "Bytes of pending/running jobs: planned (total), loaded or found cached (done), "
+                             "of which already cached (skipped).", labels=["part"])
+    for part, name in (("total", "bytes_total"), ("done", "bytes_done"), ("skipped", "bytes_skipped")):
+        size.add_metric([part], sum(getattr(j, name) for j in active))
+    yield size
 
 
 class MasterMetrics:

@@ -60,6 +60,17 @@ INDEX_SETTINGS: dict[str, Any] = {
 }
 
 
+def _private_index(path: str) -> None:
+    """The index names every cached object: 0o700 dir, 0o600 database (SQLite gives -wal/-shm its mode)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    db = os.path.join(path, diskcache.core.DBNAME)
+    os.close(os.open(db, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600))
+    for name in (db, db + "-wal", db + "-shm"):  # an index made before this rule
+        if os.path.exists(name):
+            os.chmod(name, 0o600)
+
+
 class CacheDirInUseError(RuntimeError):
     """Another PageStore (in this or another process) holds the cache dir's lock file."""
 
@@ -137,6 +148,7 @@ class DirHandle:
         path = os.path.join(self.root, "index")
         if reset:
             shutil.rmtree(path, ignore_errors=True)
+        _private_index(path)
         try:
             return diskcache.Cache(path, **INDEX_SETTINGS)
         except sqlite3.DatabaseError as exc:

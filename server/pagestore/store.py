@@ -41,6 +41,7 @@ from types import TracebackType
 import xxhash
 
 from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
+from cachefs.server.pagestore.health import DiskHealth
 from cachefs.server.pagestore.pagefile import (
     TRAILER_SIZE,
     CorruptPageError,
@@ -108,6 +109,8 @@ class PageStoreStats:
     evictions: int
     corrupt_pages: int
     put_failures: int
+    disk_errors: int = 0  # failed page writes, and reads failing with a disk errno
+    degraded: bool = False  # a cache dir's last write failed: reads pass through to the store
 
 
 class _State(enum.Enum):
@@ -160,6 +163,7 @@ class PageStore:
         self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access changed since the last flush
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
+        self.health = DiskHealth()
         self._dirs: list[DirHandle] = []
         try:
             for cfg, root in zip(dirs, roots):
@@ -206,6 +210,27 @@ class PageStore:
             raise
         self._read_done(hit=True)
         return n
+
+    def open_page(self, pid: PageId) -> int | None:
+        """A read-only descriptor of the page's file (payload then trailer), or None on a miss.
+
+        For short-circuit reads: the caller hands the descriptor to a local client, which
+        verifies the trailer's checksum itself. An eviction after this only unlinks the name;
+        the open descriptor keeps the bytes readable until it is closed.
+        """
+        entry = self._lookup(pid)
+        if entry is None:
+            return None
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:  # evicted or dropped under our feet: a miss
+            self._read_done(hit=False)
+            return None
+        except BaseException:
+            self._read_done(hit=False)
+            raise
+        self._read_done(hit=True)
+        return fd
 
     def put(self, pid: PageId, data: bytes | memoryview) -> bool:
         """Store a page; True if it is now cached (pages are immutable: an existing one is kept).
@@ -301,6 +326,8 @@ class PageStore:
                 evictions=self._evictions,
                 corrupt_pages=self._corrupt,
                 put_failures=self._put_failures,
+                disk_errors=self.health.errors,
+                degraded=self.health.degraded,
             )
 
     def close(self) -> None:
@@ -355,6 +382,7 @@ class PageStore:
         bad = isinstance(exc, (CorruptPageError, FileNotFoundError)) or (
             isinstance(exc, OSError) and exc.errno in _BAD_FILE_ERRNOS
         )
+        self.health.failed(entry.dir.root, exc, writing=False)
         try:
             with self._lock:
                 self._misses += 1
@@ -400,17 +428,18 @@ class PageStore:
         try:
             entry.checksum = write_page_file(tmp, entry.path, payload)
         except OSError as exc:
-            log.warning("cannot write page %s: %s", entry.path, exc)
+            self.health.failed(d.root, exc, writing=True, what=f"cannot write page {entry.path}")
             return self._abort(entry, released=entry.size)
         try:
             if d.index is None:  # close() gave up waiting for this put
                 raise OSError(f"page store for {d.root} is closed")
             d.index.set(entry.digest, entry.record())
         except INDEX_ERRORS as exc:
-            log.warning("cannot index page %s: %s", entry.path, exc)
+            self.health.failed(d.root, exc, writing=True, what=f"cannot index page {entry.path}")
             if self._unlink([entry], index=False):
                 return self._abort(entry, released=0)  # file stuck on disk: keep its bytes counted
             return self._abort(entry, released=entry.size)
+        self.health.ok(d.root)
         with self._lock:
             if not entry.cancelled:
                 entry.state = _State.READY

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
+import tempfile
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-from prometheus_client import start_http_server
 
+from cachefs.auth import outgoing_token, server_interceptors
 from cachefs.config import WorkerConfig
 from cachefs.mounts import MountTable
 from cachefs.proto import worker_pb2_grpc
+from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.lifecycle import serve_until_signalled
 from cachefs.server.objectstore import ObjectStore
@@ -23,6 +26,8 @@ from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
 from cachefs.server.worker.registration import Registrar, worker_stats
 from cachefs.server.worker.service import WorkerServicer
+from cachefs.server.worker.shortcircuit import ShortCircuitServer, token_checker
+from cachefs.tls import bind_port
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,10 @@ GRPC_OPTIONS = [
 ]
 
 
+# Calls that answer without the access token when ``open_status`` is set (liveness probes).
+WORKER_OPEN_METHODS = ("GetStatus",)
+
+
 def _worker_id(first_cache_dir: str) -> str:
     """Stable across restarts: kept next to the pages it describes."""
     path = Path(first_cache_dir) / "worker-id"
@@ -43,7 +52,8 @@ def _worker_id(first_cache_dir: str) -> str:
         wid = uuid.uuid4().hex[:16]
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(wid)
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # like every cache file
+            f.write(wid)
         os.replace(tmp, path)
         return wid
 
@@ -56,8 +66,10 @@ class Worker:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.Server | None = None
-        self._metrics_http = None
+        self._metrics_http: HttpServer | None = None
+        self.short_circuit: ShortCircuitServer | None = None
         self._stopped = threading.Event()
+        self._had_mounts = False  # readiness: the master's mounts arrived once (kept while it is away)
         self.metrics = WorkerMetrics()
         self.mounts = MountTable(config.mounts)
         self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl)
@@ -101,27 +113,28 @@ class Worker:
             ThreadPoolExecutor(self.config.rpc_threads, thread_name_prefix="cachefs-rpc"),
             options=GRPC_OPTIONS,
             maximum_concurrent_rpcs=self.config.rpc_threads * 4,
+            interceptors=server_interceptors(self.config.access_token, self.config.cluster_token,
+                                             WORKER_OPEN_METHODS if self.config.open_status else ()),
         )
         servicer = WorkerServicer(
             self.worker_id, self.mounts, self.objects, self.pages, self.reader, self.metrics,
             max_rpc_seconds=max(self.config.store_timeout * 4, 60.0),
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        servicer.short_circuit_socket = self._start_short_circuit()
+        port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
         server.start()
         self._server, self.port = server, port
         if self.config.metrics_port >= 0:
-            self._metrics_http, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
-            )
-            self.metrics_port = self._metrics_http.server_port
+            self._metrics_http = HttpServer(self.config.host, self.config.metrics_port, HttpEndpoints(
+                self.metrics.registry, live=self._live, ready=self._ready)).start()
+            self.metrics_port = self._metrics_http.port
         if self.config.master:
             self.registrar = Registrar(
                 self.config.master, self.worker_id, self.address, self.mounts,
                 stats=lambda: worker_stats(self.pages.stats(), self.metrics.totals()),
-                token=self.config.cluster_token, on_mounts_changed=self._on_mounts_changed,
+                token=outgoing_token(self.config.access_token, self.config.cluster_token),
+                on_mounts_changed=self._on_mounts_changed, tls=self.config.tls,
             ).start()
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
@@ -137,11 +150,58 @@ class Worker:
         if self._server is not None:
             self._server.stop(grace).wait(grace + 1)
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+            self._metrics_http.stop()
+        if self.short_circuit is not None:
+            self.short_circuit.stop()
         self.reader.close(timeout=grace)
         self.pages.close()
         log.info("worker %s stopped", self.worker_id)
+
+    def _short_circuit_path(self) -> str:
+        path = self.config.short_circuit_socket
+        if path != "auto":
+            return path
+        path = os.path.join(self.config.cache_dirs[0].path, "worker.sock")
+        if len(os.fsencode(path)) < 100:
+            return path
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:16]
+        return os.path.join(tempfile.gettempdir(), f"cachefs-{digest}.sock")
+
+    def _start_short_circuit(self) -> str:
+        """The short-circuit socket (server/worker/shortcircuit.py); "" when off or unavailable."""
+        path = self._short_circuit_path()
+        if not path:
+            return ""
+        token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
+        try:
+            self.short_circuit = ShortCircuitServer(
+                path, resolve=self.objects.cached_info, page_ids=self.reader._page_id, open_page=self.pages.open_page,
+                page_size=self.pages.page_size, token=token, on_served=self.metrics.served_short_circuit).start()
+        except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
+            log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
+            return ""
+        return path
+
+    def _live(self) -> tuple[bool, str]:
+        """/healthz: serving and not stopping."""
+        if self._stopped.is_set():
+            return False, "stopping"
+        return (self._server is not None), ("ok" if self._server is not None else "not started")
+
+    def _ready(self) -> tuple[bool, str]:
+        """/readyz: the page store is open with its dirs in place, and the mounts are known."""
+        live, why = self._live()
+        if not live:
+            return False, why
+        missing = [d.path for d in self.config.cache_dirs if not os.path.isdir(d.path)]
+        if missing:
+            return False, f"cache dir missing: {', '.join(missing)}"
+        self.pages.stats()  # takes the store's lock: a wedged store times the probe out
+        if self.registrar is not None and not self._had_mounts:
+            if not self.registrar.registered.is_set():
+                return False, f"not yet registered with master {self.config.master}"
+            self._had_mounts = True
+        return True, "ok"
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)

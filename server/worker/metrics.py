@@ -38,6 +38,41 @@ class _PageStoreCollector(Collector):
             "cachefs_worker_cache_put_failures", "Pages that could not be written (full or failing disk).",
             value=s.put_failures,
         )
+        yield CounterMetricFamily(
+            "cachefs_worker_cache_disk_errors",
+            "Cache disk errors: failed page writes (ENOSPC, EIO, ...) and page reads failing with a disk errno.",
+            value=s.disk_errors,
+        )
+        yield GaugeMetricFamily(
+            "cachefs_worker_degraded",
+            "1 while the cache disk is full or failing (reads pass through to the store, uncached).",
+            value=int(s.degraded),
+        )
+
+
+class _HitRatioCollector(Collector):
+    """The lifetime hit ratio, for people and dashboards without PromQL at hand.
+
+    Reads the page-read counter's own samples (not the registry: a collector that scraped its
+    registry would recurse).
+    """
+
+    def __init__(self, page_reads: Counter) -> None:
+        self._page_reads = page_reads
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        counts: dict[str, float] = {}
+        for family in self._page_reads.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels.get("outcome", "")] = sample.value
+        hits = counts.get("hit", 0.0)
+        lookups = hits + counts.get("miss", 0.0) + counts.get("joined", 0.0)
+        yield GaugeMetricFamily(
+            "cachefs_worker_cache_hit_ratio",
+            "Page lookups served from the page store / all client page lookups, since start (0 before any).",
+            value=hits / lookups if lookups else 0.0,
+        )
 
 
 class WorkerMetrics:
@@ -51,6 +86,10 @@ class WorkerMetrics:
             "cachefs_worker_bytes_from_store", "Bytes fetched from the object store.", registry=r
         )
         self.bytes_served = Counter("cachefs_worker_bytes_served", "Bytes sent to clients.", registry=r)
+        self.short_circuit_bytes = Counter(
+            "cachefs_worker_short_circuit_bytes",
+            "Bytes of cached pages handed to clients on this host as file descriptors (short-circuit reads).",
+            registry=r)
         self.page_reads = Counter(
             "cachefs_worker_page_reads",
             "Page lookups by outcome: hit (page store), miss (fetched), joined (shared a fetch "
@@ -64,6 +103,11 @@ class WorkerMetrics:
             registry=r,
         )
         self.store_errors = Counter("cachefs_worker_store_errors", "Failed object-store fetches.", registry=r)
+        self.store_unavailable = Counter(
+            "cachefs_worker_store_unavailable",
+            "Object-store fetches failed because the store could not be reached (or its breaker was open).",
+            registry=r,
+        )
         self.store_fetch_seconds = Histogram(
             "cachefs_worker_store_fetch_seconds", "Time to fetch one page from the object store.",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -89,9 +133,17 @@ class WorkerMetrics:
             self.page_reads.labels(outcome)
         for outcome in ("fetched", "skipped", "failed"):
             self.load_bytes.labels(outcome)
+        r.register(_HitRatioCollector(self.page_reads))
 
     def watch_page_store(self, stats: Callable[[], PageStoreStats]) -> None:
         self.registry.register(_PageStoreCollector(stats))
+
+    def served_short_circuit(self, pages: int, nbytes: int) -> None:
+        """A short-circuit read: page hits and bytes from cache like any other cached read."""
+        self.page_reads.labels("hit").inc(pages)
+        self.bytes_from_cache.inc(nbytes)
+        self.bytes_served.inc(nbytes)
+        self.short_circuit_bytes.inc(nbytes)
 
     def totals(self) -> dict[str, int]:
         """Running totals that the status RPC and the master's view report."""

@@ -18,7 +18,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from cachefs.errors import DeadlineExceededError, StaleObjectError, WorkerUnavailableError
+from cachefs.errors import DeadlineExceededError, StaleObjectError, StoreUnavailableError, WorkerUnavailableError
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.objectstore import ObjectMeta, ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
@@ -145,6 +145,8 @@ class PageReader:
                 )
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting reader
             self.metrics.store_errors.inc()
+            if isinstance(exc, StoreUnavailableError):
+                self.metrics.store_unavailable.inc()
             for pid, fut in claimed:
                 self._forget(pid)
                 if not fut.done():

@@ -19,6 +19,7 @@ from cachefs.auth import token_metadata
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.server.pagestore import PageStoreStats
+from cachefs.tls import PLAINTEXT, TLSConfig, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Registrar:
         token: str = "",
         on_mounts_changed: Callable[[set[str]], None] | None = None,
         rpc_timeout: float = 5.0,
+        tls: TLSConfig = PLAINTEXT,
     ) -> None:
         self.master = master
         self.worker_id = worker_id
@@ -45,7 +47,7 @@ class Registrar:
         self._metadata = token_metadata(token)
         self._on_mounts_changed = on_mounts_changed
         self._rpc_timeout = rpc_timeout
-        self._channel = grpc.insecure_channel(master)
+        self._channel = open_channel(master, tls)
         self._stub = master_pb2_grpc.MasterServiceStub(self._channel)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -13,6 +13,7 @@ import grpc
 from cachefs import __version__
 from cachefs.errors import DeadlineExceededError, InvalidPathError, StaleObjectError
 from cachefs.mounts import MountTable
+from cachefs.localhost import host_id
 from cachefs.paths import CachePath, parse_path
 from cachefs.server.rpc import info_message, rpc
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
@@ -21,8 +22,10 @@ from cachefs.server.objectstore import ObjectMeta, ObjectStore
 from cachefs.server.pagestore import PageStore
 from cachefs.server.worker.loader import Loader, failure, resolve_for_load
 from cachefs.server.worker.reader import PageReader
+from cachefs.server.worker.writer import WriteHandler
 
 log = logging.getLogger(__name__)
+HOST_ID = host_id()
 
 MAX_CHUNK = 1 << 20  # bytes per streamed ReadChunk
 MAX_BLOCK = 4 << 20  # bytes per ReadBlock reply
@@ -51,6 +54,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.reader = reader
         self.metrics = metrics
         self.max_rpc_seconds = max_rpc_seconds
+        self.short_circuit_socket = ""  # set by the daemon when it listens for short-circuit reads
+        self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
 
     def _deadline(self, context: grpc.ServicerContext) -> float:
         """Every RPC has a deadline: the caller's, capped by the worker's own."""
@@ -211,5 +216,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id, version=__version__, page_size=self.pages.page_size,
             pages=s.pages, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes, evictions=s.evictions,
+            degraded=s.degraded, disk_errors=s.disk_errors, corrupt_pages=s.corrupt_pages,
+            stores_unavailable=self.objects.breaker.open_mounts(),
+            short_circuit_socket=self.short_circuit_socket, host_id=HOST_ID,
             **self.metrics.totals(),
         )
+
+    # -- write-through (server/worker/writer.py) -----------------------------------------------
+    @rpc("Write")
+    def Write(self, request_iterator: Iterator[worker_pb2.WriteChunk],
+              context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
+        meta = self.writes.write(request_iterator)
+        return info_message(meta)
+
+    @rpc("Remove")
+    def Remove(self, request: worker_pb2.RemoveRequest, context: grpc.ServicerContext) -> worker_pb2.RemoveResponse:
+        freed = self.writes.remove(parse_path(request.path), request.recursive)
+        self.metrics.pages_freed.inc(freed)
+        return worker_pb2.RemoveResponse(pages_freed=freed)
+
+    @rpc("MakeDir")
+    def MakeDir(self, request: worker_pb2.MakeDirRequest, context: grpc.ServicerContext) -> worker_pb2.MakeDirResponse:
+        self.objects.make_dir(parse_path(request.path), request.create_parents, request.exist_ok)
+        return worker_pb2.MakeDirResponse()
+
+    @rpc("Copy")
+    def Copy(self, request: worker_pb2.CopyRequest, context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
+        source, destination = parse_path(request.source), parse_path(request.destination)
+        meta = self.objects.copy(source, destination)
+        self.pages.delete_object(destination.mount, destination.key)  # older versions' pages
+        return info_message(meta)

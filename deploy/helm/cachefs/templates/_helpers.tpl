@@ -1,0 +1,149 @@
+{{/* Names and labels. */}}
+{{- define "cachefs.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "cachefs.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "cachefs.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "cachefs.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "cachefs.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "cachefs.labels" -}}
+helm.sh/chart: {{ include "cachefs.chart" . }}
+{{ include "cachefs.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "cachefs.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "cachefs.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "cachefs.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* What workers dial to reach the master (the master's Service). */}}
+{{- define "cachefs.masterAddress" -}}
+{{- printf "%s-master.%s.svc:%v" (include "cachefs.fullname" .) .Release.Namespace (int .Values.master.config.port) -}}
+{{- end -}}
+
+{{/*
+TOML from values. "cachefs.toml.value": one value (scalar, or a list of scalars / flat maps as
+inline tables); JSON strings, numbers and booleans are valid TOML. "cachefs.toml.table": a
+table's scalars, then its sub-tables under [prefix."key"], recursively. Null values are left out,
+so a daemon default applies.
+*/}}
+{{- define "cachefs.toml.value" -}}
+{{- if kindIs "slice" . -}}
+[{{- range $i, $v := . }}{{ if $i }}, {{ end }}{{ include "cachefs.toml.value" $v }}{{ end -}}]
+{{- else if kindIs "map" . -}}
+{ {{- range $i, $k := keys . | sortAlpha }}{{ if $i }}, {{ end }}{{ $k | toJson }} = {{ include "cachefs.toml.value" (get $ $k) }}{{ end -}} }
+{{- else if kindIs "float64" . -}}
+{{- if eq (floor .) . }}{{ int64 . }}{{ else }}{{ . | toJson }}{{ end -}}
+{{- else -}}
+{{- . | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "cachefs.toml.table" -}}
+{{- $data := .data -}}
+{{- range $k := keys $data | sortAlpha }}
+{{- $v := get $data $k }}
+{{- if and (not (kindIs "map" $v)) (not (kindIs "invalid" $v)) }}
+{{ $k | toJson }} = {{ include "cachefs.toml.value" $v }}
+{{- end }}
+{{- end }}
+{{- range $k := keys $data | sortAlpha }}
+{{- $v := get $data $k }}
+{{- if kindIs "map" $v }}
+{{- $prefix := printf "%s.%s" $.prefix ($k | toJson) }}
+
+[{{ $prefix }}]
+{{- include "cachefs.toml.table" (dict "prefix" $prefix "data" $v) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Env shared by master and workers: object-store credentials from an existing Secret. */}}
+{{- define "cachefs.credentialsEnv" -}}
+{{- if .Values.objectStoreCredentials.existingSecret }}
+{{- range $env := keys .Values.objectStoreCredentials.env | sortAlpha }}
+- name: {{ $env }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $.Values.objectStoreCredentials.existingSecret }}
+      key: {{ get $.Values.objectStoreCredentials.env $env }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The cluster and access tokens as CACHEFS_<DAEMON>_*_TOKEN (never in the ConfigMap). */}}
+{{- define "cachefs.tokenEnv" -}}
+{{- $daemon := .daemon | upper }}
+{{- range $field, $ref := dict "CLUSTER_TOKEN" .root.Values.clusterToken "ACCESS_TOKEN" .root.Values.accessToken }}
+{{- if $ref.existingSecret }}
+- name: CACHEFS_{{ $daemon }}_{{ $field }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $ref.existingSecret }}
+      key: {{ $ref.key }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Config keys the chart sets for TLS (the Secret is mounted at /etc/cachefs/tls). */}}
+{{- define "cachefs.tlsConfig" -}}
+{{- if .Values.tls.existingSecret -}}
+{{- dict "tls_cert_file" "/etc/cachefs/tls/tls.crt" "tls_key_file" "/etc/cachefs/tls/tls.key" "tls_ca_file" "/etc/cachefs/tls/ca.crt" | toJson -}}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
+{{- define "cachefs.tlsVolumeMount" -}}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: /etc/cachefs/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "cachefs.tlsVolume" -}}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{- define "cachefs.probes" -}}
+livenessProbe:
+  httpGet: {path: /healthz, port: http}
+  {{- toYaml .livenessProbe | nindent 2 }}
+readinessProbe:
+  httpGet: {path: /readyz, port: http}
+  {{- toYaml .readinessProbe | nindent 2 }}
+{{- end -}}

@@ -1,0 +1,121 @@
+"""The worker's side of write-through: a streamed object goes into the store as it arrives.
+
+Receiving (gRPC's thread) and uploading (a thread per write) overlap through a bounded
+queue, so the client's bytes keep flowing while the store takes a part; the queue bounds
+the memory one write holds. After a write the object's cached metadata, its mount's
+listings and its pages of older versions are dropped (pages are keyed by version, so they
+could not be served for the new one, but they would hold space until evicted).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from cachefs.errors import InvalidPathError
+from cachefs.paths import CachePath, parse_path
+from cachefs.proto import worker_pb2
+from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.server.pagestore import PageStore
+
+log = logging.getLogger(__name__)
+
+QUEUE_BYTES = 64 << 20  # received but not yet uploaded, per write
+_END = None
+
+
+class _Uploader:
+    """Drains a bounded queue of chunks into a store writer on its own thread."""
+
+    def __init__(self, objects: ObjectStore, path: CachePath, queue_bytes: int, stall_timeout: float) -> None:
+        self.writer = objects.open_write(path)  # PermissionError here, before any data moves
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._capacity = max(1, queue_bytes >> 20)  # in 1 MiB units
+        self._room = threading.Semaphore(self._capacity)
+        self._stall = stall_timeout
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"cachefs-write-{path}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not _END:
+            try:
+                if self.error is None:
+                    self.writer.write(chunk)
+            except BaseException as exc:  # noqa: BLE001 - handed to the receiving thread
+                self.error = exc
+            finally:
+                self._room.release(self._units(chunk))
+
+    def _units(self, data: bytes) -> int:
+        return min(self._capacity, max(1, len(data) >> 20))
+
+    def put(self, data: bytes) -> None:
+        for _ in range(self._units(data)):
+            if self.error is not None:
+                raise self.error
+            if not self._room.acquire(timeout=self._stall):
+                raise TimeoutError(errno.ETIMEDOUT, f"the store took no data for {self._stall:.0f} s")
+        self._queue.put(data)
+
+    def finish(self, ok: bool) -> None:
+        """Wait for the queue to drain; commit if ``ok`` and nothing failed, else discard."""
+        self._queue.put(_END)
+        self._thread.join(self._stall)
+        if self._thread.is_alive():
+            self.error = self.error or TimeoutError(errno.ETIMEDOUT, "the store did not finish the write in time")
+        if ok and self.error is None:
+            self.writer.commit()
+            return
+        try:
+            self.writer.discard()
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            log.warning("discarding a failed write also failed", exc_info=True)
+        if self.error is not None:
+            raise self.error
+
+
+class WriteHandler:
+    def __init__(self, objects: ObjectStore, pages: PageStore, stall_timeout: float,
+                 queue_bytes: int = QUEUE_BYTES) -> None:
+        self.objects = objects
+        self.pages = pages
+        self.stall_timeout = stall_timeout
+        self.queue_bytes = queue_bytes
+
+    def write(self, requests: Iterator[worker_pb2.WriteChunk]) -> ObjectMeta:
+        first = next(requests, None)
+        if first is None or not first.path:
+            raise InvalidPathError("a write stream must start with a message naming the path")
+        path = parse_path(first.path)
+        uploader = _Uploader(self.objects, path, self.queue_bytes, self.stall_timeout)
+        ok = False
+        try:
+            if first.data:
+                uploader.put(first.data)
+            for msg in requests:
+                if msg.data:
+                    uploader.put(msg.data)
+            ok = True
+        except grpc.RpcError as exc:  # the client cancelled or went away: nothing is published
+            raise ConnectionAbortedError(errno.ECONNABORTED, f"write of {path} cancelled by the client") from exc
+        finally:
+            uploader.finish(ok)
+        return self.after_write(path)
+
+    def after_write(self, path: CachePath) -> ObjectMeta:
+        meta = self.objects.written(path)
+        self.pages.delete_object(path.mount, path.key)
+        return meta
+
+    def remove(self, path: CachePath, recursive: bool) -> int:
+        self.objects.remove(path, recursive)
+        freed = self.pages.delete_object(path.mount, path.key)
+        if recursive:
+            freed += self.pages.delete_prefix(path.mount, path.key + "/")
+        return freed

@@ -1,0 +1,368 @@
+"""The Helm chart without a cluster: strict lint, renders of several value sets, and real daemons
+started from the config files the chart renders (so chart and daemons cannot drift apart).
+
+helm-python-sdk embeds Helm (no binary, no cluster): ``lint`` and ``Chart.render`` run offline,
+where ``.Capabilities`` lists only the built-in APIs (no monitoring.coreos.com/v1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+try:
+    import helm_python
+    from helm_python.chart import Chart, lint
+except ImportError:  # pragma: no cover - the test extra installs it
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("helm-python-sdk is not installed (pip install -e '.[test]')", allow_module_level=True)
+
+from cachefs.config import MasterConfig, WorkerConfig, load_master_config, load_worker_config  # noqa: E402
+from cachefs.local import DaemonProcess  # noqa: E402
+from helpers import client, payload, scrape, wait_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "cachefs"
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+
+# Config fields the chart sets itself (not user values), and those it takes from Secrets (env).
+MANAGED = {
+    "master": {"host", "state_dir", "mounts", "tls_cert_file", "tls_key_file", "tls_ca_file"},
+    "worker": {"host", "cache_dirs", "master", "advertise_address", "mounts",
+               "tls_cert_file", "tls_key_file", "tls_ca_file"},
+}
+FROM_SECRETS = {"cluster_token", "access_token"}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "everything": {
+        "clusterToken": {"existingSecret": "cachefs-token", "key": "token"},
+        "accessToken": {"existingSecret": "cachefs-access", "key": "access"},
+        "tls": {"existingSecret": "cachefs-tls"},
+        "objectStoreCredentials": {"existingSecret": "s3-creds",
+                                   "env": {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"}},
+        "mounts": {"datasets": {"url": "s3://bucket/datasets", "read_only": True,
+                                "options": {"endpoint_url": "http://s3.local:9000",
+                                            "client_kwargs": {"region_name": "eu-west-1"}}}},
+        "worker": {"hostNetwork": True, "antiAffinity": "hard",
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "pageStore": {"type": "pvc", "mountPath": "/cache", "quota": "50GiB",
+                                 "pvc": {"storageClass": "local-nvme", "size": "60Gi"}},
+                   "config": {"port": 29999, "metrics_port": 9464, "page_size": "4MiB", "readahead_pages": 16}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    },
+    "emptydir-no-persistence": {
+        "master": {"persistence": {"enabled": False}, "config": {"port": 19998, "metrics_port": 9465}},
+        "worker": {"pageStore": {"type": "emptyDir", "mountPath": "/cache", "quota": "8GiB",
+                                 "emptyDir": {"medium": "Memory", "sizeLimit": "10Gi"}},
+                   "podDisruptionBudget": {"enabled": False}, "antiAffinity": "soft"},
+        "metrics": {"serviceMonitor": {"enabled": False}},
+    },
+}
+
+
+def _render(values: dict[str, Any], name: str = "rel", namespace: str = "ml") -> dict[str, list[dict]]:
+    """kind -> the objects of that kind the chart renders."""
+    with Chart.load(str(CHART)) as chart:
+        files = chart.render(values=values, name=name, namespace=namespace)
+    out: dict[str, list[dict]] = {}
+    for path, text in files.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def _one(objects: dict[str, list[dict]], kind: str) -> dict:
+    assert len(objects.get(kind, [])) == 1, f"expected one {kind}, got {len(objects.get(kind, []))}"
+    return objects[kind][0]
+
+
+def _config_files(objects: dict[str, list[dict]]) -> dict[str, str]:
+    return _one(objects, "ConfigMap")["data"]
+
+
+def _container(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_lint_strict(name: str):
+    report = lint(str(CHART), VALUE_SETS[name] or None, strict=True, namespace="ml")
+    assert report["errors"] == []
+    serious = [m for m in report["messages"] if m["severity"] >= 2]
+    assert serious == [], serious
+
+
+@pytest.mark.parametrize("values, where", [
+    ({"worker": {"config": {"port": 29999, "metrics_port": 9464, "no_such_setting": 1}}}, "/worker/config"),
+    ({"master": {"config": {"port": 19998, "metrics_port": 9465, "state_dir": "/x"}}}, "/master/config"),
+    ({"worker": {"pageStore": {"type": "nfs", "mountPath": "/c", "quota": "1GiB"}}}, "/worker/pageStore/type"),
+    ({"worker": {"config": {"port": 29999, "metrics_port": -1}}}, "/worker/config/metrics_port"),
+    ({"typo": True}, "typo"),
+])
+def test_schema_refuses_bad_values(values: dict, where: str):
+    with pytest.raises(helm_python.HelmValuesError, match=re.escape(where)):
+        _render(values)
+    report = lint(str(CHART), values, strict=True)
+    assert any(m["severity"] >= 3 for m in report["messages"])
+
+
+@pytest.mark.parametrize("daemon, cls", [("master", MasterConfig), ("worker", WorkerConfig)])
+def test_schema_covers_exactly_the_daemon_settings(daemon: str, cls: type):
+    """Every config field is a chart value, set by the chart, or taken from a Secret; nothing else."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = set(schema["properties"][daemon]["properties"]["config"]["properties"])
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert values | MANAGED[daemon] | FROM_SECRETS == fields
+    assert not values & (MANAGED[daemon] | FROM_SECRETS)
+    # Every documented default in values.yaml is a real field (the schema also enforces it).
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(defaults[daemon]["config"]) <= values
+
+
+def test_defaults_render_master_and_workers():
+    objects = _render({})
+    sts, ds = _one(objects, "StatefulSet"), _one(objects, "DaemonSet")
+    assert sts["metadata"]["name"] == "rel-cachefs-master" and sts["spec"]["replicas"] == 1
+    assert sts["spec"]["serviceName"] in {s["metadata"]["name"] for s in objects["Service"]}
+    claim = sts["spec"]["volumeClaimTemplates"][0]
+    assert claim["metadata"]["name"] == "state" and claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    master = _container(sts)
+    assert master["args"] == ["master", "--config", "/etc/cachefs/config/master.toml"]
+    mounts = {m["name"]: m["mountPath"] for m in master["volumeMounts"]}
+    config = tomllib.loads(_config_files(objects)["master.toml"])
+    assert config["master"]["state_dir"].startswith(mounts["state"] + "/")
+    # Probes reach the HTTP port the daemon is configured to serve them on.
+    ports = {p["name"]: p["containerPort"] for p in master["ports"]}
+    assert ports == {"grpc": config["master"]["port"], "http": config["master"]["metrics_port"]}
+    assert master["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert master["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+
+    worker = _container(ds)
+    wconf = tomllib.loads(_config_files(objects)["worker.toml"])["worker"]
+    assert ds["spec"]["template"]["spec"]["nodeSelector"] == {"cachefs.io/worker": "true"}
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"grpc": wconf["port"],
+                                                                         "http": wconf["metrics_port"]}
+    assert worker["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The worker dials the master's Service on its gRPC port, and advertises its pod IP.
+    service = next(s for s in objects["Service"] if s["metadata"]["name"] == "rel-cachefs-master")
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert wconf["master"] == f"rel-cachefs-master.ml.svc:{grpc_port}"
+    assert _env(worker)["CACHEFS_WORKER_ADVERTISE_ADDRESS"]["value"] == f"$(POD_IP):{wconf['port']}"
+    page_store = next(v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "page-store")
+    assert page_store["hostPath"] == {"path": "/mnt/cachefs", "type": "DirectoryOrCreate"}
+    assert wconf["cache_dirs"] == ["/var/cache/cachefs/pages:100GiB"]
+    assert ds["spec"]["template"]["spec"]["initContainers"][0]["command"][:2] == ["chown", "10001:10001"]
+    # Config changes roll the pods.
+    assert re.fullmatch(r"[0-9a-f]{64}", ds["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+    # No secrets configured: no secret references and no token in the ConfigMap.
+    assert "secretKeyRef" not in json.dumps(objects)
+    assert "token" not in _config_files(objects)["master.toml"]
+    assert _one(objects, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert "ServiceMonitor" not in objects  # "auto" and no Prometheus Operator API offline
+    for workload in (sts, ds):
+        spec = workload["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert _container(workload)["securityContext"]["readOnlyRootFilesystem"] is True
+        assert not _container(workload)["image"].endswith(":latest")
+
+
+def test_everything_renders_secrets_tls_pvc_hostnetwork_and_servicemonitor():
+    objects = _render(VALUE_SETS["everything"])
+    files = _config_files(objects)
+    master_conf = tomllib.loads(files["master.toml"])
+    assert master_conf["mounts"]["datasets"] == {
+        "url": "s3://bucket/datasets", "read_only": True,
+        "options": {"endpoint_url": "http://s3.local:9000", "client_kwargs": {"region_name": "eu-west-1"}}}
+    assert master_conf["master"]["tls_cert_file"] == "/etc/cachefs/tls/tls.crt"
+    wconf = tomllib.loads(files["worker.toml"])["worker"]
+    assert wconf["page_size"] == "4MiB" and wconf["readahead_pages"] == 16
+    assert wconf["cache_dirs"] == ["/cache/pages:50GiB"] and wconf["tls_ca_file"] == "/etc/cachefs/tls/ca.crt"
+    assert "cachefs-token" not in json.dumps(files) and "s3-creds" not in json.dumps(files)
+
+    for workload, daemon in ((_one(objects, "StatefulSet"), "MASTER"), (_one(objects, "DaemonSet"), "WORKER")):
+        env = _env(_container(workload))
+        assert env[f"CACHEFS_{daemon}_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "cachefs-token", "key": "token"}
+        assert env[f"CACHEFS_{daemon}_ACCESS_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "cachefs-access", "key": "access"}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": "secret"}
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "cachefs-tls"
+        assert {"name": "tls", "mountPath": "/etc/cachefs/tls", "readOnly": True} in \
+            _container(workload)["volumeMounts"]
+
+    pod = _one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    claim = next(v for v in pod["volumes"] if v["name"] == "page-store")["ephemeral"]["volumeClaimTemplate"]
+    assert claim["spec"]["storageClassName"] == "local-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "60Gi"
+    assert "initContainers" not in pod  # only a hostPath needs its ownership fixed
+    term = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+
+    monitor = _one(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s",
+                                             "scrapeTimeout": "10s"}]
+    # It selects the Services that carry an "http" port: the master's and the workers'.
+    selected = [s for s in objects["Service"]
+                if s["metadata"]["labels"].get("app.kubernetes.io/component") in ("master", "worker")
+                and any(p["name"] == "http" for p in s["spec"]["ports"])]
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected} == {"master", "worker"}
+
+
+def test_emptydir_and_no_persistence():
+    objects = _render(VALUE_SETS["emptydir-no-persistence"])
+    sts = _one(objects, "StatefulSet")
+    assert "volumeClaimTemplates" not in sts["spec"]
+    assert {"name": "state", "emptyDir": {}} in sts["spec"]["template"]["spec"]["volumes"]
+    pod = _one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "page-store")["emptyDir"] == {
+        "medium": "Memory", "sizeLimit": "10Gi"}
+    assert "PodDisruptionBudget" not in objects and "ServiceMonitor" not in objects
+    assert "preferredDuringSchedulingIgnoredDuringExecution" in pod["affinity"]["podAntiAffinity"]
+
+
+def test_notes_warn_without_a_cluster_token():
+    with Chart.load(str(CHART)) as chart:
+        notes, secured = (chart.render(values=v, name="rel", namespace="ml")["cachefs/templates/NOTES.txt"]
+                          for v in ({}, VALUE_SETS["everything"]))
+    assert "rel-cachefs-master.ml.svc:19998" in notes and "/status" in notes
+    assert "WARNING: no clusterToken" in notes and "WARNING" not in secured
+
+
+def test_dockerfile_is_small_pinned_and_non_root():
+    text = DOCKERFILE.read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
+    assert froms and all(f == "${PYTHON_IMAGE}" for f in froms)
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.MULTILINE).group(1)
+    assert base.startswith("python:3.11-slim") and "latest" not in text
+    assert re.search(r"torch==\$\{TORCH_VERSION\}", text) and "ARG TORCH_VERSION=2.13.0" in text
+    # torch is installed before the package (the pin keeps pip from pulling a CUDA build).
+    assert text.index('"torch==${TORCH_VERSION}"') < text.index("pip install --constraint")
+    users = re.findall(r"^USER\s+(\S+)", text, re.MULTILINE)
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    chart_uid = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]["runAsUser"]
+    assert users[-1].split(":")[0] == str(chart_uid)
+    assert re.search(r'^ENTRYPOINT \["cachefs"\]', text, re.MULTILINE)
+    assert "ADD http" not in text and "curl" not in text
+
+
+# -- daemons from the rendered config files ------------------------------------------------------
+
+def _rewrite(text: str, section: str, changes: dict[str, Any]) -> str:
+    """Replace ``"key" = ...`` lines of ``[section]``; every key must already be there (the chart renders it)."""
+    lines, current, seen = text.splitlines(), None, set()
+    for i, line in enumerate(lines):
+        header = re.match(r"^\[(.+)\]$", line.strip())
+        if header:
+            current = header.group(1)
+            continue
+        m = re.match(r'^"([^"]+)" = ', line)
+        if current == section and m and m.group(1) in changes:
+            lines[i] = f'"{m.group(1)}" = {json.dumps(changes[m.group(1)])}'
+            seen.add(m.group(1))
+    assert seen == set(changes), f"the chart no longer renders {set(changes) - seen} in [{section}]"
+    return "\n".join(lines) + "\n"
+
+
+def test_config_loader_refuses_unknown_keys(tmp_path: Path):
+    """What makes the daemon start below a real check: a key the daemon does not know fails loading."""
+    files = _config_files(_render({}))
+    (tmp_path / "worker.toml").write_text(files["worker.toml"])
+    as_rendered = load_worker_config(str(tmp_path / "worker.toml"), environ={})
+    assert as_rendered.master == "rel-cachefs-master.ml.svc:19998"  # [worker] master = ... is kept
+    assert as_rendered.cache_dirs[0].quota_bytes == 100 << 30
+    for daemon, loader in (("master", load_master_config), ("worker", load_worker_config)):
+        path = tmp_path / f"{daemon}.toml"
+        path.write_text(files[f"{daemon}.toml"].replace(f"[{daemon}]\n", f'[{daemon}]\n"unknown_setting" = 1\n'))
+        with pytest.raises(ValueError, match="unknown_setting"):
+            loader(str(path), environ={})
+
+
+def test_daemons_start_from_rendered_configs(tmp_path: Path):
+    """The rendered master.toml / worker.toml start real daemons that work together.
+
+    Rewritten for this machine, and only these: host -> 127.0.0.1, port and metrics_port -> 0
+    (free ports), the master's state_dir and the worker's cache dir -> tmp_path (quota kept), the
+    worker's master address -> the local master. The cluster token reaches both through the
+    environment, as the pods' secretKeyRef env does.
+    """
+    store = tmp_path / "store"
+    store.mkdir()
+    data = payload(300_000, 7)
+    (store / "a.bin").write_bytes(data)
+    values = {"mounts": {"data": {"url": str(store), "read_only": True}},
+              "clusterToken": {"existingSecret": "tok", "key": "token"},
+              "worker": {"pageStore": {"type": "emptyDir", "mountPath": "/cache", "quota": "256MiB"},
+                         "config": {"port": 29999, "metrics_port": 9464, "page_size": "64KiB",
+                                    "readahead_pages": 0}}}
+    objects = _render(values)
+    files = _config_files(objects)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+    token = "rendered-config-token"
+
+    master_toml = tmp_path / "master.toml"
+    master_toml.write_text(_rewrite(files["master.toml"], "master", {
+        "host": "127.0.0.1", "port": 0, "metrics_port": 0, "state_dir": str(tmp_path / "state")}))
+    master = DaemonProcess(["master", "--config", str(master_toml)],
+                           env={**env, "CACHEFS_MASTER_CLUSTER_TOKEN": token}, log_path=str(tmp_path / "master.log"))
+    with master:  # __enter__ starts it (60 s timeout)
+        worker_conf = tomllib.loads(files["worker.toml"])["worker"]
+        quota = worker_conf["cache_dirs"][0].rpartition(":")[2]
+        worker_toml = tmp_path / "worker.toml"
+        worker_toml.write_text(_rewrite(files["worker.toml"], "worker", {
+            "host": "127.0.0.1", "port": 0, "metrics_port": 0, "master": master.address,
+            "cache_dirs": [f"{tmp_path / 'cache'}:{quota}"]}))
+        worker = DaemonProcess(["worker", "--config", str(worker_toml)],
+                               env={**env, "CACHEFS_WORKER_CLUSTER_TOKEN": token},
+                               log_path=str(tmp_path / "worker.log"))
+        with worker:
+            mport, wport = master.ready["metrics_port"], worker.ready["metrics_port"]
+            # The worker registered (with the token) and took the mount from the master's config.
+            assert wait_for(lambda: scrape(mport).get("cachefs_master_workers_live") == 1, timeout=30)
+            assert wait_for(lambda: _status(wport, "/readyz") == 200, timeout=30)
+            assert _status(mport, "/readyz") == 200 and _status(mport, "/healthz") == 200
+            fs = client(worker.address)
+            assert wait_for(lambda: _reads(fs, "data/a.bin") == data, timeout=30)
+            pages = -(-len(data) // (64 << 10))  # the rendered page_size
+            assert wait_for(lambda: scrape(wport)["cachefs_worker_cache_pages"] == pages, timeout=15)
+            assert fs.cat_file("data/a.bin") == data  # now from the page store
+            m = scrape(wport)
+            assert m["cachefs_worker_cache_capacity_bytes"] == 256 << 20  # the rendered quota
+            assert m["cachefs_worker_bytes_from_store_total"] >= len(data)
+            assert scrape(mport)["cachefs_master_mounts"] == 1
+
+
+def _reads(fs, path: str) -> bytes | None:
+    try:
+        return fs.cat_file(path)
+    except OSError:
+        return None
+
+
+def _status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code

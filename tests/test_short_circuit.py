@@ -1,0 +1,168 @@
+"""Short-circuit reads: a client on the worker's host gets cached page files as descriptors over
+the worker's Unix socket; anything the socket cannot serve goes through gRPC, never fails."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+import grpc
+import pytest
+
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.localhost import host_id
+from cachefs.proto import shortcircuit_pb2, worker_pb2, worker_pb2_grpc
+from helpers import page_files, payload, wait_for
+
+PAGE = 64 << 10
+Reply = shortcircuit_pb2.ShortCircuitReply
+
+
+def _fs(worker, **kw) -> CacheFileSystem:
+    return CacheFileSystem(workers=worker.address, skip_instance_cache=True, **kw)
+
+
+def _status(worker) -> worker_pb2.WorkerStatus:
+    with grpc.insecure_channel(worker.address) as ch:
+        return worker_pb2_grpc.WorkerServiceStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+
+
+def _settled(worker, path: str, size: int) -> None:
+    """Pages are written behind the read that fetched them: wait until all are on disk."""
+    with grpc.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        assert wait_for(lambda: stub.GetCached(worker_pb2.GetCachedRequest(paths=[path]), timeout=10)
+                        .cached_bytes[0] == size)
+
+
+def _ask(path: str, request: shortcircuit_pb2.ShortCircuitRequest) -> tuple[Reply, list[int]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.send(request.SerializeToString())
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 200)
+    reply = Reply()
+    reply.ParseFromString(message)
+    return reply, fds
+
+
+def test_worker_advertises_its_socket_and_host(local_store, make_worker):
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    st = _status(worker)
+    assert st.host_id == host_id() and st.short_circuit_socket
+    mode = os.stat(st.short_circuit_socket).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o660
+    worker.stop(grace=1)
+    assert not os.path.exists(st.short_circuit_socket)
+
+
+def test_cached_reads_take_the_socket_and_return_the_same_bytes(store, make_worker):
+    data = payload(5 * PAGE + 777, 1)
+    store.add("obj", data)
+    worker = make_worker(store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    assert fs.cat_file("cachefs://data/obj") == data  # cold: through gRPC (fills the cache)
+    _settled(worker, "data/obj", len(data))
+    reads = fs._short_circuit.stats["reads"]
+    for start, end in [(0, None), (1, 2), (PAGE - 3, PAGE + 5), (PAGE, 3 * PAGE), (2 * PAGE + 9, None),
+                       (5 * PAGE, 5 * PAGE + 777), (0, 5 * PAGE + 777)]:
+        assert fs.cat_file("cachefs://data/obj", start, end) == data[start:end]
+    assert fs._short_circuit.stats["reads"] == reads + 7
+    totals = worker.metrics.totals()  # counted like any cached read
+    assert totals["bytes_from_cache"] >= sum(len(data[s:e]) for s, e in [(0, None), (1, 2)])
+    assert worker.metrics.short_circuit_bytes._value.get() > 0 and totals["hits"] >= 6
+
+
+def test_uncached_ranges_fall_back_to_grpc(local_store, make_worker):
+    data = payload(4 * PAGE, 2)
+    local_store.add("obj", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    fs.info("cachefs://data/obj")  # the worker is probed and known local: the read below asks the socket
+    fs._short_circuit._reader(fs._process_state().candidates("data/obj")[0])
+    assert fs.cat_file("cachefs://data/obj") == data  # nothing cached: NOT_CACHED, then gRPC
+    assert fs._short_circuit.stats == {"reads": 0, "bytes": 0, "fallbacks": 1}
+    _settled(worker, "data/obj", len(data))
+    assert fs.cat_file("cachefs://data/obj") == data
+    assert fs._short_circuit.stats == {"reads": 1, "bytes": len(data), "fallbacks": 1}
+
+
+def test_switched_off_by_option(local_store, make_worker):
+    local_store.add("obj", payload(PAGE, 3))
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker, short_circuit=False)
+    fs.cat_file("cachefs://data/obj")
+    assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
+    assert fs._short_circuit.stats["reads"] == 0
+
+
+def test_a_corrupt_page_is_never_served(local_store, make_worker, tmp_path):
+    data = payload(2 * PAGE, 4)
+    local_store.add("obj", data)
+    cache = tmp_path / "sc-cache"
+    worker = make_worker(local_store.mount, page_size=PAGE, cache_dir=cache)
+    fs = _fs(worker)
+    assert fs.cat_file("cachefs://data/obj") == data
+    _settled(worker, "data/obj", len(data))
+    assert fs.cat_file("cachefs://data/obj") == data and fs._short_circuit.stats["reads"] == 1
+    for f in page_files(cache):  # flip a byte in every page's payload
+        with open(f, "r+b") as fh:
+            fh.seek(100)
+            b = fh.read(1)
+            fh.seek(100)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    assert fs.cat_file("cachefs://data/obj") == data  # the checksum fails: gRPC, which refetches
+    assert fs._short_circuit.stats["fallbacks"] >= 1
+
+
+def test_the_socket_refuses_bad_requests_and_wrong_tokens(local_store, make_worker):
+    local_store.add("obj", payload(PAGE, 5))
+    worker = make_worker(local_store.mount, page_size=PAGE, access_token="s3cret")
+    path = worker.short_circuit.path
+    ok = _fs(worker, token="s3cret")
+    assert ok.cat_file("cachefs://data/obj") == local_store.objects["obj"]
+    with grpc.insecure_channel(worker.address) as ch:  # wait for the page to be written (with the token)
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        assert wait_for(lambda: stub.GetCached(worker_pb2.GetCachedRequest(paths=["data/obj"]), timeout=10,
+                                               metadata=[("x-cachefs-token", "s3cret")]).cached_bytes[0] == PAGE)
+    assert ok.cat_file("cachefs://data/obj") == local_store.objects["obj"]
+    assert ok._short_circuit.stats["reads"] == 1
+    reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(path="data/obj", length=-1, token="wrong"))
+    assert reply.code == Reply.REFUSED and "UNAUTHENTICATED" in reply.message and fds == []
+    for bad in [dict(path="data/../etc/passwd"), dict(path="data/a\x00b"), dict(path="data/obj", offset=-1),
+                dict(path="data/obj", length=-2)]:
+        reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(**{"token": "s3cret", "length": -1, **bad}))
+        assert reply.code == Reply.REFUSED and fds == [], bad
+    for unknown in ["nomount/x", "data/missing", "data/obj?"]:  # not known here: for gRPC to answer
+        reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(token="s3cret", length=-1, path=unknown))
+        assert reply.code == Reply.NOT_CACHED and fds == [], unknown
+    reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(path="data/obj", length=-1, token="s3cret"))
+    try:
+        assert reply.code == Reply.OK and len(fds) == 1
+        assert os.pread(fds[0], PAGE, 0) == local_store.objects["obj"]
+        with pytest.raises(OSError):
+            os.write(fds[0], b"x")  # read-only
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:  # garbage: refused, connection kept
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.send(b"\xff\x00garbage")
+        reply = Reply()
+        reply.ParseFromString(sock.recv(1 << 16))
+        assert reply.code == Reply.REFUSED
+
+
+def test_a_restarted_worker_is_probed_again(local_store, make_worker, tmp_path):
+    local_store.add("obj", payload(PAGE, 6))
+    cache = tmp_path / "restart-cache"
+    worker = make_worker(local_store.mount, page_size=PAGE, cache_dir=cache)
+    fs = _fs(worker)
+    fs.cat_file("cachefs://data/obj")
+    _settled(worker, "data/obj", PAGE)
+    assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
+    assert fs._short_circuit.stats["reads"] == 1
+    worker.short_circuit.stop()  # the socket goes away; gRPC still answers
+    assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
