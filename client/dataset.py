@@ -244,8 +244,15 @@ class CacheDataset(ConsumptionTracking, Dataset):
         return int(self.sizes[self.plan.sample(position)])
 
     def _read_raw(self, sample: int) -> torch.Tensor:
+        """Read straight into an aligned tensor of the listed size; from a worker on this host
+        that is no copy through Python at all."""
         fs = self._process()[0]
-        return to_tensor(fs.cat_file(self.paths[sample]))
+        size = int(self.sizes[sample])
+        out = torch.empty(size, dtype=torch.uint8)
+        n, actual = fs.read_into(self.paths[sample], out.numpy())
+        if n != size or actual != size:  # changed since it was listed: take it whole, as it is now
+            return to_tensor(fs.cat_file(self.paths[sample]))
+        return out
 
     def _error(self, sample: int, position: int | None, exc: BaseException) -> SampleReadError:
         where = "" if position is None else f" (position {position} of rank {self.rank}, epoch {self.plan.epoch})"

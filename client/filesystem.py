@@ -362,12 +362,35 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         length = -1 if end is None else max(0, end - offset)
         return self.read_range(cp, offset, length, version)
 
+    def read_into(self, path: str, out: Any, offset: int = 0) -> tuple[int, int]:
+        """Fill ``out`` (a writable buffer: numpy array, torch tensor's ``.numpy()``, bytearray)
+        with the object's bytes from ``offset``; returns (bytes read, fewer at the object's end;
+        the object's size).
+
+        From a worker on this host the page files are read straight into ``out``; otherwise the
+        bytes come through gRPC and are copied in once.
+        """
+        view = memoryview(out).cast("B")
+        cp = parse_path(self._strip_protocol(path))
+        stripe = self.config.stripe_size
+        if self.config.short_circuit and len(view) and offset // stripe == (offset + len(view) - 1) // stripe:
+            got = self._short_circuit.read(str(cp), offset, len(view), "", view)
+            if got is not None:
+                return len(got[0]), got[1]
+        data, size = self._read_range(cp, offset, len(view))
+        view[:len(data)] = data
+        return len(data), size
+
     def read_range(self, cp: CachePath, offset: int, length: int, version: str = "") -> bytes:
         """Bytes [offset, offset+length) (length -1: to the end) of the given version, if any.
 
         A range is read stripe by stripe, each from the workers the ring places that stripe
         on; every stripe after the first is pinned to the version the first one saw.
         """
+        return self._read_range(cp, offset, length, version)[0]
+
+    def _read_range(self, cp: CachePath, offset: int, length: int, version: str = "") -> tuple[bytes, int]:
+        """``read_range``, and the object's size."""
         stripe = self.config.stripe_size
         end = None if length < 0 else offset + length
         parts: list[bytes] = []
@@ -381,7 +404,7 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
             end = size if end is None else min(end, size)
             if len(data) < want or pos >= end:
                 break
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return (parts[0] if len(parts) == 1 else b"".join(parts)), size
 
     def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
         """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version."""

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from cachefs.client.dataset import ConsumptionTracking, SampleReadError, _default_rank_world, to_tensor
+from cachefs.client.dataset import ConsumptionTracking, SampleReadError, _default_rank_world
 from cachefs.client.filesystem import CacheFileSystem
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
@@ -174,16 +174,17 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         # boundaries, so every view is 64-byte aligned too): one copy per run, not per field.
         buffers: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for shard, start, end in runs:
+            run = torch.empty(end - start, dtype=torch.uint8)
             try:
-                data = fs.cat_file(self.shards[shard].path, start, end)
+                got, _ = fs.read_into(self.shards[shard].path, run.numpy(), offset=start)
             except Exception as exc:
                 raise SampleReadError(f"cannot read bytes {start}-{end} of shard {self.shards[shard].path!r} "
                                       f"(block {j} of rank {self.rank}, epoch {self.plan.epoch}): "
                                       f"{type(exc).__name__}: {exc}") from exc
-            if len(data) != end - start:
+            if got != end - start:
                 raise SampleReadError(f"shard {self.shards[shard].path!r} is shorter than its index says: "
-                                      f"{len(data)} of {end - start} bytes at {start}")
-            buffers.setdefault(shard, []).append((start, to_tensor(data)))
+                                      f"{got} of {end - start} bytes at {start}")
+            buffers.setdefault(shard, []).append((start, run))
         out = []
         for sample, (shard, i) in zip(ids, where):
             span = self.shards[shard].samples[i]

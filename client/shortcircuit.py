@@ -59,8 +59,13 @@ class ShortCircuitReader:
                 return
         sock.close()
 
-    def read(self, path: str, offset: int, length: int, version: str) -> tuple[bytes, int, str] | None:
-        """(data, object size, version) of the range, or None: read it through gRPC instead."""
+    def read(self, path: str, offset: int, length: int, version: str,
+             out: memoryview | None = None) -> tuple[Any, int, str] | None:
+        """(data, object size, version) of the range, or None: read it through gRPC instead.
+
+        With ``out`` (at least as long as what the range holds), the pages are read straight
+        into it (no copy through Python) and the filled part of ``out`` is returned as the data.
+        """
         request = shortcircuit_pb2.ShortCircuitRequest(path=path, offset=offset, length=length, version=version,
                                                        token=self.token)
         sock = self._take()
@@ -81,17 +86,21 @@ class ShortCircuitReader:
             reply.ParseFromString(message)
             if reply.code != Reply.OK or len(fds) != len(reply.page_offsets):
                 return None
-            return self._assemble(reply, fds, offset, length)
+            return self._assemble(reply, fds, offset, length, out)
         finally:
             for fd in fds:
                 os.close(fd)
 
     @staticmethod
-    def _assemble(reply: Any, fds: list[int], offset: int, length: int) -> tuple[bytes, int, str] | None:
+    def _assemble(reply: Any, fds: list[int], offset: int, length: int,
+                  into: memoryview | None) -> tuple[Any, int, str] | None:
         size = reply.info.size
         end = size if length < 0 else min(size, offset + length)
-        out = bytearray(max(0, end - offset))
-        view = memoryview(out)
+        want = max(0, end - offset)
+        if into is not None and len(into) < want:
+            return None
+        out = into[:want] if into is not None else bytearray(want)
+        view = memoryview(out).cast("B")
         for fd, page_start, page_len in zip(fds, reply.page_offsets, reply.page_lengths):
             lo, hi = max(offset, page_start), min(end, page_start + page_len)
             if hi <= lo:
@@ -102,7 +111,7 @@ class ShortCircuitReader:
                 return None
             if not whole:
                 view[lo - offset:hi - offset] = target[lo - page_start:hi - page_start]
-        return bytes(out), size, reply.info.version
+        return (out if into is not None else bytes(out)), size, reply.info.version
 
     def close(self) -> None:
         with self._lock:
@@ -155,7 +164,8 @@ class ShortCircuit:
             self._readers[handle.address] = (reader, time.monotonic())
         return reader
 
-    def read(self, path: str, offset: int, length: int, version: str) -> tuple[bytes, int, str] | None:
+    def read(self, path: str, offset: int, length: int, version: str,
+             out: memoryview | None = None) -> tuple[Any, int, str] | None:
         candidates = self.fs._process_state().candidates(path, offset, include_broken=False)
         if not candidates:
             return None
@@ -163,7 +173,7 @@ class ShortCircuit:
         if reader is None:
             return None
         try:
-            got = reader.read(path, offset, length, version)
+            got = reader.read(path, offset, length, version, out)
         except OSError as exc:  # the worker restarted or went away: next time, probe again
             log.debug("short-circuit read from %s failed: %s", candidates[0].address, exc)
             with self._lock:

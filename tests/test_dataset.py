@@ -348,3 +348,14 @@ def test_hints_cache_the_samples_after_the_prefetch_window(served):
     assert wait_for(lambda: all(cached(hinted)))
     assert not any(cached(range(33, 80)))  # nothing past the hint window
     assert ds.hinter.stats["paths"] == 30 and ds.hinter.stats["failed"] == 0
+
+
+def test_an_object_that_changed_size_since_listing_is_read_whole(local_store, make_worker):
+    for i in range(3):
+        local_store.add(f"train/{i:05d}.bin", _sample(i, 1000))
+    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=0.0, list_ttl=0.0)
+    store, opts = local_store, {"workers": worker.address}
+    ds = _dataset(opts, shuffle=False, rank=0, world_size=1)
+    store.add("train/00001.bin", b"s00001|grown" * 1000)
+    got = ds.read(1)
+    assert bytes(got.numpy()) == b"s00001|grown" * 1000

@@ -166,3 +166,22 @@ def test_a_restarted_worker_is_probed_again(local_store, make_worker, tmp_path):
     assert fs._short_circuit.stats["reads"] == 1
     worker.short_circuit.stop()  # the socket goes away; gRPC still answers
     assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
+
+
+@pytest.mark.parametrize("short_circuit", [True, False])
+def test_read_into_fills_the_callers_buffer(local_store, make_worker, short_circuit):
+    import numpy as np
+
+    data = payload(3 * PAGE + 5, 7)
+    local_store.add("obj", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker, short_circuit=short_circuit)
+    fs.cat_file("cachefs://data/obj")
+    _settled(worker, "data/obj", len(data))
+    buf = np.zeros(2 * PAGE, dtype=np.uint8)
+    assert fs.read_into("cachefs://data/obj", buf, offset=PAGE - 7) == (2 * PAGE, len(data))
+    assert buf.tobytes() == data[PAGE - 7:3 * PAGE - 7]
+    tail = np.zeros(100, dtype=np.uint8)
+    assert fs.read_into("cachefs://data/obj", tail, offset=3 * PAGE) == (5, len(data))  # short at the end
+    assert tail[:5].tobytes() == data[3 * PAGE:]
+    assert fs._short_circuit.stats["reads"] == (2 if short_circuit else 0)
