@@ -127,6 +127,9 @@ class WorkerConfig:
     page_size: int = 1 << 20
     mounts: tuple[MountSpec, ...] = ()
     metadata_ttl: float = 30.0  # seconds an object's size/version is trusted
+    # Past metadata_ttl, for this many seconds more, a read still uses the last size/version
+    # (serving cached pages at once) while the worker revalidates it in the background.
+    metadata_stale_grace: float = 600.0
     list_ttl: float = 30.0  # seconds a directory listing is trusted
     fetch_threads: int = 16  # concurrent page fetches from the object store
     write_threads: int = 4  # background writes into the page store
@@ -159,7 +162,7 @@ class WorkerConfig:
         if not 4096 <= self.page_size <= 64 << 20 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [4 KiB, 64 MiB], got {self.page_size}")
         _check_unique_mounts(self.mounts)
-        for name in ("metadata_ttl", "list_ttl", "store_timeout", "shutdown_grace"):
+        for name in ("metadata_ttl", "metadata_stale_grace", "list_ttl", "store_timeout", "shutdown_grace"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("fetch_threads", "write_threads", "rpc_threads", "parallel_pages", "fetch_group_pages"):

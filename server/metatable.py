@@ -77,8 +77,10 @@ def _encode(text: str) -> bytes:
 class MetadataTable:
     """``CachePath -> ObjectMeta`` with a TTL and a bound, about 130 bytes per entry."""
 
-    def __init__(self, ttl: float, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl: float, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic,
+                 grace: float = 0.0):
         self.ttl = ttl
+        self.grace = grace  # an expired entry is kept this long more, for get_stale()
         self._max = max_entries
         self._clock = clock
         self._lock = threading.Lock()
@@ -140,6 +142,12 @@ class MetadataTable:
             i = (i + 1) & mask
 
     def get(self, path: CachePath) -> ObjectMeta | None:
+        """The entry while it is fresh (younger than the TTL)."""
+        found = self.get_stale(path)
+        return found[0] if found is not None and found[1] else None
+
+    def get_stale(self, path: CachePath) -> tuple[ObjectMeta, bool] | None:
+        """The entry and whether it is still fresh, up to ``grace`` seconds past its TTL."""
         mid = self._mount_ids.get(path.mount)
         if mid is None:
             return None
@@ -150,9 +158,11 @@ class MetadataTable:
             if rec is None:
                 return None
             _, o, klen, flags, vlen, size, mtime, expiry, _ = rec
-            if expiry <= self._clock():
+            now = self._clock()
+            if expiry + self.grace <= now:
                 self._free_row(slot, r)
                 return None
+            fresh = expiry > now
             if flags & _ETAG:
                 o += klen
                 version = self._arena[o:o + 16].hex()
@@ -161,7 +171,7 @@ class MetadataTable:
             else:
                 o += klen
                 version = self._arena[o:o + vlen].decode("utf-8", "surrogatepass")
-        return ObjectMeta(path, size, version, mtime, bool(flags & _DIR))
+        return ObjectMeta(path, size, version, mtime, bool(flags & _DIR)), fresh
 
     # -- updates -------------------------------------------------------------------------------
 

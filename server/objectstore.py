@@ -9,13 +9,13 @@ How the version is checked depends on the store (see the backends below).
 from __future__ import annotations
 
 import errno
-import errno
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -253,12 +253,17 @@ class ObjectStore:
     """Metadata, listings and versioned ranged reads over every mount."""
 
     def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0,
-                 max_objects: int = 1_000_000, breaker: StoreBreaker | None = None):
+                 max_objects: int = 1_000_000, breaker: StoreBreaker | None = None, stale_grace: float = 0.0):
         self.mounts = mounts
         # Per mount: after a few connection failures in a row, fail at once (see storehealth.py).
         self.breaker = breaker or StoreBreaker()
         from cachefs.server.metatable import MetadataTable  # here: metatable imports ObjectMeta from this module
-        self._meta = MetadataTable(metadata_ttl, max_entries=max_objects)
+        self._meta = MetadataTable(metadata_ttl, max_entries=max_objects, grace=stale_grace)
+        # Stale-while-revalidate: past its TTL (within the grace) an entry is still used, and
+        # refreshed here in the background, one refresh per object at a time.
+        self._refreshing: set[CachePath] = set()
+        self._refresh_lock = threading.Lock()
+        self._refresher: ThreadPoolExecutor | None = None
         self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
         self._backends: dict[int, _Backend] = {}
 
@@ -282,15 +287,38 @@ class ObjectStore:
             backend = self._backends.setdefault(id(resolved.fs), _backend_for(resolved.fs))
         return backend
 
+    def _revalidate(self, path: CachePath) -> None:
+        """Refresh an expired entry in the background (the caller goes on with the old one)."""
+        with self._refresh_lock:
+            if path in self._refreshing:
+                return
+            self._refreshing.add(path)
+            if self._refresher is None:
+                self._refresher = ThreadPoolExecutor(2, thread_name_prefix="cachefs-revalidate")
+            refresher = self._refresher
+
+        def run() -> None:
+            try:
+                self.info(path, refresh=True)
+            except Exception as exc:  # noqa: BLE001 - gone, store down...: the next read finds out
+                log.debug("revalidating %s failed: %s", path, exc)
+            finally:
+                with self._refresh_lock:
+                    self._refreshing.discard(path)
+
+        refresher.submit(run)
+
     def cached_info(self, path: CachePath) -> ObjectMeta | None:
         """What is known of ``path`` without asking the store (None: not known, or expired)."""
         return self._meta.get(path)
 
     def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
         if not refresh:
-            cached = self._meta.get(path)
-            if cached is not None:
-                return cached
+            found = self._meta.get_stale(path)
+            if found is not None:
+                if not found[1]:
+                    self._revalidate(path)
+                return found[0]
         resolved = self.mounts.resolve(path)
         try:
             with self._call(path, "info"):

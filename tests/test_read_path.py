@@ -98,7 +98,7 @@ def test_second_read_is_served_from_cache_with_the_store_gone(store, make_worker
 def test_changed_object_is_served_anew_once_metadata_expires(store, make_worker):
     old, new = payload(2 * PAGE + 3, 1), payload(PAGE + 9, 2)
     store.add("obj.bin", old)
-    worker = make_worker(store.mount, page_size=PAGE, metadata_ttl=0.5)
+    worker = make_worker(store.mount, page_size=PAGE, metadata_ttl=0.5, metadata_stale_grace=0)
     fs = client(worker.address)
     assert fs.cat_file("data/obj.bin") == old
     v1 = fs.info("data/obj.bin")["version"]
@@ -107,6 +107,34 @@ def test_changed_object_is_served_anew_once_metadata_expires(store, make_worker)
     time.sleep(0.6)
     assert fs.cat_file("data/obj.bin") == new
     assert fs.info("data/obj.bin")["version"] != v1
+
+
+def test_expired_metadata_is_used_while_it_is_revalidated(store, make_worker):
+    """Stale-while-revalidate: past the TTL a read is served at once from the last version (no
+    store round trip on the read path), and the change is seen as soon as the refresh is in."""
+    old, new = payload(2 * PAGE + 3, 5), payload(PAGE + 9, 6)
+    store.add("obj.bin", old)
+    worker = make_worker(store.mount, page_size=PAGE, metadata_ttl=0.3, metadata_stale_grace=60)
+    fs = client(worker.address)
+    assert fs.cat_file("data/obj.bin") == old
+    time.sleep(0.05)
+    store.add("obj.bin", new)
+    time.sleep(0.4)
+    got = fs.cat_file("data/obj.bin")
+    assert got in (old, new)  # the old one, unless the refresh already landed: never a mix
+    assert wait_for(lambda: fs.cat_file("data/obj.bin") == new, timeout=10)
+    store.delete("obj.bin")
+    time.sleep(0.4)
+    fs.cat_file("data/obj.bin")  # served from the last version; the refresh finds it gone
+    assert wait_for(lambda: _gone(fs, "data/obj.bin"), timeout=10)
+
+
+def _gone(fs, path: str) -> bool:
+    try:
+        fs.cat_file(path)
+    except FileNotFoundError:
+        return True
+    return False
 
 
 def test_open_file_never_mixes_versions(store, make_worker):

@@ -175,7 +175,8 @@ def test_get_cached_reports_full_partial_none_and_zero_after_a_change(store, mak
     store.add("full.bin", full)
     store.add("part.bin", part)
     store.add("cold.bin", payload(PAGE, 22))
-    worker = make_worker(store.mount, page_size=PAGE, metadata_ttl=0.5, readahead_pages=0)
+    worker = make_worker(store.mount, page_size=PAGE, metadata_ttl=0.5, metadata_stale_grace=0,
+                         readahead_pages=0)
     assert _load(worker, "data/full.bin").objects_loaded == 1
     assert client(worker.address).cat_file("data/part.bin", PAGE, 2 * PAGE) == part[PAGE:2 * PAGE]
     assert wait_for(lambda: _cached(worker, "data/part.bin") == [PAGE])

@@ -72,7 +72,8 @@ class Worker:
         self._had_mounts = False  # readiness: the master's mounts arrived once (kept while it is away)
         self.metrics = WorkerMetrics()
         self.mounts = MountTable(config.mounts)
-        self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl)
+        self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl,
+                                   stale_grace=config.metadata_stale_grace)
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size)
         self.metrics.watch_page_store(self.pages.stats)
         self.reader = PageReader(
