@@ -248,7 +248,8 @@ class Bench:
             out["s3torchconnector"] = (connector, nothing)
         from cachefs.client.dataset import CacheDataset
         from cachefs.client.iterable import CacheIterableDataset
-        self.map_ds = CacheDataset.from_prefix(f"cachefs://{MOUNT}/objs", storage_options=so, rank=0, world_size=1)
+        self.map_ds = CacheDataset.from_prefix(f"cachefs://{MOUNT}/objs", storage_options=so, rank=0, world_size=1,
+                                               hint_samples=args.hint_samples)
         self.tar_ds = CacheIterableDataset.from_prefix(f"cachefs://{MOUNT}/tars", storage_options=so, batch_size=b,
                                                        rank=0, world_size=1, transform=tar_sample)
         out["cachefs-map"] = (lambda w: DataLoader(self.map_ds, sampler=self.map_ds.sampler(), **kw(w)),
@@ -350,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loaders", default="local,s3fs,streaming,s3torchconnector,cachefs-map,cachefs-tar")
     p.add_argument("--stall", default="cachefs-map,cachefs-tar,local",
                    help="loaders to measure the data-stall share for")
+    p.add_argument("--hint-samples", type=int, default=256, help="CacheDataset's hint_samples (0: no hints)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
     args.samples = args.samples or (400 if args.quick else 2000)

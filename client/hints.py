@@ -87,7 +87,8 @@ class Hinter:
                     self._in_flight += 1
                     self._sent.update(chunk)
                 try:
-                    future = handle.stub().Load.future(worker_pb2.LoadRequest(paths=chunk), timeout=self.timeout)
+                    future = handle.stub().Load.future(worker_pb2.LoadRequest(paths=chunk, hint=True),
+                                                          timeout=self.timeout)
                 except Exception:  # a channel that cannot even start a call: only a hint
                     self._done(None)
                     continue

@@ -101,6 +101,7 @@ class WriteStream:
             self._sent += len(piece)
 
     def finish(self) -> dict[str, Any]:
+        self._put(worker_pb2.WriteChunk(commit=True))  # only this publishes the object
         self._put(_END)
         try:
             return info_dict(self._future.result(timeout=self._timeout + self._sent / self._min_throughput))
@@ -159,11 +160,15 @@ class CacheWriteFile(AbstractBufferedFile):
 
     def _upload_chunk(self, final: bool = False) -> bool:
         assert self.sink is not None
-        data = self.buffer.getvalue()
-        if data:
-            self.sink.send(data)
-        if final:
-            self.written_info = self.sink.finish()
+        try:
+            data = self.buffer.getvalue()
+            if data:
+                self.sink.send(data)
+            if final:
+                self.written_info = self.sink.finish()
+        except BaseException:
+            self.discard()  # a failed write is over: closing it later must not try again
+            raise
         return True
 
     def discard(self) -> None:

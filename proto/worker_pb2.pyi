@@ -106,10 +106,12 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ..., degraded: _Optional[bool] = ..., disk_errors: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., stores_unavailable: _Optional[_Iterable[str]] = ..., short_circuit_socket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("paths",)
+    __slots__ = ("paths", "hint")
     PATHS_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    hint: bool
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., hint: _Optional[bool] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("objects_loaded", "bytes_loaded", "bytes_skipped", "failed")
@@ -148,14 +150,16 @@ class GetCachedResponse(_message.Message):
     def __init__(self, cached_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WriteChunk(_message.Message):
-    __slots__ = ("path", "data", "size_hint")
+    __slots__ = ("path", "data", "size_hint", "commit")
     PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SIZE_HINT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     path: str
     data: bytes
     size_hint: int
-    def __init__(self, path: _Optional[str] = ..., data: _Optional[bytes] = ..., size_hint: _Optional[int] = ...) -> None: ...
+    commit: bool
+    def __init__(self, path: _Optional[str] = ..., data: _Optional[bytes] = ..., size_hint: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
     __slots__ = ("path", "recursive")

@@ -234,3 +234,23 @@ def test_a_load_past_its_deadline_answers_with_what_is_unfinished(make_worker, m
     assert time.monotonic() - t0 < 2.0
     assert result.objects_loaded == 1
     assert list(result.failed) == ["mem/slow.bin: not loaded within the deadline"]
+
+
+def test_a_hint_fetches_an_unknown_small_object_with_one_get(store, make_worker, monkeypatch):
+    """A client's hint (LoadRequest.hint) for an object the worker knows nothing of: one GET
+    brings its metadata and its only page; no separate metadata request (HEAD) is made."""
+    data = payload(PAGE // 2, 40)
+    store.add("small.bin", data)
+    worker = make_worker(store.mount, page_size=PAGE)
+    calls = []
+    original = type(worker.objects).info
+
+    def counting_info(self, path, refresh=False):
+        calls.append(str(path))
+        return original(self, path, refresh)
+
+    monkeypatch.setattr(type(worker.objects), "info", counting_info)
+    reply = _stub(worker).Load(worker_pb2.LoadRequest(paths=["data/small.bin"], hint=True), timeout=TIMEOUT)
+    assert (reply.objects_loaded, reply.bytes_loaded, reply.bytes_skipped) == (1, len(data), 0)
+    assert calls == [] and _from_store(worker) == len(data)
+    assert wait_for(lambda: _cached(worker, "data/small.bin") == [len(data)])

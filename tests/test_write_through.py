@@ -7,6 +7,7 @@ it is about one store only.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -82,17 +83,18 @@ def test_failed_write_publishes_nothing(store, make_worker, moto_server):
             raise RuntimeError("producer failed")
     with pytest.raises(RuntimeError):
         with fs.open("cachefs://data/new.bin", "wb", block_size=1 << 20) as f:
-            f.write(payload(3 << 20, seed=6))
+            f.write(payload(20 << 20, seed=6))  # on S3, a multipart upload is under way
             raise RuntimeError("producer failed")
     assert fs.cat_file("cachefs://data/keep.bin") == b"old contents"
     assert not fs.exists("cachefs://data/new.bin")
     assert _store_bytes(store, "keep.bin") == b"old contents" and not _store_has(store, "new.bin")
     if store.kind == "s3":  # the aborted multipart upload leaves nothing behind
         bucket = store.mount.url.split("/")[2]
-        assert not moto_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+        # The worker aborts after the client has gone: give it a moment.
+        assert wait_for(lambda: not moto_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads"))
     else:
         root = store.mount.url
-        assert [p.name for p in __import__("pathlib").Path(root).iterdir()] == ["keep.bin"]
+        assert [p.name for p in Path(root).iterdir()] == ["keep.bin"]  # no partial file left
 
 
 def test_rm_mkdir_copy_mv(store, make_worker):
@@ -242,3 +244,48 @@ def test_parent_directory_metadata_follows_writes(store, make_worker):
     fs.rm_file("cachefs://data/p/q/f")
     # On S3 a prefix with no objects is gone; a local directory stays until removed.
     assert fs.exists("cachefs://data/p/q") == (store.kind == "local")
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_write_fails_the_write_and_keeps_the_old_object(local_store, tmp_path):
+    """kill -9 of the worker process while a checkpoint streams into it: the writer gets an
+    OSError (no hang), and readers still see the old object whole."""
+    import signal
+
+    from cachefs.local import worker_process
+
+    local_store.add("ckpt.bin", b"previous checkpoint")
+    worker = worker_process({"data": local_store.mount.url}, str(tmp_path / "cache"))
+    with worker:
+        fs = client(worker.address, timeout=5)
+        f = fs.open("cachefs://data/ckpt.bin", "wb", block_size=1 << 20)
+        f.write(payload(8 << 20, seed=13))  # streaming by now
+        worker.proc.send_signal(signal.SIGKILL)
+        worker.proc.wait(timeout=10)
+        with pytest.raises(OSError):
+            f.write(payload(8 << 20, seed=14))
+            f.close()
+    assert _store_bytes(local_store, "ckpt.bin") == b"previous checkpoint"
+
+
+def test_write_stream_must_name_its_path_first(local_store, make_worker):
+    import grpc
+
+    from cachefs.proto import worker_pb2, worker_pb2_grpc
+
+    worker = make_worker(local_store.mount)
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Write(iter([worker_pb2.WriteChunk(data=b"no path")]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:  # the worker checks paths again
+            stub.Write(iter([worker_pb2.WriteChunk(path="data/../etc/passwd", data=b"x")]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError):  # no commit message: a cancelled stream, nothing published
+            stub.Write(iter([worker_pb2.WriteChunk(path="data/raw.bin", data=b"partial")]), timeout=10)
+        assert not _store_has(local_store, "raw.bin")
+        info = stub.Write(iter([worker_pb2.WriteChunk(path="data/raw.bin"), worker_pb2.WriteChunk(data=b"ab"),
+                                worker_pb2.WriteChunk(data=b"cd", commit=True)]), timeout=10)
+        assert info.size == 4 and info.path == "data/raw.bin"
+    assert _store_bytes(local_store, "raw.bin") == b"abcd"

@@ -93,11 +93,17 @@ class Loader:
         self._queue: deque[_Object] = deque()
         self._claims: deque[_Claim] = deque()
         self._claimed_bytes = 0
+        self._heads: dict[CachePath, int] = {}
 
     # -- entry point ----------------------------------------------------------------------
-    def run(self, metas: list[ObjectMeta]) -> LoadResult:
-        """Load every object; each one ends loaded or in ``failed``, never both."""
+    def run(self, metas: list[ObjectMeta], heads: dict[CachePath, int] | None = None) -> LoadResult:
+        """Load every object; each one ends loaded or in ``failed``, never both.
+
+        ``heads``: bytes of first pages already fetched for this load (resolve_for_load), which
+        the claims below find in flight: fetched by this load, not skipped.
+        """
         objects = [_Object(meta, (meta.size - 1) // self.page_size) for meta in metas]
+        self._heads = heads or {}
         self._queue.extend(self._within_capacity(objects))
         try:
             while self._queue or self._claims:
@@ -114,8 +120,9 @@ class Loader:
     def _result(self, objects: list[_Object]) -> LoadResult:
         result = LoadResult()
         for obj in objects:
-            result.bytes_loaded += obj.fetched
-            result.bytes_skipped += obj.skipped
+            head = min(self._heads.get(obj.meta.path, 0), obj.skipped)
+            result.bytes_loaded += obj.fetched + head
+            result.bytes_skipped += obj.skipped - head
             if obj.done and not self._complete(obj):
                 obj.error = "evicted again before the load ended (cache quota smaller than the load)"
             if obj.done and not obj.error:
@@ -249,12 +256,24 @@ class Loader:
         return remaining
 
 
-def resolve_for_load(objects: ObjectStore, path: CachePath) -> ObjectMeta:
-    """The metadata a load works from: the version reads see (the metadata cache's)."""
-    meta = objects.info(path)
+def resolve_for_load(objects: ObjectStore, path: CachePath,
+                     reader: PageReader | None = None) -> tuple[ObjectMeta, int]:
+    """The metadata a load works from (the version reads see), and bytes fetched doing so.
+
+    For an object nothing is known of, one GET brings the metadata and the first page (as a
+    cold read does), not a HEAD and then a GET: a small object costs the store one request.
+    """
+    fetched = 0
+    if reader is not None and objects.cached_info(path) is None \
+            and not reader.pages.holds_object(path.mount, path.key):
+        meta, head = objects.open(path, reader.page_size)
+        if head is not None and not meta.is_dir and reader.adopt(meta, head):
+            fetched = len(head)
+    else:
+        meta = objects.info(path)
     if meta.is_dir:
         raise IsADirectoryError("is a directory")
-    return meta
+    return meta, fetched
 
 
 def reason(path: str, exc: BaseException) -> str:

@@ -223,19 +223,21 @@ class PageReader:
                                           timeout=max(0.0, deadline - time.monotonic()))
 
     # -- a range ------------------------------------------------------------------------------
-    def adopt(self, meta: ObjectMeta, data: bytes) -> None:
-        """Take the first page of an object that arrived with its metadata (see ObjectStore.open)."""
+    def adopt(self, meta: ObjectMeta, data: bytes) -> bool:
+        """Take the first page of an object that arrived with its metadata (see ObjectStore.open);
+        False if it was not taken (not a whole page, or that page already in flight)."""
         if not data or len(data) != self._page_bounds(meta, 0)[1]:
-            return
+            return False
         pid = self._page_id(meta, 0)
         fut: Future[bytes] = Future()
         fut.set_result(data)
         with self._lock:
             if self._closed or pid in self._inflight:
-                return
+                return False
             self._inflight[pid] = fut
         self.metrics.bytes_from_store.inc(len(data))
         self._queue_write(pid, data)
+        return True
 
     def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None) -> Iterator[bytes | memoryview]:
         """Yield the bytes of [offset, offset+length) in order, at most one page per chunk.

@@ -163,14 +163,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         deadline = self._load_deadline(context)
         metas: dict[CachePath, ObjectMeta] = {}
         failed: list[str] = []
+        heads: dict[CachePath, int] = {}  # first pages that came with their metadata
         for raw in request.paths:
             try:
                 path = parse_path(raw)
                 if path not in metas:
-                    metas[path] = resolve_for_load(self.objects, path)
+                    metas[path], heads[path] = resolve_for_load(self.objects, path,
+                                                                self.reader if request.hint else None)
             except OSError as exc:  # a bad path, unknown mount, missing object, directory, store error
                 failed.append(failure(raw, exc))
-        result = Loader(self.reader, self.pages, self.metrics, deadline).run(list(metas.values()))
+        result = Loader(self.reader, self.pages, self.metrics, deadline).run(list(metas.values()), heads)
         return worker_pb2.LoadResponse(
             objects_loaded=result.objects_loaded, bytes_loaded=result.bytes_loaded,
             bytes_skipped=result.bytes_skipped, failed=failed + result.failed,

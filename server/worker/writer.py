@@ -89,23 +89,35 @@ class WriteHandler:
         self.queue_bytes = queue_bytes
 
     def write(self, requests: Iterator[worker_pb2.WriteChunk]) -> ObjectMeta:
-        first = next(requests, None)
+        """Publish the streamed object only if the stream ends with a ``commit`` message."""
+        try:
+            first = next(requests, None)
+        except grpc.RpcError as exc:
+            raise ConnectionAbortedError(errno.ECONNABORTED, "write cancelled by the client") from exc
         if first is None or not first.path:
             raise InvalidPathError("a write stream must start with a message naming the path")
         path = parse_path(first.path)
         uploader = _Uploader(self.objects, path, self.queue_bytes, self.stall_timeout)
-        ok = False
+        committed = first.commit
         try:
             if first.data:
                 uploader.put(first.data)
             for msg in requests:
+                if committed:
+                    raise InvalidPathError(f"write of {path}: a message after the commit")
                 if msg.data:
                     uploader.put(msg.data)
-            ok = True
+                committed = msg.commit
         except grpc.RpcError as exc:  # the client cancelled or went away: nothing is published
+            committed = False
             raise ConnectionAbortedError(errno.ECONNABORTED, f"write of {path} cancelled by the client") from exc
+        except BaseException:
+            committed = False
+            raise
         finally:
-            uploader.finish(ok)
+            uploader.finish(committed)
+        if not committed:
+            raise ConnectionAbortedError(errno.ECONNABORTED, f"write of {path} ended without a commit: discarded")
         return self.after_write(path)
 
     def after_write(self, path: CachePath) -> ObjectMeta:
