@@ -43,6 +43,20 @@ def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     return np.random.Generator(np.random.PCG64([int(seed), int(epoch)])).permutation(n).astype(np.int64)
 
 
+def _check_deal(rank: int, world_size: int, offset: int, n_samples: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if not 0 <= offset <= n_samples:
+        raise ValueError(f"offset {offset} is outside 0..{n_samples}")
+
+
+def _to_rank_multiple(rest: np.ndarray, world_size: int, drop_last: bool) -> np.ndarray:
+    """``rest`` padded by repeating it from its start (several times if need be), or truncated
+    with ``drop_last``, to a multiple of ``world_size``: every rank gets the same count."""
+    total = (len(rest) // world_size if drop_last else -(-len(rest) // world_size)) * world_size
+    return np.resize(rest, total) if total > len(rest) else rest[:total]
+
+
 @dataclass(frozen=True)
 class EpochPlan:
     n_samples: int
@@ -57,23 +71,13 @@ class EpochPlan:
     def __post_init__(self) -> None:
         if self.n_samples < 0:
             raise ValueError(f"n_samples must be >= 0, got {self.n_samples}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
-        if not 0 <= self.offset <= self.n_samples:
-            raise ValueError(f"offset {self.offset} is outside 0..{self.n_samples}")
+        _check_deal(self.rank, self.world_size, self.offset, self.n_samples)
         object.__setattr__(self, "_order", self._make_order())
 
     def _make_order(self) -> np.ndarray:
-        rest = _permutation(self.n_samples, self.seed, self.epoch, self.shuffle)[self.offset:]
-        ws = self.world_size
-        if self.drop_last:
-            per_rank = len(rest) // ws
-        else:
-            per_rank = -(-len(rest) // ws)
-        total = per_rank * ws
-        if total > len(rest):  # pad by repeating from the start (several times if need be)
-            rest = np.resize(rest, total)
-        return np.ascontiguousarray(rest[self.rank:total:ws])
+        rest = _to_rank_multiple(_permutation(self.n_samples, self.seed, self.epoch, self.shuffle)[self.offset:],
+                                 self.world_size, self.drop_last)
+        return np.ascontiguousarray(rest[self.rank::self.world_size])
 
     # -- this rank's order ------------------------------------------------------------------------
     @property
@@ -177,10 +181,7 @@ class BlockPlan:
             raise ValueError("shard sample counts must be >= 0")
         if self.block < 1:
             raise ValueError(f"block must be >= 1, got {self.block}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
-        if not 0 <= self.offset <= self.n_samples:
-            raise ValueError(f"offset {self.offset} is outside 0..{self.n_samples}")
+        _check_deal(self.rank, self.world_size, self.offset, self.n_samples)
         object.__setattr__(self, "_rest", self._make_rest())
 
     @property
@@ -192,10 +193,7 @@ class BlockPlan:
         shards = _permutation(len(self.counts), self.seed, self.epoch, self.shuffle)
         parts = [np.arange(starts[s], starts[s + 1], dtype=np.int64) for s in shards]
         order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        rest = order[self.offset:]
-        ws = self.world_size
-        total = (len(rest) // ws if self.drop_last else -(-len(rest) // ws)) * ws
-        return np.resize(rest, total) if total > len(rest) else rest[:total]
+        return _to_rank_multiple(order[self.offset:], self.world_size, self.drop_last)
 
     @property
     def order(self) -> np.ndarray:
