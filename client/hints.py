@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -29,17 +30,33 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Hinters of this process, for the fork handler below (weak: a hinter dies with its dataset).
+_LIVE: "weakref.WeakSet[Hinter]" = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """A process must not fork while gRPC is completing an async call on its behalf: the child
+    would inherit gRPC's threads' state mid-call (DataLoader workers then abort or hang). So
+    outstanding hints are cancelled and given a moment to finish before any fork."""
+    for hinter in list(_LIVE):
+        hinter.drain(timeout=2.0)
+
+
+os.register_at_fork(before=_before_fork)
+
 
 class Hinter:
     """Sends hints for one filesystem in one process (a forked child starts afresh)."""
 
-    def __init__(self, fs: "CacheFileSystem", *, max_in_flight: int = 4, batch: int = 64,
-                 timeout: float = 120.0, warm_streak: int = 3) -> None:
+    def __init__(self, fs: "CacheFileSystem", *, max_in_flight: int = 2, batch: int = 32,
+                 timeout: float = 30.0, warm_streak: int = 3) -> None:
         if max_in_flight < 1 or batch < 1:
             raise ValueError("max_in_flight and batch must be >= 1")
         self.fs, self.max_in_flight, self.batch, self.timeout = fs, max_in_flight, batch, timeout
         self.warm_streak = warm_streak
         self._lock = threading.Lock()
+        self._idle_cv = threading.Condition(self._lock)
+        self._futures: set[grpc.Future] = set()
         self._pid = os.getpid()
         self._in_flight = 0
         self._sent: set[str] = set()
@@ -47,10 +64,22 @@ class Hinter:
         self._skip = 0        # hint calls to skip while backing off
         self._backoff = 1
         self.stats = {"sent": 0, "paths": 0, "dropped": 0, "failed": 0, "bytes_loaded": 0, "skipped_warm": 0}
+        _LIVE.add(self)
+
+    def drain(self, timeout: float) -> bool:
+        """Cancel outstanding hints and wait (up to ``timeout``) until none is in flight."""
+        if self._pid != os.getpid():
+            return True
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            future.cancel()
+        with self._idle_cv:
+            return self._idle_cv.wait_for(lambda: self._in_flight == 0, timeout=timeout)
 
     def _check_process(self) -> None:
         if self._pid != os.getpid():  # forked: the parent's in-flight calls are not ours
-            self._in_flight, self._sent, self._pid = 0, set(), os.getpid()
+            self._in_flight, self._sent, self._futures, self._pid = 0, set(), set(), os.getpid()
 
     def reset(self) -> None:
         """A new epoch: objects hinted before may have been evicted since; hint them again."""
@@ -92,6 +121,8 @@ class Hinter:
                 except Exception:  # a channel that cannot even start a call: only a hint
                     self._done(None)
                     continue
+                with self._lock:
+                    self._futures.add(future)
                 future.add_done_callback(self._done)
                 sent += len(chunk)
                 self.stats["sent"] += 1
@@ -107,6 +138,8 @@ class Hinter:
             loaded = -1
         with self._lock:
             self._in_flight -= 1
+            self._futures.discard(future)  # type: ignore[arg-type]
+            self._idle_cv.notify_all()
             if loaded < 0:
                 self.stats["failed"] += 1
                 return

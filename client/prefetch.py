@@ -24,10 +24,26 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+
+#: Prefetchers of this process, for the fork handler below (weak: they die with their dataset).
+_LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """Never fork while a prefetch thread is inside a read (a gRPC call): the child would inherit
+    gRPC's state mid-call. What is queued is dropped; what runs gets a moment to finish."""
+    for prefetcher in list(_LIVE):
+        prefetcher.drain(timeout=2.0)
+
+
+os.register_at_fork(before=_before_fork)
 
 
 class _Pool:
@@ -83,6 +99,7 @@ class Prefetcher:
         self.in_flight_bytes = 0
         self.stats = {"max_in_flight_bytes": 0, "max_in_flight": 0, "hits": 0, "on_demand": 0,
                       "too_large": 0, "dropped": 0, "submitted": 0}
+        _LIVE.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a Prefetcher belongs to one process; the dataset builds one per process")
@@ -172,6 +189,16 @@ class Prefetcher:
             else:
                 future.add_done_callback(lambda _f, s=size: self._release(s))
             self._top_up(window)
+
+    def drain(self, timeout: float) -> bool:
+        """Drop everything in flight and wait (up to ``timeout``) until no fetch is running."""
+        if self._pid != os.getpid() or self._pool is None:
+            return True
+        self.reset()
+        end = time.monotonic() + timeout
+        while self.in_flight_bytes > 0 and time.monotonic() < end:
+            time.sleep(0.005)
+        return self.in_flight_bytes <= 0
 
     def reset(self) -> None:
         """Forget everything in flight (a new epoch or plan: positions mean other samples)."""

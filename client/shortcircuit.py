@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 Reply = shortcircuit_pb2.ShortCircuitReply
 PROBE_RETRY = 60.0  # seconds before asking a worker again whether it is local
+#: A local worker answers in well under a millisecond; one that takes this long is treated as
+#: not local for PROBE_RETRY seconds (the read goes through gRPC), so a wedged socket costs a
+#: read at most this much, never the gRPC deadline.
+SOCKET_TIMEOUT = 5.0
 _HOST_ID = host_id()
 
 
@@ -119,6 +123,11 @@ class ShortCircuitReader:
         for sock in idle:
             sock.close()
 
+    def __del__(self) -> None:  # a dataset's per-process filesystem is never closed explicitly
+        with contextlib.suppress(Exception):
+            for sock in self._idle:
+                sock.close()
+
 
 def _read_page(fd: int, target: memoryview, page_len: int) -> bool:
     """The whole payload of one page file into ``target``, verified against its trailer."""
@@ -157,7 +166,7 @@ class ShortCircuit:
             if status.host_id == _HOST_ID and status.short_circuit_socket \
                     and os.path.exists(status.short_circuit_socket):
                 reader = ShortCircuitReader(status.short_circuit_socket, self.fs.config.token,
-                                            timeout=self.fs.config.timeout)
+                                            timeout=min(SOCKET_TIMEOUT, self.fs.config.timeout))
         except Exception as exc:  # an old worker, an unreachable one: gRPC only
             log.debug("short-circuit probe of %s failed: %s", handle.address, exc)
         with self._lock:
@@ -174,10 +183,11 @@ class ShortCircuit:
             return None
         try:
             got = reader.read(path, offset, length, version, out)
-        except OSError as exc:  # the worker restarted or went away: next time, probe again
+        except OSError as exc:  # the worker restarted, went away or is wedged: gRPC for a while
             log.debug("short-circuit read from %s failed: %s", candidates[0].address, exc)
             with self._lock:
-                self._readers.pop(candidates[0].address, None)
+                self._readers[candidates[0].address] = (None, time.monotonic())
+            reader.close()
             got = None
         if got is None:
             self.stats["fallbacks"] += 1

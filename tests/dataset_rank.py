@@ -32,11 +32,11 @@ def main() -> int:
     if args.kind == "map":
         ds = CacheDataset.from_prefix(args.url, **common)
         loader = DataLoader(ds, batch_size=4, sampler=ds.sampler(), num_workers=args.num_workers,
-                            collate_fn=_as_list, timeout=60)
+                            collate_fn=_as_list, timeout=120)
         key = lambda t: int(bytes(t[:8].numpy()))  # noqa: E731
     else:
         ds = CacheIterableDataset.from_prefix(args.url, batch_size=4, **common)
-        loader = DataLoader(ds, batch_size=4, num_workers=args.num_workers, collate_fn=_as_list, timeout=60)
+        loader = DataLoader(ds, batch_size=4, num_workers=args.num_workers, collate_fn=_as_list, timeout=120)
         key = lambda s: int(bytes(s["id"].numpy()))  # noqa: E731
     ds.set_epoch(args.epoch)
     ids = [key(item) for batch in ds.track(loader) for item in batch]

@@ -359,3 +359,19 @@ def test_an_object_that_changed_size_since_listing_is_read_whole(local_store, ma
     store.add("train/00001.bin", b"s00001|grown" * 1000)
     got = ds.read(1)
     assert bytes(got.numpy()) == b"s00001|grown" * 1000
+
+
+def test_nothing_is_in_flight_when_the_process_forks(served):
+    """Forking while gRPC completes a call for us can kill the child (DataLoader workers fork):
+    outstanding hints and prefetches are drained first (os.register_at_fork)."""
+    import os
+
+    store, opts = served(60)
+    ds = _dataset(opts, rank=0, world_size=1, prefetch_depth=8, hint_samples=40)
+    ds[0]  # leaves prefetches and a hint in flight
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert ds.hinter._in_flight == 0 and ds.prefetcher.in_flight_bytes == 0
+    assert len(list(ds.read(i) for i in range(3))) == 3  # and the parent goes on reading
