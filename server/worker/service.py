@@ -66,7 +66,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _load_deadline(self, context: grpc.ServicerContext) -> float:
         """The RPC deadline less a margin, so a load that runs out of time still gets its answer back."""
         deadline = self._deadline(context)
-        return deadline - min(2.0, 0.1 * max(0.0, deadline - time.monotonic()))
+        remaining = max(0.0, deadline - time.monotonic())
+        # Room for the answer to get back on a loaded machine: 0.5-2 s, at most half the budget.
+        return deadline - min(2.0, max(0.5, 0.2 * remaining), 0.5 * remaining)
 
     @staticmethod
     def _check_job_paths(paths: Any) -> None:
