@@ -8,7 +8,9 @@ keeps routing by the last view it had: the master is never on the data path.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -18,6 +20,25 @@ from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
 log = logging.getLogger(__name__)
+
+#: Watchers of this process, for the fork handlers below (weak: a watcher ends with its filesystem).
+_LIVE: "weakref.WeakSet[ViewWatcher]" = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """A fork while the watch stream is inside gRPC can leave the child's gRPC wedged (the child
+    inherits gRPC's threads' state mid-call), and DataLoader workers fork: so the stream is
+    closed for the fork, and reopened in the parent right after."""
+    for watcher in list(_LIVE):
+        watcher._pause(timeout=2.0)
+
+
+def _after_fork_in_parent() -> None:
+    for watcher in list(_LIVE):
+        watcher._resume()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
 
 
 class ViewWatcher:
@@ -36,6 +57,32 @@ class ViewWatcher:
         self._call: grpc.Future | None = None
         self.version = 0
         self.master_id = ""
+        # Fork handling: _running is cleared while a fork is pending; _outside is set whenever
+        # the thread is not inside a gRPC call; _gate orders the two.
+        self._running = threading.Event()
+        self._running.set()
+        self._outside = threading.Event()
+        self._outside.set()
+        self._gate = threading.Lock()
+        self._pid = os.getpid()
+        _LIVE.add(self)
+
+    def _pause(self, timeout: float) -> None:
+        if self._pid != os.getpid() or self._thread is None:
+            return
+        with self._gate:
+            self._running.clear()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            call = self._call  # the thread may be just opening it: cancel until it is out
+            if call is not None:
+                call.cancel()
+            if self._outside.wait(0.02):
+                return
+
+    def _resume(self) -> None:
+        if self._pid == os.getpid():
+            self._running.set()
 
     def _deliver(self, view: master_pb2.ClusterView) -> bool:
         callback = self._on_view()
@@ -68,6 +115,12 @@ class ViewWatcher:
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
+            if not self._running.wait(timeout=1.0):
+                continue  # a fork is pending
+            with self._gate:
+                if not self._running.is_set():
+                    continue
+                self._outside.clear()
             try:
                 call = self._stub.WatchView(master_pb2.GetViewRequest(known_version=self.version),
                                             timeout=self._watch_seconds)
@@ -79,11 +132,16 @@ class ViewWatcher:
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return
+                if not self._running.is_set():
+                    continue  # cancelled for a fork: reopened after it
                 if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # the stream's normal end
                     failures += 1
                     if failures == 1:
                         log.warning("master %s: %s; keeping view %d", self.master, err.code().name, self.version)
                     self._stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
+            finally:
+                self._call = None
+                self._outside.set()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()

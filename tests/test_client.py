@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from cachefs.client.filesystem import CacheFileSystem
 from cachefs.config import ClientConfig
-from helpers import client, payload
+from helpers import client, payload, wait_for
 
 PAGE = 64 << 10
 
@@ -202,3 +202,32 @@ def test_fallback_reads_are_bounded_per_process(make_worker):
         t.join(timeout=60)
     assert results == [b"z" * 1000] * 8  # every read served by the store directly...
     assert SlowMemoryFileSystem.max_active <= 2  # ...but never more than 2 at once
+
+
+def test_the_view_watch_is_closed_across_a_fork_and_reopened(tmp_path):
+    """DataLoader workers fork: the watch stream must not be inside gRPC at that moment."""
+    import os
+
+    from cachefs.client.view import ViewWatcher
+    from cachefs.config import MasterConfig
+    from cachefs.server.master import Master
+
+    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "m"))).start()
+    try:
+        views = []
+
+        def on_view(view) -> None:
+            views.append(view)
+
+        watcher = ViewWatcher(master.address, on_view, timeout=5, watch_seconds=30)
+        assert watcher.fetch()
+        watcher.start()
+        assert wait_for(lambda: watcher._call is not None)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if watcher._outside.is_set() else 1)  # the child saw no call in flight
+        assert os.waitpid(pid, 0)[1] == 0
+        assert wait_for(lambda: watcher._call is not None and not watcher._outside.is_set())  # reopened
+        watcher.stop()
+    finally:
+        master.stop()

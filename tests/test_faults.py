@@ -139,7 +139,9 @@ def test_worker_and_master_killed_under_thread_and_process_load(local_store, tmp
     cluster = LocalCluster(str(tmp_path / "c"), workers=3, mounts={"data": local_store.mount.url},
                            master_args=FAST, master_port=port)
     cluster.start()
-    ctx = multiprocessing.get_context("fork")
+    # Spawned, not forked: this process has gRPC calls in flight (the view watch stream), and a
+    # fork in the middle of one can leave the child's gRPC wedged (that hazard is not the test's).
+    ctx = multiprocessing.get_context("spawn")
     stop, out, ready = ctx.Event(), ctx.Queue(), ctx.Semaphore(0)
     procs = []
     try:
