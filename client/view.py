@@ -122,13 +122,17 @@ class ViewWatcher:
                     continue
                 self._outside.clear()
             try:
-                call = self._stub.WatchView(master_pb2.GetViewRequest(known_version=self.version),
-                                            timeout=self._watch_seconds)
-                self._call = call
-                for view in call:
-                    failures = 0
-                    if not self._deliver(view):
-                        return
+                try:
+                    call = self._stub.WatchView(master_pb2.GetViewRequest(known_version=self.version),
+                                                timeout=self._watch_seconds)
+                    self._call = call
+                    for view in call:
+                        failures = 0
+                        if not self._deliver(view):
+                            return
+                finally:  # out of gRPC: a fork may go ahead (also during the back-off below)
+                    self._call = None
+                    self._outside.set()
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return
@@ -139,9 +143,6 @@ class ViewWatcher:
                     if failures == 1:
                         log.warning("master %s: %s; keeping view %d", self.master, err.code().name, self.version)
                     self._stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
-            finally:
-                self._call = None
-                self._outside.set()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
