@@ -231,3 +231,31 @@ def test_the_view_watch_is_closed_across_a_fork_and_reopened(tmp_path):
         watcher.stop()
     finally:
         master.stop()
+
+
+def test_a_fork_does_not_wait_on_a_watcher_whose_master_is_gone(tmp_path):
+    import os
+    import time as _time
+
+    from cachefs.client.view import ViewWatcher
+    from cachefs.config import MasterConfig
+    from cachefs.server.master import Master
+
+    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "m"))).start()
+    address = master.address
+    master.stop()
+
+    def on_view(view) -> None:
+        pass
+
+    watcher = ViewWatcher(address, on_view, timeout=1, watch_seconds=30).start()
+    try:
+        _time.sleep(0.5)  # the stream fails; the thread backs off, outside gRPC
+        t0 = _time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert _time.monotonic() - t0 < 1.0
+    finally:
+        watcher.stop()
