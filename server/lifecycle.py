@@ -27,3 +27,10 @@ def serve_until_signalled(stop: Callable[[], None], ready: dict[str, Any], stopp
             signal.signal(sig, handler)
     print(json.dumps({"event": "stopped", **stopped}), flush=True)
     return 0
+
+
+def liveness(stopping: threading.Event, server: Any) -> tuple[bool, str]:
+    """/healthz of either daemon: its gRPC server is up and it is not stopping."""
+    if stopping.is_set():
+        return False, "stopping"
+    return (server is not None), ("ok" if server is not None else "not started")

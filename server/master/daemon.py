@@ -25,7 +25,7 @@ from cachefs.server.master.state import MasterState
 from cachefs.server.master.membership import Membership
 from cachefs.server.master.stat import CacheStat
 from cachefs.server.master.statuspage import StatusPage
-from cachefs.server.lifecycle import serve_until_signalled
+from cachefs.server.lifecycle import liveness, serve_until_signalled
 from cachefs.server.master.viewversion import BOOT_SHIFT, ViewVersion
 from cachefs.server.master.workerstubs import WorkerStubs
 from cachefs.tls import bind_port
@@ -150,9 +150,7 @@ class Master:
 
     def _live(self) -> tuple[bool, str]:
         """/healthz: serving and not stopping."""
-        if self._stopping.is_set():
-            return False, "stopping"
-        return (self._server is not None), ("ok" if self._server is not None else "not started")
+        return liveness(self._stopping, self._server)
 
     def _ready(self) -> tuple[bool, str]:
         """/readyz: live, and the durable state answers a query (a wedged disk makes the probe fail)."""

@@ -20,7 +20,7 @@ from cachefs.mounts import MountTable
 from cachefs.proto import worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.metrics import WorkerMetrics
-from cachefs.server.lifecycle import serve_until_signalled
+from cachefs.server.lifecycle import liveness, serve_until_signalled
 from cachefs.server.objectstore import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
@@ -185,9 +185,7 @@ class Worker:
 
     def _live(self) -> tuple[bool, str]:
         """/healthz: serving and not stopping."""
-        if self._stopped.is_set():
-            return False, "stopping"
-        return (self._server is not None), ("ok" if self._server is not None else "not started")
+        return liveness(self._stopped, self._server)
 
     def _ready(self) -> tuple[bool, str]:
         """/readyz: the page store is open with its dirs in place, and the mounts are known."""
