@@ -3,31 +3,27 @@
 Three jobs: object metadata (size and *version*, which is part of every cached page's
 identity) cached with a TTL; listings cached with a TTL; and ranged reads that are checked
 against the version the reader opened, so that a read never mixes two versions of an object.
-How the version is checked depends on the store (see the backends below).
+How the version is checked depends on the store (server/storebackends.py).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
-
-import fsspec
-from fsspec.asyn import sync
-from fsspec.implementations.local import LocalFileSystem
+from typing import Generic, TypeVar
 
 from cachefs.errors import CacheFSError, InvalidPathError, StaleObjectError, StoreError, StoreUnavailableError
 from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
-from cachefs.server.storehealth import StoreBreaker, is_connection_error
+from cachefs.server.storebackends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
+from cachefs.server.storehealth import StoreBreaker
 from cachefs.server.storewrite import StoreWriter, copy_between, make_dir, open_writer
 from cachefs.server.storewrite import remove as remove_path
 
@@ -85,124 +81,6 @@ class TTLCache(Generic[K, V]):
                 del self._data[key]
 
 
-def _mtime_of(info: dict[str, Any]) -> float:
-    for name in ("mtime", "LastModified", "last_modified", "created"):
-        value = info.get(name)
-        if value is None:
-            continue
-        if hasattr(value, "timestamp"):
-            return float(value.timestamp())
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            continue
-    return 0.0
-
-
-def version_of(info: dict[str, Any]) -> str:
-    """ETag where the store has one, else size+mtime."""
-    for name in ("ETag", "etag", "e_tag"):
-        if info.get(name):
-            return str(info[name]).strip('"')
-    return f"{int(info.get('size') or 0)}-{_mtime_of(info)!r}"
-
-
-class _Backend:
-    """Generic fsspec store: the version cannot be checked on read (documented weakness)."""
-
-    def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
-        fs.invalidate_cache(store_path)  # s3fs answers info() from its own listing cache otherwise
-        info = fs.info(store_path)
-        is_dir = info.get("type") == "directory"
-        size = 0 if is_dir else int(info.get("size") or 0)
-        return size, ("" if is_dir else version_of(info)), _mtime_of(info), is_dir
-
-    def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
-        return fs.cat_file(store_path, start=start, end=end)
-
-    def head_read(self, fs: fsspec.AbstractFileSystem, store_path: str,
-                  length: int) -> tuple[tuple[int, str, float, bool], bytes | None]:
-        """Metadata, and the first ``length`` bytes where one request can give both (else None)."""
-        return self.info(fs, store_path), None
-
-
-class _LocalBackend(_Backend):
-    """Local files: the version (size + mtime) is re-checked on the open descriptor after reading."""
-
-    @staticmethod
-    def _version(st: os.stat_result) -> str:
-        return f"{st.st_size}-{st.st_mtime!r}"  # the same string version_of() makes from fsspec's info
-
-    def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
-        st = os.stat(store_path)
-        if os.path.isdir(store_path):
-            return 0, "", st.st_mtime, True
-        return st.st_size, self._version(st), st.st_mtime, False
-
-    def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
-        with open(store_path, "rb", buffering=0) as f:
-            f.seek(start)
-            buf = bytearray(end - start)
-            n = f.readinto(buf)
-            now = self._version(os.fstat(f.fileno()))
-        if now != version:
-            raise StaleObjectError(f"{store_path} changed while reading (version {version} -> {now})")
-        del buf[n:]
-        return bytes(buf)
-
-
-class _S3Backend(_Backend):
-    """S3 via s3fs: ranged GET with If-Match on the ETag, so the store itself refuses a changed object."""
-
-    def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
-        if end <= start:
-            return b""
-        bucket, key, _ = fs.split_path(store_path)
-
-        async def get() -> bytes:
-            resp = await fs._call_s3(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=f'"{version}"'
-            )
-            try:
-                return await resp["Body"].read()
-            finally:
-                resp["Body"].close()
-
-        try:
-            return sync(fs.loop, get)
-        except Exception as exc:  # s3fs raises OSError subclasses, or botocore's ClientError as is
-            if _precondition_failed(exc):
-                raise StaleObjectError(f"{store_path} changed in the store (ETag {version} no longer matches)") from exc
-            raise
-
-
-    def head_read(self, fs: fsspec.AbstractFileSystem, store_path: str,
-                  length: int) -> tuple[tuple[int, str, float, bool], bytes | None]:
-        """One GET instead of HEAD + GET on a cold object: the reply carries size, ETag and data."""
-        bucket, key, _ = fs.split_path(store_path)
-
-        async def get() -> tuple[dict[str, Any], bytes]:
-            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{length - 1}")
-            try:
-                return resp, await resp["Body"].read()
-            finally:
-                resp["Body"].close()
-
-        try:
-            resp, data = sync(fs.loop, get)
-        except Exception as exc:  # noqa: BLE001
-            if is_connection_error(exc):
-                raise  # the store is down: asking again with a HEAD would only double the wait
-            # A prefix ("directory"), an empty object (416) or a real error: let info() tell which.
-            return self.info(fs, store_path), None
-        total = str(resp.get("ContentRange", "")).rpartition("/")[2]
-        size = int(total) if total.isdigit() else int(resp.get("ContentLength", len(data)))
-        version = str(resp.get("ETag", "")).strip('"')
-        if not version:
-            return self.info(fs, store_path), None
-        return (size, version, _mtime_of(resp), False), data
-
-
 _PASS_THROUGH = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, TimeoutError,
                  CacheFSError)
 
@@ -221,24 +99,6 @@ def _store_errors(path: CachePath, what: str) -> Iterator[None]:
         raise StoreError(f"{path}: object store {what} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - translated, with the cause kept
         raise StoreError(f"{path}: object store {what} failed: {exc}") from exc
-
-
-def _precondition_failed(exc: BaseException | None) -> bool:
-    """True if S3 answered 412 (s3fs hides botocore's error code in the exception chain)."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if "PreconditionFailed" in repr(exc) or "(412)" in str(exc):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
-def _backend_for(fs: fsspec.AbstractFileSystem) -> _Backend:
-    if isinstance(fs, LocalFileSystem):
-        return _LocalBackend()
-    if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        return _S3Backend()
-    return _Backend()
 
 
 class CacheFSErrorPassThrough(CacheFSError):
@@ -392,6 +252,20 @@ class ObjectStore:
                 return self._backend(resolved).read(resolved.fs, resolved.store_path, start, end, meta.version)
         except (StaleObjectError, FileNotFoundError):
             self._meta.pop(meta.path)  # the next reader asks the store afresh
+            raise
+
+    def read_pieces(self, meta: ObjectMeta, start: int, sizes: Sequence[int], deliver: PieceSink) -> None:
+        """Like read(), cut in pieces of ``sizes`` handed to ``deliver(i, piece)`` in order as they come.
+
+        Pieces already delivered when an error is raised are good (same version); the rest never come.
+        """
+        resolved = self.mounts.resolve(meta.path)
+        try:
+            with self._call(meta.path, "read"):
+                self._backend(resolved).read_pieces(resolved.fs, resolved.store_path, start, sizes, meta.version,
+                                                    deliver)
+        except (StaleObjectError, FileNotFoundError):
+            self._meta.pop(meta.path)
             raise
 
     def forget_mount(self, name: str) -> None:

@@ -66,6 +66,9 @@ class PageReader:
         self.metrics = metrics
         self.options = options
         self.page_size = pages.page_size
+        # Labelled children looked up once: labels() costs a lock and a dict walk per page otherwise.
+        self._page_reads = {outcome: metrics.page_reads.labels(outcome)
+                            for outcome in ("hit", "miss", "joined", "prefetch")}
         self._fetch_pool = ThreadPoolExecutor(options.fetch_threads, thread_name_prefix="cachefs-fetch")
         self._write_pool = ThreadPoolExecutor(options.write_threads, thread_name_prefix="cachefs-write")
         self._lock = threading.Lock()
@@ -101,7 +104,7 @@ class PageReader:
             fut = self._inflight.get(pid)
         if fut is not None:
             if not prefetch:
-                self.metrics.page_reads.labels("joined").inc()
+                self._page_reads["joined"].inc()
             return [(fut, False)]
         if prefetch:
             if self.pages.contains(pid):
@@ -109,7 +112,7 @@ class PageReader:
         else:
             data = self.pages.get(pid)
             if data is not None:
-                self.metrics.page_reads.labels("hit").inc()
+                self._page_reads["hit"].inc()
                 done: Future[bytes] = Future()
                 done.set_result(data)
                 return [(done, True)]
@@ -128,26 +131,39 @@ class PageReader:
                 fut = Future()
                 self._inflight[next_pid] = fut
                 claimed.append((next_pid, fut))
-        self.metrics.page_reads.labels("prefetch" if prefetch else "miss").inc(len(claimed))
+        self._page_reads["prefetch" if prefetch else "miss"].inc(len(claimed))
         self._fetch_pool.submit(self._fetch, meta, claimed)
         return [(f, False) for _, f in claimed]
 
     def _fetch(self, meta: ObjectMeta, claimed: list[tuple[PageId, Future[bytes]]]) -> None:
-        """One store request for a run of consecutive pages; each page's future gets its slice."""
-        first, last = claimed[0][0].index, claimed[-1][0].index
-        start, end = self._page_bounds(meta, first)[0], self._page_bounds(meta, last)[1]
+        """One store request for a run of consecutive pages, streamed: each page's future gets its
+        bytes (and its disk write is queued) as soon as they arrived, not when the whole run has."""
+        start = self._page_bounds(meta, claimed[0][0].index)[0]
+        sizes = [hi - lo for lo, hi in (self._page_bounds(meta, pid.index) for pid, _ in claimed)]
+        delivered = 0
         t0 = time.perf_counter()
+
+        def deliver(i: int, page: bytes) -> None:
+            nonlocal delivered
+            delivered = i + 1
+            pid, fut = claimed[i]
+            self.metrics.bytes_from_store.inc(len(page))
+            try:
+                fut.set_result(page)
+            except InvalidStateError:  # failed by close() meanwhile
+                self._forget(pid)
+                return
+            self._queue_write(pid, page)
+
         try:
-            data = self.objects.read(meta, start, end)
-            if len(data) != end - start:
-                raise StaleObjectError(
-                    f"{meta.path}: store returned {len(data)} bytes for pages {first}-{last}, expected {end - start}"
-                )
-        except BaseException as exc:  # noqa: BLE001 - handed to every waiting reader
+            self.objects.read_pieces(meta, start, sizes, deliver)
+            if delivered != len(claimed):
+                raise StaleObjectError(f"{meta.path}: store gave {delivered} of {len(claimed)} pages")
+        except BaseException as exc:  # noqa: BLE001 - handed to every reader still waiting
             self.metrics.store_errors.inc()
             if isinstance(exc, StoreUnavailableError):
                 self.metrics.store_unavailable.inc()
-            for pid, fut in claimed:
+            for pid, fut in claimed[delivered:]:
                 self._forget(pid)
                 if not fut.done():
                     try:
@@ -156,17 +172,6 @@ class PageReader:
                         pass
             return
         self.metrics.store_fetch_seconds.observe(time.perf_counter() - t0)
-        self.metrics.bytes_from_store.inc(len(data))
-        view = memoryview(data)
-        for pid, fut in claimed:
-            lo, hi = (b - start for b in self._page_bounds(meta, pid.index))
-            page = data if (lo, hi) == (0, len(data)) else bytes(view[lo:hi])
-            try:
-                fut.set_result(page)
-            except InvalidStateError:  # failed by close() meanwhile
-                self._forget(pid)
-                continue
-            self._queue_write(pid, page)
 
     def _queue_write(self, pid: PageId, data: bytes) -> None:
         """Hand a fetched page to the writers, unless too many bytes already wait for the disk.
@@ -224,31 +229,53 @@ class PageReader:
 
     # -- a range ------------------------------------------------------------------------------
     def adopt(self, meta: ObjectMeta, data: bytes) -> bool:
-        """Take the first page of an object that arrived with its metadata (see ObjectStore.open);
-        False if it was not taken (not a whole page, or that page already in flight)."""
-        if not data or len(data) != self._page_bounds(meta, 0)[1]:
+        """Take the first pages of an object that arrived with its metadata (see ObjectStore.open).
+
+        Every whole page in ``data`` (and a short last page at the object's end) is served and
+        written like a fetched one. False if the first page was not taken (not a whole page, or
+        already in flight); later pages already in flight are left to their fetch.
+        """
+        first_end = self._page_bounds(meta, 0)[1]
+        if not data or len(data) < first_end:
             return False
-        pid = self._page_id(meta, 0)
-        fut: Future[bytes] = Future()
-        fut.set_result(data)
+        view = memoryview(data)
+        offered: list[tuple[PageId, bytes]] = []  # cut outside the lock: copies take a while
+        for index in range(0, (len(data) + self.page_size - 1) // self.page_size):
+            lo, hi = self._page_bounds(meta, index)
+            if hi > len(data):
+                break  # a partial page: not a page of the store
+            offered.append((self._page_id(meta, index), data if (lo, hi) == (0, len(data)) else bytes(view[lo:hi])))
+        taken: list[tuple[PageId, bytes]] = []
         with self._lock:
-            if self._closed or pid in self._inflight:
+            if self._closed or offered[0][0] in self._inflight:
                 return False
-            self._inflight[pid] = fut
-        self.metrics.bytes_from_store.inc(len(data))
-        self._queue_write(pid, data)
+            for pid, page in offered:
+                if pid not in self._inflight:
+                    fut: Future[bytes] = Future()
+                    fut.set_result(page)
+                    self._inflight[pid] = fut
+                    taken.append((pid, page))
+        for pid, page in taken:
+            self.metrics.bytes_from_store.inc(len(page))
+            self._queue_write(pid, page)
         return True
 
-    def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None) -> Iterator[bytes | memoryview]:
+    def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None,
+             then: int = 0) -> Iterator[bytes | memoryview]:
         """Yield the bytes of [offset, offset+length) in order, at most one page per chunk.
 
         ``deadline`` is a ``time.monotonic()`` instant; waits past it raise DeadlineExceededError.
+        ``then``: bytes the caller will ask for right after this range (the rest of a read whose
+        first block this is); up to ``parallel_pages`` pages of them are fetched now, so the store
+        works while this range travels to the caller and the next call arrives.
         """
         end = min(meta.size, offset + length)
         if offset >= end:
             return
         first, last = offset // self.page_size, (end - 1) // self.page_size
-        window = self._sequential.window(meta, offset, end, self.page_size, self.options.readahead_pages)
+        ahead = self._sequential.window(meta, offset, end, self.page_size, self.options.readahead_pages)
+        if then > 0 and end < meta.size:
+            ahead = max(ahead, min(self.options.parallel_pages, -(-min(then, meta.size - end) // self.page_size)))
         pending: deque[tuple[Future[bytes], bool]] = deque()
         next_index = first
         # A reader that goes away mid-range leaves its fetches to finish and be cached.
@@ -257,8 +284,9 @@ class PageReader:
                 entries = self.page(meta, next_index, last=last)
                 pending.extend(entries)
                 next_index += len(entries)
-            if index == last and window:
-                self._readahead(meta, last + 1, window)
+            if ahead and next_index > last:  # the whole range is claimed: what follows it next
+                self._readahead(meta, last + 1, ahead)
+                ahead = 0
             fut, cached = pending.popleft()
             data = self._wait(fut, meta, index, deadline)
             page_start = index * self.page_size

@@ -55,6 +55,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics = metrics
         self.max_rpc_seconds = max_rpc_seconds
         self.short_circuit_socket = ""  # set by the daemon when it listens for short-circuit reads
+        self.data_port = 0  # set by the daemon when its data port listens
         self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
 
     def _deadline(self, context: grpc.ServicerContext) -> float:
@@ -75,11 +76,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if len(paths) > MAX_JOB_PATHS:
             raise InvalidPathError(f"at most {MAX_JOB_PATHS} paths per request, got {len(paths)}")
 
-    def _file_meta(self, path: CachePath, version: str, wants_first_page: bool = False) -> ObjectMeta:
-        if wants_first_page and not version and not self.pages.holds_object(path.mount, path.key):
-            # Nothing of it cached: one GET can bring the metadata and the first page together.
+    def _file_meta(self, path: CachePath, version: str, head_bytes: int = 0) -> ObjectMeta:
+        if head_bytes > 0 and not version and not self.pages.holds_object(path.mount, path.key):
+            # Nothing of it cached: one GET can bring the metadata and the first pages together.
             # (If pages are cached, a metadata-only request is cheaper than refetching a page.)
-            meta, head = self.objects.open(path, self.pages.page_size)
+            meta, head = self.objects.open(path, head_bytes)
             if head is not None:
                 self.reader.adopt(meta, head)
         else:
@@ -98,14 +99,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidPathError(f"offset must be in [0, 2**62], got {request.offset}")
         if request.length < -1:
             raise InvalidPathError(f"length must be >= 0 (or -1 for the rest of the object), got {request.length}")
-        meta = self._file_meta(path, request.version, wants_first_page=request.offset < self.pages.page_size)
+        meta = self._file_meta(path, request.version, head_bytes=self._head_bytes(request))
         return meta, (meta.size if request.length == -1 else min(request.length, MAX_OFFSET))
+
+    def _head_bytes(self, request: worker_pb2.ReadRequest) -> int:
+        """What a cold read from the start fetches with the metadata: the pages it asked for, up to
+        one fetch run and one block (a 4 MiB first block is one GET, not a 1 MiB GET and then a 3 MiB one)."""
+        page = self.pages.page_size
+        if request.offset >= page:
+            return 0
+        run = min(MAX_BLOCK, page * self.reader.options.fetch_group_pages)  # not streamed: keep it short
+        want = run if request.length == -1 else request.offset + min(request.length, run)
+        return max(page, min(run, -(-want // page) * page))
 
     @rpc("ReadBlock")
     def ReadBlock(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> worker_pb2.ReadChunk:
         deadline = self._deadline(context)
         meta, length = self._check_read(request)
-        parts = list(self.reader.read(meta, request.offset, min(length, MAX_BLOCK), deadline))
+        block = min(length, MAX_BLOCK)
+        # The caller streams the rest right after this reply: its fetch starts now (then=...).
+        parts = list(self.reader.read(meta, request.offset, block, deadline, then=length - block))
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         data = data if isinstance(data, bytes) else bytes(data)
         self.metrics.bytes_served.inc(len(data))
@@ -222,7 +235,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             pages=s.pages, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes, evictions=s.evictions,
             degraded=s.degraded, disk_errors=s.disk_errors, corrupt_pages=s.corrupt_pages,
             stores_unavailable=self.objects.breaker.open_mounts(),
-            short_circuit_socket=self.short_circuit_socket, host_id=HOST_ID,
+            short_circuit_socket=self.short_circuit_socket, host_id=HOST_ID, data_port=self.data_port,
             **self.metrics.totals(),
         )
 
