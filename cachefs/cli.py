@@ -15,6 +15,7 @@ def _worker_flags(args: argparse.Namespace) -> dict:
         "port": args.port,
         "metrics_port": args.metrics_port,
         "page_size": args.page_size,
+        "data_port": args.data_port,
         "metadata_ttl": args.metadata_ttl,
         "list_ttl": args.list_ttl,
         "master": args.master,
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metrics-port", type=int, help="Prometheus port (-1 = off, 0 = pick a free one)")
     w.add_argument("--cache-dir", action="append", metavar="PATH:QUOTA", help="cache directory and its quota, e.g. /nvme/cachefs:100GiB (repeatable)")
     w.add_argument("--mount", action="append", metavar="NAME=URL", help="mount an fsspec URL, e.g. data=s3://bucket/prefix (repeatable)")
+    w.add_argument("--data-port", type=int, help="TCP port sending cached pages with sendfile (0 = pick a free one, -1 = off)")
     w.add_argument("--page-size", help="page size, e.g. 1MiB")
     w.add_argument("--metadata-ttl", type=float, help="seconds an object's size/version is trusted")
     w.add_argument("--list-ttl", type=float, help="seconds a listing is trusted")

@@ -152,9 +152,15 @@ class WorkerConfig:
     # Unix socket for short-circuit reads by clients on this host ("auto": in the first cache
     # dir, or the temp dir if that path is too long for a socket; "": off).
     short_circuit_socket: str = "auto"
+    # TCP port on `host` that sends cached pages with sendfile to clients on other hosts
+    # (server/worker/dataport.py): 0 = pick a free one (reported by GetStatus), -1 = off.
+    # Plain TCP: off whenever the worker serves TLS.
+    data_port: int = 0
 
     def __post_init__(self) -> None:
         _check_listen(self.host, self.port, self.metrics_port)
+        if not -1 <= self.data_port < 65536:
+            raise ValueError(f"data_port must be -1 (off), 0 (any free port) or a port number, got {self.data_port}")
         if not self.cache_dirs:
             raise ValueError("at least one cache dir is required")
         if len({d.path for d in self.cache_dirs}) != len(self.cache_dirs):
@@ -382,6 +388,9 @@ class ClientConfig:
     # Read cached pages of a worker on this host as file descriptors over its Unix socket
     # (client/shortcircuit.py), not through gRPC.
     short_circuit: bool = True
+    # Read cached pages of other hosts' workers through their data port (TCP, sendfile; see
+    # server/worker/dataport.py), not through gRPC. Never with TLS (the port is plaintext).
+    data_port: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", _split_addresses(self.workers))
@@ -424,6 +433,8 @@ class ClientConfig:
             env["fallback"] = environ["CACHEFS_FALLBACK"]
         if environ.get("CACHEFS_SHORT_CIRCUIT"):
             env["short_circuit"] = environ["CACHEFS_SHORT_CIRCUIT"]
+        if environ.get("CACHEFS_DATA_PORT"):
+            env["data_port"] = environ["CACHEFS_DATA_PORT"]
         for name in ("token", "tls_ca_file", "tls_cert_file", "tls_key_file"):
             if environ.get(f"CACHEFS_{name.upper()}"):
                 env[name] = environ[f"CACHEFS_{name.upper()}"]
@@ -433,7 +444,7 @@ class ClientConfig:
         for name in ("min_throughput", "stripe_size"):
             if name in layers:
                 layers[name] = parse_size(layers[name])
-        for name in ("fallback", "short_circuit"):
+        for name in ("fallback", "short_circuit", "data_port"):
             if name in layers:
                 layers[name] = _parse_bool(layers[name])
         if "timeout" in layers:

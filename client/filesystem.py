@@ -33,7 +33,7 @@ from fsspec.spec import AbstractBufferedFile
 from cachefs.client.urlmap import UrlMap
 from cachefs.client.writer import CacheWriteFile, WriteMethods, Writes, check_write_mode
 
-from cachefs.client.shortcircuit import ShortCircuit
+from cachefs.client.bulkpaths import BulkPaths
 from cachefs.client.transport import CHANNEL_OPTIONS, WorkerSet
 from cachefs.client.view import ViewWatcher
 from cachefs.config import ClientConfig
@@ -94,6 +94,7 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
         short_circuit: bool | str | None = None,
+        data_port: bool | str | None = None,
         write_via: str = "worker",
         target_protocol: str | None = None,
         target_options: dict[str, Any] | None = None,
@@ -129,9 +130,10 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
                 "tls_cert_file": tls_cert_file,
                 "tls_key_file": tls_key_file,
                 "short_circuit": short_circuit,
+                "data_port": data_port,
             }
         )
-        self._short_circuit = ShortCircuit(self)
+        self._bulk = BulkPaths(self)
         self._abandoned: list[WorkerSet] = []
         self._state_pid = -1
         self._state_lock = threading.Lock()
@@ -367,19 +369,28 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         with the object's bytes from ``offset``; returns (bytes read, fewer at the object's end;
         the object's size).
 
-        From a worker on this host the page files are read straight into ``out``; otherwise the
-        bytes come through gRPC and are copied in once.
+        Cached bytes land in ``out`` directly: page files read into it from a worker on this
+        host, or received into it from another host's data port; otherwise they come through
+        gRPC and are copied in once.
         """
         view = memoryview(out).cast("B")
         cp = parse_path(self._strip_protocol(path))
-        stripe = self.config.stripe_size
-        if self.config.short_circuit and len(view) and offset // stripe == (offset + len(view) - 1) // stripe:
-            got = self._short_circuit.read(str(cp), offset, len(view), "", view)
-            if got is not None:
-                return len(got[0]), got[1]
-        data, size = self._read_range(cp, offset, len(view))
-        view[:len(data)] = data
-        return len(data), size
+        stripe, pos, end, version = self.config.stripe_size, offset, offset + len(view), ""
+        size = -1
+        while pos < end or size < 0:
+            want = min(end, (pos // stripe + 1) * stripe) - pos
+            got = self._bulk.read(str(cp), pos, want, version, view[pos - offset:pos - offset + want]) \
+                if self._bulk.enabled and want else None
+            if got is None:
+                data, size, version = self._read_stripe(cp, pos, want, version, bulk=False)
+                view[pos - offset:pos - offset + len(data)] = data
+                n = len(data)
+            else:
+                n, size, version = len(got[0]), got[1], got[2]
+            pos += n
+            if n < want or pos >= min(end, size):
+                break
+        return pos - offset, size
 
     def read_range(self, cp: CachePath, offset: int, length: int, version: str = "") -> bytes:
         """Bytes [offset, offset+length) (length -1: to the end) of the given version, if any.
@@ -406,10 +417,11 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
                 break
         return (parts[0] if len(parts) == 1 else b"".join(parts)), size
 
-    def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
+    def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str,
+                     bulk: bool = True) -> tuple[bytes, int, str]:
         """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version."""
-        if self.config.short_circuit:  # a worker on this host: its page files, not gRPC messages
-            got = self._short_circuit.read(str(cp), offset, length, version)
+        if bulk and self._bulk.enabled:  # cached bytes: page files or the data port, not gRPC messages
+            got = self._bulk.read(str(cp), offset, length, version)
             if got is not None:
                 return got
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
@@ -498,7 +510,7 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
             if self._watcher is not None:
                 self._watcher.stop()
             self._workers.close()
-        self._short_circuit.close()
+        self._bulk.close()
 
 
 class CacheFile(AbstractBufferedFile):

@@ -15,33 +15,30 @@ import logging
 import os
 import socket
 import threading
-import time
+from collections import OrderedDict
 from typing import Any
 
 import xxhash
 
-from cachefs.localhost import MAX_MESSAGE, MAX_PAGES, host_id
-from cachefs.proto import shortcircuit_pb2, worker_pb2
+from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
+from cachefs.proto import shortcircuit_pb2
 from cachefs.server.pagestore.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 
 log = logging.getLogger(__name__)
 
 Reply = shortcircuit_pb2.ShortCircuitReply
-PROBE_RETRY = 60.0  # seconds before asking a worker again whether it is local
-#: A local worker answers in well under a millisecond; one that takes this long is treated as
-#: not local for PROBE_RETRY seconds (the read goes through gRPC), so a wedged socket costs a
-#: read at most this much, never the gRPC deadline.
-SOCKET_TIMEOUT = 5.0
-_HOST_ID = host_id()
 
 
 class ShortCircuitReader:
     """Connections to one local worker's socket; one request at a time on each."""
 
+    kind = "short_circuit"
+
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8) -> None:
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.verified = VerifiedFiles()
 
     def _take(self) -> socket.socket:
         with self._lock:
@@ -95,27 +92,57 @@ class ShortCircuitReader:
             for fd in fds:
                 os.close(fd)
 
-    @staticmethod
-    def _assemble(reply: Any, fds: list[int], offset: int, length: int,
+    def _assemble(self, reply: Any, fds: list[int], offset: int, length: int,
                   into: memoryview | None) -> tuple[Any, int, str] | None:
         size = reply.info.size
         end = size if length < 0 else min(size, offset + length)
         want = max(0, end - offset)
         if into is not None and len(into) < want:
             return None
-        out = into[:want] if into is not None else bytearray(want)
+        if into is None:
+            parts = self._pages_as_bytes(reply, fds, offset, end)
+            if parts is None:
+                return None
+            return (parts[0] if len(parts) == 1 else b"".join(parts)), size, reply.info.version
+        out = into[:want]
         view = memoryview(out).cast("B")
         for fd, page_start, page_len in zip(fds, reply.page_offsets, reply.page_lengths):
             lo, hi = max(offset, page_start), min(end, page_start + page_len)
             if hi <= lo:
                 continue
+            identity = self.verified.identity(fd, page_len)
+            if identity in self.verified:  # checked before: read only the part wanted
+                if not _pread_all(fd, view[lo - offset:hi - offset], lo - page_start):
+                    return None
+                continue
             whole = lo == page_start and hi == page_start + page_len
             target = view[lo - offset:hi - offset] if whole else memoryview(bytearray(page_len))
             if not _read_page(fd, target, page_len):
                 return None
+            self.verified.add(identity)
             if not whole:
                 view[lo - offset:hi - offset] = target[lo - page_start:hi - page_start]
-        return (out if into is not None else bytes(out)), size, reply.info.version
+        return out, size, reply.info.version
+
+    def _pages_as_bytes(self, reply: Any, fds: list[int], offset: int, end: int) -> list[bytes] | None:
+        """The range as ``bytes`` straight from ``pread`` (cat_file's result: no buffer to copy out of)."""
+        parts = []
+        for fd, page_start, page_len in zip(fds, reply.page_offsets, reply.page_lengths):
+            lo, hi = max(offset, page_start), min(end, page_start + page_len)
+            if hi <= lo:
+                continue
+            identity = self.verified.identity(fd, page_len)
+            checked = identity in self.verified
+            data = os.pread(fd, hi - lo, lo - page_start) if checked else os.pread(fd, page_len, 0)
+            if not checked:
+                if len(data) != page_len or not _trailer_matches(fd, data, page_len):
+                    return None
+                self.verified.add(identity)
+                data = data if hi - lo == page_len else data[lo - page_start:hi - page_start]
+            if len(data) != hi - lo:
+                return None
+            parts.append(data)
+        return parts
 
     def close(self) -> None:
         with self._lock:
@@ -129,78 +156,58 @@ class ShortCircuitReader:
                 sock.close()
 
 
-def _read_page(fd: int, target: memoryview, page_len: int) -> bool:
-    """The whole payload of one page file into ``target``, verified against its trailer."""
+class VerifiedFiles:
+    """Page files this process has already checked, by file identity (bounded, least recent out).
+
+    A page file is written once and renamed into place, never changed after: the same file
+    (device, inode, size, mtime and ctime in ns) holds the bytes checked the first time, so
+    reading it again needs no second checksum pass, which costs ~20% of a warm large read
+    here. A page rewritten, or evicted and its inode reused, is another identity and is checked
+    anew. The worker's own reads still check every page they serve.
+    """
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._seen: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def identity(fd: int, page_len: int) -> tuple[int, ...]:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, page_len
+
+    def __contains__(self, identity: tuple[int, ...]) -> bool:
+        with self._lock:
+            if identity in self._seen:
+                self._seen.move_to_end(identity)
+                return True
+            return False
+
+    def add(self, identity: tuple[int, ...]) -> None:
+        with self._lock:
+            self._seen[identity] = None
+            while len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+
+
+def _pread_all(fd: int, target: memoryview, offset: int) -> bool:
     got = 0
-    while got < page_len:
-        n = os.preadv(fd, [target[got:]], got)
+    while got < len(target):
+        n = os.preadv(fd, [target[got:]], offset + got)
         if n <= 0:
             return False
         got += n
+    return True
+
+
+def _read_page(fd: int, target: memoryview, page_len: int) -> bool:
+    """The whole payload of one page file into ``target``, verified against its trailer."""
+    return _pread_all(fd, target, 0) and _trailer_matches(fd, target, page_len)
+
+
+def _trailer_matches(fd: int, payload: Any, page_len: int) -> bool:
     try:
         payload_len, checksum = decode_trailer(os.pread(fd, TRAILER_SIZE, page_len))
     except CorruptPageError:
         return False
-    return payload_len == page_len and xxhash.xxh3_64_intdigest(target) == checksum
-
-
-class ShortCircuit:
-    """Which workers are local, per process; reads through the first placed one when it is."""
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-        self._pid = -1
-        self._lock = threading.Lock()
-        self._readers: dict[str, tuple[ShortCircuitReader | None, float]] = {}
-        self.stats = {"reads": 0, "bytes": 0, "fallbacks": 0}
-
-    def _reader(self, handle: Any) -> ShortCircuitReader | None:
-        if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
-            self._readers, self._pid = {}, os.getpid()
-        known = self._readers.get(handle.address)
-        if known is not None and (known[0] is not None or time.monotonic() - known[1] < PROBE_RETRY):
-            return known[0]
-        reader = None
-        try:
-            status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
-            if status.host_id == _HOST_ID and status.short_circuit_socket \
-                    and os.path.exists(status.short_circuit_socket):
-                reader = ShortCircuitReader(status.short_circuit_socket, self.fs.config.token,
-                                            timeout=min(SOCKET_TIMEOUT, self.fs.config.timeout))
-        except Exception as exc:  # an old worker, an unreachable one: gRPC only
-            log.debug("short-circuit probe of %s failed: %s", handle.address, exc)
-        with self._lock:
-            self._readers[handle.address] = (reader, time.monotonic())
-        return reader
-
-    def read(self, path: str, offset: int, length: int, version: str,
-             out: memoryview | None = None) -> tuple[Any, int, str] | None:
-        candidates = self.fs._process_state().candidates(path, offset, include_broken=False)
-        if not candidates:
-            return None
-        reader = self._reader(candidates[0])
-        if reader is None:
-            return None
-        try:
-            got = reader.read(path, offset, length, version, out)
-        except OSError as exc:  # the worker restarted, went away or is wedged: gRPC for a while
-            log.debug("short-circuit read from %s failed: %s", candidates[0].address, exc)
-            with self._lock:
-                self._readers[candidates[0].address] = (None, time.monotonic())
-            reader.close()
-            got = None
-        if got is None:
-            self.stats["fallbacks"] += 1
-            return None
-        self.stats["reads"] += 1
-        self.stats["bytes"] += len(got[0])
-        return got
-
-    def close(self) -> None:
-        with self._lock:
-            readers, self._readers = self._readers, {}
-        if self._pid == os.getpid():
-            for reader, _ in readers.values():
-                if reader is not None:
-                    with contextlib.suppress(OSError):
-                        reader.close()
+    return payload_len == page_len and xxhash.xxh3_64_intdigest(payload) == checksum

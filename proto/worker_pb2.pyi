@@ -68,7 +68,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "version", "page_size", "pages", "used_bytes", "capacity_bytes", "hits", "misses", "evictions", "bytes_from_cache", "bytes_from_store", "degraded", "disk_errors", "corrupt_pages", "stores_unavailable", "short_circuit_socket", "host_id")
+    __slots__ = ("worker_id", "version", "page_size", "pages", "used_bytes", "capacity_bytes", "hits", "misses", "evictions", "bytes_from_cache", "bytes_from_store", "degraded", "disk_errors", "corrupt_pages", "stores_unavailable", "short_circuit_socket", "host_id", "data_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class WorkerStatus(_message.Message):
     STORES_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     SHORT_CIRCUIT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: str
     page_size: int
@@ -103,7 +104,8 @@ class WorkerStatus(_message.Message):
     stores_unavailable: _containers.RepeatedScalarFieldContainer[str]
     short_circuit_socket: str
     host_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ..., degraded: _Optional[bool] = ..., disk_errors: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., stores_unavailable: _Optional[_Iterable[str]] = ..., short_circuit_socket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ..., degraded: _Optional[bool] = ..., disk_errors: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., stores_unavailable: _Optional[_Iterable[str]] = ..., short_circuit_socket: _Optional[str] = ..., host_id: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("paths", "hint")

@@ -158,8 +158,11 @@ def test_defaults_render_master_and_workers():
     worker = _container(ds)
     wconf = tomllib.loads(_config_files(objects)["worker.toml"])["worker"]
     assert ds["spec"]["template"]["spec"]["nodeSelector"] == {"cachefs.io/worker": "true"}
-    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"grpc": wconf["port"],
-                                                                         "http": wconf["metrics_port"]}
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {
+        "grpc": wconf["port"], "http": wconf["metrics_port"], "data": wconf["data_port"]}
+    closed = _render({"worker": {"config": {"data_port": -1}}})  # the data port off: no port to declare
+    closed_worker = _container(next(d for d in closed["DaemonSet"]))
+    assert {p["name"] for p in closed_worker["ports"]} == {"grpc", "http"}
     assert worker["readinessProbe"]["httpGet"]["path"] == "/readyz"
     # The worker dials the master's Service on its gRPC port, and advertises its pod IP.
     service = next(s for s in objects["Service"] if s["metadata"]["name"] == "rel-cachefs-master")

@@ -12,7 +12,7 @@ def test_metrics_endpoint_reports_the_read_path(local_store, make_worker):
     local_store.add("a.bin", data)
     worker = make_worker(local_store.mount, page_size=PAGE, metrics_port=0, readahead_pages=0)
     assert worker.metrics_port
-    fs = client(worker.address, short_circuit=False)  # every read through gRPC (its metrics are the point)
+    fs = client(worker.address, short_circuit=False, data_port=False)  # every read through gRPC (its metrics are the point)
     assert fs.cat_file("data/a.bin") == data  # 4 misses
     assert wait_for(lambda: worker.pages.stats().pages == 4)
     assert fs.cat_file("data/a.bin") == data  # 4 hits

@@ -26,7 +26,9 @@ from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
 from cachefs.server.worker.registration import Registrar, worker_stats
 from cachefs.server.worker.service import WorkerServicer
-from cachefs.server.worker.shortcircuit import ShortCircuitServer, token_checker
+from cachefs.server.worker.bulkpath import CachedPages, token_checker
+from cachefs.server.worker.dataport import DataPortServer
+from cachefs.server.worker.shortcircuit import ShortCircuitServer
 from cachefs.tls import bind_port
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class Worker:
         self._server: grpc.Server | None = None
         self._metrics_http: HttpServer | None = None
         self.short_circuit: ShortCircuitServer | None = None
+        self.data_port_server: DataPortServer | None = None
+        self.data_port: int | None = None  # bound data port (None: off)
         self._stopped = threading.Event()
         self._had_mounts = False  # readiness: the master's mounts arrived once (kept while it is away)
         self.metrics = WorkerMetrics()
@@ -122,7 +126,11 @@ class Worker:
             max_rpc_seconds=max(self.config.store_timeout * 4, 60.0),
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-        servicer.short_circuit_socket = self._start_short_circuit()
+        token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
+        cached = CachedPages(self.objects.cached_info, self.reader._page_id, self.pages.open_page,
+                             self.pages.page_size, token)
+        servicer.short_circuit_socket = self._start_short_circuit(cached)
+        servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
         server.start()
         self._server, self.port = server, port
@@ -154,6 +162,8 @@ class Worker:
             self._metrics_http.stop()
         if self.short_circuit is not None:
             self.short_circuit.stop()
+        if self.data_port_server is not None:
+            self.data_port_server.stop()
         self.reader.close(timeout=grace)
         self.pages.close()
         log.info("worker %s stopped", self.worker_id)
@@ -168,20 +178,33 @@ class Worker:
         digest = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:16]
         return os.path.join(tempfile.gettempdir(), f"cachefs-{digest}.sock")
 
-    def _start_short_circuit(self) -> str:
+    def _start_short_circuit(self, cached: CachedPages) -> str:
         """The short-circuit socket (server/worker/shortcircuit.py); "" when off or unavailable."""
         path = self._short_circuit_path()
         if not path:
             return ""
-        token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
         try:
-            self.short_circuit = ShortCircuitServer(
-                path, resolve=self.objects.cached_info, page_ids=self.reader._page_id, open_page=self.pages.open_page,
-                page_size=self.pages.page_size, token=token, on_served=self.metrics.served_short_circuit).start()
+            self.short_circuit = ShortCircuitServer(path, cached, on_served=self.metrics.served_short_circuit).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             return ""
         return path
+
+    def _start_data_port(self, cached: CachedPages) -> int:
+        """The data port (server/worker/dataport.py); 0 when off: disabled, or TLS (it is plaintext)."""
+        if self.config.data_port < 0:
+            return 0
+        if self.config.tls_cert_file:
+            log.info("data port off: the worker serves TLS and the data port is plaintext")
+            return 0
+        try:
+            self.data_port_server = DataPortServer(self.config.host, self.config.data_port, cached,
+                                                   on_served=self.metrics.served_data_port).start()
+        except OSError as exc:  # port taken: bulk bytes go through gRPC
+            log.warning("data port off: cannot listen on %s:%s: %s", self.config.host, self.config.data_port, exc)
+            return 0
+        self.data_port = self.data_port_server.port
+        return self.data_port
 
     def _live(self) -> tuple[bool, str]:
         """/healthz: serving and not stopping."""

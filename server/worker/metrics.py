@@ -90,6 +90,10 @@ class WorkerMetrics:
             "cachefs_worker_short_circuit_bytes",
             "Bytes of cached pages handed to clients on this host as file descriptors (short-circuit reads).",
             registry=r)
+        self.data_port_bytes = Counter(
+            "cachefs_worker_data_port_bytes",
+            "Bytes of cached pages sent through the data port (TCP, sendfile) instead of gRPC.",
+            registry=r)
         self.page_reads = Counter(
             "cachefs_worker_page_reads",
             "Page lookups by outcome: hit (page store), miss (fetched), joined (shared a fetch "
@@ -144,6 +148,13 @@ class WorkerMetrics:
         self.bytes_from_cache.inc(nbytes)
         self.bytes_served.inc(nbytes)
         self.short_circuit_bytes.inc(nbytes)
+
+    def served_data_port(self, pages: int, nbytes: int) -> None:
+        """A read through the data port: page hits and bytes from cache like any other cached read."""
+        self.page_reads.labels("hit").inc(pages)
+        self.bytes_from_cache.inc(nbytes)
+        self.bytes_served.inc(nbytes)
+        self.data_port_bytes.inc(nbytes)
 
     def totals(self) -> dict[str, int]:
         """Running totals that the status RPC and the master's view report."""

@@ -1,0 +1,121 @@
+"""Which lean path carries a cached range from a worker, per process: short-circuit or data port.
+
+gRPC carries control, metadata and uncached reads. For cached bytes each worker offers two
+faster paths, learnt once from its ``GetStatus``: a Unix socket handing over page file
+descriptors, usable when the worker runs on this host (client/shortcircuit.py), and a TCP data
+port that sends page files with sendfile (client/dataport.py). A read tries the path of the
+worker placed first for the range; None from here means "read through gRPC", so these paths
+can make a read faster but never fail it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Protocol
+
+from cachefs.client.dataport import DataPortReader
+from cachefs.client.shortcircuit import ShortCircuitReader
+from cachefs.localhost import host_id
+from cachefs.proto import worker_pb2
+
+log = logging.getLogger(__name__)
+
+PROBE_RETRY = 60.0  # seconds before asking a worker again which paths it offers
+#: A worker answers a cached range in milliseconds; a path that takes this long is dropped for
+#: PROBE_RETRY seconds (reads go through gRPC), so a wedged socket costs a read at most this
+#: much (plus the transfer's own time at min_throughput), never the gRPC deadline.
+SOCKET_TIMEOUT = 5.0
+_HOST_ID = host_id()
+
+
+class Reader(Protocol):
+    kind: str
+
+    def read(self, path: str, offset: int, length: int, version: str,
+             out: memoryview | None = None) -> tuple[Any, int, str] | None: ...
+
+    def close(self) -> None: ...
+
+
+def _host(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
+class BulkPaths:
+    """Per worker: its lean reader (or None: gRPC only), probed lazily, per process."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self._pid = -1
+        self._lock = threading.Lock()
+        self._readers: dict[str, tuple[Reader | None, float]] = {}
+        self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0} for kind in ("short_circuit", "data_port")}
+
+    @property
+    def enabled(self) -> bool:
+        return self.fs.config.short_circuit or self.fs.config.data_port
+
+    def _probe(self, handle: Any) -> Reader | None:
+        config = self.fs.config
+        status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+        timeout = min(SOCKET_TIMEOUT, config.timeout)
+        if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
+                and os.path.exists(status.short_circuit_socket):
+            return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout)
+        if config.data_port and status.data_port and not config.tls.enabled:
+            return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout)
+        return None
+
+    def _reader(self, handle: Any) -> Reader | None:
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
+            self._readers, self._pid = {}, os.getpid()
+        known = self._readers.get(handle.address)
+        if known is not None and (known[0] is not None or time.monotonic() - known[1] < PROBE_RETRY):
+            return known[0]
+        reader = None
+        try:
+            reader = self._probe(handle)
+        except Exception as exc:  # an old worker, an unreachable one: gRPC only
+            log.debug("probe of %s for lean read paths failed: %s", handle.address, exc)
+        with self._lock:
+            self._readers[handle.address] = (reader, time.monotonic())
+        return reader
+
+    def read(self, path: str, offset: int, length: int, version: str,
+             out: memoryview | None = None) -> tuple[Any, int, str] | None:
+        """The range from the first placed worker's lean path, or None: read it through gRPC."""
+        candidates = self.fs._process_state().candidates(path, offset, include_broken=False)
+        if not candidates:
+            return None
+        reader = self._reader(candidates[0])
+        if reader is None:
+            return None
+        try:
+            got = reader.read(path, offset, length, version, out)
+        except OSError as exc:  # the worker restarted, went away or is wedged: gRPC for a while
+            log.debug("%s read from %s failed: %s", reader.kind, candidates[0].address, exc)
+            with self._lock:
+                self._readers[candidates[0].address] = (None, time.monotonic())
+            reader.close()
+            got = None
+        stats = self.stats[reader.kind]
+        if got is None:
+            stats["fallbacks"] += 1
+            return None
+        stats["reads"] += 1
+        stats["bytes"] += len(got[0])
+        return got
+
+    def close(self) -> None:
+        with self._lock:
+            readers, self._readers = self._readers, {}
+        if self._pid == os.getpid():
+            for reader, _ in readers.values():
+                if reader is not None:
+                    with contextlib.suppress(OSError):
+                        reader.close()

@@ -1,0 +1,55 @@
+from cachefs.proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataRequest(_message.Message):
+    __slots__ = ("path", "offset", "length", "version", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    version: str
+    token: str
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class DataSegment(_message.Message):
+    __slots__ = ("offset", "length", "checksum", "verified")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    checksum: int
+    verified: bool
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., verified: _Optional[bool] = ...) -> None: ...
+
+class DataReply(_message.Message):
+    __slots__ = ("code", "message", "info", "segments")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OK: _ClassVar[DataReply.Code]
+        NOT_CACHED: _ClassVar[DataReply.Code]
+        REFUSED: _ClassVar[DataReply.Code]
+    OK: DataReply.Code
+    NOT_CACHED: DataReply.Code
+    REFUSED: DataReply.Code
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    code: DataReply.Code
+    message: str
+    info: _common_pb2.ObjectInfo
+    segments: _containers.RepeatedCompositeFieldContainer[DataSegment]
+    def __init__(self, code: _Optional[_Union[DataReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ...) -> None: ...

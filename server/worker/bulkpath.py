@@ -1,0 +1,175 @@
+"""What the worker's two bulk paths share: connection handling and "open the cached pages of a range".
+
+gRPC carries control and metadata. Cached bytes can leave the worker two leaner ways: as page
+file descriptors over a Unix socket to a client on this host (shortcircuit.py), or as page
+files sent with sendfile over TCP to any client (dataport.py). Both serve only what is already
+cached, using only metadata the worker already has (never a store call: a store that is slow
+or down is gRPC's to report), and answer "not cached" for anything else, so that the client
+reads it through gRPC, which fetches, caches and serves it as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachefs.errors import to_status
+from cachefs.localhost import MAX_PAGES
+from cachefs.paths import parse_path
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = 300.0  # a connection idle this long is closed
+
+OK, NOT_CACHED, REFUSED = 0, 1, 2  # the codes of both protocols' replies
+
+
+@dataclass
+class OpenedRange:
+    """The outcome of a range request: a code, and on OK the object and its opened page files."""
+
+    code: int
+    message: str = ""
+    meta: Any = None
+    offset: int = 0
+    end: int = 0  # exclusive, clipped to the object
+    fds: list[int] = field(default_factory=list)
+    page_offsets: list[int] = field(default_factory=list)
+    page_lengths: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+class CachedPages:
+    """Opens the cached page files behind a range request, with the worker's own metadata only."""
+
+    def __init__(self, resolve: Callable[[Any], Any], page_id: Callable[[Any, int], Any],
+                 open_page: Callable[[Any], int | None], page_size: int,
+                 token: Callable[[str], bool] | None = None) -> None:
+        self._resolve, self._page_id, self._open_page = resolve, page_id, open_page
+        self.page_size, self._token_ok = page_size, token
+
+    def open(self, request: Any) -> OpenedRange:
+        """``request`` has path, offset, length, version and token (both protocols' requests do)."""
+        if self._token_ok is not None and not self._token_ok(request.token):
+            return OpenedRange(REFUSED, "UNAUTHENTICATED: missing or wrong access token")
+        try:
+            path = parse_path(request.path)
+            if request.offset < 0 or request.length < -1:
+                raise ValueError("offset must be >= 0 and length >= -1")
+        except Exception as exc:  # a bad path, or range
+            return OpenedRange(REFUSED, f"{to_status(exc).name}: {exc}")
+        meta = self._resolve(path)
+        if meta is None or meta.is_dir or (request.version and meta.version != request.version):
+            return OpenedRange(NOT_CACHED)
+        end = meta.size if request.length == -1 else min(meta.size, request.offset + request.length)
+        if end <= request.offset:
+            return OpenedRange(OK, meta=meta, offset=request.offset, end=request.offset)
+        first, last = request.offset // self.page_size, (end - 1) // self.page_size
+        if last - first + 1 > MAX_PAGES:
+            return OpenedRange(REFUSED, f"more than {MAX_PAGES} pages in one request")
+        opened = OpenedRange(OK, meta=meta, offset=request.offset, end=end)
+        try:
+            for index in range(first, last + 1):
+                fd = self._open_page(self._page_id(meta, index))
+                if fd is None:
+                    opened.close()
+                    return OpenedRange(NOT_CACHED, meta=meta)
+                opened.fds.append(fd)
+                start = index * self.page_size
+                opened.page_offsets.append(start)
+                opened.page_lengths.append(min(meta.size, start + self.page_size) - start)
+        except BaseException:
+            opened.close()
+            raise
+        return opened
+
+
+class ConnectionServer:
+    """A listening socket, a thread per connection (blocking I/O releases the GIL), and a clean stop."""
+
+    name = "bulk"
+
+    def __init__(self, max_connections: int = 256) -> None:
+        self.max_connections = max_connections
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _listen(self) -> socket.socket:
+        raise NotImplementedError
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Answer requests on one connection until it closes; exceptions end the connection."""
+        raise NotImplementedError
+
+    def start(self) -> "ConnectionServer":
+        self._sock = self._listen()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return  # closed by stop()
+                continue  # e.g. ECONNABORTED, EMFILE: the next accept may work
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                conn.close()  # the client falls back to gRPC
+                continue
+            threading.Thread(target=self._run, args=(conn,), name=f"{self.name}-conn", daemon=True).start()
+
+    def _run(self, conn: socket.socket) -> None:
+        conn.settimeout(IDLE_TIMEOUT)
+        try:
+            self._serve(conn)
+        except OSError:
+            return  # the client went away, or idled out
+        except Exception:  # a bug must cost one connection, never the worker
+            log.exception("%s connection failed", self.name)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+
+def token_checker(tokens: list[str]) -> Callable[[str], bool] | None:
+    """None when the worker has no token; else a constant-time check against any of ``tokens``."""
+    wanted = [t.encode() for t in tokens if t]
+    if not wanted:
+        return None
+    return lambda given: any(hmac.compare_digest(given.encode(), t) for t in wanted)
