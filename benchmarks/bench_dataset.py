@@ -3,6 +3,7 @@
     bash benchmarks/setup_peers.sh                       # once: a venv with the peers
     .venv-bench/bin/python benchmarks/bench_dataset.py   # full: 2,000 samples of 256 KiB
     .venv-bench/bin/python benchmarks/bench_dataset.py --quick
+    .venv-bench/bin/python benchmarks/bench_dataset.py --quick --delay-ms 10   # store ~40 ms to first byte
 
 One moto S3 server holds the samples three ways: one object per sample, tar shards (with
 cachefs's index.json) and MosaicML MDS shards (64 MiB each); a local directory holds them as
@@ -12,12 +13,17 @@ files. Each loader reads a cold epoch and a warm one, with DataLoader workers 0 
 * ``s3fs``: a map Dataset calling ``cat_file`` per sample;
 * ``streaming``: MosaicML ``StreamingDataset`` over the MDS shards (its local cache dir is new
   for a cold epoch);
-* ``s3torchconnector``: ``S3MapDataset.from_prefix`` (no cache: cold and warm alike);
+* ``s3torchconnector``: ``S3MapDataset.from_objects`` (no cache: cold and warm alike);
 * ``cachefs-map``: ``CacheDataset`` over the per-sample objects through one worker process;
 * ``cachefs-tar``: ``CacheIterableDataset`` over the tar shards through the same worker.
 Cold cachefs epochs start from an empty cache (the worker's ``Free``). Every epoch checks that
 each sample came exactly once. Then the data-stall share: a warm epoch with a simulated step of
 2x the sample's read time (``time.sleep``, as a GPU step leaves the CPU free) per batch.
+
+``--delay-ms D`` puts moto D ms away each way (benchmarks/netem.py: a network namespace + veth +
+``tc netem``, else a delay proxy; the endpoint's note and a measured GET time go into the JSON).
+As per-object peers then crawl, ``--peer-samples`` bounds what s3fs and s3torchconnector read per
+epoch (64 by default with ``--quick`` and a delay; their rows' ``items`` say how many).
 
 Writes benchmarks/results/dataset-<timestamp>.json (and latest-dataset.json) and a PNG.
 """
@@ -45,11 +51,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_read import machine_info, toml_value  # noqa: E402
+try:
+    from read_common import machine_info, toml_value  # noqa: E402
+except ImportError:  # before bench_read.py was split up
+    from bench_read import machine_info, toml_value  # noqa: E402
 
-from cachefs.testing import MotoServer  # noqa: E402
+from netem import Endpoint, moto_endpoint  # noqa: E402
 
 MOUNT = "bench"
+PER_OBJECT_PEERS = ("s3fs", "s3torchconnector")  # --peer-samples bounds what these read
+WORKER_COUNTERS = ("cachefs_worker_bytes_from_store_total", "cachefs_worker_bytes_from_cache_total",
+                   "cachefs_worker_page_reads_total", "cachefs_worker_load_bytes_total")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ID = 8  # every sample starts with its index as 8 ASCII digits
 
@@ -163,7 +175,7 @@ class Bench:
         self.results: list[dict[str, Any]] = []
 
     # -- data -------------------------------------------------------------------------------------------
-    def setup(self, moto: MotoServer) -> None:
+    def setup(self, moto: Endpoint) -> None:
         import s3fs
 
         self.so = moto.storage_options()
@@ -192,6 +204,7 @@ class Bench:
                     w.write({"data": d})
             self.fs.put(mds + "/", f"{self.bucket}/mds/", recursive=True)
         self.keys = [f"{self.bucket}/objs/{i:06d}.bin" for i in range(self.n)]
+        self.peer_n = min(self.n, self.args.peer_samples or self.n)  # what per-object peers read per epoch
 
     # -- the cachefs worker -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -207,10 +220,23 @@ class Bench:
                               log_path=os.path.join(self.tmp, "worker.log"), extra=["--config", config])
         proc.start(timeout=60)
         try:
+            self.metrics_url = f"http://127.0.0.1:{proc.ready['metrics_port']}/metrics"
             yield proc.address
         finally:
             proc.stop()
             proc.kill()
+
+    def counters(self) -> dict[str, float]:
+        """The worker's store/cache counters now (a cachefs epoch's row gets their change)."""
+        import urllib.request
+
+        out: dict[str, float] = {}
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                name, _, value = line.rpartition(" ")
+                if name.startswith(WORKER_COUNTERS):
+                    out[name.removeprefix("cachefs_worker_").replace('"', "")] = float(value)
+        return out
 
     @staticmethod
     def free(address: str, prefix: str) -> None:
@@ -230,7 +256,8 @@ class Bench:
         nothing = lambda: None  # noqa: E731
         out["local"] = (lambda w: DataLoader(LocalFiles(self.local_paths, self.size), shuffle=True, **kw(w)),
                         lambda: os.system("sync"))  # the page cache stays: local is always warm-ish
-        out["s3fs"] = (lambda w: DataLoader(S3fsMap(self.keys, self.so), shuffle=True, **kw(w)), nothing)
+        out["s3fs"] = (lambda w: DataLoader(S3fsMap(self.keys[:self.peer_n], self.so), shuffle=True, **kw(w)),
+                       nothing)
         if "streaming" in args.loaders:
             state = {"local": ""}
 
@@ -248,9 +275,9 @@ class Bench:
         if "s3torchconnector" in args.loaders:
             def connector(w: int) -> DataLoader:
                 from s3torchconnector import S3ClientConfig, S3MapDataset
-                ds = S3MapDataset.from_prefix(f"s3://{self.bucket}/objs/", region="us-east-1",
-                                              endpoint=self.so["endpoint_url"], transform=connector_transform,
-                                              s3client_config=S3ClientConfig(force_path_style=True))
+                ds = S3MapDataset.from_objects([f"s3://{k}" for k in self.keys[:self.peer_n]], region="us-east-1",
+                                               endpoint=self.so["endpoint_url"], transform=connector_transform,
+                                               s3client_config=S3ClientConfig(force_path_style=True))
                 return DataLoader(ds, shuffle=True, **kw(w))
             out["s3torchconnector"] = (connector, nothing)
         from cachefs.client.dataset import CacheDataset
@@ -264,16 +291,24 @@ class Bench:
         out["cachefs-tar"] = (lambda w: DataLoader(self.tar_ds, **kw(w)), lambda: self.free(address, "tars"))
         return {k: v for k, v in out.items() if k in args.loaders}
 
+    def items(self, loader: str) -> int:
+        return self.peer_n if loader in PER_OBJECT_PEERS else self.n
+
     def run(self, address: str) -> None:
         loaders = self.loaders(address)
         for name, (make, make_cold) in loaders.items():
+            n = self.items(name)
             for w in self.args.workers:
                 for phase in ("cold", "warm"):
                     if phase == "cold":
                         make_cold()
                     row = {"loader": name, "num_workers": w, "phase": phase}
                     try:
-                        row.update(epoch(make(w), self.n))
+                        before = self.counters() if name.startswith("cachefs") else None
+                        row.update(epoch(make(w), n))
+                        if before is not None:  # e.g. store bytes in a warm epoch: not warm after all
+                            row["worker"] = {k: v - before.get(k, 0.0) for k, v in self.counters().items()
+                                             if v != before.get(k, 0.0)}
                     except Exception as exc:  # one loader failing must not lose the others' figures
                         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
                     print(json.dumps(row), flush=True)
@@ -289,7 +324,7 @@ class Bench:
             step = 2 * self.batch / warm[0]["items_per_s"]
             row = {"loader": name, "num_workers": w, "phase": "warm+step", "step_s": round(step, 5)}
             try:
-                row.update(epoch(loaders[name][0](w), self.n, step=step))
+                row.update(epoch(loaders[name][0](w), self.items(name), step=step))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             print(json.dumps(row), flush=True)
@@ -311,6 +346,8 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
             "cachefs-tar cold / streaming cold (target >= 1.0)": ratio(("cachefs-tar", "cold"), ("streaming", "cold")),
             "cachefs-map cold / s3torchconnector cold (target >= 0.9)": ratio(("cachefs-map", "cold"),
                                                                               ("s3torchconnector", "cold")),
+            "cachefs-map warm / s3fs warm (target >= 20 with delay)": ratio(("cachefs-map", "warm"), ("s3fs", "warm")),
+            "cachefs-tar warm / s3fs warm (target >= 20 with delay)": ratio(("cachefs-tar", "warm"), ("s3fs", "warm")),
         }
     out["stall_share (target < 0.05)"] = {f"{r['loader']} workers={r['num_workers']}": r.get("stall_share")
                                           for r in results if r["phase"] == "warm+step"}
@@ -362,10 +399,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall", default="cachefs-map,cachefs-tar,local",
                    help="loaders to measure the data-stall share for")
     p.add_argument("--hint-samples", type=int, default=256, help="CacheDataset's hint_samples (0: no hints)")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="one-way delay to moto in each direction (RTT 2x; moto closes every connection, so"
+                        " ~4x to a request's first byte): netns + veth + tc netem, else a delay proxy")
+    p.add_argument("--peer-samples", type=int,
+                   help="samples s3fs and s3torchconnector read per epoch (default all; 64 with --quick and a delay)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
     args.samples = args.samples or (400 if args.quick else 2000)
     args.shard_bytes = args.shard_bytes or ((16 if args.quick else 64) << 20)
+    if args.peer_samples is None and args.quick and args.delay_ms > 0:
+        args.peer_samples = 64
     args.workers = [int(w) for w in args.workers.split(",")]
     args.loaders = args.loaders.split(",")
     args.stall = [s for s in args.stall.split(",") if s]
@@ -373,8 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-dataset-")
     started = dt.datetime.now(dt.timezone.utc)
     try:
-        with MotoServer(key_buffer_size=512 << 20) as moto:
-            for k, v in {"S3_ENDPOINT_URL": moto.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
+        with moto_endpoint(args.delay_ms, env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(512 << 20)}) as moto:
+            endpoint = moto
+            print(f"object store: {moto.note}", flush=True)
+            for k, v in {"S3_ENDPOINT_URL": moto.url, "AWS_ACCESS_KEY_ID": "testing",
                          "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
                 os.environ[k] = v  # streaming's and the connector's own S3 clients read these
             bench = Bench(args, tmp)
@@ -384,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     doc = {"benchmark": "dataset", "started": started.isoformat(), "args": {k: v for k, v in vars(args).items()},
-           "machine": machine_info(), "results": bench.results, "ratios": ratios(bench.results)}
+           "machine": machine_info(), "endpoint": endpoint.as_dict(), "results": bench.results,
+           "ratios": ratios(bench.results)}
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     path = os.path.join(args.out, f"dataset-{stamp}.json")
     for target in (path, os.path.join(args.out, "latest-dataset.json")):
@@ -392,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(doc, f, indent=1)
     note = plot(bench.results, path[:-5] + ".png")
     print(json.dumps(doc["ratios"], indent=1))
+    print(f"object store: {endpoint.note}")
     print(f"wrote {path}" + (f" ({note})" if note else f" and {path[:-5]}.png"))
     return 0
 
