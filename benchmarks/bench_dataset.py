@@ -51,10 +51,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-try:
-    from read_common import machine_info, toml_value  # noqa: E402
-except ImportError:  # before bench_read.py was split up
-    from bench_read import machine_info, toml_value  # noqa: E402
+from read_common import machine_info  # noqa: E402
+
+from cachefs.local import toml_value  # noqa: E402
 
 from netem import Endpoint, moto_endpoint  # noqa: E402
 

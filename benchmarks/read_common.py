@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import io
-import json
 import os
 import platform
 import subprocess
@@ -57,18 +56,6 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     shift = (-raw.ctypes.data) % align
     return raw[shift:shift + nbytes]
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string for these values
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} as TOML")
 
 
 def machine_info() -> dict[str, Any]:

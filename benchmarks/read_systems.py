@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from read_common import Dataset, ReadFn, toml_value
+
+from cachefs.local import toml_value
+from read_common import Dataset, ReadFn
 from read_limits import GrpcRawClient, TcpRawClient, limit_server
 
 MOUNT = "bench"

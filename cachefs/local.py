@@ -113,15 +113,15 @@ def master_process(state_dir: str, extra: list[str] | None = None, log_path: str
                          log_path=log_path)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(str(value))
 
 
@@ -131,7 +131,7 @@ def _mounts_toml(mounts: dict[str, Any]) -> str:
     for name, spec in mounts.items():
         spec = {"url": spec} if isinstance(spec, str) else dict(spec)
         lines.append(f"[mounts.{json.dumps(name)}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in spec.items()]
+        lines += [f"{key} = {toml_value(value)}" for key, value in spec.items()]
         lines.append("")
     return "\n".join(lines)
 

@@ -10,14 +10,13 @@ caller reads through gRPC instead.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
-import threading
 from typing import Any
 
 import xxhash
 
+from cachefs.client.socketpool import SocketPool
 from cachefs.proto import dataport_pb2
 
 Reply = dataport_pb2.DataReply
@@ -56,13 +55,9 @@ class DataPortReader:
 
     def __init__(self, host: str, port: int, token: str = "", timeout: float = 30.0, max_idle: int = 8) -> None:
         self.host, self.port, self.token, self.timeout, self.max_idle = host, port, token, timeout, max_idle
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
+        self._pool = SocketPool(self._connect, max_idle)
 
-    def _take(self) -> socket.socket:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+    def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -73,13 +68,6 @@ class DataPortReader:
             raise
         return sock
 
-    def _give_back(self, sock: socket.socket) -> None:
-        with self._lock:
-            if len(self._idle) < self.max_idle:
-                self._idle.append(sock)
-                return
-        sock.close()
-
     def read(self, path: str, offset: int, length: int, version: str,
              out: memoryview | None = None) -> tuple[Any, int, str] | None:
         """(data, object size, version) of the range, or None: read it through gRPC instead.
@@ -89,7 +77,7 @@ class DataPortReader:
         """
         body = dataport_pb2.DataRequest(path=path, offset=offset, length=length, version=version,
                                         token=self.token).SerializeToString()
-        sock = self._take()
+        sock = self._pool.take()
         try:
             sock.sendall(FRAME.pack(len(body)) + body)
             (size,) = FRAME.unpack(_recv_bytes(sock, FRAME.size))
@@ -100,7 +88,7 @@ class DataPortReader:
         except BaseException:
             sock.close()  # out of step with the stream, or gone: never reused
             raise
-        self._give_back(sock)
+        self._pool.give_back(sock)
         return result
 
     @staticmethod
@@ -133,12 +121,4 @@ class DataPortReader:
         return (out if into is not None else bytes(out)), size, reply.info.version
 
     def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
-
-    def __del__(self) -> None:  # a dataset's per-process filesystem is never closed explicitly
-        with contextlib.suppress(Exception):
-            for sock in self._idle:
-                sock.close()
+        self._pool.close()

@@ -10,7 +10,6 @@ usual, so this path can only make a read faster, never fail it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -21,6 +20,7 @@ from typing import Any
 import xxhash
 
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
+from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
 from cachefs.server.pagestore.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 
@@ -36,14 +36,10 @@ class ShortCircuitReader:
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8) -> None:
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
+        self._pool = SocketPool(self._connect, max_idle)
         self.verified = VerifiedFiles()
 
-    def _take(self) -> socket.socket:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+    def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(self.timeout)
         try:
@@ -52,13 +48,6 @@ class ShortCircuitReader:
             sock.close()
             raise
         return sock
-
-    def _give_back(self, sock: socket.socket) -> None:
-        with self._lock:
-            if len(self._idle) < self.max_idle:
-                self._idle.append(sock)
-                return
-        sock.close()
 
     def read(self, path: str, offset: int, length: int, version: str,
              out: memoryview | None = None) -> tuple[Any, int, str] | None:
@@ -69,7 +58,7 @@ class ShortCircuitReader:
         """
         request = shortcircuit_pb2.ShortCircuitRequest(path=path, offset=offset, length=length, version=version,
                                                        token=self.token)
-        sock = self._take()
+        sock = self._pool.take()
         fds: list[int] = []
         try:
             sock.send(request.SerializeToString())
@@ -81,7 +70,7 @@ class ShortCircuitReader:
             for fd in fds:
                 os.close(fd)
             raise
-        self._give_back(sock)
+        self._pool.give_back(sock)
         try:
             reply = Reply()
             reply.ParseFromString(message)
@@ -145,15 +134,7 @@ class ShortCircuitReader:
         return parts
 
     def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
-
-    def __del__(self) -> None:  # a dataset's per-process filesystem is never closed explicitly
-        with contextlib.suppress(Exception):
-            for sock in self._idle:
-                sock.close()
+        self._pool.close()
 
 
 class VerifiedFiles:

@@ -27,6 +27,18 @@ def page_files(cache_dir: Path) -> list[Path]:
     return [p for p in (cache_dir / "pages").rglob("*") if p.is_file()]
 
 
+def flip_page_bytes(cache_dir: Path, offset: int = 100) -> int:
+    """Corrupt every page file in place (one payload byte flipped); returns how many."""
+    files = page_files(cache_dir)
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.seek(offset)
+            b = fh.read(1)
+            fh.seek(offset)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    return len(files)
+
+
 def disk_usage(cache_dir: Path) -> int:
     total = 0
     for path in page_files(cache_dir):
