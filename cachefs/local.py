@@ -200,11 +200,15 @@ class LocalCluster:
         master.args[master.args.index("--port") + 1] = str(self.master_port)
         return master.start(timeout)
 
-    def start_worker(self, i: int, timeout: float = 60.0) -> DaemonProcess:
-        """Worker ``i`` (its cache dir is kept across restarts, so it rejoins with its pages)."""
-        return worker_process({}, os.path.join(self.workdir, f"worker-{i}", "cache"), quota=self.quota,
-                              extra=["--master", self.master_address, *self.worker_args],
-                              log_path=os.path.join(self.workdir, f"worker-{i}.log"), env=self.env).start(timeout)
+    def start_worker(self, i: int, timeout: float = 60.0, port: int = 0) -> DaemonProcess:
+        """Worker ``i`` (its cache dir is kept across restarts, so it rejoins with its pages);
+        ``port``: the gRPC port to bind (a restarted worker keeps its address, and so its ring share)."""
+        worker = worker_process({}, os.path.join(self.workdir, f"worker-{i}", "cache"), quota=self.quota,
+                                extra=["--master", self.master_address, *self.worker_args],
+                                log_path=os.path.join(self.workdir, f"worker-{i}.log"), env=self.env)
+        if port:
+            worker.args[worker.args.index("--port") + 1] = str(port)
+        return worker.start(timeout)
 
     def wait_for_workers(self, count: int | None = None, timeout: float = 30.0) -> bool:
         """Until the master's view has ``count`` (default: all) live workers."""

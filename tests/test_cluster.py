@@ -116,8 +116,10 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
             time.sleep(0.5)
         assert not loop.errors, loop.errors[:3]
         assert loop.reads > 20, loop.reads
-        # Restarted on its cache dir, it rejoins and serves its old pages without the store.
-        cluster.workers[0] = restarted = cluster.start_worker(0)
+        # Restarted on its cache dir and address (so the ring gives it the same keys), it
+        # rejoins and serves its old pages without the store.
+        cluster.workers[0] = restarted = cluster.start_worker(0, port=int(victim.address.rpartition(":")[2]))
+        assert restarted.address == victim.address
         assert wait_for(lambda: _live(cluster.master_address) == 3, timeout=15)
         assert wait_for(lambda: restarted.address in fs._workers.addresses, timeout=15)
         for key in victim_keys:
