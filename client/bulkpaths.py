@@ -72,8 +72,9 @@ class BulkPaths:
         return None
 
     def _reader(self, handle: Any) -> Reader | None:
-        if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
-            self._readers, self._pid = {}, os.getpid()
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use, nor its
+            # lock (a parent thread may have held it at the fork: it would stay held here)
+            self._readers, self._pid, self._lock = {}, os.getpid(), threading.Lock()
         known = self._readers.get(handle.address)
         if known is not None and (known[0] is not None or time.monotonic() - known[1] < PROBE_RETRY):
             return known[0]
