@@ -206,7 +206,7 @@ def test_a_port_that_goes_away_costs_no_read(local_store, make_worker):
     assert fs.cat_file("cachefs://data/obj", 5, 50) == data[5:50]
 
 
-def test_switched_off_by_option_and_with_tls(local_store, make_worker, monkeypatch):
+def test_switched_off_by_option_and_env(local_store, make_worker, monkeypatch):
     local_store.add("obj", payload(PAGE, 7))
     worker = make_worker(local_store.mount, page_size=PAGE)
     fs = _fs(worker, data_port=False)

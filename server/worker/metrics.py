@@ -143,18 +143,19 @@ class WorkerMetrics:
         self.registry.register(_PageStoreCollector(stats))
 
     def served_short_circuit(self, pages: int, nbytes: int) -> None:
-        """A short-circuit read: page hits and bytes from cache like any other cached read."""
-        self.page_reads.labels("hit").inc(pages)
-        self.bytes_from_cache.inc(nbytes)
-        self.bytes_served.inc(nbytes)
-        self.short_circuit_bytes.inc(nbytes)
+        """A short-circuit read (page file descriptors over the Unix socket)."""
+        self._served_bulk(self.short_circuit_bytes, pages, nbytes)
 
     def served_data_port(self, pages: int, nbytes: int) -> None:
-        """A read through the data port: page hits and bytes from cache like any other cached read."""
+        """A read through the data port (page files sent with sendfile)."""
+        self._served_bulk(self.data_port_bytes, pages, nbytes)
+
+    def _served_bulk(self, path_bytes: Counter, pages: int, nbytes: int) -> None:
+        """Page hits and bytes from cache like any other cached read, plus the path's own count."""
         self.page_reads.labels("hit").inc(pages)
         self.bytes_from_cache.inc(nbytes)
         self.bytes_served.inc(nbytes)
-        self.data_port_bytes.inc(nbytes)
+        path_bytes.inc(nbytes)
 
     def totals(self) -> dict[str, int]:
         """Running totals that the status RPC and the master's view report."""
