@@ -63,7 +63,8 @@ _FILL = r"""
 import gc, json, os, sys, time
 from cachefs.mounts import MountTable, MountSpec
 from cachefs.paths import CachePath
-from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import ObjectStore
 
 def rss():
     with open("/proc/self/statm") as f:

@@ -1,9 +1,9 @@
 """cachefs: a caching data-access layer between object stores and GPU training.
 
 The data path is client -> worker -> page store -> object store:
-``cachefs.client`` (fsspec filesystem), ``cachefs.server`` (worker daemon, page store,
-object-store adapter), ``cachefs.proto`` (gRPC wire format). Shared pieces (config, errors,
-paths, mounts) live at this level.
+``cachefs.client`` (fsspec filesystem), ``cachefs.server`` (worker and master daemons, page
+store), ``cachefs.proto`` (gRPC wire format). Shared pieces (config, errors, paths, mounts, the
+page-file format, and ``cachefs.store``: the object-store adapter) live at this level.
 """
 
 from __future__ import annotations

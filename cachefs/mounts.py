@@ -92,7 +92,7 @@ class MountSpec:
 
 # botocore's defaults (legacy mode: 5 attempts with backoff, 60 s connect timeout) make a read
 # against a store that refuses connections take ~10 s before it fails; a cache must fail fast
-# and let its breaker (server/storehealth.py) take over. A mount's own config_kwargs win.
+# and let its breaker (cachefs/store/health.py) take over. A mount's own config_kwargs win.
 _S3_CLIENT_DEFAULTS = {"connect_timeout": 3, "retries": {"max_attempts": 2, "mode": "standard"}}
 
 

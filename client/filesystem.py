@@ -231,7 +231,7 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
     def _fallback(self) -> Any:  # -> cachefs.server.objectstore.ObjectStore
         self._process_state()
         if self._fallback_store is None:
-            from cachefs.server.objectstore import ObjectStore  # the same adapter the worker uses
+            from cachefs.store.objects import ObjectStore  # the same adapter the worker uses
 
             specs = [MountSpec.parse(v, name=k) for k, v in self.config.fallback_mounts.items()]
             if not specs:

@@ -22,7 +22,7 @@ import xxhash
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
-from cachefs.server.pagestore.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
+from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import grpc
 
 from cachefs.errors import to_status
 from cachefs.proto import common_pb2
-from cachefs.server.objectstore import ObjectMeta
+from cachefs.store.meta import ObjectMeta
 
 log = logging.getLogger(__name__)
 

@@ -263,7 +263,7 @@ def test_failing_cache_disk_eio_passes_reads_through_then_recovers(local_store, 
     """EIO on every page write and page read (injected at the OS boundary of the page files)."""
     import errno
 
-    from cachefs.server.pagestore import pagefile
+    from cachefs import pagefile
 
     for i in range(6):
         local_store.add(f"o{i}.bin", payload(3 * PAGE + i, 300 + i))

@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachefs.paths import CachePath
-from cachefs.server import metatable
-from cachefs.server.metatable import MetadataTable
-from cachefs.server.objectstore import ObjectMeta, TTLCache
+from cachefs.store import metatable
+from cachefs.store.metatable import MetadataTable
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import TTLCache
 
 
 class Clock:
@@ -295,7 +296,7 @@ def test_memory_per_object_at_100k():
 
 def test_objectstore_uses_it():
     from cachefs.mounts import MountTable
-    from cachefs.server.objectstore import ObjectStore
+    from cachefs.store.objects import ObjectStore
 
     store = ObjectStore(MountTable([]), max_objects=5)
     assert isinstance(store._meta, MetadataTable) and store._meta._max == 5

@@ -9,7 +9,7 @@ import pytest
 from cachefs.errors import StaleObjectError
 from cachefs.mounts import MountTable
 from cachefs.paths import CachePath
-from cachefs.server.objectstore import ObjectStore, TTLCache
+from cachefs.store.objects import ObjectStore, TTLCache
 from helpers import payload
 
 

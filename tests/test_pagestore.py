@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cachefs.server.pagestore.pagefile as pagefile
+import cachefs.pagefile as pagefile
 import cachefs.server.pagestore.store as pagestore
-from cachefs.server.pagestore.pagefile import TRAILER_SIZE
+from cachefs.pagefile import TRAILER_SIZE
 from cachefs.server.pagestore import CacheDir, CacheDirInUseError, PageId, PageStore
 
 PAGE = 16 * 1024

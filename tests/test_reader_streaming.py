@@ -14,8 +14,9 @@ from cachefs.errors import StaleObjectError, StoreUnavailableError
 from cachefs.mounts import MountTable
 from cachefs.paths import CachePath
 from cachefs.proto import worker_pb2, worker_pb2_grpc
-from cachefs.server.objectstore import ObjectMeta, ObjectStore
-from cachefs.server.storebackends import _S3Backend
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import ObjectStore
+from cachefs.store.backends import _S3Backend
 from cachefs.server.pagestore import CacheDir, PageId, PageStore
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.worker.reader import PageReader, ReaderOptions

@@ -16,10 +16,10 @@ from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import CachePath
 from cachefs.proto import worker_pb2
 from cachefs.server.decodeguard import DecodeGuard
-from cachefs.server.objectstore import ObjectStore
+from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageId, PageStore
-from cachefs.server.pagestore import pagefile
-from cachefs.server.storehealth import StoreBreaker, is_connection_error
+from cachefs import pagefile
+from cachefs.store.health import StoreBreaker, is_connection_error
 
 
 class _Clock:

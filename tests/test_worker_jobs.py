@@ -14,7 +14,7 @@ import pytest
 
 from cachefs.mounts import MountSpec
 from cachefs.proto import worker_pb2, worker_pb2_grpc
-from cachefs.server.pagestore.pagefile import TRAILER_SIZE
+from cachefs.pagefile import TRAILER_SIZE
 from helpers import SlowMemoryFileSystem, client, coexisting_usage, payload, wait_for
 
 PAGE = 64 << 10

@@ -66,7 +66,7 @@ def test_open_wb_streams_and_lists_update(store, make_worker):
 def test_large_s3_write_is_multipart(s3_store, make_worker):
     worker = make_worker(s3_store.mount, page_size=PAGE)
     fs = client(worker.address)
-    data = payload(40 << 20, seed=4)  # 16 MiB parts (server/storewrite.py), several in flight
+    data = payload(40 << 20, seed=4)  # 16 MiB parts (cachefs/store/write.py), several in flight
     fs.pipe_file("cachefs://data/big.bin", data)
     # An S3 multipart object's ETag ends in -<parts>.
     assert fs.info("cachefs://data/big.bin")["version"].endswith("-3")
@@ -216,7 +216,7 @@ def test_mount_spec_read_only_parses():
 def test_s3_writer_discard_aborts_the_upload(s3_store, moto_server):
     from cachefs.mounts import MountTable
     from cachefs.paths import CachePath
-    from cachefs.server.storewrite import S3Writer
+    from cachefs.store.write import S3Writer
 
     resolved = MountTable([s3_store.mount]).resolve(CachePath("data", "mpu.bin"))
     writer = S3Writer(resolved.fs, resolved.store_path, part_size=5 << 20)

@@ -16,7 +16,8 @@ from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import CachePath
 from cachefs.proto import common_pb2
 from cachefs.server.master.state import MasterState
-from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cachefs.ring import HashRing
 from cachefs.server.master.placement import owners
-from cachefs.server.objectstore import ObjectMeta
+from cachefs.store.meta import ObjectMeta
 
 
 @dataclass(frozen=True)

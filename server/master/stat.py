@@ -23,7 +23,7 @@ from cachefs.ring import RingConfig
 from cachefs.server.master.catalog import Catalog
 from cachefs.server.master.membership import Member
 from cachefs.server.master.placement import owners, ring_of
-from cachefs.server.objectstore import ObjectMeta
+from cachefs.store.meta import ObjectMeta
 
 log = logging.getLogger(__name__)
 

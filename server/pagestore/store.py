@@ -4,7 +4,7 @@ Why it is built this way (DESIGN.md s2-s4):
 
 * One plain file per page, ``<dir>/pages/<digest[:2]>/<digest>``, payload at offset 0 so later
   code can ``sendfile`` it or pass the fd to a local client; a 32-byte trailer carries the xxh3_64
-  checksum (see :mod:`cachefs.server.pagestore.pagefile`). Every read verifies it; a bad page is dropped and
+  checksum (see :mod:`cachefs.pagefile`). Every read verifies it; a bad page is dropped and
   reported as a miss, never served.
 * Atomic writes: ``<dir>/tmp/<digest>.<random>.tmp`` then ``os.replace``. Page files are not
   fsynced: a page torn by a power loss fails its size/checksum check and is dropped.
@@ -42,7 +42,7 @@ import xxhash
 
 from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
 from cachefs.server.pagestore.health import DiskHealth
-from cachefs.server.pagestore.pagefile import (
+from cachefs.pagefile import (
     TRAILER_SIZE,
     CorruptPageError,
     read_page,

@@ -21,7 +21,7 @@ from cachefs.proto import worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.lifecycle import liveness, serve_until_signalled
-from cachefs.server.objectstore import ObjectStore
+from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
 from cachefs.server.worker.registration import Registrar, worker_stats

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import xxhash
 
 from cachefs.proto import dataport_pb2
-from cachefs.server.pagestore.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
+from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import OK, CachedPages, ConnectionServer, OpenedRange
 

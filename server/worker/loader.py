@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 
 from cachefs.errors import WorkerUnavailableError
 from cachefs.paths import CachePath
-from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
-from cachefs.server.pagestore.pagefile import TRAILER_SIZE
+from cachefs.pagefile import TRAILER_SIZE
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.worker.reader import PageReader
 

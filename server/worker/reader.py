@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from cachefs.errors import DeadlineExceededError, StaleObjectError, StoreUnavailableError, WorkerUnavailableError
 from cachefs.server.worker.metrics import WorkerMetrics
-from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from cachefs.paths import CachePath, parse_path
 from cachefs.server.rpc import info_message, rpc
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.server.worker.metrics import WorkerMetrics
-from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageStore
 from cachefs.server.worker.loader import Loader, failure, resolve_for_load
 from cachefs.server.worker.reader import PageReader

@@ -20,7 +20,8 @@ import grpc
 from cachefs.errors import InvalidPathError
 from cachefs.paths import CachePath, parse_path
 from cachefs.proto import worker_pb2
-from cachefs.server.objectstore import ObjectMeta, ObjectStore
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageStore
 
 log = logging.getLogger(__name__)

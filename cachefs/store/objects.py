@@ -3,7 +3,7 @@
 Three jobs: object metadata (size and *version*, which is part of every cached page's
 identity) cached with a TTL; listings cached with a TTL; and ranged reads that are checked
 against the version the reader opened, so that a read never mixes two versions of an object.
-How the version is checked depends on the store (server/storebackends.py).
+How the version is checked depends on the store (backends.py).
 """
 
 from __future__ import annotations
@@ -16,30 +16,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from cachefs.errors import CacheFSError, InvalidPathError, StaleObjectError, StoreError, StoreUnavailableError
 from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
-from cachefs.server.storebackends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
-from cachefs.server.storehealth import StoreBreaker
-from cachefs.server.storewrite import StoreWriter, copy_between, make_dir, open_writer
-from cachefs.server.storewrite import remove as remove_path
+from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
+from cachefs.store.health import StoreBreaker
+from cachefs.store.meta import ObjectMeta
+from cachefs.store.metatable import MetadataTable
+from cachefs.store.write import StoreWriter, copy_between, make_dir, open_writer
+from cachefs.store.write import remove as remove_path
 
 log = logging.getLogger(__name__)
 
 K = TypeVar("K")
 V = TypeVar("V")
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectMeta:
-    path: CachePath
-    size: int
-    version: str
-    mtime: float
-    is_dir: bool = False
 
 
 class TTLCache(Generic[K, V]):
@@ -115,9 +107,8 @@ class ObjectStore:
     def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0,
                  max_objects: int = 1_000_000, breaker: StoreBreaker | None = None, stale_grace: float = 0.0):
         self.mounts = mounts
-        # Per mount: after a few connection failures in a row, fail at once (see storehealth.py).
+        # Per mount: after a few connection failures in a row, fail at once (see health.py).
         self.breaker = breaker or StoreBreaker()
-        from cachefs.server.metatable import MetadataTable  # here: metatable imports ObjectMeta from this module
         self._meta = MetadataTable(metadata_ttl, max_entries=max_objects, grace=stale_grace)
         # Stale-while-revalidate: past its TTL (within the grace) an entry is still used, and
         # refreshed here in the background, one refresh per object at a time.
@@ -310,7 +301,7 @@ class ObjectStore:
         return resolved
 
     def open_write(self, path: CachePath, block_size: int | None = None) -> "StoreWriter":
-        """A writer that replaces ``path`` whole on commit (see server/storewrite.py)."""
+        """A writer that replaces ``path`` whole on commit (see write.py)."""
         resolved = self.writable(path)
         with self._write_errors(path, "write"):
             return open_writer(resolved, block_size)

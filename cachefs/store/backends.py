@@ -3,7 +3,7 @@
 The version is part of every cached page's identity, so a read must never return bytes of
 another version than the one it was asked for; how that is checked depends on the store:
 S3 with ``If-Match`` on the ETag, local files by re-checking size+mtime on the open descriptor,
-other fsspec stores not at all (a documented weakness). Used by ObjectStore (objectstore.py).
+other fsspec stores not at all (a documented weakness). Used by ObjectStore (objects.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
 from cachefs.errors import StaleObjectError
-from cachefs.server.storehealth import is_connection_error
+from cachefs.store.health import is_connection_error
 
 PieceSink = Callable[[int, bytes], None]  # (index of the piece, its bytes)
 

@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 
 from cachefs.paths import CachePath
-from cachefs.server.objectstore import ObjectMeta
+from cachefs.store.meta import ObjectMeta
 
 _hash = xxhash.xxh3_64_intdigest  # module level so tests can force collisions
 
