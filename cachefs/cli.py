@@ -60,11 +60,12 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
+    import os
     import signal
     import tempfile
     import threading
 
-    from cachefs.local import LocalCluster
+    from cachefs.local import LocalCluster, Supervisor
 
     mounts = {}
     for item in args.mount or []:
@@ -77,23 +78,26 @@ def cmd_local(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = LocalCluster(workdir, workers=args.workers, mounts=mounts, quota=args.quota)
+    code = 0
     try:
         cluster.start()
         cluster.wait_for_workers()
+        # A daemon that exits is restarted on its port with its cache/state dir (Supervisor).
+        supervisor = Supervisor(cluster, status_path=os.path.join(workdir, "local.json"))
         print(f"cachefs local: master {cluster.master_address}, {args.workers} worker(s), state in {workdir}")
+        for entry in [supervisor.status()["master"], *supervisor.status()["workers"]]:
+            print(f"  {entry['name']}: pid {entry['pid']} at {entry['address']}, log {entry['log']}")
         print(f"  export CACHEFS_MASTER={cluster.master_address}")
+        print(f"  a daemon that exits is restarted where it was (pids, addresses: {supervisor.status_path})")
         print("  Ctrl-C stops the cluster", flush=True)
-        while not stop.wait(1.0):
-            dead = [w for w in [cluster.master, *cluster.workers] if w is not None and w.proc.poll() is not None]
-            if dead:
-                print(f"cachefs local: a daemon exited ({dead[0].args[0]}); stopping", file=sys.stderr)
-                return 1
+        if not stop.is_set():
+            code = supervisor.run(stop)
     finally:
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print("cachefs local: stopped")
-    return 0
+    print("cachefs local: stopped", flush=True)
+    return code
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -140,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--job-threads", type=int, help="cluster jobs (load, free) running at once")
     m.set_defaults(func=cmd_master)
 
-    loc = sub.add_parser("local", help="a master and N workers on this machine, until Ctrl-C")
+    loc = sub.add_parser("local", help="a master and N workers on this machine, restarted if they exit, until Ctrl-C")
     loc.add_argument("--workers", type=int, default=2, help="number of worker processes")
     loc.add_argument("--mount", action="append", metavar="NAME=URL", help="mount an fsspec URL (repeatable)")
     loc.add_argument("--dir", help="state and cache directory (default: a new temporary one)")

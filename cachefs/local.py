@@ -1,4 +1,5 @@
-"""Running daemons as child processes on this machine (the demo, tests, later `cachefs local`)."""
+"""Running daemons as child processes on this machine (the demo, tests, ``cachefs local`` and its
+Supervisor, which restarts a daemon that exits)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cachefs.tls import PLAINTEXT, TLSConfig, open_channel
@@ -47,24 +52,27 @@ class DaemonProcess:
                 stderr.close()  # type: ignore[union-attr]
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    break
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"{self.args[0]} exited with {self.proc.wait(timeout=5)} before it was ready"
-                                       + (f"; see {self.log_path}" if self.log_path else ""))
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") == "ready":
-                    self.ready = event
-                    return self
-        self.kill()
-        raise TimeoutError(f"{self.args[0]} was not ready within {timeout}s")
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.proc.stdout, selectors.EVENT_READ)
+                while time.monotonic() < deadline:
+                    if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                        break
+                    line = self.proc.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"{self.args[0]} exited with {self.proc.wait(timeout=5)} before it was ready"
+                                           + (f"; see {self.log_path}" if self.log_path else ""))
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if event.get("event") == "ready":
+                        self.ready = event
+                        return self
+            raise TimeoutError(f"{self.args[0]} was not ready within {timeout}s")
+        except BaseException:
+            self.kill()  # a failed start leaves no process and no open pipe behind (a supervisor retries)
+            raise
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM (graceful), then SIGKILL if it does not exit in time."""
@@ -136,6 +144,20 @@ def _mounts_toml(mounts: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _stop_all(daemons: list[DaemonProcess], timeout: float) -> None:
+    running = [d for d in daemons if d.proc is not None and d.proc.poll() is None]
+    for d in running:
+        d.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    deadline = time.monotonic() + timeout
+    for d in running:
+        try:
+            d.proc.wait(timeout=max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            pass
+    for d in daemons:
+        d.kill()  # SIGKILL what is left; closes every pipe
+
+
 class LocalCluster:
     """A master and N workers as child processes on this machine (``cachefs local``, demo, tests)."""
 
@@ -193,11 +215,17 @@ class LocalCluster:
             raise
         return self
 
-    def start_master(self, timeout: float = 60.0) -> DaemonProcess:
-        """The master (again, after a stop: same state dir, same port if one was chosen)."""
+    def start_master(self, timeout: float = 60.0, port: int | None = None) -> DaemonProcess:
+        """The master (again, after a stop: same state dir). ``port``: the gRPC port to bind; by default
+        the port the previous master reported (so workers and clients find a restarted master where it
+        was), else ``master_port`` (0: the kernel picks one, and the master reports it: no port is
+        chosen up front, which would race with other processes on a busy machine)."""
+        if port is None:
+            port = self.master.ready.get("port", 0) if self.master is not None else 0
+            port = port or self.master_port
         master = master_process(os.path.join(self.workdir, "master"), self._master_args,
                                 log_path=os.path.join(self.workdir, "master.log"), env=self.env)
-        master.args[master.args.index("--port") + 1] = str(self.master_port)
+        master.args[master.args.index("--port") + 1] = str(port)
         return master.start(timeout)
 
     def start_worker(self, i: int, timeout: float = 60.0, port: int = 0) -> DaemonProcess:
@@ -231,16 +259,217 @@ class LocalCluster:
                 time.sleep(0.05)
         return False
 
-    def stop(self) -> None:
-        for worker in self.workers:
-            worker.stop()
-            worker.kill()
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every worker at once, wait (then SIGKILL the late), then the master likewise."""
+        _stop_all(self.workers, timeout)
         if self.master is not None:
-            self.master.stop()
-            self.master.kill()
+            _stop_all([self.master], timeout)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ----------------------------------------------------------------- supervision (cachefs local)
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When to restart a daemon that exited: exponential back-off with a cap, and a give-up rule that
+    only a crash loop meets (many exits in a row, each soon after its start)."""
+
+    initial: float = 0.5       # seconds before the first restart
+    factor: float = 2.0
+    cap: float = 30.0          # the longest wait between tries
+    stable_after: float = 30.0  # a daemon that ran this long before it exited starts the back-off afresh
+    give_up_after: int = 8     # quick exits in a row (about 90 s of trying with the defaults)
+
+
+class Backoff:
+    """One daemon's restart delays under a RestartPolicy, on an injectable clock (tests use a fake one)."""
+
+    def __init__(self, policy: RestartPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy or RestartPolicy()
+        self.clock = clock
+        self.quick_exits = 0
+        self.started_at = clock()
+
+    def started(self) -> None:
+        """A (re)start was tried now."""
+        self.started_at = self.clock()
+
+    def exited(self) -> float | None:
+        """The daemon exited (or a restart failed): seconds to wait before the next try; None: give up."""
+        if self.clock() - self.started_at >= self.policy.stable_after:
+            self.quick_exits = 0
+        self.quick_exits += 1
+        if self.quick_exits > self.policy.give_up_after:
+            return None
+        return min(self.policy.cap, self.policy.initial * self.policy.factor ** (self.quick_exits - 1))
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a listener could bind ``host:port`` now (SO_REUSEADDR, as gRPC: a dead server's
+    TIME_WAIT connections do not count as taken)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class _Member:
+    name: str           # "master", "worker-0", ...
+    index: int          # -1: the master
+    backoff: Backoff
+    port: int = 0       # the port it reported: a restart binds it again
+    restarts: int = 0
+    restart_at: float | None = None  # set while it is down and waiting for its next try
+    given_up: bool = False
+
+
+class Supervisor:
+    """Keeps a started LocalCluster's daemons running (``cachefs local``).
+
+    A daemon that exits is restarted with its same cache dir or state dir on the port it had, so a
+    worker gets its ring share and its pages back and the master stays where workers and clients dial
+    it; on a new port only if that one is taken (said in the log; after a master moves, the workers
+    are restarted to follow it). Waits between tries follow RestartPolicy; a daemon that crash-loops is
+    given up on (a worker: the others go on serving; the master: the cluster stops)."""
+
+    def __init__(self, cluster: LocalCluster, policy: RestartPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] | None = None,
+                 status_path: str | None = None, start_timeout: float = 30.0) -> None:
+        self.cluster = cluster
+        self.clock = clock
+        self.log = log or (lambda line: print(f"cachefs local: {line}", file=sys.stderr, flush=True))
+        self.status_path = status_path
+        self.start_timeout = start_timeout
+        self.members = [_Member("master", -1, Backoff(policy, clock))]
+        self.members += [_Member(f"worker-{i}", i, Backoff(policy, clock)) for i in range(len(cluster.workers))]
+        for m in self.members:
+            m.port = self._daemon(m).ready.get("port", 0)
+        self.write_status()
+
+    def _daemon(self, m: _Member) -> DaemonProcess:
+        daemon = self.cluster.master if m.index < 0 else self.cluster.workers[m.index]
+        assert daemon is not None
+        return daemon
+
+    def _install(self, m: _Member, daemon: DaemonProcess) -> None:
+        if m.index < 0:
+            self.cluster.master = daemon
+        else:
+            self.cluster.workers[m.index] = daemon
+
+    def run(self, stop: threading.Event, poll: float = 0.2) -> int:
+        """Until ``stop`` is set: 0; 1 if the master was given up on. The caller stops the cluster."""
+        while not stop.wait(poll):
+            if not self.check(stop):
+                return 1
+        return 0
+
+    def check(self, stop: threading.Event | None = None) -> bool:
+        """One round: notice exits, restart those whose wait is over. False: the master was given up on."""
+        changed = False
+        for m in self.members:
+            if m.given_up:
+                continue
+            daemon = self._daemon(m)
+            if m.restart_at is None:
+                if daemon.proc is None or daemon.proc.poll() is None:
+                    continue
+                code = daemon.proc.returncode
+                daemon.kill()  # reaps it and closes its pipe
+                changed = True
+                delay = m.backoff.exited()
+                if delay is None:
+                    self._give_up(m, f"it exited ({_exit_reason(code)})")
+                    continue
+                self.log(f"{m.name} (pid {daemon.pid}, {daemon.address}) exited ({_exit_reason(code)}); "
+                         f"restarting it in {delay:.1f}s on port {m.port}")
+                m.restart_at = self.clock() + delay
+            elif self.clock() >= m.restart_at and not (stop is not None and stop.is_set()):
+                self._restart(m)
+                changed = True
+        if changed:
+            self.write_status()
+        return not self.members[0].given_up
+
+    def _give_up(self, m: _Member, why: str) -> None:
+        m.given_up, m.restart_at = True, None
+        p = m.backoff.policy
+        consequence = ("stopping the cluster" if m.index < 0 else
+                       "leaving it down; the other workers go on serving (restart `cachefs local` to retry)")
+        self.log(f"{m.name}: giving up: {why}, {p.give_up_after} times in a row within {p.stable_after:.0f}s "
+                 f"of a start (crash loop; see its log {self._daemon(m).log_path}); {consequence}")
+
+    def _restart(self, m: _Member) -> None:
+        old = self._daemon(m)
+        host, _ = _split_address(old.address)
+        port, moved = m.port, False
+        if port and not port_is_free(host, port):
+            self.log(f"{m.name}: port {port} is taken by another process; restarting it on a new port")
+            port, moved = 0, True
+        m.backoff.started()
+        try:
+            if m.index < 0:
+                daemon = self.cluster.start_master(self.start_timeout, port=port)
+            else:
+                daemon = self.cluster.start_worker(m.index, self.start_timeout, port=port)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            delay = m.backoff.exited()
+            m.restart_at = None if delay is None else self.clock() + delay
+            if delay is None:
+                self._give_up(m, f"it did not start ({exc})")
+            else:
+                self.log(f"{m.name} did not start ({exc}); next try in {delay:.1f}s")
+            return
+        self._install(m, daemon)
+        m.restart_at, m.restarts = None, m.restarts + 1
+        m.port = daemon.ready.get("port", port)
+        where = f"on a NEW port {daemon.address} (was port {old.address})" if moved else f"at {daemon.address}"
+        self.log(f"{m.name} restarted (pid {daemon.pid}) {where}, restart {m.restarts}")
+        if m.index < 0 and daemon.address != old.address:
+            self.log(f"the master moved to {daemon.address}: clients must use CACHEFS_MASTER={daemon.address}; "
+                     "restarting the workers to follow it")
+            for w in self.members[1:]:
+                if not w.given_up:
+                    self._daemon(w).stop()
+                    self._restart(w)  # same port and cache dir, --master at the new address
+
+    def status(self) -> dict[str, Any]:
+        """What is running where (also written to ``status_path`` for scripts: pids, addresses)."""
+        def entry(m: _Member) -> dict[str, Any]:
+            d = self._daemon(m)
+            state = "given up" if m.given_up else "restarting" if m.restart_at is not None else "running"
+            return {"name": m.name, "pid": d.proc.pid if d.proc else None, "address": d.address,
+                    "state": state, "restarts": m.restarts, "log": d.log_path}
+
+        return {"supervisor_pid": os.getpid(), "master": entry(self.members[0]),
+                "workers": [entry(m) for m in self.members[1:]]}
+
+    def write_status(self) -> None:
+        if not self.status_path:
+            return
+        tmp = f"{self.status_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.status(), f, indent=1)
+        os.replace(tmp, self.status_path)  # readers never see half a file
