@@ -132,11 +132,9 @@ class Cachefs(System):
 
     def _bulk_stats(self) -> dict[str, Any] | None:
         """The client's lean-path counters (short-circuit / data port), where it has them."""
-        for attr in ("_bulk", "_short_circuit"):
-            stats = getattr(getattr(self._fs, attr, None), "stats", None)
-            if isinstance(stats, dict):
-                return copy.deepcopy(stats)
-        return None
+        session = getattr(self._fs, "session", None)
+        stats = getattr(session, "bulk_stats", None)
+        return copy.deepcopy(stats) if isinstance(stats, dict) else None
 
     def pass_extra(self) -> dict[str, Any]:
         now = self._bulk_stats()

@@ -258,8 +258,10 @@ _COMPLEX_FIELDS = {
         CacheDirSpec.parse(x) for x in (v.split(",") if isinstance(v, str) else v)
     ),
     "mounts": lambda v: tuple(MountSpec.parse_many(json.loads(v) if isinstance(v, str) else v)),
+    "workers": lambda v: _split_addresses(v),
+    "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
 }
-_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size"}
+_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size", "block_size", "min_throughput"}
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
@@ -422,33 +424,21 @@ class ClientConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "ClientConfig":
-        """defaults < env (``CACHEFS_WORKERS``, ``CACHEFS_FALLBACK``) < storage options."""
+        """defaults < env (``CACHEFS_<FIELD>``, e.g. ``CACHEFS_MASTER``) < storage options.
+
+        The fields of this class are the client's options, listed once: each is an fsspec
+        storage option and an environment variable. An unknown option is a TypeError, as an
+        unknown keyword argument is.
+        """
+        names = client_option_names()
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown cachefs client option(s) {', '.join(map(repr, unknown))}; "
+                            f"known: {', '.join(sorted(names))}")
         environ = os.environ if environ is None else environ
-        env: dict[str, Any] = {}
-        if environ.get("CACHEFS_WORKERS"):
-            env["workers"] = environ["CACHEFS_WORKERS"]
-        if environ.get("CACHEFS_MASTER"):
-            env["master"] = environ["CACHEFS_MASTER"]
-        if environ.get("CACHEFS_FALLBACK"):
-            env["fallback"] = environ["CACHEFS_FALLBACK"]
-        if environ.get("CACHEFS_SHORT_CIRCUIT"):
-            env["short_circuit"] = environ["CACHEFS_SHORT_CIRCUIT"]
-        if environ.get("CACHEFS_DATA_PORT"):
-            env["data_port"] = environ["CACHEFS_DATA_PORT"]
-        for name in ("token", "tls_ca_file", "tls_cert_file", "tls_key_file"):
-            if environ.get(f"CACHEFS_{name.upper()}"):
-                env[name] = environ[f"CACHEFS_{name.upper()}"]
-        layers = {**env, **{k: v for k, v in options.items() if v is not None}}
-        if "block_size" in layers:
-            layers["block_size"] = parse_size(layers["block_size"])
-        for name in ("min_throughput", "stripe_size"):
-            if name in layers:
-                layers[name] = parse_size(layers[name])
-        for name in ("fallback", "short_circuit", "data_port"):
-            if name in layers:
-                layers[name] = _parse_bool(layers[name])
-        if "timeout" in layers:
-            layers["timeout"] = float(layers["timeout"])
-        if "fallback_concurrency" in layers:
-            layers["fallback_concurrency"] = int(layers["fallback_concurrency"])
-        return cls(**layers)
+        return build_config(cls, env_layer("CACHEFS_", cls, environ), options)
+
+
+def client_option_names() -> frozenset[str]:
+    """Every option a cachefs client takes (storage options, ``CACHEFS_<NAME>`` in the env)."""
+    return frozenset(f.name for f in dataclasses.fields(ClientConfig))

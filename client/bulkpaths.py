@@ -40,6 +40,8 @@ class Reader(Protocol):
 
     def close(self) -> None: ...
 
+    def release_inherited(self) -> None: ...
+
 
 def _host(address: str) -> str:
     host = address.rpartition(":")[0]
@@ -47,21 +49,24 @@ def _host(address: str) -> str:
 
 
 class BulkPaths:
-    """Per worker: its lean reader (or None: gRPC only), probed lazily, per process."""
+    """Per worker: its lean reader (or None: gRPC only), probed lazily. One per process: the
+    session keeps it in its per-process state (forksafe.py), so a forked child never uses a
+    parent's socket."""
 
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-        self._pid = -1
+    def __init__(self, config: Any, workers: Any) -> None:
+        self.config, self.workers = config, workers
         self._lock = threading.Lock()
         self._readers: dict[str, tuple[Reader | None, float]] = {}
-        self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0} for kind in ("short_circuit", "data_port")}
+        self._warned: set[str] = set()
+        self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0, "errors": 0}
+                      for kind in ("short_circuit", "data_port")}
 
     @property
     def enabled(self) -> bool:
-        return self.fs.config.short_circuit or self.fs.config.data_port
+        return bool(self.config.short_circuit or self.config.data_port)
 
     def _probe(self, handle: Any) -> Reader | None:
-        config = self.fs.config
+        config = self.config
         status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
         timeout = min(SOCKET_TIMEOUT, config.timeout)
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
@@ -72,9 +77,6 @@ class BulkPaths:
         return None
 
     def _reader(self, handle: Any) -> Reader | None:
-        if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use, nor its
-            # lock (a parent thread may have held it at the fork: it would stay held here)
-            self._readers, self._pid, self._lock = {}, os.getpid(), threading.Lock()
         known = self._readers.get(handle.address)
         if known is not None and (known[0] is not None or time.monotonic() - known[1] < PROBE_RETRY):
             return known[0]
@@ -89,22 +91,34 @@ class BulkPaths:
 
     def read(self, path: str, offset: int, length: int, version: str,
              out: memoryview | None = None) -> tuple[Any, int, str] | None:
-        """The range from the first placed worker's lean path, or None: read it through gRPC."""
-        candidates = self.fs._process_state().candidates(path, offset, include_broken=False)
+        """The range from the first placed worker's lean path, or None: read it through gRPC.
+
+        Any failure of a lean path (a socket error, a bad or undecodable reply, a bug) sends the
+        read to gRPC, is counted, and drops that worker's lean path for a while; the first one
+        per worker is logged at warning.
+        """
+        candidates = self.workers.candidates(path, offset, include_broken=False)
         if not candidates:
             return None
-        reader = self._reader(candidates[0])
+        handle = candidates[0]
+        reader = self._reader(handle)
         if reader is None:
             return None
+        stats = self.stats[reader.kind]
         try:
             got = reader.read(path, offset, length, version, out)
-        except OSError as exc:  # the worker restarted, went away or is wedged: gRPC for a while
-            log.debug("%s read from %s failed: %s", reader.kind, candidates[0].address, exc)
+        except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
+            stats["errors"] += 1
             with self._lock:
-                self._readers[candidates[0].address] = (None, time.monotonic())
-            reader.close()
+                self._readers[handle.address] = (None, time.monotonic())
+                first = handle.address not in self._warned
+                self._warned.add(handle.address)
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "%s read from %s failed (%s: %s); reading through gRPC for %.0f s", reader.kind,
+                    handle.address, type(exc).__name__, exc, PROBE_RETRY)
+            with contextlib.suppress(Exception):
+                reader.close()
             got = None
-        stats = self.stats[reader.kind]
         if got is None:
             stats["fallbacks"] += 1
             return None
@@ -115,8 +129,17 @@ class BulkPaths:
     def close(self) -> None:
         with self._lock:
             readers, self._readers = self._readers, {}
-        if self._pid == os.getpid():
-            for reader, _ in readers.values():
-                if reader is not None:
-                    with contextlib.suppress(OSError):
-                        reader.close()
+        for reader, _ in readers.values():
+            if reader is not None:
+                with contextlib.suppress(OSError):
+                    reader.close()
+
+    def release_inherited(self) -> None:
+        """In a forked child: close this process's copies of the parent's idle sockets (the
+        parent's own descriptors stay open, so its connections are undisturbed). No lock is
+        taken: a parent thread may have held one at the fork."""
+        self._lock = threading.Lock()
+        readers, self._readers = self._readers, {}
+        for reader, _ in readers.values():
+            if reader is not None:
+                reader.release_inherited()

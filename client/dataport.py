@@ -122,3 +122,6 @@ class DataPortReader:
 
     def close(self) -> None:
         self._pool.close()
+
+    def release_inherited(self) -> None:
+        self._pool.release_inherited()

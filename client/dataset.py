@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import EpochPlan
@@ -154,6 +154,7 @@ class CacheDataset(ConsumptionTracking, Dataset):
     @classmethod
     def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> "CacheDataset":
         """Every object below ``url`` (sorted by path), with sizes from one recursive listing."""
+        storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
         fs = cls._filesystem(dict(storage_options or {}))
         try:
             entries = fs.find(url, detail=True)
@@ -173,6 +174,7 @@ class CacheDataset(ConsumptionTracking, Dataset):
         A ``cachefs://`` manifest is read through the cache; anything else through fsspec.
         Lines that are empty or start with ``#`` are skipped. Sizes not given are looked up.
         """
+        storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
         if path_or_url.startswith("cachefs://"):
             fs = cls._filesystem(dict(storage_options or {}))
             try:
@@ -209,7 +211,7 @@ class CacheDataset(ConsumptionTracking, Dataset):
             self._prefetcher = Prefetcher(self._fetch_position, self._size_of_position,
                                           max_bytes=self.prefetch_bytes, max_depth=self.prefetch_depth,
                                           threads=self.prefetch_threads, timeout=self.timeout)
-            self._hinter = Hinter(self._fs)
+            self._hinter = Hinter(self._fs.session)
             self._pid = os.getpid()
         return self._fs, self._prefetcher  # type: ignore[return-value]
 

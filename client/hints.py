@@ -16,43 +16,34 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
+import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
-from cachefs.paths import parse_path
-from cachefs.proto import worker_pb2
+from cachefs.client import forksafe
+from cachefs.paths import parse_path, strip_protocol
 
 if TYPE_CHECKING:
-    from cachefs.client.filesystem import CacheFileSystem
+    from cachefs.client.session import ClientSession
 
 log = logging.getLogger(__name__)
 
-#: Hinters of this process, for the fork handler below (weak: a hinter dies with its dataset).
-_LIVE: "weakref.WeakSet[Hinter]" = weakref.WeakSet()
-
-
-def _before_fork() -> None:
-    """A process must not fork while gRPC is completing an async call on its behalf: the child
-    would inherit gRPC's threads' state mid-call (DataLoader workers then abort or hang). So
-    outstanding hints are cancelled and given a moment to finish before any fork."""
-    for hinter in list(_LIVE):
-        hinter.drain(timeout=2.0)
-
-
-os.register_at_fork(before=_before_fork)
-
 
 class Hinter:
-    """Sends hints for one filesystem in one process (a forked child starts afresh)."""
+    """Sends hints for one session in one process (a forked child starts afresh).
 
-    def __init__(self, fs: "CacheFileSystem", *, max_in_flight: int = 2, batch: int = 32,
+    A process must not fork while gRPC is completing an async call on its behalf: the child
+    would inherit gRPC's threads' state mid-call (DataLoader workers then abort or hang). So
+    before any fork (forksafe.py) outstanding hints are cancelled and given a moment to finish.
+    """
+
+    def __init__(self, session: "ClientSession", *, max_in_flight: int = 2, batch: int = 32,
                  timeout: float = 30.0, warm_streak: int = 3) -> None:
         if max_in_flight < 1 or batch < 1:
             raise ValueError("max_in_flight and batch must be >= 1")
-        self.fs, self.max_in_flight, self.batch, self.timeout = fs, max_in_flight, batch, timeout
+        self.session, self.max_in_flight, self.batch, self.timeout = session, max_in_flight, batch, timeout
         self.warm_streak = warm_streak
         self._lock = threading.Lock()
         self._idle_cv = threading.Condition(self._lock)
@@ -64,7 +55,20 @@ class Hinter:
         self._skip = 0        # hint calls to skip while backing off
         self._backoff = 1
         self.stats = {"sent": 0, "paths": 0, "dropped": 0, "failed": 0, "bytes_loaded": 0, "skipped_warm": 0}
-        _LIVE.add(self)
+        forksafe.register(self)
+
+    # -- fork hooks (client/forksafe.py) -------------------------------------------------------------
+    def before_fork(self, deadline: float) -> None:
+        self.drain(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        # The parent's calls are not ours, and a parent thread may have held the lock.
+        self._lock = threading.Lock()
+        self._idle_cv = threading.Condition(self._lock)
+        self._in_flight, self._sent, self._futures, self._pid = 0, set(), set(), os.getpid()
 
     def drain(self, timeout: float) -> bool:
         """Cancel outstanding hints and wait (up to ``timeout``) until none is in flight."""
@@ -77,10 +81,6 @@ class Hinter:
         with self._idle_cv:
             return self._idle_cv.wait_for(lambda: self._in_flight == 0, timeout=timeout)
 
-    def _check_process(self) -> None:
-        if self._pid != os.getpid():  # forked: the parent's in-flight calls are not ours
-            self._in_flight, self._sent, self._futures, self._pid = 0, set(), set(), os.getpid()
-
     def reset(self) -> None:
         """A new epoch: objects hinted before may have been evicted since; hint them again."""
         with self._lock:
@@ -88,25 +88,18 @@ class Hinter:
 
     def hint(self, paths: Iterable[str]) -> int:
         """Ask the workers placed for ``paths`` to cache them; returns how many paths were sent."""
-        self._check_process()
         with self._lock:
             if self._skip > 0:
                 self._skip -= 1
                 self.stats["skipped_warm"] += 1
                 return 0
-        keys = [str(parse_path(self.fs._strip_protocol(raw))) for raw in paths]
+        keys = [str(parse_path(strip_protocol(raw).rstrip("/"))) for raw in paths]
         with self._lock:
             fresh = [k for k in dict.fromkeys(keys) if k not in self._sent]
         if not fresh:
             return 0
-        workers = self.fs._process_state()
-        groups: dict[str, tuple[Any, list[str]]] = {}
-        for key in fresh:
-            candidates = workers.candidates(key, 0, include_broken=False)
-            if candidates:
-                groups.setdefault(candidates[0].address, (candidates[0], []))[1].append(key)
         sent = 0
-        for handle, keys in groups.values():
+        for handle, keys in self.session.owners(fresh):
             for i in range(0, len(keys), self.batch):
                 chunk = keys[i:i + self.batch]
                 with self._lock:
@@ -116,8 +109,7 @@ class Hinter:
                     self._in_flight += 1
                     self._sent.update(chunk)
                 try:
-                    future = handle.stub().Load.future(worker_pb2.LoadRequest(paths=chunk, hint=True),
-                                                          timeout=self.timeout)
+                    future = self.session.load_future(handle, chunk, self.timeout)
                 except Exception:  # a channel that cannot even start a call: only a hint
                     self._done(None)
                     continue

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from cachefs.client.dataset import ConsumptionTracking, SampleReadError, _default_rank_world
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import BlockPlan
@@ -87,6 +87,7 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
     def from_index(cls, url: str, *, storage_options: dict[str, Any] | None = None, **kwargs: Any
                    ) -> "CacheIterableDataset":
         """Shards and samples from an index file (``index.json`` as ``write_tar_shards`` writes)."""
+        storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
         fs = cls._filesystem(dict(storage_options or {}))
         try:
             text = fs.cat_file(url)
@@ -100,6 +101,7 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
                     index: str | None = "index.json", **kwargs: Any) -> "CacheIterableDataset":
         """The shards below ``url``: from its ``index`` file when there is one, else by scanning
         every ``*.<format>`` object once (read through the cache, several shards at a time)."""
+        storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
         fs = cls._filesystem(dict(storage_options or {}))
         try:
             entries = fs.find(url, detail=True)
@@ -131,7 +133,7 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
             self._prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
                                           max_depth=self.prefetch_blocks, threads=self.prefetch_threads,
                                           timeout=self.timeout)
-            self._hinter = Hinter(self._fs)
+            self._hinter = Hinter(self._fs.session)
             self._pid = os.getpid()
         return self._fs, self._prefetcher, self._hinter  # type: ignore[return-value]
 
@@ -200,7 +202,7 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         if self.hint_shards <= 0:
             return
         fs, _, hinter = self._process()
-        stripe = fs._process_state().ring.config.stripe_size
+        stripe = fs.session.stripe_size
         shards: list[str] = []
         for j in blocks[k + self.prefetch_blocks:]:
             for sample in (self.plan.block_span(j)[0], self.plan.block_span(j)[1] - 1):

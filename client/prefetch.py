@@ -25,25 +25,12 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-
-#: Prefetchers of this process, for the fork handler below (weak: they die with their dataset).
-_LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
-
-
-def _before_fork() -> None:
-    """Never fork while a prefetch thread is inside a read (a gRPC call): the child would inherit
-    gRPC's state mid-call. What is queued is dropped; what runs gets a moment to finish."""
-    for prefetcher in list(_LIVE):
-        prefetcher.drain(timeout=2.0)
-
-
-os.register_at_fork(before=_before_fork)
+from cachefs.client import forksafe
 
 
 class _Pool:
@@ -99,7 +86,21 @@ class Prefetcher:
         self.in_flight_bytes = 0
         self.stats = {"max_in_flight_bytes": 0, "max_in_flight": 0, "hits": 0, "on_demand": 0,
                       "too_large": 0, "dropped": 0, "submitted": 0}
-        _LIVE.add(self)
+        forksafe.register(self)
+
+    # -- fork hooks (client/forksafe.py) -------------------------------------------------------------
+    # Never fork while a prefetch thread is inside a read (a gRPC call): the child would inherit
+    # gRPC's state mid-call. What is queued is dropped; what runs gets a moment to finish.
+    def before_fork(self, deadline: float) -> None:
+        self.drain(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        # The parent's threads do not exist here, and one of them may have held the lock.
+        self._lock = threading.Lock()
+        self._entries, self.in_flight_bytes, self._pool, self._pid = {}, 0, None, -1
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a Prefetcher belongs to one process; the dataset builds one per process")

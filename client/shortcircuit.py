@@ -136,6 +136,9 @@ class ShortCircuitReader:
     def close(self) -> None:
         self._pool.close()
 
+    def release_inherited(self) -> None:
+        self._pool.release_inherited()
+
 
 class VerifiedFiles:
     """Page files this process has already checked, by file identity (bounded, least recent out).

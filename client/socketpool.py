@@ -39,6 +39,16 @@ class SocketPool:
         for sock in idle:
             sock.close()
 
+    def release_inherited(self) -> None:
+        """In a forked child: close the child's copies of the idle sockets, taking no lock (a
+        parent thread may have held it at the fork); sockets a parent thread was using stay
+        unused here."""
+        self._lock = threading.Lock()
+        idle, self._idle = self._idle, []
+        for sock in idle:
+            with contextlib.suppress(OSError):
+                sock.close()
+
     def __del__(self) -> None:  # a dataset's per-process filesystem is never closed explicitly
         with contextlib.suppress(Exception):
             for sock in self._idle:

@@ -16,30 +16,11 @@ from collections.abc import Callable
 
 import grpc
 
+from cachefs.client import forksafe
 from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
 log = logging.getLogger(__name__)
-
-#: Watchers of this process, for the fork handlers below (weak: a watcher ends with its filesystem).
-_LIVE: "weakref.WeakSet[ViewWatcher]" = weakref.WeakSet()
-
-
-def _before_fork() -> None:
-    """A fork while the watch stream is inside gRPC can leave the child's gRPC wedged (the child
-    inherits gRPC's threads' state mid-call), and DataLoader workers fork: so the stream is
-    closed for the fork, and reopened in the parent right after."""
-    for watcher in list(_LIVE):
-        watcher._pause(timeout=2.0)
-
-
-def _after_fork_in_parent() -> None:
-    for watcher in list(_LIVE):
-        watcher._resume()
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
-
 
 class ViewWatcher:
     def __init__(self, master: str, on_view: Callable[[master_pb2.ClusterView], None], timeout: float = 5.0,
@@ -65,14 +46,27 @@ class ViewWatcher:
         self._outside.set()
         self._gate = threading.Lock()
         self._pid = os.getpid()
-        _LIVE.add(self)
+        forksafe.register(self)
 
-    def _pause(self, timeout: float) -> None:
+    # -- fork hooks (client/forksafe.py) ---------------------------------------------------------------
+    # A fork while the watch stream is inside gRPC can leave the child's gRPC wedged (the child
+    # inherits gRPC's threads' state mid-call), and DataLoader workers fork: so the stream is
+    # closed for the fork, and reopened in the parent right after.
+    def before_fork(self, deadline: float) -> None:
+        self._pause(deadline)
+
+    def after_fork_in_parent(self) -> None:
+        self._resume()
+
+    def after_fork_in_child(self) -> None:
+        pass  # the child's session drops this watcher with the rest of the parent's state
+
+    def _pause(self, deadline: float) -> None:
         if self._pid != os.getpid() or self._thread is None:
             return
         with self._gate:
             self._running.clear()
-        end = time.monotonic() + timeout
+        end = min(deadline, time.monotonic() + 2.0)
         while time.monotonic() < end:
             call = self._call  # the thread may be just opening it: cancel until it is out
             if call is not None:

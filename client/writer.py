@@ -25,10 +25,11 @@ from fsspec.utils import isfilelike
 
 from cachefs.errors import DeadlineExceededError, WorkerUnavailableError, from_rpc_error
 from cachefs.paths import CachePath
-from cachefs.proto import common_pb2, worker_pb2
+from cachefs.client.session import info_dict
+from cachefs.proto import worker_pb2
 
 if TYPE_CHECKING:
-    from cachefs.client.filesystem import CacheFileSystem
+    from cachefs.client.session import ClientSession
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,6 @@ class Sink(Protocol):
     def finish(self) -> dict[str, Any]: ...
 
     def cancel(self) -> None: ...
-
-
-def info_dict(msg: common_pb2.ObjectInfo) -> dict[str, Any]:
-    is_dir = msg.type == common_pb2.DIRECTORY
-    return {"name": msg.path, "size": msg.size, "type": "directory" if is_dir else "file",
-            "version": msg.version, "mtime": msg.mtime}
 
 
 class WriteStream:
@@ -127,9 +122,9 @@ class WriteStream:
 class DirectSink:
     """``write_via="client"``: into the store with the client's own credentials."""
 
-    def __init__(self, fs: "CacheFileSystem", cp: CachePath) -> None:
-        self.fs, self.cp = fs, cp
-        self._store = fs._fallback()
+    def __init__(self, writes: "Writes", cp: CachePath) -> None:
+        self.writes, self.cp = writes, cp
+        self._store = writes.session.fallback_store()
         self._writer = self._store.open_write(cp)
 
     def send(self, data: bytes) -> None:
@@ -138,7 +133,7 @@ class DirectSink:
     def finish(self) -> dict[str, Any]:
         self._writer.commit()
         meta = self._store.written(self.cp)
-        self.fs._writes.free_on_owner(self.cp)
+        self.writes.free_on_owner(self.cp)
         return {"name": str(meta.path), "size": meta.size, "type": "file", "version": meta.version,
                 "mtime": meta.mtime}
 
@@ -149,14 +144,15 @@ class DirectSink:
 class CacheWriteFile(AbstractBufferedFile):
     """A file open for writing; the bytes stream out every ``block_size``, published on close."""
 
-    def __init__(self, fs: "CacheFileSystem", cp: CachePath, mode: str, block_size: int, **kwargs: Any) -> None:
+    def __init__(self, fs: Any, writes: "Writes", cp: CachePath, mode: str, block_size: int, **kwargs: Any) -> None:
         self.cp = cp
+        self.writes = writes
         self.sink: Sink | None = None
         self.written_info: dict[str, Any] | None = None
         super().__init__(fs, str(cp), mode, block_size, **kwargs)
 
     def _initiate_upload(self) -> None:
-        self.sink = self.fs._writes.sink(self.cp)
+        self.sink = self.writes.sink(self.cp)
 
     def _upload_chunk(self, final: bool = False) -> bool:
         assert self.sink is not None
@@ -186,25 +182,21 @@ class CacheWriteFile(AbstractBufferedFile):
 
 
 class Writes:
-    """The write operations of one CacheFileSystem (kept here so filesystem.py stays about reads)."""
+    """The write operations of one client session (kept here so filesystem.py stays about reads)."""
 
-    def __init__(self, fs: "CacheFileSystem", via: str) -> None:
+    def __init__(self, session: "ClientSession", via: str) -> None:
         if via not in ("worker", "client"):
             raise ValueError(f"write_via must be 'worker' or 'client', got {via!r}")
-        self.fs = fs
+        self.session = session
         self.via = via
 
-    def _owner_stub(self, cp: CachePath) -> Any:
-        candidates = self.fs._process_state().candidates(str(cp), 0)
-        if not candidates:
-            raise WorkerUnavailableError(f"write {cp}: no worker is available")
-        return candidates[0].stub()
-
     def sink(self, cp: CachePath, size_hint: int = 0) -> Sink:
+        """A write stream for ``cp``: to its owning worker, or (``write_via='client'``) the store."""
         if self.via == "client":
-            return DirectSink(self.fs, cp)
-        config = self.fs.config
-        return WriteStream(self._owner_stub(cp), cp, config.timeout, config.min_throughput, size_hint)
+            return DirectSink(self, cp)
+        config = self.session.config
+        stub = self.session.owner_stub(str(cp), f"write {cp}")
+        return WriteStream(stub, cp, config.timeout, config.min_throughput, size_hint)
 
     def write_bytes(self, cp: CachePath, data: bytes) -> dict[str, Any]:
         sink = self.sink(cp, len(data))
@@ -232,29 +224,26 @@ class Writes:
         return sink.finish()
 
     def _call(self, cp: CachePath, what: str, rpc: str, request: Any) -> Any:
-        timeout = self.fs.config.timeout
-        result = self.fs._on_workers(str(cp), lambda stub: getattr(stub, rpc)(request, timeout=timeout), what)
-        if result is None:
-            raise WorkerUnavailableError(f"{what}: no worker answered")
-        return result
+        timeout = self.session.config.timeout
+        return self.session.call_owner(str(cp), lambda stub: getattr(stub, rpc)(request, timeout=timeout), what)
 
     def remove(self, cp: CachePath, recursive: bool) -> None:
         if self.via == "client":
-            self.fs._fallback().remove(cp, recursive)
+            self.session.fallback_store().remove(cp, recursive)
             self.free_on_owner(cp)
             return
         self._call(cp, f"remove {cp}", "Remove", worker_pb2.RemoveRequest(path=str(cp), recursive=recursive))
 
     def make_dir(self, cp: CachePath, create_parents: bool, exist_ok: bool) -> None:
         if self.via == "client":
-            self.fs._fallback().make_dir(cp, create_parents, exist_ok)
+            self.session.fallback_store().make_dir(cp, create_parents, exist_ok)
             return
         request = worker_pb2.MakeDirRequest(path=str(cp), create_parents=create_parents, exist_ok=exist_ok)
         self._call(cp, f"mkdir {cp}", "MakeDir", request)
 
     def copy(self, source: CachePath, destination: CachePath) -> None:
         if self.via == "client":
-            self.fs._fallback().copy(source, destination)
+            self.session.fallback_store().copy(source, destination)
             self.free_on_owner(destination)
             return
         request = worker_pb2.CopyRequest(source=str(source), destination=str(destination))

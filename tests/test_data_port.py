@@ -79,7 +79,7 @@ def test_cached_ranges_come_through_the_data_port(store, make_worker):
     fs = _fs(worker)
     assert fs.cat_file("cachefs://data/obj") == data  # cold: NOT_CACHED, then gRPC fills the cache
     _settled(worker, "data/obj", len(data))
-    stats = fs._bulk.stats["data_port"]
+    stats = fs.session.bulk_stats["data_port"]
     reads, sent_before = stats["reads"], worker.metrics.data_port_bytes._value.get()
     ranges = [(0, None), (1, 2), (PAGE - 3, PAGE + 5), (PAGE, 3 * PAGE), (2 * PAGE + 9, None),
               (5 * PAGE, 5 * PAGE + 777), (0, 5 * PAGE + 777), (PAGE // 4, PAGE), (10, 3 * PAGE - 10)]
@@ -91,7 +91,7 @@ def test_cached_ranges_come_through_the_data_port(store, make_worker):
         assert fs.cat_file("cachefs://data/obj", start, end) == data[start:end], (start, end)
     assert stats["reads"] == reads + len(ranges) and stats["fallbacks"] <= 1
     assert worker.metrics.data_port_bytes._value.get() > sent_before
-    assert fs._bulk.stats["short_circuit"]["reads"] == 0
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == 0
 
 
 def test_read_into_across_stripes(local_store, make_worker):
@@ -107,7 +107,7 @@ def test_read_into_across_stripes(local_store, make_worker):
     part = np.zeros(3 * PAGE, dtype=np.uint8)
     assert fs.read_into("cachefs://data/obj", part, offset=PAGE + 5) == (3 * PAGE, len(data))
     assert part.tobytes() == data[PAGE + 5:4 * PAGE + 5]
-    assert fs._bulk.stats["data_port"]["reads"] >= 5 + 3  # one per stripe
+    assert fs.session.bulk_stats["data_port"]["reads"] >= 5 + 3  # one per stripe
 
 
 def test_concurrent_readers_share_the_port(local_store, make_worker):
@@ -134,7 +134,7 @@ def test_concurrent_readers_share_the_port(local_store, make_worker):
     for t in threads:
         t.join(timeout=60)
     assert not errors and not any(t.is_alive() for t in threads)
-    assert fs._bulk.stats["data_port"]["reads"] >= 8 * 30
+    assert fs.session.bulk_stats["data_port"]["reads"] >= 8 * 30
 
 
 def test_a_corrupt_page_is_never_served(local_store, make_worker, tmp_path):
@@ -145,13 +145,13 @@ def test_a_corrupt_page_is_never_served(local_store, make_worker, tmp_path):
     fs = _fs(worker)
     assert fs.cat_file("cachefs://data/obj") == data
     _settled(worker, "data/obj", len(data))
-    assert fs.cat_file("cachefs://data/obj") == data and fs._bulk.stats["data_port"]["reads"] == 1
+    assert fs.cat_file("cachefs://data/obj") == data and fs.session.bulk_stats["data_port"]["reads"] == 1
     assert flip_page_bytes(cache) >= 1  # a byte flipped in every page's payload
     # Whole pages: the client's checksum fails; a small part: the worker's does. Either way gRPC
     # reads it, finds the page bad, drops and refetches it.
     assert fs.cat_file("cachefs://data/obj") == data
     assert fs.cat_file("cachefs://data/obj", 2 * PAGE + 50, 2 * PAGE + 200) == data[2 * PAGE + 50:2 * PAGE + 200]
-    assert fs._bulk.stats["data_port"]["fallbacks"] >= 1
+    assert fs.session.bulk_stats["data_port"]["fallbacks"] >= 1
     assert worker.pages.stats().corrupt_pages >= 1
 
 
@@ -162,7 +162,7 @@ def test_the_port_refuses_bad_requests_and_wrong_tokens(local_store, make_worker
     ok = _fs(worker, token="s3cret")
     assert ok.cat_file("cachefs://data/obj") == data
     _settled(worker, "data/obj", len(data), token="s3cret")
-    assert ok.cat_file("cachefs://data/obj") == data and ok._bulk.stats["data_port"]["reads"] == 1
+    assert ok.cat_file("cachefs://data/obj") == data and ok.session.bulk_stats["data_port"]["reads"] == 1
     port = worker.data_port
     req = dataport_pb2.DataRequest
     reply, got = _ask(port, req(path="data/obj", length=-1, token="wrong").SerializeToString())
@@ -200,7 +200,7 @@ def test_a_port_that_goes_away_costs_no_read(local_store, make_worker):
     fs = _fs(worker)
     fs.cat_file("cachefs://data/obj")
     _settled(worker, "data/obj", len(data))
-    assert fs.cat_file("cachefs://data/obj") == data and fs._bulk.stats["data_port"]["reads"] == 1
+    assert fs.cat_file("cachefs://data/obj") == data and fs.session.bulk_stats["data_port"]["reads"] == 1
     worker.data_port_server.stop()  # pooled connections are shut; new ones refused; gRPC still answers
     assert fs.cat_file("cachefs://data/obj") == data
     assert fs.cat_file("cachefs://data/obj", 5, 50) == data[5:50]
@@ -213,6 +213,6 @@ def test_switched_off_by_option_and_env(local_store, make_worker, monkeypatch):
     fs.cat_file("cachefs://data/obj")
     _settled(worker, "data/obj", PAGE)
     assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
-    assert fs._bulk.stats["data_port"]["reads"] == 0 and not fs._bulk.enabled
+    assert fs.session.bulk_stats["data_port"]["reads"] == 0 and not fs.session.bulk_enabled
     monkeypatch.setenv("CACHEFS_DATA_PORT", "false")
     assert not CacheFileSystem(workers=worker.address, skip_instance_cache=True).config.data_port

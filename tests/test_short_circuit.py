@@ -64,11 +64,11 @@ def test_cached_reads_take_the_socket_and_return_the_same_bytes(store, make_work
     fs = _fs(worker)
     assert fs.cat_file("cachefs://data/obj") == data  # cold: through gRPC (fills the cache)
     _settled(worker, "data/obj", len(data))
-    reads = fs._bulk.stats["short_circuit"]["reads"]
+    reads = fs.session.bulk_stats["short_circuit"]["reads"]
     for start, end in [(0, None), (1, 2), (PAGE - 3, PAGE + 5), (PAGE, 3 * PAGE), (2 * PAGE + 9, None),
                        (5 * PAGE, 5 * PAGE + 777), (0, 5 * PAGE + 777)]:
         assert fs.cat_file("cachefs://data/obj", start, end) == data[start:end]
-    assert fs._bulk.stats["short_circuit"]["reads"] == reads + 7
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == reads + 7
     totals = worker.metrics.totals()  # counted like any cached read
     assert totals["bytes_from_cache"] >= sum(len(data[s:e]) for s, e in [(0, None), (1, 2)])
     assert worker.metrics.short_circuit_bytes._value.get() > 0 and totals["hits"] >= 6
@@ -79,13 +79,12 @@ def test_uncached_ranges_fall_back_to_grpc(local_store, make_worker):
     local_store.add("obj", data)
     worker = make_worker(local_store.mount, page_size=PAGE)
     fs = _fs(worker)
-    fs.info("cachefs://data/obj")  # the worker is probed and known local: the read below asks the socket
-    fs._bulk._reader(fs._process_state().candidates("data/obj")[0])
+    fs.info("cachefs://data/obj")  # the first read probes the worker, finds it local and asks the socket
     assert fs.cat_file("cachefs://data/obj") == data  # nothing cached: NOT_CACHED, then gRPC
-    assert fs._bulk.stats["short_circuit"] == {"reads": 0, "bytes": 0, "fallbacks": 1}
+    assert fs.session.bulk_stats["short_circuit"] == {"reads": 0, "bytes": 0, "fallbacks": 1, "errors": 0}
     _settled(worker, "data/obj", len(data))
     assert fs.cat_file("cachefs://data/obj") == data
-    assert fs._bulk.stats["short_circuit"] == {"reads": 1, "bytes": len(data), "fallbacks": 1}
+    assert fs.session.bulk_stats["short_circuit"] == {"reads": 1, "bytes": len(data), "fallbacks": 1, "errors": 0}
 
 
 def test_switched_off_by_option(local_store, make_worker):
@@ -94,7 +93,7 @@ def test_switched_off_by_option(local_store, make_worker):
     fs = _fs(worker, short_circuit=False)
     fs.cat_file("cachefs://data/obj")
     assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
-    assert fs._bulk.stats["short_circuit"]["reads"] == 0
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == 0
 
 
 def test_a_corrupt_page_is_never_served(local_store, make_worker, tmp_path):
@@ -105,13 +104,13 @@ def test_a_corrupt_page_is_never_served(local_store, make_worker, tmp_path):
     fs = _fs(worker)
     assert fs.cat_file("cachefs://data/obj") == data
     _settled(worker, "data/obj", len(data))
-    assert fs.cat_file("cachefs://data/obj") == data and fs._bulk.stats["short_circuit"]["reads"] == 1
+    assert fs.cat_file("cachefs://data/obj") == data and fs.session.bulk_stats["short_circuit"]["reads"] == 1
     assert flip_page_bytes(cache) >= 1  # a byte flipped in every page's payload
     # A process checks each page file once (page files are never changed in place: a rewrite is
     # a new file); a process that has not checked these pages yet finds them bad.
     fresh = _fs(worker)
     assert fresh.cat_file("cachefs://data/obj") == data  # the checksum fails: gRPC, which refetches
-    assert fresh._bulk.stats["short_circuit"]["fallbacks"] >= 1 and fresh._bulk.stats["short_circuit"]["reads"] == 0
+    assert fresh.session.bulk_stats["short_circuit"]["fallbacks"] >= 1 and fresh.session.bulk_stats["short_circuit"]["reads"] == 0
 
 
 def test_the_socket_refuses_bad_requests_and_wrong_tokens(local_store, make_worker):
@@ -125,7 +124,7 @@ def test_the_socket_refuses_bad_requests_and_wrong_tokens(local_store, make_work
         assert wait_for(lambda: stub.GetCached(worker_pb2.GetCachedRequest(paths=["data/obj"]), timeout=10,
                                                metadata=[("x-cachefs-token", "s3cret")]).cached_bytes[0] == PAGE)
     assert ok.cat_file("cachefs://data/obj") == local_store.objects["obj"]
-    assert ok._bulk.stats["short_circuit"]["reads"] == 1
+    assert ok.session.bulk_stats["short_circuit"]["reads"] == 1
     reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(path="data/obj", length=-1, token="wrong"))
     assert reply.code == Reply.REFUSED and "UNAUTHENTICATED" in reply.message and fds == []
     for bad in [dict(path="data/../etc/passwd"), dict(path="data/a\x00b"), dict(path="data/obj", offset=-1),
@@ -161,7 +160,7 @@ def test_a_restarted_worker_is_probed_again(local_store, make_worker, tmp_path):
     fs.cat_file("cachefs://data/obj")
     _settled(worker, "data/obj", PAGE)
     assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
-    assert fs._bulk.stats["short_circuit"]["reads"] == 1
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == 1
     worker.short_circuit.stop()  # the socket goes away; gRPC still answers
     assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
 
@@ -182,7 +181,7 @@ def test_read_into_fills_the_callers_buffer(local_store, make_worker, short_circ
     tail = np.zeros(100, dtype=np.uint8)
     assert fs.read_into("cachefs://data/obj", tail, offset=3 * PAGE) == (5, len(data))  # short at the end
     assert tail[:5].tobytes() == data[3 * PAGE:]
-    assert fs._bulk.stats["short_circuit"]["reads"] == (2 if short_circuit else 0)
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == (2 if short_circuit else 0)
 
 
 def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, make_worker, tmp_path):
@@ -197,7 +196,7 @@ def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, ma
     assert fs.cat_file("cachefs://data/obj") == data  # checked here, once
     assert fs.cat_file("cachefs://data/obj", 10, 20) == data[10:20]  # a part of a checked page: no re-check
     # (the cold read above found nothing cached: one fallback)
-    assert fs._bulk.stats["short_circuit"] == {"reads": 2, "bytes": len(data) + 10, "fallbacks": 1}
+    assert fs.session.bulk_stats["short_circuit"] == {"reads": 2, "bytes": len(data) + 10, "fallbacks": 1, "errors": 0}
     for f in page_files(cache):  # a new file in its place (new inode), one byte flipped
         raw = bytearray(f.read_bytes())
         raw[100] ^= 0xFF
@@ -205,4 +204,4 @@ def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, ma
         tmp.write_bytes(raw)
         os.replace(tmp, f)
     assert fs.cat_file("cachefs://data/obj") == data  # checked again, found bad: gRPC refetches
-    assert fs._bulk.stats["short_circuit"]["fallbacks"] == 2
+    assert fs.session.bulk_stats["short_circuit"]["fallbacks"] == 2

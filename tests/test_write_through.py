@@ -187,7 +187,7 @@ def test_writes_route_to_the_owner_of_stripe_zero(local_store, make_worker):
     workers = [make_worker(local_store.mount, page_size=PAGE) for _ in range(3)]
     fs = client(*(w.address for w in workers))
     path = "data/owned/obj.bin"
-    owner = fs._process_state().candidates(path)[0].address
+    owner = fs.session.candidates(path)[0].address
     local_store.add("owned/obj.bin", b"first")
     assert fs.cat_file(path) == b"first"
     fs.pipe_file(path, b"second")

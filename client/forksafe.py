@@ -1,0 +1,216 @@
+"""Fork and pickle safety for everything a client process holds, in one place.
+
+DataLoader workers are forked (or spawned) from a training process that is already reading:
+its threads may be inside a gRPC call, holding a lock, or halfway through a socket exchange
+at the moment of the fork. A child inherits the memory of all of that but none of the threads,
+so a parent's lock may stay held forever, a pooled socket may be mid-reply, and a gRPC channel
+is not the child's to use (grpc's own threads are gone). The rules, for every client module:
+
+- What belongs to one process (locks, threads, sockets, gRPC channels, pools, held page
+  descriptors, shared-memory maps, counter blocks) lives in a :class:`ProcessLocal`: built on
+  first use in each process, dropped (never used, never closed in ways that reach the parent)
+  in a forked child, and never pickled (a spawned child builds its own).
+- What must act around a fork (a thread inside a gRPC call that would wedge the child) is a
+  :class:`ForkHook`: it quiesces before the fork and resumes in the parent after it.
+- One ``os.register_at_fork`` handler calls them all. It is this module's only process-wide
+  state, and it has to be: at-fork handlers are process-wide by nature.
+
+The S3 Connector for PyTorch keeps its client the same way (one per-process holder, rebuilt by
+pid); this module generalises it to every resource a cachefs client holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: At most this long for all hooks' ``before_fork`` together: a fork is never held up for long
+#: by a hook that cannot quiesce (it then proceeds; the child drops that state anyway).
+BEFORE_FORK_BUDGET = 5.0
+
+
+@runtime_checkable
+class ForkHook(Protocol):
+    """Something that must act around ``fork()``; all three run in the forking thread."""
+
+    def before_fork(self, deadline: float) -> None:
+        """Quiesce (leave gRPC calls, stop starting new ones) by ``deadline`` (time.monotonic())."""
+
+    def after_fork_in_parent(self) -> None:
+        """Resume what ``before_fork`` paused."""
+
+    def after_fork_in_child(self) -> None:
+        """Forget the parent's state; replace locks (a parent thread may have held one)."""
+
+
+class _Hooks:
+    """The registered hooks of this process (weak: a hook ends with its owner)."""
+
+    def __init__(self) -> None:
+        self._hooks: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._guard = threading.Lock()
+        self.forks_seen = 0
+
+    def add(self, hook: ForkHook) -> None:
+        with self._guard:
+            self._hooks.add(hook)
+
+    def discard(self, hook: ForkHook) -> None:
+        with self._guard:
+            self._hooks.discard(hook)
+
+    def snapshot(self) -> list[Any]:
+        with self._guard:
+            return list(self._hooks)
+
+    def before(self) -> None:
+        deadline = time.monotonic() + BEFORE_FORK_BUDGET
+        for hook in self.snapshot():
+            try:
+                hook.before_fork(deadline)
+            except Exception:  # noqa: BLE001 - a hook must never stop a fork
+                log.exception("before-fork hook %r failed", hook)
+
+    def after_in_parent(self) -> None:
+        for hook in self.snapshot():
+            try:
+                hook.after_fork_in_parent()
+            except Exception:  # noqa: BLE001
+                log.exception("after-fork (parent) hook %r failed", hook)
+
+    def after_in_child(self) -> None:
+        # Only the forking thread exists here: the guard may have been held by another thread.
+        self._guard = threading.Lock()
+        self.forks_seen += 1
+        for hook in self.snapshot():
+            try:
+                hook.after_fork_in_child()
+            except Exception:  # noqa: BLE001
+                log.exception("after-fork (child) hook %r failed", hook)
+
+
+_HOOKS = _Hooks()
+os.register_at_fork(before=_HOOKS.before, after_in_parent=_HOOKS.after_in_parent,
+                    after_in_child=_HOOKS.after_in_child)
+
+
+def register(hook: ForkHook) -> None:
+    """Call ``hook`` around every fork of this process from now on (until it is garbage)."""
+    _HOOKS.add(hook)
+
+
+def unregister(hook: ForkHook) -> None:
+    _HOOKS.discard(hook)
+
+
+def registered() -> list[Any]:
+    """The hooks registered now (for tests and diagnostics)."""
+    return _HOOKS.snapshot()
+
+
+class ForkSafeLock:
+    """A lock that a forked child gets fresh (``with`` only): the parent's may be held by a
+    thread that does not exist in the child, and would stay held there forever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        register(self)
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.__exit__(*exc)
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def before_fork(self, deadline: float) -> None:
+        pass
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ForkSafeLock, ())
+
+
+class ProcessLocal(Generic[T]):
+    """One value per process, built by ``factory`` on first use in that process.
+
+    In a forked child the parent's value is dropped without being used: ``inherited`` (if
+    given) is called with it, for what is safe to release there (closing the child's copy of a
+    descriptor does not disturb the parent's); otherwise the value is only kept referenced, so
+    that no finalizer of it runs in the child. Pickling carries the factory, never the value.
+    """
+
+    def __init__(self, factory: Callable[[], T], *, inherited: Callable[[T], None] | None = None,
+                 name: str = "") -> None:
+        self._factory = factory
+        self._inherited = inherited
+        self.name = name or getattr(factory, "__qualname__", "value")
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._pid = -1
+        self._abandoned: list[Any] = []
+        register(self)
+
+    def get(self) -> T:
+        value, pid = self._value, self._pid
+        if pid == os.getpid():
+            return value  # type: ignore[return-value]
+        with self._lock:
+            if self._pid != os.getpid():
+                self._value = self._factory()
+                self._pid = os.getpid()
+            return self._value  # type: ignore[return-value]
+
+    def peek(self) -> T | None:
+        """This process's value if it was built, else None (never builds one)."""
+        return self._value if self._pid == os.getpid() else None
+
+    def clear(self, close: Callable[[T], None] | None = None) -> None:
+        """Drop this process's value (``close`` it); the next ``get`` builds a new one."""
+        with self._lock:
+            value = self._value if self._pid == os.getpid() else None
+            self._value, self._pid = None, -1
+        if value is not None and close is not None:
+            close(value)
+
+    # -- ForkHook --------------------------------------------------------------------------------
+    def before_fork(self, deadline: float) -> None:
+        pass  # a value that must quiesce for a fork registers a hook of its own
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        value, self._value, self._pid = self._value, None, -1
+        if value is None:
+            return
+        if self._inherited is not None:
+            try:
+                self._inherited(value)
+            except Exception:  # noqa: BLE001 - best effort; the child never uses it again
+                log.debug("releasing the parent's %s in a forked child failed", self.name, exc_info=True)
+        self._abandoned.append(value)
+
+    # -- pickling -------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"factory": self._factory, "inherited": self._inherited, "name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["factory"], inherited=state["inherited"], name=state["name"])  # type: ignore[misc]

@@ -1,0 +1,393 @@
+"""The client session: the one thing every client interface reads and writes through.
+
+``CacheFileSystem`` (fsspec), both datasets, the writer and the hints use only the public
+methods here; they never reach into each other. A session owns, per process (forksafe.py):
+the worker set and its channels (transport.py), the view watcher (view.py), the lean bulk
+paths (bulkpaths.py: short-circuit, data port) and the fallback store. Constructing one does
+no network I/O; the first call in a process connects (as s3fs does).
+
+The read path of one range: split into placement stripes; each stripe from the lean path of
+the worker the ring places it on (page files or the data port, into the caller's buffer), else
+through gRPC from that worker and then the ring's next ones, else (``fallback=True``) from the
+object store directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+
+from cachefs.client.bulkpaths import BulkPaths
+from cachefs.client.forksafe import ProcessLocal
+from cachefs.client.transport import CHANNEL_OPTIONS, WorkerHandle, WorkerSet
+from cachefs.client.view import ViewWatcher
+from cachefs.config import ClientConfig
+from cachefs.errors import (
+    RETRYABLE_CODES,
+    StaleObjectError,
+    StoreUnavailableError,
+    UnknownMountError,
+    WorkerUnavailableError,
+    from_rpc_error,
+)
+from cachefs.mounts import MountSpec, MountTable
+from cachefs.paths import CachePath
+from cachefs.proto import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.ring import RingConfig
+from cachefs.tls import explain, open_channel
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def info_dict(msg: common_pb2.ObjectInfo) -> dict[str, Any]:
+    """An fsspec info dict from a worker's ObjectInfo."""
+    is_dir = msg.type == common_pb2.DIRECTORY
+    return {"name": msg.path, "size": msg.size, "type": "directory" if is_dir else "file",
+            "version": msg.version, "mtime": msg.mtime}
+
+
+def meta_dict(meta: Any) -> dict[str, Any]:
+    """An fsspec info dict from the store adapter's ObjectMeta (fallback reads)."""
+    return {"name": str(meta.path), "size": meta.size, "type": "directory" if meta.is_dir else "file",
+            "version": meta.version, "mtime": meta.mtime}
+
+
+class _ProcessState:
+    """Everything of a session that belongs to one process (built on first use there)."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.workers = WorkerSet(list(config.workers), RingConfig(stripe_size=config.stripe_size),
+                                 connect=self._connect)
+        self.bulk = BulkPaths(config, self.workers)
+        self.view: master_pb2.ClusterView | None = None
+        self.fallback_store: Any = None
+        self.mounts_learned = False
+        self.fallback_slots = threading.BoundedSemaphore(config.fallback_concurrency)
+        self.lock = threading.Lock()
+        self.watcher: ViewWatcher | None = None
+        if config.master:
+            self.watcher = ViewWatcher(config.master, self.apply_view, timeout=config.timeout,
+                                       tls=config.tls, token=config.token)
+            self.watcher.fetch()  # the first use in this process: one GetView, then a watch thread
+            self.watcher.start()
+
+    def _connect(self, address: str) -> grpc.Channel:
+        """A channel to one worker with this session's TLS and token (cachefs/tls.py)."""
+        return open_channel(address, self.config.tls, options=CHANNEL_OPTIONS, token=self.config.token)
+
+    def apply_view(self, view: master_pb2.ClusterView) -> None:
+        """A newer cluster view: route by its live workers and ring settings from now on."""
+        ring = RingConfig(vnodes=view.ring.vnodes or RingConfig().vnodes,
+                          stripe_size=view.ring.stripe_size or self.config.stripe_size)
+        if view.workers or not self.workers:
+            self.workers.update([w.address for w in view.workers], ring)
+        else:
+            # No live workers: a master that just restarted (workers have not re-registered
+            # yet), or a cluster that is really down. Either way the last workers are the best
+            # bet: dead ones fail fast behind their breakers, and fallback still applies.
+            log.warning("cluster view %d has no workers; keeping the last %d", view.version,
+                        len(self.workers.addresses))
+        self.view = view
+        log.debug("cluster view %d: %d workers", view.version, len(view.workers))
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.workers.close()
+        self.bulk.close()
+
+    @staticmethod
+    def release_inherited(state: "_ProcessState") -> None:
+        """In a forked child: the parent's sockets may be closed here (the parent keeps its own
+        descriptors); its gRPC channels and watcher are left untouched."""
+        state.bulk.release_inherited()
+
+
+class ClientSession:
+    """One cluster as seen by one client: placement, reads, metadata, writes and hints."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self._state: ProcessLocal[_ProcessState] = ProcessLocal(
+            lambda: _ProcessState(config), inherited=_ProcessState.release_inherited, name="client session")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ClientSession, (self.config,))  # a spawned or unpickled copy starts unconnected
+
+    # -- placement ---------------------------------------------------------------------------------
+    @property
+    def workers(self) -> WorkerSet:
+        """This process's worker set (ring and channels), connected on first use."""
+        return self._state.get().workers
+
+    @property
+    def view(self) -> master_pb2.ClusterView | None:
+        """The last cluster view this process received from the master (None: none yet)."""
+        return self._state.get().view
+
+    @property
+    def stripe_size(self) -> int:
+        """Bytes per placement stripe, as the cluster's ring has it."""
+        return self.workers.ring.config.stripe_size
+
+    def candidates(self, key: str, offset: int = 0, include_broken: bool = True) -> list[WorkerHandle]:
+        """The workers placed for the stripe of ``key`` at ``offset``, in the order to try them."""
+        return self.workers.candidates(key, offset, include_broken=include_broken)
+
+    def owners(self, keys: Iterable[str]) -> list[tuple[WorkerHandle, list[str]]]:
+        """``keys`` grouped by the healthy worker placed first for each (keys with none are left out)."""
+        groups: dict[str, tuple[WorkerHandle, list[str]]] = {}
+        for key in keys:
+            candidates = self.candidates(key, 0, include_broken=False)
+            if candidates:
+                groups.setdefault(candidates[0].address, (candidates[0], []))[1].append(key)
+        return list(groups.values())
+
+    def call(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub], T], what: str,
+             offset: int = 0) -> T | None:
+        """Run ``call(stub)`` on the workers placed for ``key`` (its stripe at ``offset``), in order.
+
+        A worker fault (down, overloaded, too slow) opens that worker's breaker and the next one
+        is tried; an error about the request or about the object store behind the worker (which
+        every worker would meet the same way) reaches the caller at once and opens no breaker.
+        Returns None when no worker answered and fallback is on; raises otherwise.
+        """
+        state = self._state.get()
+        last_error: grpc.RpcError | None = None
+        for handle in state.workers.candidates(key, offset, include_broken=not self.config.fallback):
+            try:
+                result = call(handle.stub())
+            except grpc.RpcError as err:
+                if fault_of(err) != "worker":
+                    handle.breaker.record_success()  # it answered: the error is about the request or the store
+                    raise from_rpc_error(err, what) from None
+                log.warning("worker %s failed %s: %s", handle.address, what, err.code().name)
+                handle.breaker.record_failure()
+                last_error = err
+                continue
+            handle.breaker.record_success()
+            self._learn_mounts(state)
+            return result
+        if self.config.fallback:
+            return None
+        if last_error is not None:
+            hint = explain(last_error.details(), self.config.tls)  # e.g. a TLS cluster dialled in plaintext
+            raise from_rpc_error(last_error, f"{what}: no worker could serve it"
+                                 + (f" ({hint})" if hint else "")) from None
+        raise WorkerUnavailableError(f"{what}: no worker is available")
+
+    def call_owner(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub], T], what: str) -> T:
+        """``call`` for an operation that only a worker can do (writes, frees): never None."""
+        result = self.call(key, call, what)
+        if result is None:
+            raise WorkerUnavailableError(f"{what}: no worker answered")
+        return result
+
+    def owner_stub(self, key: str, what: str) -> worker_pb2_grpc.WorkerServiceStub:
+        """The stub of the worker placed first for ``key`` (a write stream goes there)."""
+        candidates = self.candidates(key, 0)
+        if not candidates:
+            raise WorkerUnavailableError(f"{what}: no worker is available")
+        return candidates[0].stub()
+
+    # -- metadata ------------------------------------------------------------------------------------
+    def info(self, cp: CachePath, refresh: bool = False) -> dict[str, Any]:
+        request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
+        msg = self.call(str(cp), lambda stub: stub.GetInfo(request, timeout=self.config.timeout), f"info {cp}")
+        if msg is not None:
+            return info_dict(msg)
+        return meta_dict(self.fallback_store().info(cp, refresh))
+
+    def list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
+        request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh)
+
+        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> list[dict[str, Any]]:
+            return [info_dict(e) for batch in stub.List(request, timeout=self.config.timeout) for e in batch.entries]
+
+        entries = self.call(str(cp), call, f"list {cp}")
+        if entries is not None:
+            return entries
+        return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
+
+    def public_mounts(self) -> list[MountSpec]:
+        """The mount table without secrets: from the cluster view, else from a worker."""
+        view = self.view
+        if view is not None and view.mounts:
+            return [MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only) for m in view.mounts]
+        resp = self.call("", lambda stub: stub.ListMounts(worker_pb2.ListMountsRequest(),
+                                                           timeout=self.config.timeout), "list mounts")
+        if resp is None:
+            raise WorkerUnavailableError(
+                "no worker answered and no fallback_mounts are configured: cannot read the store directly")
+        return [MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only) for m in resp.mounts]
+
+    # -- reads -----------------------------------------------------------------------------------------
+    def read(self, cp: CachePath, offset: int, length: int, version: str = "") -> tuple[bytes, int]:
+        """Bytes [offset, offset+length) (length -1: to the end) of the given version, if any, and
+        the object's size.
+
+        A range is read stripe by stripe, each from the workers the ring places that stripe
+        on; every stripe after the first is pinned to the version the first one saw.
+        """
+        stripe = self.stripe_size
+        end = None if length < 0 else offset + length
+        parts: list[bytes] = []
+        pos = offset
+        while True:
+            boundary = (pos // stripe + 1) * stripe
+            want = (boundary if end is None else min(end, boundary)) - pos
+            data, size, version = self._read_stripe(cp, pos, want, version)
+            parts.append(data)
+            pos += len(data)
+            end = size if end is None else min(end, size)
+            if len(data) < want or pos >= end:
+                break
+        return (parts[0] if len(parts) == 1 else b"".join(parts)), size
+
+    def read_into(self, cp: CachePath, out: Any, offset: int = 0) -> tuple[int, int]:
+        """Fill ``out`` (a writable buffer) with the object's bytes from ``offset``; returns
+        (bytes read: fewer at the object's end, the object's size).
+
+        Cached bytes land in ``out`` directly (page files on this host, another host's data
+        port); otherwise they come through gRPC and are copied in once.
+        """
+        view = memoryview(out).cast("B")
+        state = self._state.get()
+        stripe, pos, end, version = self.stripe_size, offset, offset + len(view), ""
+        size = -1
+        while pos < end or size < 0:
+            want = min(end, (pos // stripe + 1) * stripe) - pos
+            got = state.bulk.read(str(cp), pos, want, version, view[pos - offset:pos - offset + want]) \
+                if state.bulk.enabled and want else None
+            if got is None:
+                data, size, version = self._read_stripe(cp, pos, want, version, bulk=False)
+                view[pos - offset:pos - offset + len(data)] = data
+                n = len(data)
+            else:
+                n, size, version = len(got[0]), got[1], got[2]
+            pos += n
+            if n < want or pos >= min(end, size):
+                break
+        return pos - offset, size
+
+    def read_many(self, ranges: Iterable[tuple[CachePath, int, int]]) -> list[bytes]:
+        """Several ranges ``(path, start, end)`` (end -1: to the object's end), in order."""
+        return [self.read(cp, start, -1 if end < 0 else max(0, end - start))[0] for cp, start, end in ranges]
+
+    def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str,
+                     bulk: bool = True) -> tuple[bytes, int, str]:
+        """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version."""
+        state = self._state.get()
+        if bulk and state.bulk.enabled:  # cached bytes: page files or the data port, not gRPC messages
+            got = state.bulk.read(str(cp), offset, length, version)
+            if got is not None:
+                return got
+        request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
+        timeout = self.read_timeout(length)
+
+        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[bytes, int, str]:
+            # The first block in one unary call (a streaming call costs a thread and ~1 ms more
+            # here, which is most of a small object's read); only what is left streams.
+            reply = stub.ReadBlock(request, timeout=timeout)
+            info = reply.info
+            want = max(0, min(length, info.size - offset))
+            if len(reply.data) >= want:
+                return reply.data, info.size, info.version
+            rest = worker_pb2.ReadRequest(path=str(cp), offset=offset + len(reply.data),
+                                          length=want - len(reply.data), version=info.version)
+            parts = [reply.data, *(chunk.data for chunk in stub.Read(rest, timeout=timeout))]
+            return b"".join(parts), info.size, info.version
+
+        result = self.call(str(cp), call, f"read {cp}", offset=offset)
+        if result is not None:
+            return result
+        return self._read_from_store(cp, offset, length, version)
+
+    def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
+        store = self.fallback_store()
+        if cp.mount not in store.mounts:
+            raise UnknownMountError(f"no mount named {cp.mount!r} in the fallback mount table")
+        meta = store.info(cp)
+        if version and meta.version != version:
+            meta = store.info(cp, refresh=True)
+            if meta.version != version:
+                raise StaleObjectError(f"{cp} changed since it was opened (version {version} -> {meta.version})")
+        if meta.is_dir:
+            raise IsADirectoryError(f"{cp} is a directory")
+        end = min(meta.size, offset + (meta.size if length < 0 else length))
+        if offset >= end:
+            return b"", meta.size, meta.version
+        slots = self._state.get().fallback_slots
+        if not slots.acquire(timeout=self.read_timeout(end - offset)):
+            raise WorkerUnavailableError(f"read {cp}: no worker answered and the store is busy with this "
+                                         f"process's other fallback reads (fallback_concurrency)")
+        try:
+            return store.read(meta, offset, end), meta.size, meta.version
+        finally:
+            slots.release()
+
+    def read_timeout(self, length: int) -> float:
+        """The deadline of a read of ``length`` bytes: the RPC timeout plus time at min_throughput."""
+        return self.config.timeout + max(0, length) / self.config.min_throughput
+
+    @property
+    def bulk_stats(self) -> dict[str, dict[str, int]]:
+        """Reads, bytes and fallbacks to gRPC per lean path, in this process."""
+        return self._state.get().bulk.stats
+
+    @property
+    def bulk_enabled(self) -> bool:
+        return bool(self.config.short_circuit or self.config.data_port)
+
+    # -- fallback to the object store -------------------------------------------------------------
+    def fallback_store(self) -> Any:  # -> cachefs.store ObjectStore
+        """The store adapter this process reads with when no worker answers (built once)."""
+        state = self._state.get()
+        if state.fallback_store is None:
+            specs = [MountSpec.parse(v, name=k) for k, v in self.config.fallback_mounts.items()]
+            if not specs:
+                specs = self.public_mounts()
+            store = _object_store(MountTable(specs))
+            with state.lock:
+                if state.fallback_store is None:
+                    state.fallback_store = store
+        return state.fallback_store
+
+    def _learn_mounts(self, state: _ProcessState) -> None:
+        """While workers answer, remember their public mount table for a later fallback (once)."""
+        if self.config.fallback and not state.mounts_learned:
+            state.mounts_learned = True
+            try:
+                self.fallback_store()
+            except (OSError, ValueError) as exc:
+                state.mounts_learned = False
+                log.debug("could not learn mounts for fallback: %s", exc)
+
+    # -- hints -------------------------------------------------------------------------------------------
+    def load_future(self, handle: WorkerHandle, keys: list[str], timeout: float) -> grpc.Future:
+        """Ask ``handle``'s worker to cache ``keys`` (a hint: metadata and first page in one GET)."""
+        return handle.stub().Load.future(worker_pb2.LoadRequest(paths=keys, hint=True), timeout=timeout)
+
+    def close(self) -> None:
+        """Close this process's channels and sockets and stop following the master."""
+        self._state.clear(close=_ProcessState.close)
+
+
+def fault_of(err: grpc.RpcError) -> str:  # TEMPORARY until cachefs.errors carries the fault domain
+    if err.code() in RETRYABLE_CODES and StoreUnavailableError.MARKER not in (err.details() or ""):
+        return "worker"
+    return "store" if StoreUnavailableError.MARKER in (err.details() or "") else "request"
+
+
+def _object_store(mounts: MountTable) -> Any:
+    from cachefs.store.objects import ObjectStore  # the same adapter the worker uses
+
+    return ObjectStore(mounts, metadata_ttl=5.0, list_ttl=5.0)
