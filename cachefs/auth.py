@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from cachefs.errors import UnauthenticatedError, abort
+
 log = logging.getLogger(__name__)
 
 TOKEN_METADATA = "x-cachefs-token"
@@ -115,7 +117,7 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
 
     def deny(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        abort(context, UnauthenticatedError(message))
 
     kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -154,18 +156,6 @@ class TokenCheck(grpc.ServerInterceptor):
         log.debug("refused %s: no valid token", method)
         return _refusal(handler, f"{method} needs the access token (gRPC metadata {TOKEN_METADATA!r}; "
                                  "clients: token=... or CACHEFS_TOKEN)")
-
-
-def server_interceptors(access_token: str, cluster_token: str, open_methods: Iterable[str] = ()
-                        ) -> list[grpc.ServerInterceptor]:
-    """The interceptors a daemon's server runs: a token check when an access token is set, then
-    request decoding that answers INVALID_ARGUMENT (not grpcio's INTERNAL) to a malformed message."""
-    from cachefs.server.decodeguard import DecodeGuard
-
-    guard: list[grpc.ServerInterceptor] = [DecodeGuard()]
-    if not access_token:
-        return guard
-    return [TokenCheck((access_token, cluster_token), open_methods), *guard]
 
 
 def outgoing_token(access_token: str, cluster_token: str) -> str:

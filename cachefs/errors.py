@@ -2,16 +2,39 @@
 
 Errors are members of the built-in OSError family (as fsspec's are), so callers catch
 ``FileNotFoundError`` or ``PermissionError`` whether data came from the cache or the store.
-The worker turns an exception into a status with :func:`to_status`; the client turns the
-status back into the same exception type with :func:`from_rpc_error`, keeping the
-status code and the server's message, and chaining the RPC error as ``__cause__``.
+
+On the wire. A server (worker or master) aborts a failed RPC with :func:`abort`: the status code
+from the table, the exception's message as the details, and a trailing-metadata entry
+``cachefs-error`` (:data:`ERROR_METADATA`) that names what failed, e.g.
+``type=FileNotFoundError;fault=request;errno=ENOENT``: the table type the exception is an
+instance of (most specific first), its fault domain, and its errno by name (when it has one).
+Several types share a status code (UnknownMountError and FileNotFoundError are both NOT_FOUND),
+so the code alone cannot say which; the detail can. The client turns the failure back into the
+same exception type with :func:`from_rpc_error` (status code kept as ``exc.grpc_code``, the
+server's message, the RPC error as ``__cause__``); without a detail (an older server, or gRPC's
+own errors: a dead channel, a deadline) it falls back to what the code alone means.
+
+Fault domains (:func:`fault_of`), which decide what a client does next:
+
+- ``"worker"`` (:data:`WORKER`): the server that answered could not serve (down, shutting down,
+  overloaded, too slow, its own disk or a bug): another worker may; count it against this one.
+- ``"store"`` (:data:`STORE`): the object store behind the worker failed or changed (outage,
+  I/O error, timeout, the object changed under a pinned reader): every worker would meet the same,
+  so no worker's breaker opens, and the caller gets the store error.
+- ``"request"`` (:data:`REQUEST`): the request itself fails anywhere (bad path, no such mount or
+  object, denied, unsupported): raise it to the caller as it is.
+
+Importing this module loads neither grpc nor fsspec: status codes are kept by name and
+resolved when a function needs them.
 """
 
 from __future__ import annotations
 
 import errno
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import grpc
+if TYPE_CHECKING:
+    import grpc
 
 
 class CacheFSError(OSError):
@@ -52,6 +75,8 @@ class StoreUnavailableError(StoreError, ConnectionError):
     Cached data is still served; only reads that need the store fail, and they fail fast.
     """
 
+    # Wording of the message only: nothing parses it. Clients tell a store outage from a worker
+    # fault by the error detail (fault_of), never by this text.
     MARKER = "object store unavailable"
 
     def __init__(self, message: str) -> None:
@@ -84,88 +109,199 @@ class StaleObjectError(CacheFSError):
         super().__init__(errno.ESTALE, message)
 
 
-# Exception type -> status code, most specific first. The inverse is derived from it,
-# so the two directions cannot drift apart.
-_TO_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidPathError, grpc.StatusCode.INVALID_ARGUMENT),
-    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (StaleObjectError, grpc.StatusCode.ABORTED),
-    (UnknownMountError, grpc.StatusCode.NOT_FOUND),
-    (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (StoreError, grpc.StatusCode.INTERNAL),
-    (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (FileExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (IsADirectoryError, grpc.StatusCode.FAILED_PRECONDITION),
-    (NotADirectoryError, grpc.StatusCode.FAILED_PRECONDITION),
-    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
-    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
-    (OSError, grpc.StatusCode.INTERNAL),
+class InternalError(CacheFSError):
+    """A server failed in a way it did not expect (a bug in it): what any exception outside the
+    table below is sent as. The message says what; another server may not fail the same way."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
+
+
+WORKER = "worker"
+STORE = "store"
+REQUEST = "request"
+FAULTS = (WORKER, STORE, REQUEST)
+
+#: Trailing-metadata key of the error detail (see the module docstring for its value).
+ERROR_METADATA = "cachefs-error"
+
+# The one table: exception type, status code (by name), fault domain, the errno a rebuilt
+# exception gets when the server's had none, and whether it is what the code means alone (one per
+# code; the client's fallback when a failure carries no detail). Most specific first: an exception
+# is sent as the first type it is an instance of. Both directions are derived from it below.
+_TABLE: tuple[tuple[type[BaseException], str, str, int | None, bool], ...] = (
+    (InvalidPathError, "INVALID_ARGUMENT", REQUEST, errno.EINVAL, True),
+    (StoreUnavailableError, "UNAVAILABLE", STORE, errno.ECONNREFUSED, False),
+    (StaleObjectError, "ABORTED", STORE, errno.ESTALE, True),
+    (UnknownMountError, "NOT_FOUND", REQUEST, errno.ENOENT, False),
+    (WorkerUnavailableError, "UNAVAILABLE", WORKER, errno.EHOSTUNREACH, True),
+    (UnauthenticatedError, "UNAUTHENTICATED", REQUEST, errno.EACCES, True),
+    (OverloadedError, "RESOURCE_EXHAUSTED", WORKER, errno.EBUSY, True),
+    (DeadlineExceededError, "DEADLINE_EXCEEDED", WORKER, errno.ETIMEDOUT, True),
+    (StoreError, "INTERNAL", STORE, errno.EIO, True),
+    (FileNotFoundError, "NOT_FOUND", REQUEST, errno.ENOENT, True),
+    (FileExistsError, "ALREADY_EXISTS", REQUEST, errno.EEXIST, True),
+    (IsADirectoryError, "FAILED_PRECONDITION", REQUEST, errno.EISDIR, True),
+    (NotADirectoryError, "FAILED_PRECONDITION", REQUEST, errno.ENOTDIR, False),
+    (PermissionError, "PERMISSION_DENIED", REQUEST, errno.EACCES, True),
+    (TimeoutError, "DEADLINE_EXCEEDED", STORE, errno.ETIMEDOUT, False),  # a store call that timed out
+    (ValueError, "INVALID_ARGUMENT", REQUEST, None, False),
+    (NotImplementedError, "UNIMPLEMENTED", REQUEST, None, True),
+    (InternalError, "INTERNAL", WORKER, errno.EIO, False),
+    (OSError, "INTERNAL", WORKER, errno.EIO, False),  # not the store's: _store_errors wraps those
 )
 
-_FROM_STATUS: dict[grpc.StatusCode, type[OSError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidPathError,
-    grpc.StatusCode.OUT_OF_RANGE: InvalidPathError,
-    grpc.StatusCode.NOT_FOUND: FileNotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: FileExistsError,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionError,
-    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,  # a PermissionError: no or a wrong token
-    grpc.StatusCode.FAILED_PRECONDITION: IsADirectoryError,
-    grpc.StatusCode.UNAVAILABLE: WorkerUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-    grpc.StatusCode.CANCELLED: WorkerUnavailableError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: WorkerUnavailableError,
-    grpc.StatusCode.UNIMPLEMENTED: NotImplementedError,  # type: ignore[dict-item]
-    grpc.StatusCode.ABORTED: StaleObjectError,
+# Codes only gRPC itself produces (no row has them): what they mean without a detail.
+_GRPC_ONLY: dict[str, type[OSError]] = {
+    "CANCELLED": WorkerUnavailableError,
+    "UNKNOWN": WorkerUnavailableError,  # a server that failed without saying how
+    "OUT_OF_RANGE": InvalidPathError,
 }
 
-# Codes that say the *worker* could not serve (down, overloaded, too slow): try the next
-# worker, or the object store. INTERNAL is not among them: the worker answered, and what
-# failed behind it (usually the object store) would fail the same way elsewhere.
-RETRYABLE_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.UNKNOWN,
-    }
-)
+_Row = tuple[type[BaseException], str, str, "int | None", bool]
+_BY_NAME: dict[str, _Row] = {row[0].__name__: row for row in _TABLE}
+_BARE: dict[str, type[BaseException]] = {code: t for t, code, _, _, bare in _TABLE if bare}
+
+
+def _row(exc: BaseException) -> _Row:
+    """The row ``exc`` is sent as: the first type it is an instance of; anything outside the
+    table (a bug in the server) as InternalError."""
+    for row in _TABLE:
+        if isinstance(exc, row[0]):
+            return row
+    return _BY_NAME[InternalError.__name__]
+
+
+def _code(name: str) -> grpc.StatusCode:
+    import grpc  # here, not at import time: see the module docstring
+
+    return grpc.StatusCode[name]
 
 
 def to_status(exc: BaseException) -> grpc.StatusCode:
     """Status code for an exception raised while serving an RPC."""
-    for exc_type, code in _TO_STATUS:
-        if isinstance(exc, exc_type):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return _code(_row(exc)[1])
+
+
+def error_detail(exc: BaseException) -> str:
+    """The ``cachefs-error`` trailing-metadata value for ``exc`` (ASCII, ``key=value;...``)."""
+    row = _row(exc)
+    parts = [f"type={row[0].__name__}", f"fault={row[2]}"]
+    number = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
+    if isinstance(number, int) and number in errno.errorcode:
+        parts.append(f"errno={errno.errorcode[number]}")
+    return ";".join(parts)
+
+
+def abort(context: Any, exc: BaseException, message: str | None = None) -> NoReturn:
+    """End the RPC being served with ``exc``'s status, message and error detail.
+
+    The one way servers fail an RPC (servicers through server/rpc.py, the token check, the decode
+    guard), so every abort carries the detail that :func:`from_rpc_error` reads.
+    """
+    context.set_trailing_metadata(((ERROR_METADATA, error_detail(exc)),))
+    context.abort(to_status(exc), message if message is not None else (str(exc) or type(exc).__name__))
+    raise AssertionError("context.abort returned")  # grpc raises; this keeps NoReturn honest
+
+
+def parse_detail(err: Any) -> dict[str, str]:
+    """The error detail an RPC error carries ({} if none, or a fake error without metadata)."""
+    try:
+        metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    except Exception:  # noqa: BLE001 - a call that never started has none
+        metadata = None
+    for item in metadata or ():
+        key, value = item[0], item[1]
+        if key == ERROR_METADATA:
+            if isinstance(value, bytes):
+                value = value.decode("ascii", "replace")
+            fields = dict(part.partition("=")[::2] for part in str(value).split(";") if part)
+            return {k.strip(): v.strip() for k, v in fields.items()}
+    return {}
+
+
+def _code_name(err: Any) -> str:
+    code = err.code() if hasattr(err, "code") else None
+    return getattr(code, "name", None) or "UNKNOWN"
+
+
+def _bare_type(code_name: str) -> type[BaseException]:
+    return _BARE.get(code_name) or _GRPC_ONLY.get(code_name) or StoreError
+
+
+def _fault_of_type(exc_type: type[BaseException]) -> str:
+    for t, _, fault, _, _ in _TABLE:
+        if issubclass(exc_type, t):
+            return fault
+    return _BY_NAME[InternalError.__name__][2]
+
+
+def fault_of(err: BaseException) -> str:
+    """Where a failure lies: ``"worker"``, ``"store"`` or ``"request"`` (see the module docstring).
+
+    ``err`` is a ``grpc.RpcError`` (its detail if it has one, else what its code alone means:
+    UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, CANCELLED, UNKNOWN are the worker's, INTERNAL
+    the store's, the rest the request's), or an exception from :func:`from_rpc_error` or raised
+    locally (by its type). Only ``"worker"`` should open a worker's breaker or move on to the next
+    worker; a ``"store"`` fault reaches the caller as the store error it is.
+    """
+    fault = getattr(err, "cachefs_fault", None)
+    if fault in FAULTS:
+        return fault
+    if hasattr(err, "code") and not isinstance(err, OSError):  # an RpcError (or one shaped like it)
+        fault = parse_detail(err).get("fault")
+        if fault in FAULTS:
+            return fault
+        return _fault_of_type(_bare_type(_code_name(err)))
+    return _fault_of_type(type(err))
+
+
+def is_worker_fault(err: BaseException) -> bool:
+    """``fault_of(err) == "worker"``: try the next worker and count a failure against this one."""
+    return fault_of(err) == WORKER
 
 
 def from_rpc_error(err: grpc.RpcError, what: str = "") -> OSError:
-    """The Python exception for a failed RPC; the RPC error becomes its ``__cause__``."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = (err.details() if hasattr(err, "details") else None) or str(code)
+    """The Python exception for a failed RPC: the type the server raised (by its error detail; by
+    the status code when there is none), ``grpc_code`` and ``cachefs_fault`` set, the RPC error as
+    its ``__cause__``. ValueError and NotImplementedError come back as themselves (not OSErrors)."""
+    code_name = _code_name(err)
+    details = (err.details() if hasattr(err, "details") else None) or code_name
     message = f"{what}: {details}" if what else details
-    exc_type = _FROM_STATUS.get(code, StoreError)
-    if code == grpc.StatusCode.UNAVAILABLE and StoreUnavailableError.MARKER in details:
-        exc_type = StoreUnavailableError  # the worker is up; the store behind it is not
-    if exc_type in (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError):
-        errno_for = {
-            FileNotFoundError: errno.ENOENT,
-            FileExistsError: errno.EEXIST,
-            PermissionError: errno.EACCES,
-            IsADirectoryError: errno.EISDIR,
-        }
-        exc: OSError = exc_type(errno_for[exc_type], message)
-    elif exc_type is NotImplementedError:
-        exc = NotImplementedError(message)  # type: ignore[assignment]
-    else:
-        exc = exc_type(message)  # type: ignore[call-arg]
-    exc.grpc_code = code  # type: ignore[attr-defined]
+    detail = parse_detail(err)
+    row = _BY_NAME.get(detail.get("type", ""))
+    exc_type = row[0] if row else _bare_type(code_name)
+    fault = detail.get("fault")
+    if fault not in FAULTS:
+        fault = _fault_of_type(exc_type)
+    number = getattr(errno, detail.get("errno", ""), None) if detail.get("errno", "").startswith("E") else None
+    if issubclass(exc_type, CacheFSError):
+        exc: BaseException = exc_type(message)  # type: ignore[call-arg]
+        if isinstance(number, int):
+            exc.errno = number  # type: ignore[attr-defined]
+    elif issubclass(exc_type, OSError):
+        default = _BY_NAME[exc_type.__name__][3]
+        exc = exc_type(number if isinstance(number, int) else default, message)
+    else:  # ValueError, NotImplementedError
+        exc = exc_type(message)
+    exc.grpc_code = err.code() if hasattr(err, "code") else _code("UNKNOWN")  # type: ignore[attr-defined]
+    exc.cachefs_fault = fault  # type: ignore[attr-defined]
     exc.__cause__ = err
-    return exc
+    return exc  # type: ignore[return-value]
 
+
+def retryable_codes() -> frozenset[grpc.StatusCode]:
+    """Codes that, without a detail, mean the worker could not serve (derived from the table)."""
+    names = {code for code, t in _BARE.items() if _fault_of_type(t) == WORKER}
+    names |= {code for code, t in _GRPC_ONLY.items() if _fault_of_type(t) == WORKER}
+    return frozenset(_code(name) for name in names)
+
+
+def __getattr__(name: str) -> Any:
+    # RETRYABLE_CODES needs grpc's StatusCode: made on first use, so importing this module does not
+    # load grpc. Prefer fault_of(err): a code cannot tell a store outage from a worker's.
+    if name == "RETRYABLE_CODES":
+        value = retryable_codes()
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

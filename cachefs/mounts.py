@@ -10,13 +10,16 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from typing import TYPE_CHECKING, Any
 
 from cachefs.errors import InvalidPathError, UnknownMountError
 from cachefs.paths import CachePath, validate_mount_name
+
+if TYPE_CHECKING:
+    import fsspec
+
+# fsspec is imported when a mount is opened (MountTable.add), not here: the configs hold
+# MountSpecs, and loading a config must not load fsspec.
 
 # Option names (at any depth) whose values are secrets and never leave the daemon.
 _SECRET_MARKERS = ("secret", "password", "token", "key", "credential", "session", "auth",
@@ -117,17 +120,22 @@ class MountTable:
 
     def __init__(self, specs: Iterable[MountSpec] = ()) -> None:
         self._lock = threading.Lock()
-        self._mounts: dict[str, tuple[MountSpec, fsspec.AbstractFileSystem, str]] = {}
+        # name -> (spec, its filesystem, root in it, whether that is the local file system)
+        self._mounts: dict[str, tuple[MountSpec, fsspec.AbstractFileSystem, str, bool]] = {}
         for spec in specs:
             self.add(spec)
 
     def add(self, spec: MountSpec) -> None:
+        import fsspec.core
+        from fsspec.implementations.local import LocalFileSystem
+
         fs, root = fsspec.core.url_to_fs(spec.url, **_with_store_defaults(spec.url, spec.options))
         root = root.rstrip("/")
-        if isinstance(fs, LocalFileSystem):
+        local = isinstance(fs, LocalFileSystem)
+        if local:
             root = os.path.realpath(root)
         with self._lock:
-            self._mounts[spec.name] = (spec, fs, root)
+            self._mounts[spec.name] = (spec, fs, root, local)
 
     def remove(self, name: str) -> bool:
         with self._lock:
@@ -135,7 +143,7 @@ class MountTable:
 
     def specs(self) -> list[MountSpec]:
         with self._lock:
-            return [spec for spec, _, _ in self._mounts.values()]
+            return [entry[0] for entry in self._mounts.values()]
 
     def __contains__(self, name: object) -> bool:
         with self._lock:
@@ -146,9 +154,9 @@ class MountTable:
             entry = self._mounts.get(path.mount)
         if entry is None:
             raise UnknownMountError(f"no mount named {path.mount!r}")
-        spec, fs, root = entry
+        spec, fs, root, local = entry
         store_path = f"{root}/{path.key}" if path.key else root
-        if isinstance(fs, LocalFileSystem) and path.key:
+        if local and path.key:
             # A symlink inside a local mount must not lead outside it.
             real = os.path.realpath(store_path)
             if real != root and not real.startswith(root + os.sep):
@@ -158,7 +166,7 @@ class MountTable:
     def to_key(self, path: CachePath, store_path: str) -> str:
         """Inverse of :meth:`resolve` for listing results: store path -> key in the mount."""
         with self._lock:
-            _, fs, root = self._mounts[path.mount]
+            _, fs, root, _ = self._mounts[path.mount]
         store_path = fs._strip_protocol(store_path).rstrip("/")
         if store_path == root:
             return ""

@@ -15,11 +15,13 @@ import ssl
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
+if TYPE_CHECKING:
+    import grpc
 
-from cachefs.auth import TokenChannel
+# grpc (and cachefs.auth, which needs it) are imported inside the functions that make channels
+# and ports: the configs hold a TLSConfig, and loading a config must not load grpc.
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ def _warn_if_key_is_open(path: str) -> None:
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     """The server side of ``tls``: its certificate, and client verification if required."""
+    import grpc
+
     if not tls.cert_file:
         raise ValueError("a TLS server needs tls_cert_file and tls_key_file")
     _warn_if_key_is_open(tls.key_file)
@@ -110,6 +114,8 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
 
 def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
     """The client side of ``tls``: the CA to trust (else the system's), and a client certificate if set."""
+    import grpc
+
     return grpc.ssl_channel_credentials(
         root_certificates=_read(tls.ca_file) if tls.ca_file else None,
         private_key=_read(tls.key_file) if tls.key_file else None,
@@ -131,6 +137,10 @@ def bind_port(server: grpc.Server, address: str, tls: TLSConfig = PLAINTEXT) -> 
 def open_channel(address: str, tls: TLSConfig = PLAINTEXT, options: Sequence[tuple[str, Any]] = (),
                  token: str = "") -> grpc.Channel:
     """A channel to ``address``: TLS if ``tls`` is enabled, and ``token`` on every call if given."""
+    import grpc
+
+    from cachefs.auth import TokenChannel
+
     if tls.enabled:
         channel = grpc.secure_channel(address, channel_credentials(tls), options=list(options))
     else:

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from cachefs.errors import InvalidPathError
+from cachefs.errors import InvalidPathError, abort
 
 
 class MalformedMessageError(InvalidPathError):
@@ -26,7 +26,7 @@ def _parser(method: str, decode: Callable[[bytes], Any]) -> Callable[[bytes, grp
         try:
             return decode(raw)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request message ({exc})")
+            abort(context, MalformedMessageError(f"{method}: malformed request message ({exc})"))
 
     return parse
 
@@ -64,7 +64,7 @@ class DecodeGuard(grpc.ServerInterceptor):
                 try:
                     return inner(requests(raws, ctx), ctx)
                 except MalformedMessageError as exc:  # a servicer that let it through
-                    ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    abort(ctx, exc)
             return call
 
         if handler.stream_unary is not None:
@@ -75,6 +75,6 @@ class DecodeGuard(grpc.ServerInterceptor):
             try:
                 yield from inner_ss(requests(raws, ctx), ctx)
             except MalformedMessageError as exc:
-                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                abort(ctx, exc)
 
         return grpc.stream_stream_rpc_method_handler(both, response_serializer=out)

@@ -1,5 +1,6 @@
-"""What the servicers share: exceptions become precise statuses, calls are counted and timed,
-objects have one wire form.
+"""What the servicers share: exceptions become precise statuses (with the ``cachefs-error``
+detail, see cachefs/errors.py), calls are counted and timed, objects have one wire form, and one
+list of server interceptors.
 
 Used by the worker's and the master's servicers; ``self.metrics`` must have ``requests``
 (a counter by method and code) and ``request_seconds`` (a histogram by method).
@@ -10,13 +11,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 
-from cachefs.errors import to_status
+from cachefs.auth import TokenCheck
+from cachefs.errors import abort, to_status
 from cachefs.proto import common_pb2
+from cachefs.server.decodeguard import DecodeGuard
 from cachefs.store.meta import ObjectMeta
 
 log = logging.getLogger(__name__)
@@ -29,7 +32,17 @@ def _fail(servicer: Any, method: str, context: grpc.ServicerContext, exc: Except
         log.exception("%s failed", method)
     elif code == grpc.StatusCode.INTERNAL:
         log.warning("%s failed: %s", method, exc)
-    context.abort(code, str(exc) or type(exc).__name__)
+    abort(context, exc)  # status, message and the cachefs-error detail (cachefs/errors.py)
+
+
+def server_interceptors(access_token: str, cluster_token: str, open_methods: Iterable[str] = ()
+                        ) -> list[grpc.ServerInterceptor]:
+    """The interceptors a daemon's server runs: a token check when an access token is set, then
+    request decoding that answers INVALID_ARGUMENT (not grpcio's INTERNAL) to a malformed message."""
+    guard: list[grpc.ServerInterceptor] = [DecodeGuard()]
+    if not access_token:
+        return guard
+    return [TokenCheck((access_token, cluster_token), open_methods), *guard]
 
 
 def rpc(method: str, streaming: bool = False, timed: bool = True) -> Callable:
@@ -51,6 +64,7 @@ def rpc(method: str, streaming: bool = False, timed: bool = True) -> Callable:
                     if timed:
                         self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
 
+            stream.cachefs_rpc = method  # type: ignore[attr-defined]  # tests check every RPC has it
             return stream
 
         @functools.wraps(fn)
@@ -66,6 +80,7 @@ def rpc(method: str, streaming: bool = False, timed: bool = True) -> Callable:
             finally:
                 self.metrics.request_seconds.labels(method).observe(time.perf_counter() - t0)
 
+        unary.cachefs_rpc = method  # type: ignore[attr-defined]
         return unary
 
     return decorate

@@ -100,7 +100,7 @@ class _Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Cluster]:
     """A worker (read-only local mount) and a master, in this process, with DecodeGuard installed
-    as the daemons install it (cachefs.auth.server_interceptors)."""
+    as the daemons install it (cachefs.server.rpc.server_interceptors)."""
     root = tmp_path_factory.mktemp("fuzz")
     store = root / "store"
     (store / "dir").mkdir(parents=True)

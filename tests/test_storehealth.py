@@ -11,7 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cachefs.errors import StoreUnavailableError, WorkerUnavailableError, from_rpc_error, to_status
+from cachefs.errors import (
+    ERROR_METADATA,
+    StoreUnavailableError,
+    WorkerUnavailableError,
+    error_detail,
+    fault_of,
+    from_rpc_error,
+    to_status,
+)
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import CachePath
 from cachefs.proto import worker_pb2
@@ -72,8 +80,8 @@ def test_store_unavailable_status_round_trip():
     assert to_status(exc) == grpc.StatusCode.UNAVAILABLE
 
     class _Err(grpc.RpcError):
-        def __init__(self, details: str) -> None:
-            self._details = details
+        def __init__(self, details: str, sent: BaseException | None) -> None:
+            self._details, self._sent = details, sent
 
         def code(self) -> grpc.StatusCode:
             return grpc.StatusCode.UNAVAILABLE
@@ -81,8 +89,14 @@ def test_store_unavailable_status_round_trip():
         def details(self) -> str:
             return self._details
 
-    assert type(from_rpc_error(_Err(str(exc)))) is StoreUnavailableError
-    assert type(from_rpc_error(_Err("connection refused"))) is WorkerUnavailableError  # the worker itself
+        def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+            return ((ERROR_METADATA, error_detail(self._sent)),) if self._sent else ()
+
+    # The error detail tells them apart, not the text: a worker's own outage reads the same.
+    assert type(from_rpc_error(_Err(str(exc), exc))) is StoreUnavailableError
+    assert fault_of(_Err(str(exc), exc)) == "store"
+    assert type(from_rpc_error(_Err(str(exc), None))) is WorkerUnavailableError  # no detail: the code's meaning
+    assert type(from_rpc_error(_Err("refused", WorkerUnavailableError("refused")))) is WorkerUnavailableError
 
 
 def test_s3_store_that_refuses_connections_fails_fast_then_at_once(aws_env):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cachefs.auth import outgoing_token, server_interceptors
+from cachefs.auth import outgoing_token
 from cachefs.config import MasterConfig
 from cachefs.proto import master_pb2_grpc
 from cachefs.ring import RingConfig
@@ -26,6 +26,7 @@ from cachefs.server.master.membership import Membership
 from cachefs.server.master.stat import CacheStat
 from cachefs.server.master.statuspage import StatusPage
 from cachefs.server.lifecycle import liveness, serve_until_signalled
+from cachefs.server.rpc import server_interceptors
 from cachefs.server.master.viewversion import BOOT_SHIFT, ViewVersion
 from cachefs.server.master.workerstubs import WorkerStubs
 from cachefs.tls import bind_port

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import grpc
 
-from cachefs.auth import outgoing_token, server_interceptors
+from cachefs.auth import outgoing_token
 from cachefs.config import WorkerConfig
 from cachefs.mounts import MountTable
 from cachefs.proto import worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.lifecycle import liveness, serve_until_signalled
+from cachefs.server.rpc import server_interceptors
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
