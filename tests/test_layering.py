@@ -186,3 +186,12 @@ def test_the_fsspec_entry_point_still_resolves():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "cachefs.client.filesystem:CacheFileSystem"
+
+
+def test_every_package_is_in_pyprojects_packages_list():
+    """A package missing there is left out of the wheel (the editable install here would not notice)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages == listed, (packages - listed, listed - packages)
