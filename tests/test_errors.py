@@ -234,21 +234,20 @@ def test_a_bug_comes_back_as_internal_and_a_subclass_is_sent_as_its_table_type(l
     assert ctx.md == ((ERROR_METADATA, "type=InvalidPathError;fault=request;errno=EINVAL"),)
 
 
-@pytest.mark.parametrize("code, back", [
-    ("NOT_FOUND", FileNotFoundError), ("UNAVAILABLE", WorkerUnavailableError),
-    ("INTERNAL", StoreError), ("FAILED_PRECONDITION", IsADirectoryError),
-    ("INVALID_ARGUMENT", InvalidPathError), ("DEADLINE_EXCEEDED", DeadlineExceededError),
-    ("UNKNOWN", WorkerUnavailableError), ("DATA_LOSS", StoreError),
+@pytest.mark.parametrize("code, back, want_fault", [
+    ("NOT_FOUND", FileNotFoundError, "request"), ("UNAVAILABLE", WorkerUnavailableError, "worker"),
+    ("INTERNAL", StoreError, "store"), ("FAILED_PRECONDITION", IsADirectoryError, "request"),
+    ("INVALID_ARGUMENT", InvalidPathError, "request"), ("DEADLINE_EXCEEDED", DeadlineExceededError, "worker"),
+    ("RESOURCE_EXHAUSTED", errors.OverloadedError, "worker"), ("CANCELLED", WorkerUnavailableError, "worker"),
+    ("UNKNOWN", WorkerUnavailableError, "worker"), ("DATA_LOSS", StoreError, "store"),
 ])
-def test_a_server_without_the_detail_falls_back_to_the_code(loopback, code, back):
+def test_a_server_without_the_detail_falls_back_to_the_code(loopback, code, back, want_fault):
     channel, _ = loopback
     # The text of a store outage does not make it one: only the detail does.
     err = _call(channel, "Bare", f"{code}|x: {StoreUnavailableError.MARKER}")
     assert not any(k == ERROR_METADATA for k, _ in err.trailing_metadata())
     out = from_rpc_error(err, "w")
     assert type(out) is back and out.grpc_code.name == code and out.__cause__ is err
-    want_fault = "worker" if err.code() in errors.RETRYABLE_CODES else ("store" if code in ("INTERNAL", "DATA_LOSS")
-                                                                       else "request")
     assert fault_of(err) == fault_of(out) == want_fault
 
 
