@@ -272,14 +272,18 @@ def split_storage_options(storage_options: dict[str, Any] | None, kwargs: dict[s
     caller never wonders which one won.
     """
     options = dict(storage_options or {})
-    mine = set(inspect.signature(own).parameters) if own is not None else set()
-    names = (CacheFileSystem.option_names() | {"skip_instance_cache"}) - mine
+    params = inspect.signature(own).parameters if own is not None else {}
+    takes_any = own is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names = (CacheFileSystem.option_names() | {"skip_instance_cache"}) - set(params)
     rest = {}
     for key, value in kwargs.items():
         if key in names:
             if key in options:
                 raise TypeError(f"{key!r} given both as a keyword and in storage_options")
             options[key] = value
-        else:
+        elif key in params or takes_any:
             rest[key] = value
+        else:  # refused before any listing or read, naming the keyword
+            raise TypeError(f"unexpected keyword argument {key!r} (neither a dataset argument "
+                            f"nor a cachefs client option)")
     return options, rest

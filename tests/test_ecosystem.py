@@ -156,3 +156,26 @@ def test_chained_url_under_no_mount(cluster, moto_server):
         with fsspec.open(f"cachefs::s3://{other}/k2", "wb", cachefs={**opts, "unmounted": "direct"},
                          s3=s3_opts) as f:
             f.write(b"x")
+
+
+def test_read_into_takes_chained_urls_as_cat_file_does(cluster, s3_store, moto_server):
+    """read_into and cat_file share one path parser: a chained store URL reaches its mount in both."""
+    import numpy as np
+
+    worker, opts, s3_opts, s3_root = cluster
+    data = payload(200_000, seed=11)
+    s3_store.add("chain/into.bin", data)
+    fs, path = fsspec.core.url_to_fs(f"cachefs::{s3_root}/chain/into.bin", cachefs=opts, s3=s3_opts)
+    buf = np.zeros(len(data) + 100, dtype=np.uint8)
+    assert fs.read_into(path, buf) == (len(data), len(data))
+    assert buf[:len(data)].tobytes() == data == fs.cat_file(path)
+    assert fs.read_into(path, buf[:1000], offset=5000) == (1000, len(data))
+    assert buf[:1000].tobytes() == data[5000:6000]
+    other = moto_server.new_bucket()
+    moto_server.client().put_object(Bucket=other, Key="k", Body=b"outside")
+    fs_error, outside = fsspec.core.url_to_fs(f"cachefs::s3://{other}/k", cachefs=opts, s3=s3_opts)
+    with pytest.raises(UnknownMountError, match="under no cachefs mount"):
+        fs_error.read_into(outside, buf)
+    fs_direct, outside = fsspec.core.url_to_fs(f"cachefs::s3://{other}/k", cachefs={**opts, "unmounted": "direct"},
+                                               s3=s3_opts)
+    assert fs_direct.read_into(outside, buf) == (7, 7) and buf[:7].tobytes() == b"outside"

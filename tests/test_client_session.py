@@ -1,0 +1,101 @@
+"""The client session (client/session.py): what every interface reads through; options listed
+once; no network I/O until first use; lean-path failures that never fail a read."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+from cachefs.client import bulkpaths
+from cachefs.client.dataset import CacheDataset
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.iterable import CacheIterableDataset
+from cachefs.client.shortcircuit import ShortCircuitReader
+from cachefs.config import ClientConfig, client_option_names
+from helpers import client, payload, wait_for
+
+PAGE = 64 << 10
+
+
+def test_constructing_a_filesystem_connects_to_nothing():
+    """As s3fs: the first call connects. A listening socket sees no connection until then."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(30)
+        address = "127.0.0.1:%d" % listener.getsockname()[1]
+        fs = CacheFileSystem(master=address, skip_instance_cache=True, timeout=2)
+        assert fs.session._state.peek() is None  # no channel, watcher or socket was made
+        with pytest.raises(OSError):
+            fs.info("cachefs://data/x")  # the first call: it dials the master (which never answers gRPC)
+        conn, _ = listener.accept()  # and now a connection did arrive
+        conn.close()
+        fs.close()
+
+
+def test_unknown_options_are_refused_and_known_ones_come_from_one_list(monkeypatch):
+    with pytest.raises(TypeError, match="unknown cachefs client option.*'mastre'"):
+        CacheFileSystem(mastre="h:1", skip_instance_cache=True)
+    with pytest.raises(TypeError, match="keyword options only"):
+        CacheFileSystem("h:1", skip_instance_cache=True)
+    # Every ClientConfig field is a storage option and a CACHEFS_<NAME> variable.
+    assert {"master", "workers", "timeout", "fallback", "short_circuit", "data_port"} <= client_option_names()
+    monkeypatch.setenv("CACHEFS_WORKERS", "a:1,b:2")
+    monkeypatch.setenv("CACHEFS_TIMEOUT", "7.5")
+    monkeypatch.setenv("CACHEFS_BLOCK_SIZE", "1MiB")
+    fs = CacheFileSystem(skip_instance_cache=True, min_throughput="1MB")
+    assert fs.config.workers == ("a:1", "b:2") and fs.config.timeout == 7.5
+    assert fs.config.block_size == 1 << 20 and fs.config.min_throughput == 10**6
+    assert CacheFileSystem(skip_instance_cache=True, timeout=3).config.timeout == 3  # options win over env
+    with pytest.raises(ValueError, match="timeout"):
+        CacheFileSystem(skip_instance_cache=True, timeout="soon")
+    assert ClientConfig.from_options({"fallback_mounts": '{"d": "memory://x"}'}, environ={"CACHEFS_WORKERS": "h:1"}
+                                     ).fallback_mounts == {"d": "memory://x"}
+
+
+def test_datasets_take_fsspec_style_keywords(local_store, make_worker):
+    for i in range(4):
+        local_store.add(f"train/{i}.bin", payload(100 + i, i))
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    ds = CacheDataset.from_prefix("cachefs://data/train", workers=worker.address, shuffle=False, timeout=60)
+    assert len(ds) == 4 and ds.storage_options == {"workers": worker.address} and ds.timeout == 60
+    assert bytes(ds.read(2).numpy()) == local_store.objects["train/2.bin"]
+    with pytest.raises(TypeError, match="both"):
+        CacheDataset.from_prefix("cachefs://data/train", workers=worker.address,
+                                 storage_options={"workers": worker.address})
+    with pytest.raises(TypeError, match="frobnicate"):
+        CacheDataset.from_prefix("cachefs://data/train", workers=worker.address, frobnicate=1)
+    with pytest.raises(TypeError):
+        CacheIterableDataset.from_prefix("cachefs://data/train", workers=worker.address, frobnicate=1)
+
+
+class _Broken(Exception):
+    pass
+
+
+@pytest.mark.parametrize("failure", [_Broken("a bug"), ValueError("undecodable reply"), ConnectionResetError()])
+def test_any_lean_path_failure_reads_through_grpc_counted_and_warned_once(local_store, make_worker, monkeypatch,
+                                                                            caplog, failure):
+    data = payload(3 * PAGE + 5, 4)
+    local_store.add("obj", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = client(worker.address, data_port=False)
+    assert fs.cat_file("cachefs://data/obj") == data
+    assert wait_for(lambda: fs.cat_file("cachefs://data/obj") == data
+                    and fs.session.bulk_stats["short_circuit"]["reads"] >= 1, timeout=30)
+
+    def fail(self, *args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(ShortCircuitReader, "read", fail)
+    monkeypatch.setattr(bulkpaths, "PROBE_RETRY", 0.0)  # ask again at once, so every read meets the failure
+    caplog.set_level(logging.DEBUG, logger="cachefs.client.bulkpaths")
+    for _ in range(3):
+        assert fs.cat_file("cachefs://data/obj") == data
+    stats = fs.session.bulk_stats["short_circuit"]
+    assert stats["errors"] == 3 and stats["fallbacks"] >= 3
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()]
+    assert len(warnings) == 1 and worker.address in warnings[0].getMessage()
+    assert type(failure).__name__ in warnings[0].getMessage()

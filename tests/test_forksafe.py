@@ -1,0 +1,245 @@
+"""Fork and spawn safety (client/forksafe.py): a child forked while the parent's client is busy
+(a lock held, a thread inside gRPC, a socket mid-request, the view stream open, prefetch and
+hint threads running) reads correctly within a deadline, and the parent keeps working."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from cachefs.client import forksafe
+from cachefs.client.dataset import CacheDataset
+from cachefs.client.forksafe import ForkSafeLock, ProcessLocal
+from cachefs.client.hints import Hinter
+from cachefs.config import MasterConfig
+from cachefs.server.master import Master
+from helpers import client, payload, wait_for
+
+PAGE = 64 << 10
+CHILD_DEADLINE = 60.0
+
+
+def _child_reads(conn, fs, paths: list[str]) -> None:
+    try:
+        conn.send([fs.cat_file(p) for p in paths])
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(exc)
+    finally:
+        conn.close()
+
+
+def _fork_and_read(fs, paths: list[str]) -> list[bytes]:
+    """Fork now; the child reads ``paths`` through the inherited ``fs`` and sends the bytes back."""
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_reads, args=(child_end, fs, paths))
+    proc.start()
+    child_end.close()
+    try:
+        assert parent_end.poll(CHILD_DEADLINE), "the forked child did not answer in time (wedged?)"
+        got = parent_end.recv()
+    finally:
+        proc.join(CHILD_DEADLINE)
+        if proc.is_alive():
+            proc.kill()
+    if isinstance(got, BaseException):
+        raise AssertionError(f"the child failed: {got!r}") from got
+    assert proc.exitcode == 0
+    return got
+
+
+class _Busy:
+    """Runs ``work`` in a loop on a few threads until stopped (the parent's readers)."""
+
+    def __init__(self, work: Callable[[], None], threads: int = 3) -> None:
+        self._stop = threading.Event()
+        self.rounds = 0
+        self.errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._run, args=(work,), daemon=True) for _ in range(threads)]
+
+    def _run(self, work: Callable[[], None]) -> None:
+        while not self._stop.is_set():
+            try:
+                work()
+                self.rounds += 1
+            except BaseException as exc:  # noqa: BLE001
+                self.errors.append(exc)
+                return
+
+    def __enter__(self) -> "_Busy":
+        for t in self._threads:
+            t.start()
+        assert wait_for(lambda: self.rounds >= 3, timeout=30), "the busy readers never got going"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def served(local_store, make_worker):
+    objects = {f"obj{i}.bin": payload(3 * PAGE + 17 * i, i) for i in range(6)}
+    for key, data in objects.items():
+        local_store.add(key, data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    return objects, worker
+
+
+def _paths(objects: dict[str, bytes]) -> list[str]:
+    return [f"cachefs://data/{k}" for k in objects]
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "grpc"])
+def test_fork_while_reads_are_in_flight(served, lean):
+    """Threads inside gRPC calls and short-circuit socket exchanges at the moment of the fork."""
+    objects, worker = served
+    fs = client(worker.address, short_circuit=lean, data_port=False)
+    paths = _paths(objects)
+    want = list(objects.values())
+    with _Busy(lambda: [fs.cat_file(p) for p in paths]):
+        for _ in range(3):
+            assert _fork_and_read(fs, paths) == want
+    assert [fs.cat_file(p) for p in paths] == want  # the parent is undisturbed
+
+
+def test_fork_while_client_locks_are_held(served):
+    """Every lock a client holds, held by another thread at the fork: the child gets fresh ones."""
+    objects, worker = served
+    fs = client(worker.address)
+    paths = _paths(objects)
+    assert fs.cat_file(paths[0]) == objects["obj0.bin"]  # state, channels and sockets exist
+    state = fs.session._state  # the per-process holder itself, and what it holds
+    held = [state._lock, state.get().lock, state.get().bulk._lock, state.get().workers._lock]
+    held += [h._lock for h in (state.get().workers.candidates("data/obj0.bin"))]
+    for reader, _ in state.get().bulk._readers.values():
+        if reader is not None:
+            held.append(reader._pool._lock)
+    release = threading.Event()
+    acquired = threading.Barrier(len(held) + 1, timeout=30)
+
+    def hold(lock: threading.Lock) -> None:
+        with lock:
+            acquired.wait()
+            release.wait(60)
+
+    holders = [threading.Thread(target=hold, args=(lock,), daemon=True) for lock in held]
+    for t in holders:
+        t.start()
+    acquired.wait()
+    try:
+        assert _fork_and_read(fs, paths) == list(objects.values())
+    finally:
+        release.set()
+        for t in holders:
+            t.join(30)
+
+
+def test_fork_while_hints_and_prefetches_run(served):
+    """Hint futures in flight (gRPC completing async calls) and prefetch threads mid-read."""
+    objects, worker = served
+    paths = _paths(objects)
+    ds = CacheDataset(paths * 20, storage_options={"workers": worker.address}, shuffle=False,
+                      prefetch_depth=8, prefetch_threads=3, hint_samples=64)
+    fs = client(worker.address)
+    hinter = Hinter(fs.session, max_in_flight=4, batch=2)
+
+    def work() -> None:
+        for i in range(0, len(ds), 7):
+            ds[i]
+        hinter.reset()
+        hinter.hint(paths)
+
+    with _Busy(work, threads=1):
+        for _ in range(3):
+            assert _fork_and_read(fs, paths) == list(objects.values())
+
+
+def test_fork_while_the_view_stream_is_open(served, tmp_path):
+    objects, worker = served
+    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "master"))).start()
+    try:
+        fs = client(worker.address, master=master.address)
+        paths = _paths(objects)
+        assert fs.cat_file(paths[0]) == objects["obj0.bin"]
+        watcher = fs.session._state.get().watcher
+        assert watcher is not None and wait_for(lambda: watcher._call is not None, timeout=30)
+        assert _fork_and_read(fs, paths) == list(objects.values())
+        assert wait_for(lambda: watcher._call is not None, timeout=30)  # reopened in the parent
+    finally:
+        master.stop()
+
+
+def test_spawned_and_unpickled_copies_start_unconnected(served):
+    objects, worker = served
+    fs = client(worker.address)
+    paths = _paths(objects)
+    assert fs.cat_file(paths[0]) == objects["obj0.bin"]
+    clone = pickle.loads(pickle.dumps(fs.session))
+    assert clone._state.peek() is None  # nothing of the original's process state came along
+    assert clone.read(fs._path(paths[1]), 0, -1)[0] == objects["obj1.bin"]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(_spawned_read, (fs, paths)).get(CHILD_DEADLINE) == list(objects.values())
+
+
+def _spawned_read(fs, paths: list[str]) -> list[bytes]:
+    return [fs.cat_file(p) for p in paths]
+
+
+# -- the pieces, at unit level ---------------------------------------------------------------------
+def test_process_local_builds_once_per_process_and_drops_the_parents_value():
+    built: list[int] = []
+    released: list[object] = []
+    holder = ProcessLocal(lambda: built.append(os.getpid()) or object(), inherited=released.append)
+    first = holder.get()
+    assert holder.get() is first and built == [os.getpid()]
+    holder.after_fork_in_child()  # what the registry runs in a forked child
+    assert released == [first] and holder.peek() is None
+    assert holder.get() is not first and len(built) == 2
+    holder.clear()
+    assert holder.peek() is None
+
+
+def test_a_fork_safe_lock_held_at_fork_is_free_in_the_child():
+    lock = ForkSafeLock()
+    ctx = multiprocessing.get_context("fork")
+    with lock:
+        proc = ctx.Process(target=_take_lock, args=(lock,))
+        proc.start()
+        proc.join(CHILD_DEADLINE)
+    assert proc.exitcode == 0
+
+
+def _take_lock(lock: ForkSafeLock) -> None:
+    with lock:
+        pass
+
+
+def test_a_failing_hook_does_not_stop_a_fork():
+    class Bad:
+        def before_fork(self, deadline: float) -> None:
+            raise RuntimeError("boom")
+
+        def after_fork_in_parent(self) -> None:
+            raise RuntimeError("boom")
+
+        def after_fork_in_child(self) -> None:
+            raise RuntimeError("boom")
+
+    bad = Bad()
+    forksafe.register(bad)
+    try:
+        proc = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+        proc.start()
+        proc.join(CHILD_DEADLINE)
+        assert proc.exitcode == 0
+    finally:
+        forksafe.unregister(bad)
