@@ -16,6 +16,18 @@ from cachefs.server.worker import Worker
 from cachefs.testing import FAKE_CREDENTIALS, MotoServer
 
 
+@pytest.fixture(autouse=True)
+def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts without CACHEFS_* variables (restored after it).
+
+    The client and daemons read them as defaults (ClientConfig, load_worker_config) and
+    subprocesses inherit them: one left in a developer's shell, or set by another test and not
+    restored, would change what a test runs. A test that needs one sets it with monkeypatch.
+    """
+    for name in [n for n in os.environ if n.startswith("CACHEFS_")]:
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
     with MotoServer() as server:
@@ -50,9 +62,18 @@ def _local_store(root: Path) -> Store:
     def put(key: str, data: bytes) -> None:
         path = root / key
         path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            old_mtime = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            old_mtime = None
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
+        # A local file's version is size + mtime: a rewrite of the same size within the file
+        # system's timestamp granularity would keep the version. Move the mtime on instead of
+        # making every test sleep between writes.
+        if old_mtime is not None and path.stat().st_mtime_ns <= old_mtime:
+            os.utime(path, ns=(old_mtime + 1_000_000, old_mtime + 1_000_000))
 
     def delete(key: str) -> None:
         (root / key).unlink()
