@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.local import worker_process
-from helpers import client, payload, scrape
+from helpers import client, payload, scrape, wait_for
 
 PAGE = 64 << 10
 
@@ -48,8 +48,11 @@ def test_restarted_worker_serves_its_cached_pages(store, tmp_path, how):
             assert fs.cat_file(f"data/{key}") == data
         metrics = scrape(w1.ready["metrics_port"])
         assert metrics["cachefs_worker_bytes_from_store_total"] == sum(map(len, store.objects.values()))
+        pages = sum(-(-len(d) // PAGE) for d in store.objects.values())
         if how == "sigkill":
-            time.sleep(0.5)  # let background page writes land; the kill itself gives no warning
+            # The kill gives no warning: first every background page write has landed (a page
+            # counts in the store once its file and index entry are written).
+            assert wait_for(lambda: scrape(w1.ready["metrics_port"])["cachefs_worker_cache_pages"] == pages)
             w1.kill()
     with worker_process({}, str(cache), extra=["--config", config], log_path=str(tmp_path / "w2.log")) as w2:
         assert w2.ready["worker_id"] == w1.ready["worker_id"], "a worker keeps its identity across restarts"
@@ -58,7 +61,6 @@ def test_restarted_worker_serves_its_cached_pages(store, tmp_path, how):
             assert fs.cat_file(f"data/{key}") == data
         metrics = scrape(w2.ready["metrics_port"])
         assert metrics["cachefs_worker_bytes_from_store_total"] == 0, "restarted worker refetched cached pages"
-        pages = sum(-(-len(d) // PAGE) for d in store.objects.values())
         assert metrics['cachefs_worker_page_reads_total{outcome="hit"}'] == pages
         assert metrics["cachefs_worker_cache_pages"] == pages
 
@@ -75,6 +77,7 @@ def test_dead_worker_with_fallback_loses_no_read(store, tmp_path, aws_env):
         assert fs.cat_file(f"data/{keys[0]}") == store.objects[keys[0]]  # learns the mounts
         errors: list[BaseException] = []
         reads = [0]
+        lock = threading.Lock()  # += from four threads could lose a count
         stop = threading.Event()
 
         def loop(seed: int) -> None:
@@ -86,22 +89,24 @@ def test_dead_worker_with_fallback_loses_no_read(store, tmp_path, aws_env):
                     data = fs.cat_file(f"data/{key}", start=5, end=PAGE + 100)
                     if data != store.objects[key][5:PAGE + 100]:
                         errors.append(AssertionError(f"wrong bytes for {key}"))
-                    reads[0] += 1
+                    with lock:
+                        reads[0] += 1
                 except BaseException as exc:  # noqa: BLE001 - collected and reported
                     errors.append(exc)
 
         threads = [threading.Thread(target=loop, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        assert wait_for(lambda: errors or reads[0] >= 20, timeout=30), "the readers did not get going"
         before_kill = reads[0]
         worker.kill()  # kill -9 under load
-        time.sleep(1.5)
+        # Reads go on from the store: more than the 4 that may have been in flight at the kill.
+        wait_for(lambda: errors or reads[0] >= before_kill + 20, timeout=30)
         stop.set()
         for t in threads:
             t.join(timeout=30)
         assert not errors, errors[:3]
-        assert before_kill > 0 and reads[0] > before_kill, (before_kill, reads[0])
+        assert before_kill > 0 and reads[0] >= before_kill + 20, (before_kill, reads[0])
         # Metadata and listings keep working from the store too.
         assert fs.info(f"data/{keys[1]}")["size"] == len(store.objects[keys[1]])
         assert sorted(p.rsplit("/", 1)[1] for p in fs.find("data/")) == keys
