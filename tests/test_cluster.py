@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -129,17 +128,9 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
         assert status.hits > 0 and status.bytes_from_store == 0
 
 
-def _free_port() -> int:
-    # The master must come back on the same address for this test; ask the kernel for a free one.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_master_killed_and_restarted_during_reads(dataset, tmp_path):
-    # The master must come back on the same address: give it a free port chosen up front.
-    cluster = LocalCluster(str(tmp_path / "c"), workers=2, mounts=_mounts(dataset), master_args=FAST,
-                           master_port=_free_port())
+    # The master binds port 0 and reports its port; start_master() brings it back on that port.
+    cluster = LocalCluster(str(tmp_path / "c"), workers=2, mounts=_mounts(dataset), master_args=FAST)
     cluster.start()
     try:
         assert cluster.wait_for_workers()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 
@@ -169,12 +168,6 @@ def test_ls_load_stat_free_and_replicas_through_the_cli(dataset, tmp_path):
         channel.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job_state_on_disk(state_dir, job_id: str) -> str:
     from cachefs.server.master.state import MasterState
 
@@ -188,8 +181,8 @@ def _job_state_on_disk(state_dir, job_id: str) -> str:
 def test_master_restart_during_a_load_resumes_it(local_store, tmp_path):
     for i in range(MANY):
         local_store.add(f"many/{i:05d}", payload(1024, i))
-    cluster = LocalCluster(str(tmp_path / "c"), workers=3, mounts=_mounts(local_store), master_args=FAST,
-                           master_port=_free_port())
+    # The master binds port 0; start_master() restarts it on the port it reported.
+    cluster = LocalCluster(str(tmp_path / "c"), workers=3, mounts=_mounts(local_store), master_args=FAST)
     cluster.start()
     try:
         assert cluster.wait_for_workers()

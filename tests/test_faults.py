@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,12 +37,6 @@ FAST = ["--lease-seconds", "3", "--heartbeat-seconds", "0.5"]
 def _status(address: str) -> worker_pb2.WorkerStatus:
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _toml(value) -> str:
@@ -135,9 +128,9 @@ def test_worker_and_master_killed_under_thread_and_process_load(local_store, tmp
     for i in range(24):
         local_store.add(f"o{i:02d}.bin", payload(30_000 + 101 * i, i))
     objects = {k: v for k, v in local_store.objects.items()}
-    port = _free_port()
+    # The master binds port 0; start_master() restarts it on the port it reported.
     cluster = LocalCluster(str(tmp_path / "c"), workers=3, mounts={"data": local_store.mount.url},
-                           master_args=FAST, master_port=port)
+                           master_args=FAST)
     cluster.start()
     # Spawned, not forked: this process has gRPC calls in flight (the view watch stream), and a
     # fork in the middle of one can leave the child's gRPC wedged (that hazard is not the test's).
@@ -187,8 +180,8 @@ def test_worker_restarted_under_load_keeps_hit_ratio_above_99_percent(local_stor
     for i in range(16):
         local_store.add(f"o{i:02d}.bin", payload(3 * PAGE + 13 * i, 50 + i))
     config = _worker_config(tmp_path / "w.toml", local_store.mount)
-    port, cache = _free_port(), str(tmp_path / "cache")
-    extra = ["--config", config, "--port", str(port)]
+    cache = str(tmp_path / "cache")
+    extra = ["--config", config]  # port 0: the first binds a free one and reports it
     first = worker_process({}, cache, extra=extra, log_path=str(tmp_path / "w1.log")).start()
     try:
         # fallback: while the only worker is down, reads go to the store, so no reader sees an error
@@ -204,7 +197,9 @@ def test_worker_restarted_under_load_keeps_hit_ratio_above_99_percent(local_stor
             time.sleep(0.5)
             first.kill()
             time.sleep(0.5)
-            second = worker_process({}, cache, extra=extra, log_path=str(tmp_path / "w2.log")).start()
+            second = worker_process({}, cache, extra=[*extra, "--port", str(first.ready["port"])],
+                                    log_path=str(tmp_path / "w2.log")).start()
+            assert second.address == first.address  # the client knows the worker by this address
             # Its breaker in the client closes again after a back-off: then it serves again.
             assert wait_for(lambda: _status(second.address).hits > 20, timeout=40)
         assert not readers.errors, readers.errors[:3]
