@@ -57,12 +57,20 @@ class FakeWorker:
         self.error: grpc.StatusCode | None = None
         self.fail_paths: set[str] = set()
         self.gate: threading.Event | None = None
+        self.returned = 0  # Load calls that have returned (or raised)
         self.lock = threading.Lock()
 
     def Load(self, request: worker_pb2.LoadRequest, timeout: float | None = None) -> worker_pb2.LoadResponse:
         assert timeout is not None and timeout > 0
         with self.lock:
             self.loads.append(list(request.paths))
+        try:
+            return self._load(request)
+        finally:
+            with self.lock:
+                self.returned += 1
+
+    def _load(self, request: worker_pb2.LoadRequest) -> worker_pb2.LoadResponse:
         if self.gate is not None:
             self.gate.wait(10)
         if self.error is not None:
@@ -247,7 +255,9 @@ def test_cancel_stops_dispatching_and_ends_cancelled(harness):
     job = h.wait_done(job_id, timeout=5)
     assert time.monotonic() - t0 < 1.0  # does not wait for the calls in flight
     gate.set()
-    time.sleep(0.2)
+    # The job ended CANCELLED when its loop had returned, so nothing can be dispatched later;
+    # the calls in flight returning (their slots free: per_worker=1) must not change that.
+    assert wait_for(lambda: sum(w.returned for w in h.workers.values()) == 3)
     assert job.state == master_pb2.CANCELLED and job.objects_done < job.objects_total == 40
     assert sum(len(w.loads) for w in h.workers.values()) == 3  # nothing dispatched after the cancel
     assert h.jobs.cancel(job_id).state == master_pb2.CANCELLED  # cancelling again changes nothing
