@@ -25,7 +25,7 @@ from cachefs.auth import TOKEN_METADATA
 from cachefs.server.master.state import DB_NAME, MasterState
 from cachefs.server.master.membership import Membership
 from cachefs.server.master.viewversion import ViewVersion
-from helpers import scrape
+from helpers import scrape, wait_for
 
 SECRET = "sEcReT-9f8e7d6c"
 TOKEN = "cluster-token-123"
@@ -151,10 +151,12 @@ def start_master(tmp_path) -> Iterator:
     masters: list[Master] = []
     channels: list[grpc.Channel] = []
 
-    def start(clock=None, **overrides) -> tuple[Master, master_pb2_grpc.MasterServiceStub]:
+    def start(clock=None, watch_poll_seconds=None, **overrides) -> tuple[Master, master_pb2_grpc.MasterServiceStub]:
         settings = dict(port=0, metrics_port=0, state_dir=str(tmp_path / "state"), shutdown_grace=0.5)
         settings.update(overrides)
         kwargs = {"clock": clock} if clock is not None else {}
+        if watch_poll_seconds is not None:
+            kwargs["watch_poll_seconds"] = watch_poll_seconds
         master = Master(MasterConfig(**settings), **kwargs).start()
         masters.append(master)
         channel = grpc.insecure_channel(master.address)
@@ -232,11 +234,13 @@ def test_register_heartbeat_and_view(start_master):
 
 
 def test_lease_expiry_for_real_over_grpc(start_master):
-    master, stub = start_master(lease_seconds=0.8, heartbeat_seconds=0.2)
+    # Real time: heartbeats every 0.2 s against a 1.5 s lease, so a loaded machine may stall
+    # a heartbeat by over a second before a live worker would (rightly) expire.
+    master, stub = start_master(lease_seconds=1.5, heartbeat_seconds=0.2)
     _register(stub, "w1", "127.0.0.1:7001")
     _register(stub, "w2", "127.0.0.1:7002")
     joined = _view(stub).version
-    end = time.monotonic() + 1.5  # both heartbeat for well over two leases: both stay
+    end = time.monotonic() + 3.5  # both heartbeat for well over two leases: both stay
     while time.monotonic() < end:
         for wid in ("w1", "w2"):
             assert stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id=wid), timeout=5).registered
@@ -244,7 +248,7 @@ def test_lease_expiry_for_real_over_grpc(start_master):
     assert [w.worker_id for w in _view(stub).workers] == ["w1", "w2"] and _view(stub).version == joined
 
     # w2 stops heartbeating: it leaves within the lease plus a reaper round.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         assert stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1"), timeout=5).registered
         view = _view(stub)
@@ -259,16 +263,18 @@ def test_lease_expiry_for_real_over_grpc(start_master):
 
 def test_watch_view_sends_current_then_each_change_and_stops_on_cancel(start_master):
     clock = FakeClock()
-    master, stub = start_master(clock=clock, lease_seconds=10, heartbeat_seconds=2)
+    # The watch's own poll is made long (30 s), so a view that comes in seconds came from the
+    # change waking the stream; the bound leaves a loaded machine room.
+    master, stub = start_master(clock=clock, watch_poll_seconds=30, lease_seconds=10, heartbeat_seconds=2)
     views, call = _watch(stub)
-    first = views.get(timeout=2)
+    first = views.get(timeout=10)
     assert first.version == _view(stub).version and first.workers == []
 
     def next_view() -> master_pb2.ClusterView:
         t0 = time.monotonic()
-        view = views.get(timeout=2)
+        view = views.get(timeout=10)
         assert isinstance(view, master_pb2.ClusterView), view
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10
         return view
 
     _register(stub, "w1", "127.0.0.1:7001")  # join
@@ -294,11 +300,13 @@ def test_watch_view_sends_current_then_each_change_and_stops_on_cancel(start_mas
     assert master.metrics.watchers._value.get() == 0, "the server side of a cancelled watch ends"
 
     # A watch that already knows the current version gets nothing until the next change.
+    # Once the server side is watching, the first view it sends is the next change's, not the
+    # current one again (which would have no workers).
     views, call = _watch(stub, known=left.version)
-    with pytest.raises(queue.Empty):
-        views.get(timeout=0.3)
+    assert wait_for(lambda: master.metrics.watchers._value.get() == 1)
     _register(stub, "w9", "127.0.0.1:7009")
-    assert [w.worker_id for w in next_view().workers] == ["w9"]
+    nine = next_view()
+    assert [w.worker_id for w in nine.workers] == ["w9"] and nine.version == left.version + 1
     call.cancel()
 
 
