@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -53,6 +52,7 @@ class _ReadLoop:
         self.fs, self.objects, self.keys = fs, objects, sorted(objects)
         self.errors: list[BaseException] = []
         self.reads = 0
+        self._lock = threading.Lock()  # += from several threads could lose a count
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(s,)) for s in range(threads)]
 
@@ -64,9 +64,17 @@ class _ReadLoop:
             try:
                 if self.fs.cat_file(f"data/{key}", 3, 15_000) != self.objects[key][3:15_000]:
                     self.errors.append(AssertionError(f"wrong bytes for {key}"))
-                self.reads += 1
+                with self._lock:
+                    self.reads += 1
             except BaseException as exc:  # noqa: BLE001 - reported by the test
                 self.errors.append(exc)
+
+    def wait_reads(self, more: int = 8, timeout: float = 30) -> bool:
+        """Wait for ``more`` reads than now (more than the threads can have in flight: so at
+        least some started after this call); False at the timeout or at the first error."""
+        target = self.reads + more
+        wait_for(lambda: self.errors or self.reads >= target, timeout=timeout)
+        return not self.errors and self.reads >= target
 
     def __enter__(self) -> "_ReadLoop":
         for t in self._threads:
@@ -107,12 +115,12 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
         victim_keys = [k for k in keys if fs._workers.ring.node(f"data/{k}") == victim.address]
         assert victim_keys
         with _ReadLoop(fs, dataset.objects) as loop:
-            time.sleep(0.5)
+            assert loop.wait_reads(), (loop.reads, loop.errors[:3])
             victim.kill()  # kill -9 under load
             # It leaves the master's view after its lease, and the client's view follows.
             assert wait_for(lambda: _live(cluster.master_address) == 2, timeout=15)
             assert wait_for(lambda: victim.address not in fs._workers.addresses, timeout=15)
-            time.sleep(0.5)
+            assert loop.wait_reads(), (loop.reads, loop.errors[:3])  # and reads go on with two
         assert not loop.errors, loop.errors[:3]
         assert loop.reads > 20, loop.reads
         # Restarted on its cache dir and address (so the ring gives it the same keys), it
@@ -139,17 +147,19 @@ def test_master_killed_and_restarted_during_reads(dataset, tmp_path):
         for key, data in dataset.objects.items():
             assert fs.cat_file(f"data/{key}") == data
         with _ReadLoop(fs, dataset.objects) as loop:
-            time.sleep(0.3)
+            assert loop.wait_reads(), (loop.reads, loop.errors[:3])
             cluster.master.kill()  # kill -9: clients and workers keep working from their last view
-            time.sleep(1.0)
-            reads_while_down = loop.reads
+            down_at = loop.reads
+            assert loop.wait_reads(), (loop.reads, loop.errors[:3])
+            reads_while_down = loop.reads - down_at
             dataset.add("d/new.bin", b"added while the master was down")
             assert fs.cat_file("data/d/new.bin") == b"added while the master was down"
             cluster.master = cluster.start_master()
             assert cluster.wait_for_workers()
-            time.sleep(0.5)
+            back_at = loop.reads
+            assert loop.wait_reads(), (loop.reads, loop.errors[:3])
         assert not loop.errors, loop.errors[:3]
-        assert loop.reads > reads_while_down > 0
+        assert loop.reads > back_at and reads_while_down >= 8
         # Same identity, durable mounts; the workers came back by re-registering.
         assert cluster.master.ready.get("master_id") == first_id
         assert [m.name for m in _view(cluster.master_address).mounts] == ["data"]
