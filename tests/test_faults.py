@@ -64,6 +64,7 @@ class _Readers:
         self.allowed = allowed
         self.errors: list[BaseException] = []
         self.reads = self.bytes_verified = self.allowed_errors = 0
+        self.by_key: dict[str, int] = dict.fromkeys(self.keys, 0)  # good reads of each key
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in range(threads)]
@@ -86,8 +87,17 @@ class _Readers:
             with self._lock:
                 if data != self.objects[key]:
                     self.errors.append(AssertionError(f"wrong bytes for {key}"))
+                else:
+                    self.by_key[key] += 1
                 self.reads += 1
                 self.bytes_verified += len(data)
+
+    def wait_reads(self, more: int = 8, timeout: float = 30) -> bool:
+        """Wait for ``more`` reads than now (more than the threads can have in flight: so some
+        started after this call); False at the timeout or at the first error."""
+        target = self.reads + more
+        wait_for(lambda: self.errors or self.reads >= target, timeout=timeout)
+        return not self.errors and self.reads >= target
 
     def __enter__(self) -> "_Readers":
         for t in self._threads:
@@ -149,15 +159,15 @@ def test_worker_and_master_killed_under_thread_and_process_load(local_store, tmp
         for _ in procs:  # a client started while the master is down has no view to route with
             assert ready.acquire(timeout=60), "a reader process did not get going"
         with _Readers(fs, objects, threads=4) as readers:
-            time.sleep(1.0)
+            assert readers.wait_reads(), (readers.reads, readers.errors[:3])
             cluster.workers[0].kill()  # kill -9 a worker under load
             assert wait_for(lambda: cluster.workers[0].address not in fs._workers.addresses, timeout=20)
             reads_before_master = readers.reads
             cluster.master.kill()  # kill -9 the master under load
-            time.sleep(1.0)
+            assert readers.wait_reads(), (readers.reads, readers.errors[:3])  # reads go on without it
             cluster.master = cluster.start_master()
             assert cluster.wait_for_workers(count=2)
-            time.sleep(1.0)
+            assert readers.wait_reads(), (readers.reads, readers.errors[:3])  # and with it back
         stop.set()
         results = [out.get(timeout=60) for _ in procs]
         for p in procs:
@@ -194,9 +204,9 @@ def test_worker_restarted_under_load_keeps_hit_ratio_above_99_percent(local_stor
         assert wait_for(lambda: _status(first.address).pages == sum(-(-len(d) // PAGE)
                                                                     for d in local_store.objects.values()))
         with _Readers(fs, local_store.objects, threads=6) as readers:
-            time.sleep(0.5)
+            assert readers.wait_reads(12), (readers.reads, readers.errors[:3])
             first.kill()
-            time.sleep(0.5)
+            assert readers.wait_reads(12), (readers.reads, readers.errors[:3])  # from the store, meanwhile
             second = worker_process({}, cache, extra=[*extra, "--port", str(first.ready["port"])],
                                     log_path=str(tmp_path / "w2.log")).start()
             assert second.address == first.address  # the client knows the worker by this address
@@ -204,7 +214,7 @@ def test_worker_restarted_under_load_keeps_hit_ratio_above_99_percent(local_stor
             assert wait_for(lambda: _status(second.address).hits > 20, timeout=40)
         assert not readers.errors, readers.errors[:3]
         with _Readers(fs, local_store.objects, threads=6) as more:
-            time.sleep(1.5)
+            assert more.wait_reads(40), (more.reads, more.errors[:3])  # 3-4 page lookups each
         assert not more.errors, more.errors[:3]
         status = _status(second.address)
         lookups = status.hits + status.misses
@@ -373,15 +383,17 @@ def test_object_rewritten_under_concurrent_reads_never_mixes_versions(store, mak
     threads = [threading.Thread(target=read) for _ in range(4)]
     for t in threads:
         t.start()
-    for data in versions[1:]:
-        time.sleep(0.4)
-        store.add("obj.bin", data)
-    time.sleep(0.2)
+    # Each version is written once the readers have seen the one before (its metadata expired:
+    # 0.2 s), so every change lands under reads in progress and every version is seen.
+    for v, data in enumerate(versions):
+        if v:
+            store.add("obj.bin", data)
+        wait_for(lambda: errors or v in seen, timeout=30)
     stop.set()
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors[:3]
-    assert len(seen) >= 2, seen
+    assert seen == set(range(len(versions))), seen
     assert wait_for(lambda: fs.cat_file("data/obj.bin") == versions[-1], timeout=5)
 
 
@@ -414,18 +426,24 @@ def test_slow_store_deadlines_fire_without_thread_leaks(make_worker):
                 t.join(timeout=30)
             return timings
 
+        def settled(pages: int) -> bool:
+            """The slow fetches are over and what they returned is cached: pool threads are idle."""
+            return SlowMemoryFileSystem.active == 0 and worker.pages.stats().pages >= pages
+
         timings = burst(0)
         assert len(timings) == 8 and max(timings) < 1.9, timings  # the deadline, not the store's 2 s
-        time.sleep(2.5)  # the slow fetches finish (and are cached); pool threads go idle
+        assert wait_for(lambda: settled(8), timeout=30)
         baseline = threading.active_count()
         timings = burst(8)
         assert len(timings) == 8 and max(timings) < 1.9, timings
-        time.sleep(2.5)
-        # A leak would be a thread per timed-out call (+8); allow a lazily started helper or two.
-        assert threading.active_count() <= baseline + 2, (baseline, threading.active_count())
+        assert wait_for(lambda: settled(16), timeout=30)
+        # A leak would be a thread per timed-out call (+8) that never ends; allow a lazily
+        # started helper or two, and a thread that is just ending its call.
+        assert wait_for(lambda: threading.active_count() <= baseline + 2, timeout=10), \
+            (baseline, threading.active_count())
         assert SlowMemoryFileSystem.max_active <= 16  # the worker's fetch pool bounds store calls
         for i in range(16):  # what the slow store eventually returned was cached, and is right
-            assert fs.cat_file(f"data/o{i}") == store.cat_file(f"/slowfault/o{i}")
+            assert fs.cat_file(f"data/o{i}") == payload(PAGE, 700 + i)  # (the slow store takes 2 s a read)
     finally:
         SlowMemoryFileSystem.delay = 0.05
 
@@ -508,12 +526,18 @@ def test_partitioned_worker_is_routed_around_and_rejoins(local_store, tmp_path):
                     assert fs.cat_file(f"data/{key}") == data
                 assert _status(far).bytes_from_store > 0
                 with _Readers(fs, local_store.objects, threads=3) as readers:
-                    time.sleep(0.5)
+                    assert readers.wait_reads(), (readers.reads, readers.errors[:3])
                     _ip("link", "set", veth, "down")  # the partition: packets to it vanish
-                    time.sleep(4.0)
-                    during = readers.reads
+                    cut = readers.reads
+                    before = dict(readers.by_key)
+                    # Every key placed on the far worker is read again during the partition: routed
+                    # around it (each reader waits out its 1.5 s timeout once, then its breaker opens).
+                    assert wait_for(lambda: readers.errors or all(readers.by_key[k] > before[k] + 1
+                                                                  for k in far_keys), timeout=60), \
+                        (readers.errors[:3], before, readers.by_key)
+                    during = readers.reads - cut
                     _ip("link", "set", veth, "up")  # healed
-                    time.sleep(1.0)
+                    assert readers.wait_reads(), (readers.reads, readers.errors[:3])
                 assert not readers.errors, readers.errors[:3]
                 assert during > 10
                 # Healed: the far worker is used again for its keys (its breaker closes).
