@@ -14,6 +14,7 @@ from cachefs.config import CacheDirSpec, WorkerConfig
 from cachefs.mounts import MountSpec
 from cachefs.server.worker import Worker
 from cachefs.testing import FAKE_CREDENTIALS, MotoServer
+from helpers import refused_port
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +27,13 @@ def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """
     for name in [n for n in os.environ if n.startswith("CACHEFS_")]:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """A loopback port that refuses connections for the whole test (helpers.refused_port)."""
+    with refused_port() as port:
+        yield port
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import socket
 import threading
 import time
 import urllib.request
@@ -130,6 +132,19 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+@contextlib.contextmanager
+def refused_port(host: str = "127.0.0.1"):
+    """A port on ``host`` that refuses connections for as long as the block runs.
+
+    A socket bound and never listening: a connect to it is refused at once, and while it stays
+    bound nothing else can take the port. (A port found free by binding and closing a socket
+    can be taken by another process before the test uses it: then it is not dead at all.)
+    """
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        yield sock.getsockname()[1]
 
 
 def rename_away(path: Path) -> Path:

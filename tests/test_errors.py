@@ -57,7 +57,6 @@ def test_round_trip_keeps_type_message_code_and_cause(exc, code, back):
 # ----------------------------------------------------------------- the whole table, on the wire
 import ast  # noqa: E402
 import errno  # noqa: E402
-import socket  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
@@ -251,11 +250,8 @@ def test_a_server_without_the_detail_falls_back_to_the_code(loopback, code, back
     assert fault_of(err) == fault_of(out) == want_fault
 
 
-def test_a_dead_channel_and_a_client_deadline_are_worker_faults(loopback):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
-    with grpc.insecure_channel(f"127.0.0.1:{dead}") as channel:
+def test_a_dead_channel_and_a_client_deadline_are_worker_faults(loopback, dead_port):
+    with grpc.insecure_channel(f"127.0.0.1:{dead_port}") as channel:
         err = _call(channel, "Raise", "FileNotFoundError||x", timeout=5)
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     out = from_rpc_error(err, "read data/x")
@@ -341,16 +337,14 @@ def test_worker_and_master_errors_carry_the_detail(tmp_path):
         worker.stop(grace=1.0)
 
 
-def test_a_store_outage_through_a_real_worker_is_the_store_fault(tmp_path, aws_env):
+def test_a_store_outage_through_a_real_worker_is_the_store_fault(tmp_path, aws_env, dead_port):
     from cachefs.config import CacheDirSpec, WorkerConfig
     from cachefs.mounts import MountSpec
     from cachefs.proto import worker_pb2, worker_pb2_grpc
     from cachefs.server.worker import Worker
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mount = MountSpec("m", "s3://bucket/root", {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"})
+    mount = MountSpec("m", "s3://bucket/root", {"endpoint_url": f"http://127.0.0.1:{dead_port}", "key": "k",
+                                                "secret": "s"})
     worker = Worker(WorkerConfig(host="127.0.0.1", port=0, mounts=(mount,),
                                  cache_dirs=(CacheDirSpec(str(tmp_path / "cache"), 16 << 20),))).start()
     try:

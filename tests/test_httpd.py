@@ -58,11 +58,8 @@ def test_routes_checks_and_a_failing_page():
         s.listen()
 
 
-def test_worker_readiness_follows_registration_and_cache_dir(make_worker, tmp_path):
-    with socket.socket() as s:  # a port nobody listens on: the master is away
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
-    worker = make_worker(metrics_port=0, master=f"127.0.0.1:{dead}")
+def test_worker_readiness_follows_registration_and_cache_dir(make_worker, tmp_path, dead_port):
+    worker = make_worker(metrics_port=0, master=f"127.0.0.1:{dead_port}")  # the master is away
     code, body, _ = _request(worker.metrics_port, "/readyz")
     assert code == 503 and "not yet registered" in body
     assert _request(worker.metrics_port, "/healthz")[0] == 200

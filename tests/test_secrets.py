@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import urllib.error
 import urllib.request
@@ -41,13 +40,6 @@ def _canaries() -> dict[str, str]:
     }
 
 
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _http(port: int, path: str) -> str:
     try:
         return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read().decode("utf-8", "replace")
@@ -68,7 +60,7 @@ def _error_text(call) -> str:
 
 
 @pytest.mark.s3
-def test_credentials_and_tokens_never_leave_the_daemons(moto_server, tmp_path: Path, capsys) -> None:
+def test_credentials_and_tokens_never_leave_the_daemons(moto_server, tmp_path: Path, capsys, dead_port) -> None:
     canary = _canaries()
     bucket = moto_server.new_bucket()
     s3 = moto_server.client()
@@ -83,7 +75,7 @@ def test_credentials_and_tokens_never_leave_the_daemons(moto_server, tmp_path: P
         "gone": {"url": f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", "options": secret_options},
         # A store that refuses connections: store errors, logged by the daemons with their messages.
         "down": {"url": f"s3://{bucket}/root", "options": {
-            **secret_options, "endpoint_url": f"http://127.0.0.1:{_closed_port()}",
+            **secret_options, "endpoint_url": f"http://127.0.0.1:{dead_port}",
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}},
     }
     seen: list[str] = []  # every answer, page and output a caller can get

@@ -4,7 +4,6 @@ and the decode guard (on a real gRPC server)."""
 from __future__ import annotations
 
 import errno
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,11 +98,8 @@ def test_store_unavailable_status_round_trip():
     assert type(from_rpc_error(_Err("refused", WorkerUnavailableError("refused")))) is WorkerUnavailableError
 
 
-def test_s3_store_that_refuses_connections_fails_fast_then_at_once(aws_env):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mounts = MountTable([MountSpec("m", "s3://bucket/root", {"endpoint_url": f"http://127.0.0.1:{port}",
+def test_s3_store_that_refuses_connections_fails_fast_then_at_once(aws_env, dead_port):
+    mounts = MountTable([MountSpec("m", "s3://bucket/root", {"endpoint_url": f"http://127.0.0.1:{dead_port}",
                                                             "key": "k", "secret": "s"})])
     store = ObjectStore(mounts, breaker=StoreBreaker(threshold=2, cooldown=30.0))
     timings = []
