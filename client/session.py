@@ -28,12 +28,11 @@ from cachefs.client.transport import CHANNEL_OPTIONS, WorkerHandle, WorkerSet
 from cachefs.client.view import ViewWatcher
 from cachefs.config import ClientConfig
 from cachefs.errors import (
-    RETRYABLE_CODES,
     StaleObjectError,
-    StoreUnavailableError,
     UnknownMountError,
     WorkerUnavailableError,
     from_rpc_error,
+    is_worker_fault,
 )
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import CachePath
@@ -166,7 +165,7 @@ class ClientSession:
             try:
                 result = call(handle.stub())
             except grpc.RpcError as err:
-                if fault_of(err) != "worker":
+                if not is_worker_fault(err):
                     handle.breaker.record_success()  # it answered: the error is about the request or the store
                     raise from_rpc_error(err, what) from None
                 log.warning("worker %s failed %s: %s", handle.address, what, err.code().name)
@@ -379,12 +378,6 @@ class ClientSession:
     def close(self) -> None:
         """Close this process's channels and sockets and stop following the master."""
         self._state.clear(close=_ProcessState.close)
-
-
-def fault_of(err: grpc.RpcError) -> str:  # TEMPORARY until cachefs.errors carries the fault domain
-    if err.code() in RETRYABLE_CODES and StoreUnavailableError.MARKER not in (err.details() or ""):
-        return "worker"
-    return "store" if StoreUnavailableError.MARKER in (err.details() or "") else "request"
 
 
 def _object_store(mounts: MountTable) -> Any:

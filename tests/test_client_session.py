@@ -99,3 +99,26 @@ def test_any_lean_path_failure_reads_through_grpc_counted_and_warned_once(local_
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()]
     assert len(warnings) == 1 and worker.address in warnings[0].getMessage()
     assert type(failure).__name__ in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_store_outage_reaches_the_caller_and_opens_no_workers_breaker(make_worker, fallback):
+    """The worker is fine, the store behind it is not: a store error (told by the error detail,
+    not its text), raised at the first worker, with every worker's breaker still closed."""
+    from cachefs.errors import StoreUnavailableError, fault_of
+    from cachefs.mounts import MountSpec
+
+    with socket.socket() as dead:  # bound, never listening: connections are refused
+        dead.bind(("127.0.0.1", 0))
+        options = {"key": "testing", "secret": "testing", "endpoint_url": f"http://127.0.0.1:{dead.getsockname()[1]}",
+                   "client_kwargs": {"region_name": "us-east-1"}, "config_kwargs": {"retries": {"max_attempts": 1}}}
+        mount = MountSpec("data", "s3://bucket", options)
+        workers = [make_worker(mount, page_size=PAGE) for _ in range(3)]
+        fs = client(*(w.address for w in workers), fallback=fallback, fallback_mounts={"data": "memory://unused"},
+                    timeout=20)
+        for i in range(3):
+            with pytest.raises(StoreUnavailableError) as caught:
+                fs.cat_file(f"cachefs://data/obj{i}")
+            assert fault_of(caught.value) == "store" and caught.value.grpc_code.name == "UNAVAILABLE"
+        handles = [h for key in ("data/obj0", "data/obj1", "data/obj2") for h in fs.session.candidates(key)]
+        assert handles and all(h.breaker.failures == 0 and h.breaker.available() for h in handles)
