@@ -112,14 +112,14 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
         for key in keys:
             assert fs.cat_file(f"data/{key}") == dataset.objects[key]
         victim = cluster.workers[0]
-        victim_keys = [k for k in keys if fs._workers.ring.node(f"data/{k}") == victim.address]
+        victim_keys = [k for k in keys if fs.session.workers.ring.node(f"data/{k}") == victim.address]
         assert victim_keys
         with _ReadLoop(fs, dataset.objects) as loop:
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])
             victim.kill()  # kill -9 under load
             # It leaves the master's view after its lease, and the client's view follows.
             assert wait_for(lambda: _live(cluster.master_address) == 2, timeout=15)
-            assert wait_for(lambda: victim.address not in fs._workers.addresses, timeout=15)
+            assert wait_for(lambda: victim.address not in fs.session.workers.addresses, timeout=15)
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])  # and reads go on with two
         assert not loop.errors, loop.errors[:3]
         assert loop.reads > 20, loop.reads
@@ -128,9 +128,9 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
         cluster.workers[0] = restarted = cluster.start_worker(0, port=int(victim.address.rpartition(":")[2]))
         assert restarted.address == victim.address
         assert wait_for(lambda: _live(cluster.master_address) == 3, timeout=15)
-        assert wait_for(lambda: restarted.address in fs._workers.addresses, timeout=15)
+        assert wait_for(lambda: restarted.address in fs.session.workers.addresses, timeout=15)
         for key in victim_keys:
-            if fs._workers.ring.node(f"data/{key}") == restarted.address:
+            if fs.session.workers.ring.node(f"data/{key}") == restarted.address:
                 assert fs.cat_file(f"data/{key}") == dataset.objects[key]
         status = _status(restarted.address)
         assert status.hits > 0 and status.bytes_from_store == 0

@@ -196,6 +196,8 @@ def test_master_restart_during_a_load_resumes_it(local_store, tmp_path):
         job = _job(stub, job_id)
         assert job.state == master_pb2.SUCCEEDED, job.error
         assert job.objects_done == job.objects_total == MANY
+        # Stat counts what the workers placed for each object hold: with all three back in the view.
+        assert cluster.wait_for_workers()
         stat = stub.Stat(master_pb2.StatRequest(path="data/many"), timeout=30)
         assert stat.cached_bytes == stat.total_bytes == MANY * 1024
         channel.close()

@@ -161,7 +161,7 @@ def test_worker_and_master_killed_under_thread_and_process_load(local_store, tmp
         with _Readers(fs, objects, threads=4) as readers:
             assert readers.wait_reads(), (readers.reads, readers.errors[:3])
             cluster.workers[0].kill()  # kill -9 a worker under load
-            assert wait_for(lambda: cluster.workers[0].address not in fs._workers.addresses, timeout=20)
+            assert wait_for(lambda: cluster.workers[0].address not in fs.session.workers.addresses, timeout=20)
             reads_before_master = readers.reads
             cluster.master.kill()  # kill -9 the master under load
             assert readers.wait_reads(), (readers.reads, readers.errors[:3])  # reads go on without it
@@ -520,7 +520,7 @@ def test_partitioned_worker_is_routed_around_and_rejoins(local_store, tmp_path):
                                 log_path=str(tmp_path / "near.log")) as near:
                 # The far worker stands for another host: no short-circuit through the file system.
                 fs = client(far, near.address, timeout=1.5, short_circuit=False)
-                far_keys = [k for k in local_store.objects if fs._workers.ring.node(f"data/{k}") == far]
+                far_keys = [k for k in local_store.objects if fs.session.workers.ring.node(f"data/{k}") == far]
                 assert far_keys, "no object placed on the partitioned worker"
                 for key, data in local_store.objects.items():
                     assert fs.cat_file(f"data/{key}") == data

@@ -85,7 +85,10 @@ class Registrar:
                 if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     log.error("master %s refused this worker's token", self.master)
                 self.registered.clear()
-                delay = min(5.0, 0.2 * 2 ** min(failures, 5))
+                # At most 2 s between tries: a restarted master resumes its load jobs once the
+                # live workers have not changed for settle_seconds (4 s, server/master/jobs.py),
+                # so every worker must be back well within that, or a job plans without it.
+                delay = min(2.0, 0.2 * 2 ** min(failures, 5))
             self._stop.wait(delay)
 
     def _register(self) -> None:
