@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cachefs.addresses import split_address
 from cachefs.mounts import MountSpec
 from cachefs.tls import TLSConfig
 
@@ -190,9 +191,7 @@ class WorkerConfig:
 
 
 def _check_address(address: str, what: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} {address!r} is not HOST:PORT")
+    split_address(address, what)
 
 
 def _default_master_dir() -> str:

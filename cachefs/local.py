@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cachefs.addresses import split_address
 from cachefs.tls import PLAINTEXT, TLSConfig, open_channel
 
 
@@ -321,8 +322,7 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
+    return split_address(address)
 
 
 def _exit_reason(code: int | None) -> str:

@@ -85,6 +85,14 @@ class TLSConfig:
 
 PLAINTEXT = TLSConfig()
 
+#: The largest gRPC message the worker and its clients exchange (a read's first block, a write
+#: chunk): both sides take their message limits from here, so the two cannot disagree.
+MAX_MESSAGE_BYTES = 80 << 20
+MESSAGE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
 
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from cachefs.addresses import split_address
 from cachefs.client.dataport import DataPortReader
 from cachefs.client.shortcircuit import ShortCircuitReader
 from cachefs.localhost import host_id
@@ -44,8 +45,7 @@ class Reader(Protocol):
 
 
 def _host(address: str) -> str:
-    host = address.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") else host
+    return split_address(address, "worker address")[0]
 
 
 class BulkPaths:

@@ -19,11 +19,10 @@ import grpc.experimental
 
 from cachefs.proto import worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
-from cachefs.tls import open_channel
+from cachefs.tls import MESSAGE_OPTIONS, open_channel
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 80 << 20),
-    ("grpc.max_send_message_length", 80 << 20),
+    *MESSAGE_OPTIONS,  # the worker's own limits (cachefs/tls.py)
     # A fresh connection attempt soon after a worker comes back, not minutes later.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import fsspec
 import grpc
 
+from cachefs.addresses import split_address
 from cachefs.auth import TOKEN_METADATA
 from cachefs.config import MasterConfig
 from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError
@@ -74,9 +75,10 @@ def check_worker_id(worker_id: str) -> str:
 
 
 def check_address(address: str) -> str:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in address):
-        raise InvalidPathError(f"address {address!r} is not HOST:PORT")
+    try:
+        split_address(address)
+    except ValueError as exc:
+        raise InvalidPathError(str(exc)) from None
     return address
 
 

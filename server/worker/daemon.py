@@ -30,16 +30,12 @@ from cachefs.server.worker.service import WorkerServicer
 from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
 from cachefs.server.worker.shortcircuit import ShortCircuitServer
-from cachefs.tls import bind_port
+from cachefs.tls import MESSAGE_OPTIONS, bind_port
 
 log = logging.getLogger(__name__)
 
-# gRPC channel options shared by the worker and its clients: pages may exceed the 4 MiB default.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 80 << 20),
-    ("grpc.max_receive_message_length", 80 << 20),
-    ("grpc.so_reuseport", 0),
-]
+# The worker's server options: message limits shared with its clients (cachefs/tls.py).
+GRPC_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 # Calls that answer without the access token when ``open_status`` is set (liveness probes).
@@ -85,15 +81,7 @@ class Worker:
             self.pages,
             self.objects,
             self.metrics,
-            ReaderOptions(
-                fetch_threads=config.fetch_threads,
-                write_threads=config.write_threads,
-                parallel_pages=config.parallel_pages,
-                fetch_group_pages=config.fetch_group_pages,
-                readahead_pages=config.readahead_pages,
-                store_timeout=config.store_timeout,
-                max_pending_write_bytes=config.max_pending_write_bytes,
-            ),
+            ReaderOptions.from_config(config),
         )
         self.worker_id = _worker_id(config.cache_dirs[0].path)
         self.registrar: Registrar | None = None

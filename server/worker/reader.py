@@ -16,8 +16,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+import dataclasses
 from dataclasses import dataclass
 
+from cachefs.config import WorkerConfig
 from cachefs.errors import DeadlineExceededError, StaleObjectError, StoreUnavailableError, WorkerUnavailableError
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.store.meta import ObjectMeta
@@ -27,15 +29,24 @@ from cachefs.server.pagestore import PageId, PageStore
 log = logging.getLogger(__name__)
 
 
+_WORKER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+
+
 @dataclass(frozen=True)
 class ReaderOptions:
-    fetch_threads: int = 16
-    write_threads: int = 4
-    parallel_pages: int = 32  # pages of one read in flight (memory bound per read: this x page size)
-    fetch_group_pages: int = 8  # consecutive missing pages fetched in one store request
-    readahead_pages: int = 8
-    store_timeout: float = 60.0
-    max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the disk, at most
+    """The reader's share of WorkerConfig: same names, defaults taken from it (defined once there)."""
+
+    fetch_threads: int = _WORKER_DEFAULTS["fetch_threads"]
+    write_threads: int = _WORKER_DEFAULTS["write_threads"]
+    parallel_pages: int = _WORKER_DEFAULTS["parallel_pages"]
+    fetch_group_pages: int = _WORKER_DEFAULTS["fetch_group_pages"]
+    readahead_pages: int = _WORKER_DEFAULTS["readahead_pages"]
+    store_timeout: float = _WORKER_DEFAULTS["store_timeout"]
+    max_pending_write_bytes: int = _WORKER_DEFAULTS["max_pending_write_bytes"]
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig) -> "ReaderOptions":
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 class _SequentialTracker:

@@ -1,0 +1,17 @@
+"""``HOST:PORT`` addresses, checked and split in one place (configs, the master, the clients).
+
+IPv6 hosts come in brackets (``[::1]:29999``); the host returned has them stripped.
+"""
+
+from __future__ import annotations
+
+
+def split_address(address: str, what: str = "address") -> tuple[str, int]:
+    """``"h:1"`` -> ``("h", 1)``; a ValueError naming ``what`` for anything that is not HOST:PORT."""
+    host, sep, port = str(address).rpartition(":")
+    if (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536
+            or any(c.isspace() for c in str(address))):
+        raise ValueError(f"{what} {address!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
