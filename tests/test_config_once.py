@@ -52,3 +52,16 @@ def test_bad_addresses_fail_the_same_way_everywhere(bad):
     if bad.strip() == bad:  # a client's address list is comma-separated; spaces around items are trimmed
         with pytest.raises(ValueError, match="worker address .* not HOST:PORT"):
             ClientConfig(workers=(bad,))
+
+
+def test_the_client_options_table_lists_every_option_once_with_its_variable():
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    section = text.split("## Client (`cachefs://`)", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    listed = {line.split("`")[1]: line for line in rows}
+    fields = {f.name for f in dataclasses.fields(ClientConfig)}
+    assert set(listed) == fields and len(rows) == len(fields)
+    for name, line in listed.items():
+        assert f"`CACHEFS_{name.upper()}`" in line, name
