@@ -126,7 +126,7 @@ def test_client_with_the_right_ca_reads_through_master_and_worker(tls_cluster, p
         assert fs.cat_file("data/a.bin") == DATA["a.bin"]
         assert fs.cat_file("data/dir/b.bin", start=5, end=25) == DATA["dir/b.bin"][5:25]
         assert sorted(fs.find("data")) == ["data/a.bin", "data/dir/b.bin"]
-        handle = fs._process_state().candidates("data/a.bin", 0)[0]
+        handle = fs.session.candidates("data/a.bin", 0)[0]
         status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
         assert status.data_port == 0  # plaintext bulk bytes never leave a TLS worker
     finally:
