@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
+from cachefs.client.forksafe import ProcessLocal
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import EpochPlan
@@ -41,6 +41,14 @@ from cachefs.client.sampling import EpochPlan
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+
+
+class ProcessParts(NamedTuple):
+    """What a dataset reads with in one process."""
+
+    fs: CacheFileSystem
+    prefetcher: Prefetcher
+    hinter: Hinter
 
 
 class SampleReadError(OSError):
@@ -128,11 +136,8 @@ class CacheDataset(ConsumptionTracking, Dataset):
         self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, 0, self.shuffle,
                               self.drop_last)
         self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
-        self._fs: CacheFileSystem | None = None
-        self._prefetcher: Prefetcher | None = None
-        self._hinter: Hinter | None = None
         self._calls = 0
-        self._pid = -1
+        self._local = self._new_local()
 
     # -- construction --------------------------------------------------------------------------------
     @staticmethod
@@ -200,20 +205,29 @@ class CacheDataset(ConsumptionTracking, Dataset):
         return cls(paths, sizes=sizes, storage_options=storage_options, **kwargs)
 
     # -- pickling and per-process state ---------------------------------------------------------------
+    # The filesystem, prefetcher and hinter belong to one process (client/forksafe.py): a
+    # DataLoader worker, forked or spawned, builds its own on first use; a pickle carries none.
+    def _new_local(self) -> ProcessLocal[ProcessParts]:
+        return ProcessLocal(self._build_parts, name="CacheDataset per-process parts")
+
+    def _build_parts(self) -> ProcessParts:
+        fs = self._filesystem(self.storage_options)
+        prefetcher = Prefetcher(self._fetch_position, self._size_of_position, max_bytes=self.prefetch_bytes,
+                                max_depth=self.prefetch_depth, threads=self.prefetch_threads, timeout=self.timeout)
+        return ProcessParts(fs, prefetcher, Hinter(fs.session))
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fs=None, _prefetcher=None, _hinter=None, _pid=-1)
+        del state["_local"]
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = self._new_local()
+
     def _process(self) -> tuple[CacheFileSystem, Prefetcher]:
-        if self._pid != os.getpid():  # first use here, or a fork: never the parent's objects
-            self._fs = self._filesystem(self.storage_options)
-            self._prefetcher = Prefetcher(self._fetch_position, self._size_of_position,
-                                          max_bytes=self.prefetch_bytes, max_depth=self.prefetch_depth,
-                                          threads=self.prefetch_threads, timeout=self.timeout)
-            self._hinter = Hinter(self._fs.session)
-            self._pid = os.getpid()
-        return self._fs, self._prefetcher  # type: ignore[return-value]
+        parts = self._local.get()
+        return parts.fs, parts.prefetcher
 
     def _hint(self, upcoming: Iterator[int]) -> None:
         """Every few samples, tell the cache the samples after the prefetch window (hints.py).
@@ -225,13 +239,12 @@ class CacheDataset(ConsumptionTracking, Dataset):
             return
         paths = [self.paths[self.plan.sample(p)] for _, p in zip(range(self.hint_samples), upcoming)]
         if paths:
-            self._hinter.hint(paths)  # type: ignore[union-attr]
+            self._local.get().hinter.hint(paths)
 
     @property
     def hinter(self) -> Hinter:
         """This process's hinter (its ``stats`` hold the counters)."""
-        self._process()
-        return self._hinter  # type: ignore[return-value]
+        return self._local.get().hinter
 
     @property
     def prefetcher(self) -> Prefetcher:
@@ -320,10 +333,10 @@ class CacheDataset(ConsumptionTracking, Dataset):
         self._reset_prefetch()
 
     def _reset_prefetch(self) -> None:
-        if self._prefetcher is not None and self._pid == os.getpid():
-            self._prefetcher.reset()
-            if self._hinter is not None:
-                self._hinter.reset()
+        parts = self._local.peek()  # this process's, if it has read anything yet
+        if parts is not None:
+            parts.prefetcher.reset()
+            parts.hinter.reset()
 
     @property
     def epoch(self) -> int:

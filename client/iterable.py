@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,7 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from cachefs.client.dataset import ConsumptionTracking, SampleReadError, _default_rank_world
+from cachefs.client.dataset import ConsumptionTracking, ProcessParts, SampleReadError, _default_rank_world
+from cachefs.client.forksafe import ProcessLocal
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
@@ -73,10 +73,7 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         self.samples_seen = 0
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
-        self._fs: CacheFileSystem | None = None
-        self._prefetcher: Prefetcher | None = None
-        self._hinter: Hinter | None = None
-        self._pid = -1
+        self._local = self._new_local()
 
     # -- construction --------------------------------------------------------------------------------
     @staticmethod
@@ -122,20 +119,27 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         return index_to_json(self.shards, base)
 
     # -- pickling and per-process state ---------------------------------------------------------------
+    # Per process, as CacheDataset's (client/forksafe.py): built on first use, never pickled.
+    def _new_local(self) -> ProcessLocal[ProcessParts]:
+        return ProcessLocal(self._build_parts, name="CacheIterableDataset per-process parts")
+
+    def _build_parts(self) -> ProcessParts:
+        fs = self._filesystem(self.storage_options)
+        prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
+                                max_depth=self.prefetch_blocks, threads=self.prefetch_threads, timeout=self.timeout)
+        return ProcessParts(fs, prefetcher, Hinter(fs.session))
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fs=None, _prefetcher=None, _hinter=None, _pid=-1)
+        del state["_local"]
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = self._new_local()
+
     def _process(self) -> tuple[CacheFileSystem, Prefetcher, Hinter]:
-        if self._pid != os.getpid():
-            self._fs = self._filesystem(self.storage_options)
-            self._prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
-                                          max_depth=self.prefetch_blocks, threads=self.prefetch_threads,
-                                          timeout=self.timeout)
-            self._hinter = Hinter(self._fs.session)
-            self._pid = os.getpid()
-        return self._fs, self._prefetcher, self._hinter  # type: ignore[return-value]
+        return self._local.get()  # type: ignore[return-value]
 
     @property
     def prefetcher(self) -> Prefetcher:
@@ -293,11 +297,10 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         return self.plan.epoch
 
     def _reset(self) -> None:
-        if self._pid == os.getpid():
-            if self._prefetcher is not None:
-                self._prefetcher.reset()
-            if self._hinter is not None:
-                self._hinter.reset()
+        parts = self._local.peek()
+        if parts is not None:
+            parts.prefetcher.reset()
+            parts.hinter.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is. In a DataLoader worker (torchdata's StatefulDataLoader asks each
