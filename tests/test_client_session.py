@@ -122,35 +122,3 @@ def test_a_store_outage_reaches_the_caller_and_opens_no_workers_breaker(make_wor
             assert fault_of(caught.value) == "store" and caught.value.grpc_code.name == "UNAVAILABLE"
         handles = [h for key in ("data/obj0", "data/obj1", "data/obj2") for h in fs.session.candidates(key)]
         assert handles and all(h.breaker.failures == 0 and h.breaker.available() for h in handles)
-
-
-def test_pooled_bulk_sockets_are_not_reused_past_the_workers_idle_timeout():
-    """The worker closes a bulk connection idle for IDLE_TIMEOUT; the client's pool never hands
-    out one idle that long (a read on it would fall back to gRPC and drop the lean path)."""
-    from cachefs.client.socketpool import MAX_IDLE_SECONDS, SocketPool
-    from cachefs.server.worker.bulkpath import IDLE_TIMEOUT
-
-    assert MAX_IDLE_SECONDS < IDLE_TIMEOUT
-    now = [0.0]
-    made: list[socket.socket] = []
-    peers: list[socket.socket] = []
-
-    def connect() -> socket.socket:
-        a, b = socket.socketpair()
-        made.append(a)
-        peers.append(b)
-        return a
-
-    pool = SocketPool(connect, max_idle=4, max_idle_seconds=10.0, clock=lambda: now[0])
-    first = pool.take()
-    pool.give_back(first)
-    now[0] = 9.0
-    assert pool.take() is first  # idle 9 s: reused
-    pool.give_back(first)
-    now[0] = 19.5
-    second = pool.take()  # idle 10.5 s: closed, a new connection instead
-    assert second is not first and first.fileno() == -1 and len(made) == 2
-    pool.close()
-    second.close()
-    for s in peers:
-        s.close()
