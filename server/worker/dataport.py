@@ -21,21 +21,35 @@ import select
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any
 
 import xxhash
 
 from cachefs.proto import dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
-from cachefs.server.worker.bulkpath import OK, SEND_TIMEOUT, CachedPages, ConnectionServer, OpenedRange
+from cachefs.server.worker.bulkpath import OK, CachedPages, ConnectionServer, OpenedRange
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
 MAX_REQUEST = 64 << 10
+SEND_TIMEOUT = 60.0  # a client that takes no bytes for this long is dropped
 #: A page of which less than this share is wanted is read and checked here and only that
 #: part is sent; above it the whole page goes out (sendfile) and the client checks it.
 WHOLE_PAGE_SHARE = 0.5
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None if the peer closed the connection before sending any."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise ConnectionError("connection closed inside a frame")
+        got += k
+    return bytes(buf)
 
 
 def _wait_writable(conn: socket.socket, timeout: float) -> None:
@@ -67,8 +81,8 @@ class DataPortServer(ConnectionServer):
     name = "dataport"
 
     def __init__(self, host: str, port: int, pages: CachedPages, max_connections: int = 256,
-                 on_served: Callable[[int, int], None] | None = None, **limits: Any) -> None:
-        super().__init__(max_connections, **limits)  # limits: ConnectionServer's timeouts and bounds
+                 on_served: Callable[[int, int], None] | None = None) -> None:
+        super().__init__(max_connections)
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
 
     def _listen(self) -> socket.socket:
@@ -85,29 +99,20 @@ class DataPortServer(ConnectionServer):
         self.port = sock.getsockname()[1]
         return sock
 
-    def _admit(self, conn: socket.socket, addr: tuple) -> str:
+    def _serve(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return addr[0]  # connections are bounded per remote IP
-
-    def _take_request(self, buf: bytearray) -> bytes | int | None:
-        """A frame's body; its size (an int) when too large; None while incomplete."""
-        if len(buf) < FRAME.size:
-            return None
-        (size,) = FRAME.unpack_from(buf)
-        if size > MAX_REQUEST:
-            return size
-        if len(buf) < FRAME.size + size:
-            return None
-        body = bytes(buf[FRAME.size:FRAME.size + size])
-        del buf[:FRAME.size + size]
-        return body
-
-    def _answer_request(self, conn: socket.socket, request: bytes | int) -> bool:
-        if isinstance(request, int):
-            self._send_reply(conn, Reply(code=Reply.REFUSED, message=f"request of {request} bytes is too large"))
-            return False  # the stream is out of step: close it
-        self._answer(conn, request)
-        return True
+        while not self._stopping.is_set():
+            head = recv_exact(conn, FRAME.size)
+            if head is None:
+                return
+            (size,) = FRAME.unpack(head)
+            if size > MAX_REQUEST:
+                self._send_reply(conn, Reply(code=Reply.REFUSED, message=f"request of {size} bytes is too large"))
+                return  # the stream is out of step: close it
+            body = recv_exact(conn, size) if size else b""
+            if body is None:
+                return
+            self._answer(conn, body)
 
     @staticmethod
     def _send_reply(conn: socket.socket, reply: Reply) -> None:
@@ -137,7 +142,7 @@ class DataPortServer(ConnectionServer):
                 if part is not None:
                     conn.sendall(part)
                 else:
-                    sendfile_all(conn, fd, 0, seg.length, self.send_timeout)
+                    sendfile_all(conn, fd, 0, seg.length)
                 sent += seg.length
             if self._on_served is not None:
                 self._on_served(len(plan), sent)

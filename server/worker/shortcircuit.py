@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +28,14 @@ from cachefs.server.worker.bulkpath import OK, CachedPages, ConnectionServer, to
 __all__ = ["ShortCircuitServer", "token_checker"]
 
 Reply = shortcircuit_pb2.ShortCircuitReply
-PEERCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 class ShortCircuitServer(ConnectionServer):
     name = "shortcircuit"
 
     def __init__(self, path: str, pages: CachedPages, mode: int = 0o660, max_connections: int = 256,
-                 on_served: Callable[[int, int], None] | None = None, **limits: Any) -> None:
-        super().__init__(max_connections, **limits)  # limits: ConnectionServer's timeouts and bounds
-        self.recv_size = MAX_MESSAGE
+                 on_served: Callable[[int, int], None] | None = None) -> None:
+        super().__init__(max_connections)
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
 
     def _listen(self) -> socket.socket:
@@ -61,29 +58,17 @@ class ShortCircuitServer(ConnectionServer):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def _admit(self, conn: socket.socket, addr: Any) -> int | None:
-        """Connections are bounded per peer process (the socket's file mode already limits who
-        may connect; a job's many loader processes each get their own bound)."""
-        if not hasattr(socket, "SO_PEERCRED"):  # not Linux: bounded in all only
-            return None
-        return PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))[0]
-
-    def _take_request(self, buf: bytearray) -> bytes | None:
-        """A SEQPACKET message arrives whole: each read is one request."""
-        if not buf:
-            return None
-        data = bytes(buf)
-        buf.clear()
-        return data
-
-    def _answer_request(self, conn: socket.socket, request: bytes) -> bool:
-        reply, fds = self._answer(request)
-        try:
-            socket.send_fds(conn, [reply.SerializeToString()], fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return True
+    def _serve(self, conn: socket.socket) -> None:
+        while not self._stopping.is_set():
+            data = conn.recv(MAX_MESSAGE)
+            if not data:
+                return
+            reply, fds = self._answer(data)
+            try:
+                socket.send_fds(conn, [reply.SerializeToString()], fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
     def _answer(self, data: bytes) -> tuple[Any, list[int]]:
         request = shortcircuit_pb2.ShortCircuitRequest()
