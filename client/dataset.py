@@ -76,6 +76,28 @@ def _default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+class PerProcessParts:
+    """The filesystem, prefetcher and hinter of a dataset belong to one process (forksafe.py):
+    a DataLoader worker, forked or spawned, builds its own on first use; a pickle carries none."""
+
+    _local: ProcessLocal[ProcessParts]
+
+    def _build_parts(self) -> ProcessParts:
+        raise NotImplementedError
+
+    def _new_local(self) -> ProcessLocal[ProcessParts]:
+        return ProcessLocal(self._build_parts, name=f"{type(self).__name__} per-process parts")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = self._new_local()
+
+
 class ConsumptionTracking:
     """``advance``/``track``: samples the training loop consumed, counted in the main process.
 
@@ -110,7 +132,7 @@ class ConsumptionTracking:
             yield batch
 
 
-class CacheDataset(ConsumptionTracking, Dataset):
+class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
     def __init__(self, paths: Sequence[str], *, storage_options: dict[str, Any] | None = None,
                  sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
@@ -205,25 +227,11 @@ class CacheDataset(ConsumptionTracking, Dataset):
         return cls(paths, sizes=sizes, storage_options=storage_options, **kwargs)
 
     # -- pickling and per-process state ---------------------------------------------------------------
-    # The filesystem, prefetcher and hinter belong to one process (client/forksafe.py): a
-    # DataLoader worker, forked or spawned, builds its own on first use; a pickle carries none.
-    def _new_local(self) -> ProcessLocal[ProcessParts]:
-        return ProcessLocal(self._build_parts, name="CacheDataset per-process parts")
-
     def _build_parts(self) -> ProcessParts:
         fs = self._filesystem(self.storage_options)
         prefetcher = Prefetcher(self._fetch_position, self._size_of_position, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_depth, threads=self.prefetch_threads, timeout=self.timeout)
         return ProcessParts(fs, prefetcher, Hinter(fs.session))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_local"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._local = self._new_local()
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher]:
         parts = self._local.get()

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ T = TypeVar("T")
 BEFORE_FORK_BUDGET = 5.0
 
 
-@runtime_checkable
-class ForkHook(Protocol):
-    """Something that must act around ``fork()``; all three run in the forking thread."""
+class ForkHook:
+    """Something that must act around ``fork()`` (subclass, override what applies, ``register``);
+    all three run in the forking thread."""
 
     def before_fork(self, deadline: float) -> None:
         """Quiesce (leave gRPC calls, stop starting new ones) by ``deadline`` (time.monotonic())."""
@@ -50,6 +50,11 @@ class ForkHook(Protocol):
 
     def after_fork_in_child(self) -> None:
         """Forget the parent's state; replace locks (a parent thread may have held one)."""
+
+
+def time_left(deadline: float, cap: float = 2.0) -> float:
+    """Seconds one hook may wait before a fork: what is left of the budget, at most ``cap``."""
+    return max(0.0, min(cap, deadline - time.monotonic()))
 
 
 class _Hooks:
@@ -112,12 +117,7 @@ def unregister(hook: ForkHook) -> None:
     _HOOKS.discard(hook)
 
 
-def registered() -> list[Any]:
-    """The hooks registered now (for tests and diagnostics)."""
-    return _HOOKS.snapshot()
-
-
-class ForkSafeLock:
+class ForkSafeLock(ForkHook):
     """A lock that a forked child gets fresh (``with`` only): the parent's may be held by a
     thread that does not exist in the child, and would stay held there forever."""
 
@@ -134,12 +134,6 @@ class ForkSafeLock:
     def locked(self) -> bool:
         return self._lock.locked()
 
-    def before_fork(self, deadline: float) -> None:
-        pass
-
-    def after_fork_in_parent(self) -> None:
-        pass
-
     def after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
 
@@ -147,7 +141,7 @@ class ForkSafeLock:
         return (ForkSafeLock, ())
 
 
-class ProcessLocal(Generic[T]):
+class ProcessLocal(ForkHook, Generic[T]):
     """One value per process, built by ``factory`` on first use in that process.
 
     In a forked child the parent's value is dropped without being used: ``inherited`` (if
@@ -189,13 +183,7 @@ class ProcessLocal(Generic[T]):
         if value is not None and close is not None:
             close(value)
 
-    # -- ForkHook --------------------------------------------------------------------------------
-    def before_fork(self, deadline: float) -> None:
-        pass  # a value that must quiesce for a fork registers a hook of its own
-
-    def after_fork_in_parent(self) -> None:
-        pass
-
+    # -- ForkHook (a value that must quiesce for a fork registers a hook of its own) ---------------
     def after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         value, self._value, self._pid = self._value, None, -1

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Hinter:
+class Hinter(forksafe.ForkHook):
     """Sends hints for one session in one process (a forked child starts afresh).
 
     A process must not fork while gRPC is completing an async call on its behalf: the child
@@ -59,10 +58,7 @@ class Hinter:
 
     # -- fork hooks (client/forksafe.py) -------------------------------------------------------------
     def before_fork(self, deadline: float) -> None:
-        self.drain(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
-
-    def after_fork_in_parent(self) -> None:
-        pass
+        self.drain(timeout=forksafe.time_left(deadline))
 
     def after_fork_in_child(self) -> None:
         # The parent's calls are not ours, and a parent thread may have held the lock.

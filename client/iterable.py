@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from cachefs.client.dataset import ConsumptionTracking, ProcessParts, SampleReadError, _default_rank_world
-from cachefs.client.forksafe import ProcessLocal
+from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, ProcessParts, SampleReadError,
+                                    _default_rank_world)
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
@@ -47,7 +47,7 @@ MiB = 1 << 20
 MERGE_GAP = 64 << 10
 
 
-class CacheIterableDataset(ConsumptionTracking, IterableDataset):
+class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset):
     def __init__(self, shards: Sequence[ShardIndex], *, storage_options: dict[str, Any] | None = None,
                  batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
@@ -119,24 +119,11 @@ class CacheIterableDataset(ConsumptionTracking, IterableDataset):
         return index_to_json(self.shards, base)
 
     # -- pickling and per-process state ---------------------------------------------------------------
-    # Per process, as CacheDataset's (client/forksafe.py): built on first use, never pickled.
-    def _new_local(self) -> ProcessLocal[ProcessParts]:
-        return ProcessLocal(self._build_parts, name="CacheIterableDataset per-process parts")
-
     def _build_parts(self) -> ProcessParts:
         fs = self._filesystem(self.storage_options)
         prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_blocks, threads=self.prefetch_threads, timeout=self.timeout)
         return ProcessParts(fs, prefetcher, Hinter(fs.session))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_local"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._local = self._new_local()
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher, Hinter]:
         return self._local.get()  # type: ignore[return-value]

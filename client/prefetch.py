@@ -71,7 +71,7 @@ class _Pool:
             self._queue.put(None)
 
 
-class Prefetcher:
+class Prefetcher(forksafe.ForkHook):
     def __init__(self, fetch: Callable[[Hashable], Any], size_of: Callable[[Hashable], int | None], *,
                  max_bytes: int, max_depth: int, threads: int = 4, timeout: float = 300.0) -> None:
         if max_bytes < 0 or max_depth < 0 or threads < 1:
@@ -92,10 +92,7 @@ class Prefetcher:
     # Never fork while a prefetch thread is inside a read (a gRPC call): the child would inherit
     # gRPC's state mid-call. What is queued is dropped; what runs gets a moment to finish.
     def before_fork(self, deadline: float) -> None:
-        self.drain(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
-
-    def after_fork_in_parent(self) -> None:
-        pass
+        self.drain(timeout=forksafe.time_left(deadline))
 
     def after_fork_in_child(self) -> None:
         # The parent's threads do not exist here, and one of them may have held the lock.

@@ -344,7 +344,8 @@ class ClientSession:
 
     @property
     def bulk_enabled(self) -> bool:
-        return bool(self.config.short_circuit or self.config.data_port)
+        """Whether this session tries a lean path (short-circuit or data port) at all."""
+        return self._state.get().bulk.enabled
 
     # -- fallback to the object store -------------------------------------------------------------
     def fallback_store(self) -> Any:  # -> cachefs.store ObjectStore

@@ -22,7 +22,7 @@ from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
 log = logging.getLogger(__name__)
 
-class ViewWatcher:
+class ViewWatcher(forksafe.ForkHook):
     def __init__(self, master: str, on_view: Callable[[master_pb2.ClusterView], None], timeout: float = 5.0,
                  watch_seconds: float = 30.0, tls: TLSConfig = PLAINTEXT, token: str = "") -> None:
         self.master = master
@@ -57,16 +57,14 @@ class ViewWatcher:
 
     def after_fork_in_parent(self) -> None:
         self._resume()
-
-    def after_fork_in_child(self) -> None:
-        pass  # the child's session drops this watcher with the rest of the parent's state
+    # In a child the session drops this watcher with the rest of the parent's state.
 
     def _pause(self, deadline: float) -> None:
         if self._pid != os.getpid() or self._thread is None:
             return
         with self._gate:
             self._running.clear()
-        end = min(deadline, time.monotonic() + 2.0)
+        end = time.monotonic() + forksafe.time_left(deadline)
         while time.monotonic() < end:
             call = self._call  # the thread may be just opening it: cancel until it is out
             if call is not None:

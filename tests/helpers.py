@@ -151,3 +151,16 @@ def rename_away(path: Path) -> Path:
     away = path.with_name(path.name + ".away")
     os.rename(path, away)
     return away
+
+
+class FakeClock:
+    """A clock a test moves by hand (``clock.advance(s)``): waits and leases without real time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

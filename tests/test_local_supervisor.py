@@ -16,18 +16,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.local import Backoff, RestartPolicy, Supervisor, port_is_free
-from helpers import client, wait_for
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from helpers import FakeClock, client, wait_for
 
 
 # ------------------------------------------------------------------------- the policy

@@ -25,21 +25,10 @@ from cachefs.auth import TOKEN_METADATA
 from cachefs.server.master.state import DB_NAME, MasterState
 from cachefs.server.master.membership import Membership
 from cachefs.server.master.viewversion import ViewVersion
-from helpers import scrape, wait_for
+from helpers import FakeClock, scrape, wait_for
 
 SECRET = "sEcReT-9f8e7d6c"
 TOKEN = "cluster-token-123"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 # -- membership (unit, injected clock) --
