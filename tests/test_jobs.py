@@ -308,6 +308,57 @@ def test_running_job_is_resumed_after_a_restart(tmp_path, store_dir):
         h3.close()
 
 
+def test_a_resumed_job_waits_for_the_workers_it_planned_on(tmp_path, store_dir):
+    """A worker that re-registers after the live set looked settled still gets its share."""
+    h1 = Harness(tmp_path, store_dir)
+    gate = threading.Event()
+    for worker in h1.workers.values():
+        worker.gate = gate
+    job_id = h1.jobs.submit(master_pb2.LOAD, "data/d").job_id
+    assert wait_for(lambda: any(w.loads for w in h1.workers.values()))
+    h1.jobs.stop(timeout=0.5)
+    gate.set()
+    h1.state.close()
+    stored = {r["job_id"]: r for r in MasterState(tmp_path / "state").jobs()}
+    assert sorted(stored[job_id]["planned_on"]) == sorted(ADDRESSES)
+
+    # After the restart only two of the three have re-registered; the third comes back late.
+    h2 = Harness(tmp_path, store_dir, settle_seconds=0.05, settle_max_seconds=30)
+    h2.members = MEMBERS[:2]
+    try:
+        assert h2.jobs.start() == [job_id]
+        late = h2.workers[ADDRESSES[2]]
+        # Well past settle_seconds, the job has not planned without the missing worker.
+        assert not wait_for(lambda: any(w.loads for w in h2.workers.values()), timeout=1.0)
+        h2.members = list(MEMBERS)
+        job = h2.wait_done(job_id)
+        assert job.state == master_pb2.SUCCEEDED and job.objects_done == 40
+        assert late.loaded_paths(), "the late worker got no share of the resumed load"
+    finally:
+        h2.close()
+
+
+def test_a_resumed_job_gives_up_on_a_planned_worker_after_settle_max(tmp_path, store_dir):
+    h1 = Harness(tmp_path, store_dir)
+    gate = threading.Event()
+    for worker in h1.workers.values():
+        worker.gate = gate
+    job_id = h1.jobs.submit(master_pb2.LOAD, "data/d").job_id
+    assert wait_for(lambda: any(w.loads for w in h1.workers.values()))
+    h1.jobs.stop(timeout=0.5)
+    gate.set()
+    h1.state.close()
+    h2 = Harness(tmp_path, store_dir, settle_seconds=0.05, settle_max_seconds=0.5)
+    h2.members = MEMBERS[:2]  # the third never returns
+    try:
+        assert h2.jobs.start() == [job_id]
+        job = h2.wait_done(job_id, timeout=20)
+        assert job.state == master_pb2.SUCCEEDED and job.objects_done == 40
+        assert not h2.workers[ADDRESSES[2]].loaded_paths()
+    finally:
+        h2.close()
+
+
 def test_progress_is_persisted_while_running(harness):
     h = harness(load=LoadSettings(batch_objects=1, per_worker=1, max_inflight=1, poll_seconds=0.01))
     sem = threading.Semaphore(0)

@@ -74,7 +74,7 @@ class Master:
         self.jobs = JobManager(
             self.state, self.catalog, self.membership.live, self.worker_stubs, lambda: ring,
             JobSettings(threads=config.job_threads, settle_seconds=settle,
-                        settle_max_seconds=max(settle, 2 * config.lease_seconds)),
+                        settle_max_seconds=max(settle, 2 * config.lease_seconds, 15.0)),
             on_finish=self._job_finished,
         )
         self.metrics.watch(self._figures)

@@ -67,15 +67,20 @@ class JobRecord:
     created_at: float = 0.0
     updated_at: float = 0.0
     finished_at: float = 0.0
+    # Not in the proto: the workers a running job planned on, so that a resumed one waits for them.
+    planned_on: tuple[str, ...] = ()
 
     def to_proto(self) -> master_pb2.Job:
-        return master_pb2.Job(**dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        fields.pop("planned_on")
+        return master_pb2.Job(**fields)
 
     def to_json(self) -> dict[str, Any]:
         """For the state file: enums by name, so a renumbering cannot change a stored job."""
         out = dataclasses.asdict(self)
         out["kind"] = master_pb2.JobKind.Name(self.kind)
         out["state"] = master_pb2.JobState.Name(self.state)
+        out["planned_on"] = list(self.planned_on)
         return out
 
     @classmethod
@@ -84,6 +89,7 @@ class JobRecord:
         values = {k: v for k, v in data.items() if k in fields}
         values["kind"] = master_pb2.JobKind.Value(values["kind"])
         values["state"] = master_pb2.JobState.Value(values["state"])
+        values["planned_on"] = tuple(str(a) for a in values.get("planned_on", ()))
         return cls(**values)
 
 
@@ -94,7 +100,7 @@ class JobSettings:
     free_timeout: float = 60.0  # seconds for one worker's Free
     persist_seconds: float = 1.0  # progress reaches the state file at least this often
     settle_seconds: float = 4.0  # a resumed job waits until the live workers stop changing this long
-    settle_max_seconds: float = 30.0  # ... but no longer than this
+    settle_max_seconds: float = 30.0  # ... and for the workers it planned on, but no longer than this
     max_finished: int = 1000  # finished jobs kept (the oldest are dropped)
 
 
@@ -245,7 +251,7 @@ class JobManager:
             stop = lambda: cancel.is_set() or self._shutdown.is_set()  # noqa: E731
             progress: LoadProgress | None = None
             try:
-                members = self._settled_members(stop) if resumed else list(self.live())
+                members = self._settled_members(stop, record.planned_on) if resumed else list(self.live())
                 if stop():
                     pass
                 elif not members:
@@ -275,14 +281,21 @@ class JobManager:
                 self._cancel.pop(job_id, None)
                 self._futures.pop(job_id, None)
 
-    def _settled_members(self, stop: Callable[[], bool]) -> list[Member]:
-        """The live workers once the set has not changed for ``settle_seconds`` (bounded)."""
+    def _settled_members(self, stop: Callable[[], bool], planned_on: Sequence[str] = ()) -> list[Member]:
+        """The live workers once the set has not changed for ``settle_seconds`` and holds every worker
+        the job planned on before the restart (bounded by ``settle_max_seconds``).
+
+        Waiting for the planned workers matters: a worker that re-registers after the set looked
+        settled would be left out of the resumed plan, and its share loaded onto the wrong workers.
+        """
         s = self.settings
         deadline = time.monotonic() + s.settle_max_seconds
+        expected = set(planned_on)
         current = list(self.live())
         since = time.monotonic()
         while not stop() and time.monotonic() < deadline:
-            if current and time.monotonic() - since >= s.settle_seconds:
+            addresses = {m.address for m in current}
+            if current and expected <= addresses and time.monotonic() - since >= s.settle_seconds:
                 break
             self._shutdown.wait(min(0.2, s.settle_seconds))
             now = list(self.live())
@@ -299,6 +312,7 @@ class JobManager:
         with self._lock:
             record.objects_total = plan.objects_total
             record.bytes_total = plan.bytes_total
+            record.planned_on = tuple(sorted(m.address for m in members))
             record.updated_at = self._clock()
         self._persist(job_id)
         saved = {"at": time.monotonic(), "figures": ()}
