@@ -37,8 +37,21 @@ if TYPE_CHECKING:
     import grpc
 
 
+def _rebuild(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> OSError:
+    """Unpickle a :class:`CacheFSError` (see its ``__reduce__``)."""
+    error = cls.__new__(cls, *args)
+    OSError.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class CacheFSError(OSError):
     """Base class for errors raised by cachefs itself (not by the object store)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The subclasses take (message) while OSError pickles (errno, message): rebuilt without
+        # calling their __init__, so an error crosses a pipe (a DataLoader worker's) as itself.
+        return (_rebuild, (type(self), self.args, self.__dict__))
 
 
 class InvalidPathError(CacheFSError, ValueError):

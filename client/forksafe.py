@@ -11,7 +11,9 @@ is not the child's to use (grpc's own threads are gone). The rules, for every cl
   first use in each process, dropped (never used, never closed in ways that reach the parent)
   in a forked child, and never pickled (a spawned child builds its own).
 - What must act around a fork (a thread inside a gRPC call that would wedge the child) is a
-  :class:`ForkHook`: it quiesces before the fork and resumes in the parent after it.
+  :class:`ForkHook`: it quiesces before the fork and resumes in the parent after it. Every
+  channel a session opens passes its calls through an :class:`RpcGate`, so that no thread is
+  inside gRPC at the fork and gRPC's own fork handlers run.
 - One ``os.register_at_fork`` handler calls them all. It is this module's only process-wide
   state, and it has to be: at-fork handlers are process-wide by nature.
 
@@ -115,6 +117,59 @@ def register(hook: ForkHook) -> None:
 
 def unregister(hook: ForkHook) -> None:
     _HOOKS.discard(hook)
+
+
+class RpcGate(ForkHook):
+    """Counts the threads inside this process's gRPC calls; before a fork it holds new calls and
+    waits (bounded) for those inside to leave.
+
+    gRPC supports a fork while channels are open but no call is active: its own at-fork handlers
+    then reset the core in the child. With a thread inside a call they skip ("Other threads are
+    currently calling into gRPC, skipping fork() handlers") and the child's first call can hang
+    past its deadline (its event-engine threads are gone). A parent that is still reading (a
+    training loop, the prefetcher) while DataLoader workers fork hits exactly that.
+    """
+
+    #: A call that finds a fork pending waits at most this long (then goes ahead).
+    HOLD_MAX = 10.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0
+        self._forking = False
+        register(self)
+
+    @property
+    def inside(self) -> int:
+        return self._inside
+
+    def enter(self) -> None:
+        """Before a thread calls into gRPC; pair with :meth:`leave` in ``finally``."""
+        with self._cond:
+            if self._forking:
+                self._cond.wait_for(lambda: not self._forking, timeout=self.HOLD_MAX)
+            self._inside += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inside -= 1
+            if self._inside <= 0:
+                self._cond.notify_all()
+
+    def before_fork(self, deadline: float) -> None:
+        with self._cond:
+            self._forking = True
+            if not self._cond.wait_for(lambda: self._inside <= 0, timeout=time_left(deadline)):
+                log.debug("forking with %d threads still inside gRPC calls", self._inside)
+
+    def after_fork_in_parent(self) -> None:
+        with self._cond:
+            self._forking = False
+            self._cond.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        self._cond = threading.Condition(threading.Lock())  # the parent's callers do not exist here
+        self._inside, self._forking = 0, False
 
 
 class ForkSafeLock(ForkHook):

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import grpc
 
 from cachefs.client.bulkpaths import BulkPaths
-from cachefs.client.forksafe import ProcessLocal
-from cachefs.client.transport import CHANNEL_OPTIONS, WorkerHandle, WorkerSet
+from cachefs.client.forksafe import ProcessLocal, RpcGate
+from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
 from cachefs.client.view import ViewWatcher
 from cachefs.config import ClientConfig
 from cachefs.errors import (
@@ -63,6 +63,7 @@ class _ProcessState:
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
+        self.rpc_gate = RpcGate()  # a fork waits for this process's calls to leave gRPC
         self.workers = WorkerSet(list(config.workers), RingConfig(stripe_size=config.stripe_size),
                                  connect=self._connect)
         self.bulk = BulkPaths(config, self.workers)
@@ -80,7 +81,8 @@ class _ProcessState:
 
     def _connect(self, address: str) -> grpc.Channel:
         """A channel to one worker with this session's TLS and token (cachefs/tls.py)."""
-        return open_channel(address, self.config.tls, options=CHANNEL_OPTIONS, token=self.config.token)
+        channel = open_channel(address, self.config.tls, options=CHANNEL_OPTIONS, token=self.config.token)
+        return GatedChannel(channel, self.rpc_gate)
 
     def apply_view(self, view: master_pb2.ClusterView) -> None:
         """A newer cluster view: route by its live workers and ring settings from now on."""
@@ -122,6 +124,11 @@ class ClientSession:
         return (ClientSession, (self.config,))  # a spawned or unpickled copy starts unconnected
 
     # -- placement ---------------------------------------------------------------------------------
+    @property
+    def rpc_gate(self) -> RpcGate:
+        """What this process's worker calls pass through, so that a fork finds none inside gRPC."""
+        return self._state.get().rpc_gate
+
     @property
     def workers(self) -> WorkerSet:
         """This process's worker set (ring and channels), connected on first use."""

@@ -13,10 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import grpc.experimental
 
+from cachefs.client.forksafe import RpcGate
 from cachefs.proto import worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
 from cachefs.tls import MESSAGE_OPTIONS, open_channel
@@ -52,6 +54,93 @@ class Breaker:
     def record_success(self) -> None:
         self.failures = 0
         self.open_until = 0.0
+
+
+class _GatedCall:
+    """A multi-callable whose blocking calls (and each step of a stream) pass through a gate."""
+
+    __slots__ = ("_inner", "_gate")
+
+    def __init__(self, inner: Any, gate: RpcGate) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        gate = self._gate
+        gate.enter()
+        try:
+            result = self._inner(*args, **kwargs)
+        finally:
+            gate.leave()
+        return _GatedStream(result, gate) if hasattr(result, "__next__") else result
+
+    def with_call(self, *args: Any, **kwargs: Any) -> Any:
+        gate = self._gate
+        gate.enter()
+        try:
+            return self._inner.with_call(*args, **kwargs)
+        finally:
+            gate.leave()
+
+    def future(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.future(*args, **kwargs)  # completes on gRPC's threads, not the caller's
+
+
+class _GatedStream:
+    """A response stream whose every ``next`` passes through the gate (the rest is the call's)."""
+
+    __slots__ = ("_inner", "_gate")
+
+    def __init__(self, inner: Any, gate: RpcGate) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __iter__(self) -> "_GatedStream":
+        return self
+
+    def __next__(self) -> Any:
+        gate = self._gate
+        gate.enter()
+        try:
+            return next(self._inner)
+        finally:
+            gate.leave()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)  # cancel, code, details, trailing_metadata, ...
+
+
+class GatedChannel(grpc.Channel):
+    """A channel whose calls pass through ``gate`` (client/forksafe.py ``RpcGate``), so that a
+    fork can wait until no thread of this process is inside one."""
+
+    def __init__(self, channel: grpc.Channel, gate: RpcGate) -> None:
+        self._channel, self._gate = channel, gate
+
+    def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
+        self._channel.subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback: Any) -> None:
+        self._channel.unsubscribe(callback)
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _GatedCall(self._channel.unary_unary(*args, **kwargs), self._gate)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _GatedCall(self._channel.unary_stream(*args, **kwargs), self._gate)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _GatedCall(self._channel.stream_unary(*args, **kwargs), self._gate)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _GatedCall(self._channel.stream_stream(*args, **kwargs), self._gate)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "GatedChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def plain_connect(address: str) -> grpc.Channel:

@@ -385,3 +385,18 @@ def test_no_server_code_aborts_an_rpc_but_through_errors_abort():
                         and node.func.attr in ("abort", "set_code", "abort_with_status", "set_details")):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("cls", sorted({c for c in TABLE_TYPES if issubclass(c, errors.CacheFSError)},
+                                       key=lambda c: c.__name__))
+def test_every_cachefs_error_pickles_as_itself(cls):
+    """A DataLoader worker sends its exception to the main process by pickle: it must arrive whole."""
+    import pickle
+
+    original = cls(f"{cls.__name__} in a worker process")
+    original.__cause__ = None
+    original.path = "data/x"  # state set after construction travels too
+    back = pickle.loads(pickle.dumps(original))
+    assert type(back) is cls
+    assert (back.errno, back.strerror, str(back)) == (original.errno, original.strerror, str(original))
+    assert back.path == "data/x"

@@ -4,10 +4,13 @@ hint threads running) reads correctly within a deadline, and the parent keeps wo
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -24,26 +27,37 @@ PAGE = 64 << 10
 CHILD_DEADLINE = 60.0
 
 
-def _child_reads(conn, fs, paths: list[str]) -> None:
-    try:
-        conn.send([fs.cat_file(p) for p in paths])
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        conn.send(exc)
-    finally:
-        conn.close()
+def _child_reads(conn, fs, paths: list[str], stacks: str) -> None:
+    with open(stacks, "w") as out:
+        # A wedged child says where: its threads' stacks reach the parent's failure message.
+        faulthandler.dump_traceback_later(CHILD_DEADLINE / 2, file=out)
+        try:
+            conn.send([fs.cat_file(p) for p in paths])
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            conn.send(exc)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            conn.close()
 
 
 def _fork_and_read(fs, paths: list[str]) -> list[bytes]:
     """Fork now; the child reads ``paths`` through the inherited ``fs`` and sends the bytes back."""
     ctx = multiprocessing.get_context("fork")
     parent_end, child_end = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_reads, args=(child_end, fs, paths))
+    fd, stacks = tempfile.mkstemp(prefix="cachefs-fork-child-", suffix=".txt")
+    os.close(fd)
+    proc = ctx.Process(target=_child_reads, args=(child_end, fs, paths, stacks))
     proc.start()
     child_end.close()
     try:
-        assert parent_end.poll(CHILD_DEADLINE), "the forked child did not answer in time (wedged?)"
+        if not parent_end.poll(CHILD_DEADLINE):
+            proc.kill()
+            with open(stacks) as f:
+                raise AssertionError(f"the forked child did not answer in {CHILD_DEADLINE:.0f} s; "
+                                     f"its stacks:\n{f.read()}")
         got = parent_end.recv()
     finally:
+        os.unlink(stacks)
         proc.join(CHILD_DEADLINE)
         if proc.is_alive():
             proc.kill()
@@ -243,3 +257,60 @@ def test_a_failing_hook_does_not_stop_a_fork():
         assert proc.exitcode == 0
     finally:
         forksafe.unregister(bad)
+
+
+def test_rpc_gate_holds_a_fork_until_calls_leave_and_new_calls_until_it_is_done():
+    """The gate every session channel goes through (client/transport.py GatedChannel)."""
+    gate = forksafe.RpcGate()
+    gate.enter()  # a reader thread is inside a gRPC call
+    forked = threading.Event()
+
+    def fork() -> None:
+        gate.before_fork(time.monotonic() + 30)
+        forked.set()
+
+    forker = threading.Thread(target=fork)
+    forker.start()
+    assert not forked.wait(0.3), "before_fork returned while a call was inside gRPC"
+    gate.leave()
+    assert forked.wait(30)
+    # While the fork is pending, a new call waits...
+    entered = threading.Event()
+    caller = threading.Thread(target=lambda: (gate.enter(), entered.set()))
+    caller.start()
+    assert not entered.wait(0.3), "a call went into gRPC while a fork was pending"
+    gate.after_fork_in_parent()  # ... until the parent resumes
+    assert entered.wait(30)
+    gate.leave()
+    forker.join(30)
+    caller.join(30)
+    assert gate.inside == 0
+
+
+def test_rpc_gate_gives_up_at_the_deadline_and_the_child_starts_clean():
+    gate = forksafe.RpcGate()
+    gate.enter()  # a call that never leaves (a slow cold read)
+    started = time.monotonic()
+    gate.before_fork(time.monotonic() + 0.2)
+    assert time.monotonic() - started < 5
+    gate.after_fork_in_child()
+    assert gate.inside == 0
+    gate.enter()  # the child's first call is not held by the parent's pending fork
+    gate.leave()
+
+
+def test_session_channels_go_through_the_gate(served):
+    objects, worker = served
+    fs = client(worker.address, short_circuit=False, data_port=False)
+    paths = _paths(objects)
+    gate = fs.session.rpc_gate
+    seen: list[int] = []
+    original = gate.enter
+
+    def counting_enter() -> None:
+        original()
+        seen.append(gate.inside)
+
+    gate.enter = counting_enter  # type: ignore[method-assign]
+    assert fs.cat_file(paths[0]) == objects["obj0.bin"]
+    assert seen and max(seen) >= 1 and gate.inside == 0
