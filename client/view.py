@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from cachefs.client import forksafe
+from cachefs.client.transport import OWN_CONNECTIONS
 from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
@@ -31,7 +32,7 @@ class ViewWatcher(forksafe.ForkHook):
         self._timeout = timeout
         self._watch_seconds = watch_seconds
         self._tls = tls
-        self._channel = open_channel(master, tls, token=token)
+        self._channel = open_channel(master, tls, options=[OWN_CONNECTIONS], token=token)
         self._stub = master_pb2_grpc.MasterServiceStub(self._channel)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
