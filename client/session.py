@@ -258,16 +258,16 @@ class ClientSession:
                 break
         return (parts[0] if len(parts) == 1 else b"".join(parts)), size
 
-    def read_into(self, cp: CachePath, out: Any, offset: int = 0) -> tuple[int, int]:
-        """Fill ``out`` (a writable buffer) with the object's bytes from ``offset``; returns
-        (bytes read: fewer at the object's end, the object's size).
+    def read_into(self, cp: CachePath, out: Any, offset: int = 0, version: str = "") -> tuple[int, int]:
+        """Fill ``out`` (a writable buffer) with the object's bytes from ``offset`` (of ``version``,
+        if given); returns (bytes read: fewer at the object's end, the object's size).
 
         Cached bytes land in ``out`` directly (page files on this host, another host's data
         port); otherwise they come through gRPC and are copied in once.
         """
         view = memoryview(out).cast("B")
         state = self._state.get()
-        stripe, pos, end, version = self.stripe_size, offset, offset + len(view), ""
+        stripe, pos, end = self.stripe_size, offset, offset + len(view)
         size = -1
         while pos < end or size < 0:
             want = min(end, (pos // stripe + 1) * stripe) - pos

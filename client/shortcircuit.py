@@ -20,6 +20,7 @@ from typing import Any
 import xxhash
 
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
+from cachefs.client import rawbytes
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
@@ -89,12 +90,23 @@ class ShortCircuitReader:
         if into is not None and len(into) < want:
             return None
         if into is None:
+            if len(fds) > 1 and rawbytes.SUPPORTED:
+                # Several pages: read them into one new bytes object (no join of the pieces).
+                result, view = rawbytes.fillable_bytes(want)
+                with view:
+                    filled = self._fill(reply, fds, offset, end, view)
+                return (result, size, reply.info.version) if filled else None
             parts = self._pages_as_bytes(reply, fds, offset, end)
             if parts is None:
                 return None
             return (parts[0] if len(parts) == 1 else b"".join(parts)), size, reply.info.version
         out = into[:want]
-        view = memoryview(out).cast("B")
+        if not self._fill(reply, fds, offset, end, memoryview(out).cast("B")):
+            return None
+        return out, size, reply.info.version
+
+    def _fill(self, reply: Any, fds: list[int], offset: int, end: int, view: memoryview) -> bool:
+        """The range [offset, end) into ``view``, each page checked once per file identity."""
         for fd, page_start, page_len in zip(fds, reply.page_offsets, reply.page_lengths):
             lo, hi = max(offset, page_start), min(end, page_start + page_len)
             if hi <= lo:
@@ -102,16 +114,16 @@ class ShortCircuitReader:
             identity = self.verified.identity(fd, page_len)
             if identity in self.verified:  # checked before: read only the part wanted
                 if not _pread_all(fd, view[lo - offset:hi - offset], lo - page_start):
-                    return None
+                    return False
                 continue
             whole = lo == page_start and hi == page_start + page_len
             target = view[lo - offset:hi - offset] if whole else memoryview(bytearray(page_len))
             if not _read_page(fd, target, page_len):
-                return None
+                return False
             self.verified.add(identity)
             if not whole:
                 view[lo - offset:hi - offset] = target[lo - page_start:hi - page_start]
-        return out, size, reply.info.version
+        return True
 
     def _pages_as_bytes(self, reply: Any, fds: list[int], offset: int, end: int) -> list[bytes] | None:
         """The range as ``bytes`` straight from ``pread`` (cat_file's result: no buffer to copy out of)."""
