@@ -16,6 +16,8 @@ object i mod M). Cases (read_systems.py):
     blockcache      fsspec blockcache::s3, fresh cache dir (first, second)
     cachefs_local   a `cachefs worker` process, fresh cache, same host: short-circuit (cold, warm)
     cachefs_remote  the same worker, client short_circuit=False: the network path (cold, warm)
+    cachefs_cat     the same host through cat_file for every size (the plain fsspec API)
+    cachefs_open    the same host through open(path).read()
     local           readv of the local copy into an aligned buffer: the limit
     grpc_raw        a bare gRPC stream of the same bytes, 1 MiB messages: gRPC's limit
     tcp_raw         a bare loopback TCP stream, sendfile -> recv_into: the network path's limit
@@ -171,9 +173,10 @@ def make_system(name: str, ds: Dataset, so: dict[str, Any], tmp: str, args: argp
         return S3fsDirect(ds, so)
     if name in ("simplecache", "blockcache"):
         return FsspecCache(name, ds, so, tmp)
-    if name in ("cachefs_local", "cachefs_remote"):
+    if name in ("cachefs_local", "cachefs_remote", "cachefs_cat", "cachefs_open"):
         return Cachefs(ds, so, tmp, args.quota, args.worker_arg, args.keep_logs, args.worker_log_level,
-                       short_circuit=name == "cachefs_local")
+                       short_circuit=name != "cachefs_remote",
+                       plain={"cachefs_cat": "cat", "cachefs_open": "open"}.get(name, ""))
     if name == "local":
         return LocalDisk(ds)
     return RawLimit(name, ds)

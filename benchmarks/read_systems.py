@@ -5,6 +5,8 @@
     blockcache      fsspec blockcache::s3, fresh cache dir (first, second)
     cachefs_local   a `cachefs worker` process, fresh cache, client short_circuit=True (cold, warm)
     cachefs_remote  the same, client short_circuit=False: bytes come over the network path
+    cachefs_cat     the same host through the plain fsspec API: cat_file -> bytes for every size
+    cachefs_open    the same host through open(path).read() (what pandas, torch.load call)
     local           the local copy (page cache warm), readv into the aligned slot: the limit
     grpc_raw        a bare gRPC stream of the same bytes from another process (read_limits.py)
     tcp_raw         a bare loopback TCP stream (sendfile -> recv_into) from another process
@@ -27,7 +29,8 @@ from read_common import Dataset, ReadFn
 from read_limits import GrpcRawClient, TcpRawClient, limit_server
 
 MOUNT = "bench"
-SYSTEMS = ("s3fs", "simplecache", "blockcache", "cachefs_local", "cachefs_remote", "local", "grpc_raw", "tcp_raw")
+SYSTEMS = ("s3fs", "simplecache", "blockcache", "cachefs_local", "cachefs_remote", "cachefs_cat", "cachefs_open",
+           "local", "grpc_raw", "tcp_raw")
 LIMITS = ("local", "grpc_raw", "tcp_raw")
 
 
@@ -107,9 +110,12 @@ class Cachefs(System):
     passes = ("cold", "warm")
 
     def __init__(self, ds: Dataset, storage_options: dict[str, Any], tmp: str, quota: str, worker_args: list[str],
-                 keep_logs: str | None, log_level: str = "INFO", short_circuit: bool = True) -> None:
-        self.name = "cachefs_local" if short_circuit else "cachefs_remote"
-        self.short_circuit = short_circuit
+                 keep_logs: str | None, log_level: str = "INFO", short_circuit: bool = True,
+                 plain: str = "") -> None:
+        if plain not in ("", "cat", "open"):
+            raise ValueError(f"plain must be '', 'cat' or 'open', not {plain!r}")
+        self.name = f"cachefs_{plain}" if plain else "cachefs_local" if short_circuit else "cachefs_remote"
+        self.short_circuit, self.plain = short_circuit, plain
         self.ds, self.so, self.tmp, self.quota = ds, storage_options, tmp, quota
         self.log_level, self.worker_args, self.keep_logs = log_level, worker_args, keep_logs
         self._count = 0
@@ -126,6 +132,10 @@ class Cachefs(System):
 
     def api(self, kind: str) -> str:
         how = "short_circuit=True" if self.short_circuit else "short_circuit=False"
+        if self.plain == "open":
+            return f"CacheFileSystem.open(path).read() -> bytes ({how})"
+        if self.plain == "cat":
+            return f"CacheFileSystem.cat_file -> bytes ({how})"
         if kind == "large":
             return f"CacheFileSystem.read_into(path, slot, 0) ({how})"
         return f"CacheFileSystem.cat_file -> bytes ({how})"
@@ -169,7 +179,14 @@ class Cachefs(System):
             fs = fsspec.filesystem("cachefs", workers=worker.address, short_circuit=self.short_circuit,
                                    skip_instance_cache=True)
             self._fs, self._last_stats = fs, self._bulk_stats() or {}
-            if kind == "large":
+            if self.plain == "open":
+                def read_open(key: str, out: np.ndarray) -> bytes:
+                    with fs.open(f"cachefs://{MOUNT}/{key}") as f:
+                        return f.read()
+                yield read_open
+            elif self.plain == "cat":
+                yield lambda key, out: fs.cat_file(f"cachefs://{MOUNT}/{key}")
+            elif kind == "large":
                 def read(key: str, out: np.ndarray) -> np.ndarray:
                     n, size = fs.read_into(f"cachefs://{MOUNT}/{key}", out, 0)
                     if n != size:

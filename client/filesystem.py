@@ -264,7 +264,7 @@ class CacheFile(AbstractBufferedFile):
     def read(self, length: int = -1) -> bytes:
         """Reads of a block or more (``read()`` of the whole object: pandas, torch.load) skip the
         block cache: the bytes come back as the session reads them, not sliced out of a cached
-        copy (one copy fewer: 0.50x -> see docs/performance.md)."""
+        copy; smaller reads go through the cache as fsspec's do."""
         if self.mode != "rb" or self.closed:
             return super().read(length)
         remaining = max(0, self.size - self.loc)

@@ -18,6 +18,7 @@ BENCH = os.path.join(REPO, "benchmarks", "bench_read.py")
 WORKLOADS = ("small_seq", "small_conc", "large", "large_conc")
 PHASES = {"s3fs": ("direct",), "simplecache": ("first", "second"), "blockcache": ("first", "second"),
           "cachefs_local": ("cold", "warm"), "cachefs_remote": ("cold", "warm"),
+          "cachefs_cat": ("cold", "warm"), "cachefs_open": ("cold", "warm"),
           "local": ("limit",), "grpc_raw": ("limit",), "tcp_raw": ("limit",)}
 PEERS_FLAKY_WHEN_CONCURRENT = ("simplecache", "blockcache")  # fsspec's caches race on a first read
 
