@@ -76,14 +76,16 @@ class _WithToken:
         return self._inner.future(request, timeout=timeout, metadata=self._merged(metadata), **kwargs)
 
 
-class TokenChannel(grpc.Channel):
-    """A channel whose every call carries ``token`` (the channel it wraps is closed with it)."""
+class WrappedChannel(grpc.Channel):
+    """A channel whose multi-callables are wrapped by ``_wrap`` (the token here; the client's fork
+    gate in client/transport.py); closing it closes the channel it wraps."""
 
-    def __init__(self, channel: grpc.Channel, token: str) -> None:
-        if not token:
-            raise ValueError("token is empty")
+    def __init__(self, channel: grpc.Channel) -> None:
         self._channel = channel
-        self._metadata = token_metadata(token)
+
+    def _wrap(self, multicallable: Any, stream: bool) -> Any:
+        """``multicallable`` as this channel hands it out; ``stream``: its responses are a stream."""
+        raise NotImplementedError
 
     def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
         self._channel.subscribe(callback, try_to_connect)
@@ -92,25 +94,38 @@ class TokenChannel(grpc.Channel):
         self._channel.unsubscribe(callback)
 
     def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.unary_unary(*args, **kwargs), self._metadata)
+        return self._wrap(self._channel.unary_unary(*args, **kwargs), False)
 
     def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.unary_stream(*args, **kwargs), self._metadata)
+        return self._wrap(self._channel.unary_stream(*args, **kwargs), True)
 
     def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.stream_unary(*args, **kwargs), self._metadata)
+        return self._wrap(self._channel.stream_unary(*args, **kwargs), False)
 
     def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.stream_stream(*args, **kwargs), self._metadata)
+        return self._wrap(self._channel.stream_stream(*args, **kwargs), True)
 
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "TokenChannel":
+    def __enter__(self) -> "WrappedChannel":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TokenChannel(WrappedChannel):
+    """A channel whose every call carries ``token`` (the channel it wraps is closed with it)."""
+
+    def __init__(self, channel: grpc.Channel, token: str) -> None:
+        if not token:
+            raise ValueError("token is empty")
+        super().__init__(channel)
+        self._metadata = token_metadata(token)
+
+    def _wrap(self, multicallable: Any, stream: bool) -> Any:
+        return _WithToken(multicallable, self._metadata)
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

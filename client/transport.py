@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import grpc.experimental
 
+from cachefs.auth import WrappedChannel
 from cachefs.client.forksafe import RpcGate
 from cachefs.proto import worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
@@ -65,12 +66,12 @@ class Breaker:
 
 
 class _GatedCall:
-    """A multi-callable whose blocking calls (and each step of a stream) pass through a gate."""
+    """A multi-callable whose blocking calls (and each step of a response stream) pass through a gate."""
 
-    __slots__ = ("_inner", "_gate")
+    __slots__ = ("_inner", "_gate", "_stream")
 
-    def __init__(self, inner: Any, gate: RpcGate) -> None:
-        self._inner, self._gate = inner, gate
+    def __init__(self, inner: Any, gate: RpcGate, stream: bool) -> None:
+        self._inner, self._gate, self._stream = inner, gate, stream
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         gate = self._gate
@@ -79,7 +80,7 @@ class _GatedCall:
             result = self._inner(*args, **kwargs)
         finally:
             gate.leave()
-        return _GatedStream(result, gate) if hasattr(result, "__next__") else result
+        return _GatedStream(result, gate) if self._stream else result
 
     def with_call(self, *args: Any, **kwargs: Any) -> Any:
         gate = self._gate
@@ -116,39 +117,16 @@ class _GatedStream:
         return getattr(self._inner, name)  # cancel, code, details, trailing_metadata, ...
 
 
-class GatedChannel(grpc.Channel):
+class GatedChannel(WrappedChannel):
     """A channel whose calls pass through ``gate`` (client/forksafe.py ``RpcGate``), so that a
     fork can wait until no thread of this process is inside one."""
 
     def __init__(self, channel: grpc.Channel, gate: RpcGate) -> None:
-        self._channel, self._gate = channel, gate
+        super().__init__(channel)
+        self._gate = gate
 
-    def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
-        self._channel.subscribe(callback, try_to_connect)
-
-    def unsubscribe(self, callback: Any) -> None:
-        self._channel.unsubscribe(callback)
-
-    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
-        return _GatedCall(self._channel.unary_unary(*args, **kwargs), self._gate)
-
-    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
-        return _GatedCall(self._channel.unary_stream(*args, **kwargs), self._gate)
-
-    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
-        return _GatedCall(self._channel.stream_unary(*args, **kwargs), self._gate)
-
-    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
-        return _GatedCall(self._channel.stream_stream(*args, **kwargs), self._gate)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "GatedChannel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _wrap(self, multicallable: Any, stream: bool) -> Any:
+        return _GatedCall(multicallable, self._gate, stream)
 
 
 def plain_connect(address: str) -> grpc.Channel:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -279,18 +280,24 @@ def test_pending_job_cancelled_before_it_runs(harness):
     assert [j.job_id for j in h.jobs.list()] == [second, first]  # newest first
 
 
-def test_running_job_is_resumed_after_a_restart(tmp_path, store_dir):
+def _job_stopped_mid_load(tmp_path: Path, store_dir: Path) -> tuple[str, dict[str, Any]]:
+    """A load that a master stopped mid-job (its record stays RUNNING); (job id, stored record)."""
     h1 = Harness(tmp_path, store_dir)
     gate = threading.Event()
     for worker in h1.workers.values():
         worker.gate = gate
     job_id = h1.jobs.submit(master_pb2.LOAD, "data/d").job_id
     assert wait_for(lambda: any(w.loads for w in h1.workers.values()))
-    h1.jobs.stop(timeout=0.5)  # the master stops mid-job: the record stays RUNNING
+    h1.jobs.stop(timeout=0.5)
     gate.set()
     h1.state.close()
     stored = {r["job_id"]: r for r in MasterState(tmp_path / "state").jobs()}
-    assert stored[job_id]["state"] == "RUNNING"
+    return job_id, stored[job_id]
+
+
+def test_running_job_is_resumed_after_a_restart(tmp_path, store_dir):
+    job_id, stored = _job_stopped_mid_load(tmp_path, store_dir)
+    assert stored["state"] == "RUNNING"
 
     h2 = Harness(tmp_path, store_dir, settle_seconds=0.1, settle_max_seconds=2)
     try:
@@ -310,17 +317,8 @@ def test_running_job_is_resumed_after_a_restart(tmp_path, store_dir):
 
 def test_a_resumed_job_waits_for_the_workers_it_planned_on(tmp_path, store_dir):
     """A worker that re-registers after the live set looked settled still gets its share."""
-    h1 = Harness(tmp_path, store_dir)
-    gate = threading.Event()
-    for worker in h1.workers.values():
-        worker.gate = gate
-    job_id = h1.jobs.submit(master_pb2.LOAD, "data/d").job_id
-    assert wait_for(lambda: any(w.loads for w in h1.workers.values()))
-    h1.jobs.stop(timeout=0.5)
-    gate.set()
-    h1.state.close()
-    stored = {r["job_id"]: r for r in MasterState(tmp_path / "state").jobs()}
-    assert sorted(stored[job_id]["planned_on"]) == sorted(ADDRESSES)
+    job_id, stored = _job_stopped_mid_load(tmp_path, store_dir)
+    assert stored["state"] == "RUNNING" and sorted(stored["planned_on"]) == sorted(ADDRESSES)
 
     # After the restart only two of the three have re-registered; the third comes back late.
     h2 = Harness(tmp_path, store_dir, settle_seconds=0.05, settle_max_seconds=30)
@@ -339,15 +337,7 @@ def test_a_resumed_job_waits_for_the_workers_it_planned_on(tmp_path, store_dir):
 
 
 def test_a_resumed_job_gives_up_on_a_planned_worker_after_settle_max(tmp_path, store_dir):
-    h1 = Harness(tmp_path, store_dir)
-    gate = threading.Event()
-    for worker in h1.workers.values():
-        worker.gate = gate
-    job_id = h1.jobs.submit(master_pb2.LOAD, "data/d").job_id
-    assert wait_for(lambda: any(w.loads for w in h1.workers.values()))
-    h1.jobs.stop(timeout=0.5)
-    gate.set()
-    h1.state.close()
+    job_id, _ = _job_stopped_mid_load(tmp_path, store_dir)
     h2 = Harness(tmp_path, store_dir, settle_seconds=0.05, settle_max_seconds=0.5)
     h2.members = MEMBERS[:2]  # the third never returns
     try:
