@@ -170,6 +170,36 @@ def test_free_drops_exactly_the_prefix(store, make_worker):
     assert worker.metrics.registry.get_sample_value("cachefs_worker_pages_freed_total") == first + 3 + 3
 
 
+def test_free_waits_for_page_writes_queued_before_it(store, make_worker):
+    """A read served from the store queues its pages for the disk; a Free arriving before they land
+    must still drop them, not leave them cached after it answered."""
+    import threading
+
+    store.add("q/1.bin", payload(2 * PAGE, 30))
+    worker = make_worker(store.mount, page_size=PAGE, readahead_pages=0)
+    gate, held = threading.Event(), threading.Event()
+    real_put = worker.pages.put
+
+    def slow_put(pid, data):
+        held.set()
+        assert gate.wait(TIMEOUT)
+        return real_put(pid, data)
+
+    worker.pages.put = slow_put
+    assert client(worker.address).cat_file("data/q/1.bin") == store.objects["q/1.bin"]
+    assert held.wait(TIMEOUT)
+    answer: list[int] = []
+    freeing = threading.Thread(target=lambda: answer.append(_free(worker, "data/q/")))
+    freeing.start()
+    freeing.join(0.3)
+    assert freeing.is_alive(), "Free answered while page writes under its prefix were still queued"
+    gate.set()
+    freeing.join(TIMEOUT)
+    assert answer == [2]
+    assert worker.pages.stats().pages == 0
+    assert _cached(worker, "data/q/1.bin") == [0]
+
+
 def test_get_cached_reports_full_partial_none_and_zero_after_a_change(store, make_worker):
     full, part = payload(3 * PAGE + 9, 20), payload(4 * PAGE, 21)
     store.add("full.bin", full)

@@ -239,6 +239,17 @@ class PageReader:
             return self._settled.wait_for(lambda: pid not in self._inflight,
                                           timeout=max(0.0, deadline - time.monotonic()))
 
+    def wait_prefix_settled(self, mount: str, prefix: str, deadline: float) -> bool:
+        """Wait until no page of a key under ``prefix`` is being fetched or written.
+
+        Free runs this first: a page fetched before it (a read served from the store, its write
+        still queued) would otherwise land in the page store after the prefix was dropped.
+        """
+        def settled() -> bool:
+            return not any(pid.mount == mount and pid.key.startswith(prefix) for pid in self._inflight)
+        with self._settled:
+            return self._settled.wait_for(settled, timeout=max(0.0, deadline - time.monotonic()))
+
     # -- a range ------------------------------------------------------------------------------
     def adopt(self, meta: ObjectMeta, data: bytes) -> bool:
         """Take the first pages of an object that arrived with its metadata (see ObjectStore.open).

@@ -201,6 +201,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # parse_path drops a trailing '/': keep it, so "data/dir/" does not also free "data/dir2/...".
         prefix = path.key + "/" if path.key and request.prefix.endswith("/") else path.key
         self.objects.forget_prefix(path.mount, prefix)
+        # Pages fetched before the Free (their disk writes queued) land first, then go with the rest.
+        if not self.reader.wait_prefix_settled(path.mount, prefix, self._load_deadline(context)):
+            raise DeadlineExceededError(f"Free {request.prefix!r}: page writes under it did not settle in time")
         freed = self.pages.delete_prefix(path.mount, prefix)
         self.metrics.pages_freed.inc(freed)
         return worker_pb2.FreeResponse(pages_freed=freed)
