@@ -153,6 +153,12 @@ class WorkerConfig:
     # Unix socket for short-circuit reads by clients on this host ("auto": in the first cache
     # dir, or the temp dir if that path is too long for a socket; "": off).
     short_circuit_socket: str = "auto"
+    # Slots in the shared table of pages handed to local clients to keep open and read again
+    # without asking (server/worker/handles.py); 0: clients read each descriptor once.
+    short_circuit_handles: int = 1 << 16
+    # Share of the quota that evicted or freed pages still held open by local clients may take
+    # (their bytes stay counted until the hold ends); past it, descriptors are handed out for one read.
+    max_held_fraction: float = 0.125
     # TCP port on `host` that sends cached pages with sendfile to clients on other hosts
     # (server/worker/dataport.py): 0 = pick a free one (reported by GetStatus), -1 = off.
     # Plain TCP: off whenever the worker serves TLS.
@@ -183,6 +189,11 @@ class WorkerConfig:
             raise ValueError("max_pending_write_bytes must be >= 0")
         if self.readahead_pages < 0:
             raise ValueError("readahead_pages must be >= 0")
+        if self.short_circuit_handles != 0 and not 2 <= self.short_circuit_handles <= 1 << 24:
+            raise ValueError(f"short_circuit_handles must be 0 (off) or in [2, 16777216], "
+                             f"got {self.short_circuit_handles}")
+        if not 0.0 <= self.max_held_fraction <= 0.5:
+            raise ValueError(f"max_held_fraction must be in [0, 0.5], got {self.max_held_fraction}")
         _check_daemon_tls(self)
 
     @property
@@ -389,6 +400,9 @@ class ClientConfig:
     # Read cached pages of a worker on this host as file descriptors over its Unix socket
     # (client/shortcircuit.py), not through gRPC.
     short_circuit: bool = True
+    # Page file descriptors from a worker on this host kept open per process and read again
+    # with no message to the worker (client/handles.py; HDFS keeps 256); 0: one read each.
+    short_circuit_handles: int = 256
     # Read cached pages of other hosts' workers through their data port (TCP, sendfile; see
     # server/worker/dataport.py), not through gRPC. Never with TLS (the port is plaintext).
     data_port: bool = True
@@ -412,6 +426,8 @@ class ClientConfig:
             raise ValueError("min_throughput must be > 0")
         if self.block_size <= 0:
             raise ValueError("block_size must be > 0")
+        if not 0 <= self.short_circuit_handles <= 1 << 16:
+            raise ValueError(f"short_circuit_handles must be in [0, 65536], got {self.short_circuit_handles}")
         if not isinstance(self.fallback_mounts, Mapping):
             raise ValueError("fallback_mounts must be a mapping of mount name -> url")
         TLSConfig.from_fields(self)  # files exist and parse

@@ -16,3 +16,17 @@ def host_id() -> str:
             return "boot:" + f.read().strip()
     except OSError:
         return "host:" + socket.gethostname()
+
+
+# -- the handle table (server/worker/handles.py writes it, client/handles.py reads it) ----------
+# A shared, read-only (for clients) array of little-endian u64 words: a header, then one
+# generation per slot. Slot 0 is never handed out: a page given with slot 0 is read once and its
+# descriptor closed.
+TABLE_MAGIC = 0x31544C4248534643  # b"CFSHBLT1" little-endian
+TABLE_HEADER_WORDS = 8            # magic, heartbeat (CLOCK_MONOTONIC ns), state, slots, 4 spare
+TABLE_WORD_MAGIC, TABLE_WORD_HEARTBEAT, TABLE_WORD_STATE, TABLE_WORD_SLOTS = 0, 1, 2, 3
+TABLE_SERVING, TABLE_CLOSED = 1, 2
+#: The worker beats every HEARTBEAT_SECONDS; a table whose beat is older than TABLE_STALE_SECONDS
+#: belongs to a worker that died (or hangs): its clients stop trusting every handle from it.
+HEARTBEAT_SECONDS = 0.5
+TABLE_STALE_SECONDS = 5.0

@@ -71,7 +71,8 @@ class BulkPaths:
         timeout = min(SOCKET_TIMEOUT, config.timeout)
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
                 and os.path.exists(status.short_circuit_socket):
-            return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout)
+            return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout,
+                                      handles=config.short_circuit_handles)
         if config.data_port and status.data_port and not config.tls.enabled:
             return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout)
         return None
@@ -125,6 +126,36 @@ class BulkPaths:
         stats["reads"] += 1
         stats["bytes"] += len(got[0])
         return got
+
+    def prepare(self, ranges: list[tuple[str, int, int, str]]) -> int:
+        """Get the page handles of many ranges ahead of their reads, one message per local
+        worker; returns how many ranges are now held here (their reads need no message at all).
+        Ranges whose first placed worker is not on this host are left to their reads."""
+        by_reader: dict[int, tuple[Any, list[tuple[str, int, int, str]]]] = {}
+        for r in ranges:
+            candidates = self.workers.candidates(r[0], r[1], include_broken=False)
+            if not candidates:
+                continue
+            reader = self._reader(candidates[0])
+            if reader is None or not hasattr(reader, "prepare"):
+                continue
+            by_reader.setdefault(id(reader), (reader, []))[1].append(r)
+        ready = 0
+        for reader, wanted in by_reader.values():
+            try:
+                ready += reader.prepare(wanted)
+            except Exception as exc:  # noqa: BLE001 - only a hint: the reads find their own way
+                log.debug("preparing %d ranges failed: %s", len(wanted), exc)
+        return ready
+
+    def report(self) -> None:
+        """Tell each local worker of the reads made through held page handles since the last
+        request (they are otherwise reported with the next one)."""
+        with self._lock:
+            readers = [r for r, _ in self._readers.values() if r is not None and hasattr(r, "report")]
+        for reader in readers:
+            with contextlib.suppress(OSError):
+                reader.report()
 
     def close(self) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ import asyncio
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import fsspec.asyn
@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 #: Keyword arguments that fsspec's own base classes take (instance cache, listings cache, the
 #: async batch size); everything else is a cachefs client option (cachefs/config.py ClientConfig).
+#: Ranges whose page handles are fetched at once by cat_ranges and a multi-path cat: one message
+#: per local worker, well within the handles a process keeps (client/handles.py).
+PREPARE_BATCH = 64
+_GLOB_CHARS = frozenset("*?[")
+
 FSSPEC_OPTIONS = frozenset({"use_listings_cache", "listings_expiry_time", "max_paths", "batch_size"})
 
 
@@ -184,6 +189,56 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         offset = start or 0
         length = -1 if end is None else max(0, end - offset)
         return self.session.read(cp, offset, length, version)[0]
+
+    def prepare(self, ranges: Iterable[tuple[str, int, int | None]]) -> int:
+        """Get ready to read ranges ``(path, start, end)`` (end None: to the object's end): the
+        page handles of those cached on a worker on this host come in one message per worker,
+        and their reads then need no message at all. Returns how many are held; only a hint."""
+        wanted = []
+        for path, start, end in ranges:
+            if start is None:
+                start = 0
+            if start < 0 or (end is not None and end < 0):
+                continue  # from the end: the size is not known here
+            cp = self._path(path)
+            if cp is not None:
+                wanted.append((cp, start, -1 if end is None else max(0, end - start)))
+        return self.session.prepare(wanted) if wanted else 0
+
+    def cat_ranges(self, paths: list[str], starts: Any, ends: Any, max_gap: Any = None, on_error: str = "return",
+                   **kwargs: Any) -> list[Any]:
+        """fsspec's ``cat_ranges``, with the ranges' page handles fetched a batch at a time."""
+        if max_gap is not None:
+            raise NotImplementedError("max_gap: cachefs reads each range as asked")
+        if not isinstance(paths, list):
+            raise TypeError("paths must be a list")
+        starts = starts if isinstance(starts, list) else [starts] * len(paths)
+        ends = ends if isinstance(ends, list) else [ends] * len(paths)
+        if len(starts) != len(paths) or len(ends) != len(paths):
+            raise ValueError("paths, starts and ends must have the same length")
+        out: list[Any] = []
+        for i in range(0, len(paths), PREPARE_BATCH):
+            chunk = list(zip(paths[i:i + PREPARE_BATCH], starts[i:i + PREPARE_BATCH], ends[i:i + PREPARE_BATCH]))
+            self.prepare(chunk)
+            for path, start, end in chunk:
+                try:
+                    out.append(self.cat_file(path, start, end, **kwargs))
+                except Exception as exc:
+                    if on_error != "return":
+                        raise
+                    out.append(exc)
+        return out
+
+    def cat(self, path: Any, recursive: bool = False, on_error: str = "raise", **kwargs: Any) -> Any:
+        """fsspec's ``cat``; a list of plain paths has its page handles fetched a batch at a time."""
+        if isinstance(path, list) and not recursive and len(path) > 1 and not any(_GLOB_CHARS & set(p) for p in path):
+            out: dict[str, Any] = {}
+            for i in range(0, len(path), PREPARE_BATCH):
+                chunk = path[i:i + PREPARE_BATCH]
+                self.prepare([(p, 0, None) for p in chunk])
+                out.update(super().cat(chunk, on_error=on_error, **kwargs))
+            return out
+        return super().cat(path, recursive=recursive, on_error=on_error, **kwargs)
 
     def read_into(self, path: str, out: Any, offset: int = 0) -> tuple[int, int]:
         """Fill ``out`` (a writable buffer: numpy array, torch tensor's ``.numpy()``, bytearray)

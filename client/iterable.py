@@ -123,7 +123,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         fs = self._filesystem(self.storage_options)
         prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_blocks, threads=self.prefetch_threads, timeout=self.timeout)
-        return ProcessParts(fs, prefetcher, Hinter(fs.session))
+        return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {})
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher, Hinter]:
         return self._local.get()  # type: ignore[return-value]
@@ -192,7 +192,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         """Hint the shards of this worker's blocks after the prefetch window (once each per epoch)."""
         if self.hint_shards <= 0:
             return
-        fs, _, hinter = self._process()
+        fs, _, hinter = self._process()[:3]
         stripe = fs.session.stripe_size
         shards: list[str] = []
         for j in blocks[k + self.prefetch_blocks:]:
@@ -215,7 +215,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         own = self._worker_resume
         skip_own = own[2] if own is not None and own[:2] == (worker, workers) else 0
         self._iter_from, self._yielded = self.samples_seen, 0
-        _, prefetcher, _ = self._process()
+        prefetcher = self._process()[1]
         k0 = 0
         while skip_own and k0 < len(blocks):
             start, end = self.plan.block_span(blocks[k0])

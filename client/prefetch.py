@@ -83,6 +83,7 @@ class Prefetcher(forksafe.ForkHook):
         self._pid = -1
         self._lock = threading.Lock()
         self._entries: dict[Hashable, tuple[Future, int]] = {}
+        self._side: Future | None = None  # the last side job (run()), waited for by drain()
         self.in_flight_bytes = 0
         self.stats = {"max_in_flight_bytes": 0, "max_in_flight": 0, "hits": 0, "on_demand": 0,
                       "too_large": 0, "dropped": 0, "submitted": 0}
@@ -98,6 +99,7 @@ class Prefetcher(forksafe.ForkHook):
         # The parent's threads do not exist here, and one of them may have held the lock.
         self._lock = threading.Lock()
         self._entries, self.in_flight_bytes, self._pool, self._pid = {}, 0, None, -1
+        self._side = None
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a Prefetcher belongs to one process; the dataset builds one per process")
@@ -149,6 +151,12 @@ class Prefetcher(forksafe.ForkHook):
                 return  # keep the order: the nearest samples first, never skip ahead
             self._submit(key, size)
 
+    def run(self, call: Callable[[], Any]) -> Future:
+        """Run a side job on the prefetch threads (e.g. getting the next batch's page handles);
+        ``drain`` (before a fork) waits for the last one too."""
+        self._side = self._ensure_pool().submit(call)
+        return self._side
+
     # -- the one call --------------------------------------------------------------------------------
     def get(self, key: Hashable, upcoming: Iterable[Hashable]) -> Any:
         """The result for ``key`` (prefetched or read now); then keep ``upcoming`` in flight.
@@ -194,9 +202,10 @@ class Prefetcher(forksafe.ForkHook):
             return True
         self.reset()
         end = time.monotonic() + timeout
-        while self.in_flight_bytes > 0 and time.monotonic() < end:
+        side = self._side
+        while (self.in_flight_bytes > 0 or (side is not None and not side.done())) and time.monotonic() < end:
             time.sleep(0.005)
-        return self.in_flight_bytes <= 0
+        return self.in_flight_bytes <= 0 and (side is None or side.done())
 
     def reset(self) -> None:
         """Forget everything in flight (a new epoch or plan: positions mean other samples)."""

@@ -344,6 +344,20 @@ class ClientSession:
         """The deadline of a read of ``length`` bytes: the RPC timeout plus time at min_throughput."""
         return self.config.timeout + max(0, length) / self.config.min_throughput
 
+    def prepare(self, ranges: Iterable[tuple[CachePath, int, int]]) -> int:
+        """Ask the workers on this host, once each, for the page handles of ranges
+        ``(path, offset, length)`` about to be read; returns how many are now held, so that
+        their reads go to no worker at all (client/handles.py). 0 without such a worker."""
+        state = self._state.get()
+        if not state.bulk.enabled:
+            return 0
+        return state.bulk.prepare([(str(cp), offset, length, "") for cp, offset, length in ranges])
+
+    def report_reads(self) -> None:
+        """Send the workers on this host the reads made through held page handles now, instead
+        of with the next request (their metrics and eviction see them then)."""
+        self._state.get().bulk.report()
+
     @property
     def bulk_stats(self) -> dict[str, dict[str, int]]:
         """Reads, bytes and fallbacks to gRPC per lean path, in this process."""

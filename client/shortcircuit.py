@@ -10,6 +10,7 @@ usual, so this path can only make a read faster, never fail it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ import xxhash
 
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.client import rawbytes
+from cachefs.client.handles import MAX_TOUCHED, HandleCache, Page, TableView
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
@@ -28,17 +30,24 @@ from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 log = logging.getLogger(__name__)
 
 Reply = shortcircuit_pb2.ShortCircuitReply
+RangeReply = shortcircuit_pb2.RangeReply
+_BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_PAGES descriptors)
 
 
 class ShortCircuitReader:
-    """Connections to one local worker's socket; one request at a time on each."""
+    """Connections to one local worker's socket (one request at a time on each) and the page
+    handles this process holds from that worker (client/handles.py)."""
 
     kind = "short_circuit"
 
-    def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8) -> None:
+    def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
+                 handles: int = 256) -> None:
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
         self._pool = SocketPool(self._connect, max_idle)
         self.verified = VerifiedFiles()
+        self.handles = HandleCache(handles)
+        self._hello_lock = threading.Lock()
+        self._want_hello = handles > 0
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -50,95 +59,211 @@ class ShortCircuitReader:
             raise
         return sock
 
+    # -- one request ---------------------------------------------------------------------------------
+    def _exchange(self, request: Any) -> tuple[bytes, list[int]]:
+        """Send one request, get its reply and descriptors; a reused connection that fails (the
+        worker restarted) is retried once on a new one."""
+        data = request.SerializeToString()
+        for attempt in (0, 1):
+            sock = self._pool.take() if attempt == 0 else self._connect()
+            fds: list[int] = []
+            try:
+                sock.send(data)
+                message, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_PAGES + 1)
+                if not message:
+                    raise ConnectionError("the worker closed the short-circuit socket")
+            except OSError:
+                sock.close()
+                for fd in fds:
+                    os.close(fd)
+                if attempt == 1:
+                    raise
+                self._pool.close()  # the other idle connections went with the old worker too
+                continue
+            self._pool.give_back(sock)
+            return message, fds
+        raise AssertionError("unreachable")
+
+    def request(self, ranges: list[tuple[str, int, int, str]],
+                ahead: bool = False) -> list[tuple[int, str, list[Page]] | None]:
+        """Ask for several ranges in one message; per range, (size, version, pages referenced:
+        ``self.handles.release`` them after reading) or None (not served here: use gRPC).
+        ``ahead``: handles for reads to come (the worker counts those reads when reported)."""
+        hello = self._want_hello and not self.handles.usable()
+        touched, touched_bytes = self.handles.take_touched()
+        request = shortcircuit_pb2.ShortCircuitRequest(
+            ranges=[shortcircuit_pb2.RangeRequest(path=p, offset=o, length=n, version=v, ahead=ahead)
+                    for p, o, n, v in ranges],
+            token=self.token, hello=hello, touched=touched, touched_bytes=touched_bytes)
+        message, fds = self._exchange(request)
+        try:
+            reply = Reply()
+            reply.ParseFromString(message)
+            if reply.refused:
+                log.debug("short-circuit request refused: %s", reply.message)
+                return [None] * len(ranges)
+            pos = 0
+            if hello and reply.instance:
+                if not fds:
+                    return [None] * len(ranges)
+                self._attach(fds[0], reply)
+                pos = 1
+            results: list[tuple[int, str, list[Page]] | None] = []
+            for got in reply.ranges:
+                n = len(got.page_offsets) if got.code == RangeReply.OK else 0
+                if got.code != RangeReply.OK or pos + n > len(fds) or len(got.slots) not in (0, n):
+                    pos += n  # those descriptors are closed below
+                    results.append(None)
+                    continue
+                slots = list(got.slots) or [0] * n
+                generations = list(got.generations) or [0] * n
+                pages = [Page(fd, start, length, slot, generation, refs=1)
+                         for fd, start, length, slot, generation in
+                         zip(fds[pos:pos + n], got.page_offsets, got.page_lengths, slots, generations)]
+                for page in pages:
+                    fds[pos] = -1  # owned by its Page from here
+                    pos += 1
+                results.append((got.info.size, got.info.version, pages))
+                path = ranges[len(results) - 1][0]
+                self.handles.add(path, got.info.size, got.info.version, got.valid_ms, pages)
+            results.extend([None] * (len(ranges) - len(results)))
+            return results
+        finally:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _attach(self, fd: int, reply: Any) -> None:
+        try:
+            table = TableView(fd, reply.instance, reply.table_slots)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map the worker's handle table (%s): page handles are not kept", exc)
+            self._want_hello = False
+            return
+        self.handles.attach(table, reply.page_size)
+
+    # -- reads ---------------------------------------------------------------------------------------------
     def read(self, path: str, offset: int, length: int, version: str,
              out: memoryview | None = None) -> tuple[Any, int, str] | None:
         """(data, object size, version) of the range, or None: read it through gRPC instead.
 
-        With ``out`` (at least as long as what the range holds), the pages are read straight
-        into it (no copy through Python) and the filled part of ``out`` is returned as the data.
+        Pages this process holds are read with no message to the worker. With ``out`` (at least
+        as long as what the range holds), the pages are read straight into it (no copy through
+        Python) and the filled part of ``out`` is returned as the data.
         """
-        request = shortcircuit_pb2.ShortCircuitRequest(path=path, offset=offset, length=length, version=version,
-                                                       token=self.token)
-        sock = self._pool.take()
-        fds: list[int] = []
-        try:
-            sock.send(request.SerializeToString())
-            message, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_PAGES)
-            if not message:
-                raise ConnectionError("the worker closed the short-circuit socket")
-        except OSError:
-            sock.close()
-            for fd in fds:
-                os.close(fd)
-            raise
-        self._pool.give_back(sock)
-        try:
-            reply = Reply()
-            reply.ParseFromString(message)
-            if reply.code != Reply.OK or len(fds) != len(reply.page_offsets):
+        found = self.handles.lookup(path, offset, length, version)
+        if found is None:
+            found = self.request([(path, offset, length, version)])[0]
+            if found is None:
                 return None
-            return self._assemble(reply, fds, offset, length, out)
+        elif self.handles.touched_pending() >= MAX_TOUCHED:
+            self.report()
+        size, version, pages = found
+        try:
+            return self._assemble(size, version, pages, offset, length, out)
         finally:
+            self.handles.release(pages)
+
+    def prepare(self, ranges: list[tuple[str, int, int, str]]) -> int:
+        """Fetch handles for the ranges not held yet, in as few messages as the descriptor bound
+        allows, so that the reads after it find them held; returns how many are now held."""
+        missing = []
+        for r in ranges:
+            found = self.handles.lookup(*r)
+            if found is None:
+                missing.append(r)
+            else:
+                self.handles.release(found[2])
+        if not missing or not self._want_hello:
+            return len(ranges) - len(missing)
+        ready = len(ranges) - len(missing)
+        for i in range(0, len(missing), _BATCH_RANGES):
+            for got in self.request(missing[i:i + _BATCH_RANGES], ahead=True):
+                if got is not None:
+                    ready += 1
+                    self.handles.release(got[2])
+        return ready
+
+    def report(self) -> None:
+        """Send the reads made through held handles that the worker has not heard of yet."""
+        touched, touched_bytes = self.handles.take_touched()
+        if touched:
+            request = shortcircuit_pb2.ShortCircuitRequest(token=self.token, touched=touched,
+                                                           touched_bytes=touched_bytes)
+            _message, fds = self._exchange(request)
             for fd in fds:
                 os.close(fd)
 
-    def _assemble(self, reply: Any, fds: list[int], offset: int, length: int,
+    def _assemble(self, size: int, version: str, pages: list[Page], offset: int, length: int,
                   into: memoryview | None) -> tuple[Any, int, str] | None:
-        size = reply.info.size
         end = size if length < 0 else min(size, offset + length)
         want = max(0, end - offset)
         if into is not None and len(into) < want:
             return None
         if into is None:
-            if len(fds) > 1 and rawbytes.SUPPORTED:
+            if len(pages) > 1 and rawbytes.SUPPORTED:
                 # Several pages: read them into one new bytes object (no join of the pieces).
                 result, view = rawbytes.fillable_bytes(want)
                 with view:
-                    filled = self._fill(reply, fds, offset, end, view)
-                return (result, size, reply.info.version) if filled else None
-            parts = self._pages_as_bytes(reply, fds, offset, end)
+                    filled = self._fill(pages, offset, end, view)
+                return (result, size, version) if filled else None
+            parts = self._pages_as_bytes(pages, offset, end)
             if parts is None:
                 return None
-            return (parts[0] if len(parts) == 1 else b"".join(parts)), size, reply.info.version
+            return (parts[0] if len(parts) == 1 else b"".join(parts)) if parts else b"", size, version
         out = into[:want]
-        if not self._fill(reply, fds, offset, end, memoryview(out).cast("B")):
+        if not self._fill(pages, offset, end, memoryview(out).cast("B")):
             return None
-        return out, size, reply.info.version
+        return out, size, version
 
-    def _fill(self, reply: Any, fds: list[int], offset: int, end: int, view: memoryview) -> bool:
-        """The range [offset, end) into ``view``, each page checked once per file identity."""
-        for fd, page_start, page_len in zip(fds, reply.page_offsets, reply.page_lengths):
+    def _checked(self, page: Page) -> bool:
+        """True if this page's bytes need no checksum pass (checked through this descriptor,
+        or this very file was checked before in this process)."""
+        if page.verified:
+            return True
+        identity = self.verified.identity(page.fd, page.length)
+        if identity in self.verified:
+            page.verified = True
+        return page.verified
+
+    def _verified(self, page: Page) -> None:
+        page.verified = True
+        self.verified.add(self.verified.identity(page.fd, page.length))
+
+    def _fill(self, pages: list[Page], offset: int, end: int, view: memoryview) -> bool:
+        """The range [offset, end) into ``view``, each page checked once per descriptor."""
+        for page in pages:
+            page_start, page_len = page.start, page.length
             lo, hi = max(offset, page_start), min(end, page_start + page_len)
             if hi <= lo:
                 continue
-            identity = self.verified.identity(fd, page_len)
-            if identity in self.verified:  # checked before: read only the part wanted
-                if not _pread_all(fd, view[lo - offset:hi - offset], lo - page_start):
+            if self._checked(page):  # read only the part wanted
+                if not _pread_all(page.fd, view[lo - offset:hi - offset], lo - page_start):
                     return False
                 continue
             whole = lo == page_start and hi == page_start + page_len
             target = view[lo - offset:hi - offset] if whole else memoryview(bytearray(page_len))
-            if not _read_page(fd, target, page_len):
+            if not _read_page(page.fd, target, page_len):
                 return False
-            self.verified.add(identity)
+            self._verified(page)
             if not whole:
                 view[lo - offset:hi - offset] = target[lo - page_start:hi - page_start]
         return True
 
-    def _pages_as_bytes(self, reply: Any, fds: list[int], offset: int, end: int) -> list[bytes] | None:
+    def _pages_as_bytes(self, pages: list[Page], offset: int, end: int) -> list[bytes] | None:
         """The range as ``bytes`` straight from ``pread`` (cat_file's result: no buffer to copy out of)."""
         parts = []
-        for fd, page_start, page_len in zip(fds, reply.page_offsets, reply.page_lengths):
+        for page in pages:
+            page_start, page_len = page.start, page.length
             lo, hi = max(offset, page_start), min(end, page_start + page_len)
             if hi <= lo:
                 continue
-            identity = self.verified.identity(fd, page_len)
-            checked = identity in self.verified
-            data = os.pread(fd, hi - lo, lo - page_start) if checked else os.pread(fd, page_len, 0)
+            checked = self._checked(page)
+            data = os.pread(page.fd, hi - lo, lo - page_start) if checked else os.pread(page.fd, page_len, 0)
             if not checked:
-                if len(data) != page_len or not _trailer_matches(fd, data, page_len):
+                if len(data) != page_len or not _trailer_matches(page.fd, data, page_len):
                     return None
-                self.verified.add(identity)
+                self._verified(page)
                 data = data if hi - lo == page_len else data[lo - page_start:hi - page_start]
             if len(data) != hi - lo:
                 return None
@@ -146,10 +271,14 @@ class ShortCircuitReader:
         return parts
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.report()
         self._pool.close()
+        self.handles.close()
 
     def release_inherited(self) -> None:
         self._pool.release_inherited()
+        self.handles.release_inherited()
 
 
 class VerifiedFiles:

@@ -8,38 +8,74 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ShortCircuitRequest(_message.Message):
-    __slots__ = ("path", "offset", "length", "version", "token")
+class RangeRequest(_message.Message):
+    __slots__ = ("path", "offset", "length", "version", "ahead")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
     version: str
-    token: str
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
-class ShortCircuitReply(_message.Message):
-    __slots__ = ("code", "message", "info", "page_offsets", "page_lengths")
+class ShortCircuitRequest(_message.Message):
+    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes")
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ranges: _containers.RepeatedCompositeFieldContainer[RangeRequest]
+    token: str
+    hello: bool
+    touched: _containers.RepeatedScalarFieldContainer[int]
+    touched_bytes: int
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ...) -> None: ...
+
+class RangeReply(_message.Message):
+    __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
-        OK: _ClassVar[ShortCircuitReply.Code]
-        NOT_CACHED: _ClassVar[ShortCircuitReply.Code]
-        REFUSED: _ClassVar[ShortCircuitReply.Code]
-    OK: ShortCircuitReply.Code
-    NOT_CACHED: ShortCircuitReply.Code
-    REFUSED: ShortCircuitReply.Code
+        OK: _ClassVar[RangeReply.Code]
+        NOT_CACHED: _ClassVar[RangeReply.Code]
+        REFUSED: _ClassVar[RangeReply.Code]
+    OK: RangeReply.Code
+    NOT_CACHED: RangeReply.Code
+    REFUSED: RangeReply.Code
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     PAGE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     PAGE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
-    code: ShortCircuitReply.Code
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    VALID_MS_FIELD_NUMBER: _ClassVar[int]
+    code: RangeReply.Code
     message: str
     info: _common_pb2.ObjectInfo
     page_offsets: _containers.RepeatedScalarFieldContainer[int]
     page_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, code: _Optional[_Union[ShortCircuitReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    valid_ms: int
+    def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ...) -> None: ...
+
+class ShortCircuitReply(_message.Message):
+    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size")
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ranges: _containers.RepeatedCompositeFieldContainer[RangeReply]
+    message: str
+    refused: bool
+    instance: str
+    table_slots: int
+    page_size: int
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...

@@ -11,12 +11,13 @@ import grpc
 import pytest
 
 from cachefs.client.filesystem import CacheFileSystem
-from cachefs.localhost import host_id
+from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.proto import shortcircuit_pb2, worker_pb2, worker_pb2_grpc
 from helpers import flip_page_bytes, page_files, payload, wait_for
 
 PAGE = 64 << 10
 Reply = shortcircuit_pb2.ShortCircuitReply
+RangeReply = shortcircuit_pb2.RangeReply
 
 
 def _fs(worker, **kw) -> CacheFileSystem:
@@ -34,6 +35,11 @@ def _settled(worker, path: str, size: int) -> None:
         stub = worker_pb2_grpc.WorkerServiceStub(ch)
         assert wait_for(lambda: stub.GetCached(worker_pb2.GetCachedRequest(paths=[path]), timeout=10)
                         .cached_bytes[0] == size)
+
+
+def _request(path: str, offset: int = 0, length: int = -1, token: str = "") -> shortcircuit_pb2.ShortCircuitRequest:
+    return shortcircuit_pb2.ShortCircuitRequest(
+        ranges=[shortcircuit_pb2.RangeRequest(path=path, offset=offset, length=length)], token=token)
 
 
 def _ask(path: str, request: shortcircuit_pb2.ShortCircuitRequest) -> tuple[Reply, list[int]]:
@@ -69,6 +75,7 @@ def test_cached_reads_take_the_socket_and_return_the_same_bytes(store, make_work
                        (5 * PAGE, 5 * PAGE + 777), (0, 5 * PAGE + 777)]:
         assert fs.cat_file("cachefs://data/obj", start, end) == data[start:end]
     assert fs.session.bulk_stats["short_circuit"]["reads"] == reads + 7
+    fs.session.report_reads()  # reads through held handles reach the worker with the next request
     totals = worker.metrics.totals()  # counted like any cached read
     assert totals["bytes_from_cache"] >= sum(len(data[s:e]) for s, e in [(0, None), (1, 2)])
     assert worker.metrics.short_circuit_bytes._value.get() > 0 and totals["hits"] >= 6
@@ -125,21 +132,32 @@ def test_the_socket_refuses_bad_requests_and_wrong_tokens(local_store, make_work
                                                metadata=[("x-cachefs-token", "s3cret")]).cached_bytes[0] == PAGE)
     assert ok.cat_file("cachefs://data/obj") == local_store.objects["obj"]
     assert ok.session.bulk_stats["short_circuit"]["reads"] == 1
-    reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(path="data/obj", length=-1, token="wrong"))
-    assert reply.code == Reply.REFUSED and "UNAUTHENTICATED" in reply.message and fds == []
+    reply, fds = _ask(path, _request("data/obj", token="wrong"))
+    assert reply.refused and "UNAUTHENTICATED" in reply.message and not reply.ranges and fds == []
     for bad in [dict(path="data/../etc/passwd"), dict(path="data/a\x00b"), dict(path="data/obj", offset=-1),
                 dict(path="data/obj", length=-2)]:
-        reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(**{"token": "s3cret", "length": -1, **bad}))
-        assert reply.code == Reply.REFUSED and fds == [], bad
+        reply, fds = _ask(path, _request(**{"token": "s3cret", **bad}))
+        assert reply.ranges[0].code == RangeReply.REFUSED and fds == [], bad
     for unknown in ["nomount/x", "data/missing", "data/obj?"]:  # not known here: for gRPC to answer
-        reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(token="s3cret", length=-1, path=unknown))
-        assert reply.code == Reply.NOT_CACHED and fds == [], unknown
-    reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(path="data/obj", length=-1, token="s3cret"))
+        reply, fds = _ask(path, _request(unknown, token="s3cret"))
+        assert reply.ranges[0].code == RangeReply.NOT_CACHED and fds == [], unknown
+    reply, fds = _ask(path, _request("data/obj", token="s3cret"))
     try:
-        assert reply.code == Reply.OK and len(fds) == 1
+        assert reply.ranges[0].code == RangeReply.OK and len(fds) == 1
         assert os.pread(fds[0], PAGE, 0) == local_store.objects["obj"]
         with pytest.raises(OSError):
             os.write(fds[0], b"x")  # read-only
+    finally:
+        for fd in fds:
+            os.close(fd)
+    # A batch: answered range by range, in order; more descriptors than one reply carries are refused.
+    many = [shortcircuit_pb2.RangeRequest(path="data/obj", length=-1)] * (MAX_PAGES + 2)
+    reply, fds = _ask(path, shortcircuit_pb2.ShortCircuitRequest(
+        ranges=[shortcircuit_pb2.RangeRequest(path="data/missing", length=-1), *many], token="s3cret"))
+    try:
+        codes = [r.code for r in reply.ranges]
+        assert codes == [RangeReply.NOT_CACHED] + [RangeReply.OK] * MAX_PAGES + [RangeReply.REFUSED] * 2
+        assert len(fds) == MAX_PAGES
     finally:
         for fd in fds:
             os.close(fd)
@@ -149,7 +167,7 @@ def test_the_socket_refuses_bad_requests_and_wrong_tokens(local_store, make_work
         sock.send(b"\xff\x00garbage")
         reply = Reply()
         reply.ParseFromString(sock.recv(1 << 16))
-        assert reply.code == Reply.REFUSED
+        assert reply.refused
 
 
 def test_a_restarted_worker_is_probed_again(local_store, make_worker, tmp_path):
@@ -185,12 +203,13 @@ def test_read_into_fills_the_callers_buffer(local_store, make_worker, short_circ
 
 
 def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, make_worker, tmp_path):
-    """The client skips the checksum only for a page file it has checked (same inode and times)."""
+    """The client skips the checksum only for a page file it has checked (same inode and times).
+    (Without held handles: a held descriptor keeps reading the file it was handed.)"""
     data = payload(2 * PAGE, 8)
     local_store.add("obj", data)
     cache = tmp_path / "vf-cache"
     worker = make_worker(local_store.mount, page_size=PAGE, cache_dir=cache)
-    fs = _fs(worker)
+    fs = _fs(worker, short_circuit_handles=0)
     fs.cat_file("cachefs://data/obj")
     _settled(worker, "data/obj", len(data))
     assert fs.cat_file("cachefs://data/obj") == data  # checked here, once

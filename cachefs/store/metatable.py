@@ -148,6 +148,16 @@ class MetadataTable:
 
     def get_stale(self, path: CachePath) -> tuple[ObjectMeta, bool] | None:
         """The entry and whether it is still fresh, up to ``grace`` seconds past its TTL."""
+        found = self.get_with_expiry(path)
+        return None if found is None else (found[0], found[1] > self._clock())
+
+    def get_fresh_until(self, path: CachePath) -> tuple[ObjectMeta, float] | None:
+        """The entry while it is fresh, and when (on this table's clock) it stops being so."""
+        found = self.get_with_expiry(path)
+        return found if found is not None and found[1] > self._clock() else None
+
+    def get_with_expiry(self, path: CachePath) -> tuple[ObjectMeta, float] | None:
+        """The entry (up to ``grace`` seconds past its TTL) and its expiry on this table's clock."""
         mid = self._mount_ids.get(path.mount)
         if mid is None:
             return None
@@ -162,7 +172,6 @@ class MetadataTable:
             if expiry + self.grace <= now:
                 self._free_row(slot, r)
                 return None
-            fresh = expiry > now
             if flags & _ETAG:
                 o += klen
                 version = self._arena[o:o + 16].hex()
@@ -171,7 +180,7 @@ class MetadataTable:
             else:
                 o += klen
                 version = self._arena[o:o + vlen].decode("utf-8", "surrogatepass")
-        return ObjectMeta(path, size, version, mtime, bool(flags & _DIR)), fresh
+        return ObjectMeta(path, size, version, mtime, bool(flags & _DIR)), expiry
 
     # -- updates -------------------------------------------------------------------------------
 

@@ -163,6 +163,10 @@ class ObjectStore:
         """What is known of ``path`` without asking the store (None: not known, or expired)."""
         return self._meta.get(path)
 
+    def cached_info_until(self, path: CachePath) -> tuple[ObjectMeta, float] | None:
+        """Like :meth:`cached_info`, with the monotonic time at which that knowledge expires."""
+        return self._meta.get_fresh_until(path)
+
     def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
         if not refresh:
             found = self._meta.get_stale(path)

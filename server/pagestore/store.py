@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import enum
 import errno
+import heapq
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -111,6 +112,7 @@ class PageStoreStats:
     put_failures: int
     disk_errors: int = 0  # failed page writes, and reads failing with a disk errno
     degraded: bool = False  # a cache dir's last write failed: reads pass through to the store
+    held_unlinked_bytes: int = 0  # in used_bytes: unlinked pages local clients may still hold open
 
 
 class _State(enum.Enum):
@@ -129,6 +131,7 @@ class _Entry:
     last_access: float
     checksum: int = 0
     cancelled: bool = False  # deleted while WRITING: the writer removes it when done
+    held_until: float = 0.0  # monotonic: local clients may hold its descriptor open until then
 
     @property
     def path(self) -> str:
@@ -163,6 +166,12 @@ class PageStore:
         self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access changed since the last flush
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
+        # Unlinked pages that local clients may still read through held descriptors (their
+        # bytes stay counted in their dir's ``used`` until then): (until, seq, dir, bytes).
+        self._held: list[tuple[float, int, DirHandle, int]] = []
+        self._held_seq = 0
+        self._held_bytes = 0
+        self._unlink_listener: Callable[[list[str]], None] | None = None
         self.health = DiskHealth()
         self._dirs: list[DirHandle] = []
         try:
@@ -255,14 +264,16 @@ class PageStore:
                     self._touch(existing)
                     return True
                 return False
-            victims = self._pick_victims(target, size)
+            now = time.monotonic()
+            self._release_held(now)
+            victims = self._pick_victims(target, size, now)
             if victims is None:
                 self._put_failures += 1
                 return False
             for v in victims:
                 v.state = _State.REMOVING
                 del target.lru[v.digest]
-            freed = sum(v.size for v in victims)
+            freed = sum(v.size for v in victims if not self._charge_held(v, now))
             target.used += size - freed  # the victims' bytes become this put's reservation
             self._evictions += len(victims)
             entry = _Entry(pid, digest, target, size, _State.WRITING, time.time())
@@ -273,10 +284,62 @@ class PageStore:
         finally:
             self._leave()
 
+    # ------------------------------------------------------- held descriptors
+    def set_unlink_listener(self, listener: Callable[[list[str]], None] | None) -> None:
+        """``listener(digests)`` runs just before page files are unlinked (server/worker/handles.py
+        invalidates held descriptors there). It must not call back into the store."""
+        self._unlink_listener = listener
+
+    def hold(self, digests: Iterable[str], until: float) -> None:
+        """Local clients may read these pages through held descriptors until ``until`` (monotonic):
+        if a page leaves the cache before then, its bytes stay charged to the quota until then."""
+        with self._lock:
+            for digest in digests:
+                entry = self._entries.get(digest)
+                if entry is not None and entry.state is _State.READY and until > entry.held_until:
+                    entry.held_until = until
+
+    def held_unlinked_bytes(self) -> int:
+        """Bytes of unlinked page files that clients may still hold open (charged to the quota)."""
+        with self._lock:
+            self._release_held(time.monotonic())
+            return self._held_bytes
+
+    def touch_digests(self, digests: Iterable[str]) -> int:
+        """Reads made through held descriptors: count them as hits and as uses for eviction."""
+        n = 0
+        with self._lock:
+            for digest in digests:
+                entry = self._entries.get(digest)
+                if entry is not None and entry.state is _State.READY:
+                    self._touch(entry)
+                    n += 1
+            self._hits += n
+        return n
+
+    def _release_held(self, now: float) -> None:  # caller holds the lock
+        held = self._held
+        while held and held[0][0] <= now:
+            _, _, d, size = heapq.heappop(held)
+            d.used -= size
+            self._held_bytes -= size
+
+    def _charge_held(self, entry: _Entry, now: float) -> bool:  # caller holds the lock
+        """Keep an unlinked page's bytes counted while a client may hold it; True if so."""
+        if entry.held_until <= now:
+            return False
+        self._held_seq += 1
+        heapq.heappush(self._held, (entry.held_until, self._held_seq, entry.dir, entry.size))
+        self._held_bytes += entry.size
+        return True
+
     def contains(self, pid: PageId) -> bool:
         """True if the page is READY (a later get may still miss if it is evicted meanwhile)."""
+        return self.contains_digest(pid.digest())
+
+    def contains_digest(self, digest: str) -> bool:
         with self._lock:
-            entry = self._entries.get(pid.digest())
+            entry = self._entries.get(digest)
             return entry is not None and entry.state is _State.READY
 
     def holds_object(self, mount: str, key: str) -> bool:
@@ -317,6 +380,7 @@ class PageStore:
     def stats(self) -> PageStoreStats:
         """Snapshot of usage and counters."""
         with self._lock:
+            self._release_held(time.monotonic())
             return PageStoreStats(
                 pages=sum(len(d.lru) for d in self._dirs),
                 used_bytes=sum(d.used for d in self._dirs),
@@ -328,6 +392,7 @@ class PageStore:
                 put_failures=self._put_failures,
                 disk_errors=self.health.errors,
                 degraded=self.health.degraded,
+                held_unlinked_bytes=self._held_bytes,
             )
 
     def close(self) -> None:
@@ -405,8 +470,12 @@ class PageStore:
         self._dirty[entry.digest] = entry
 
     # ----------------------------------------------------------- write helpers
-    def _pick_victims(self, target: DirHandle, size: int) -> list[_Entry] | None:
-        """LRU READY pages to evict so ``size`` fits (caller holds the lock); None if impossible."""
+    def _pick_victims(self, target: DirHandle, size: int, now: float) -> list[_Entry] | None:
+        """LRU READY pages to evict so ``size`` fits (caller holds the lock); None if impossible.
+
+        A page a local client may still hold open is evicted too (its holders are told) but
+        frees nothing until its hold ends, so it does not count toward the room made.
+        """
         quota = target.quota
         victims: list[_Entry] = []
         need = target.used + size - quota
@@ -414,7 +483,8 @@ class PageStore:
             if need <= 0:
                 break
             victims.append(entry)
-            need -= entry.size
+            if entry.held_until <= now:
+                need -= entry.size
         return victims if need <= 0 else None
 
     def _write(self, entry: _Entry, payload: memoryview, victims: list[_Entry]) -> bool:
@@ -482,17 +552,26 @@ class PageStore:
         return count
 
     def _remove(self, entries: list[_Entry]) -> None:
-        """Unlink REMOVING entries (outside the lock), then release their bytes."""
+        """Unlink REMOVING entries (outside the lock), then release their bytes (those of pages
+        a client may still hold open only when the hold ends)."""
         stuck = self._unlink(entries)
         with self._lock:
+            now = time.monotonic()
             for entry in entries:
-                if entry not in stuck:  # a stuck file keeps its bytes counted: never over quota
+                # a stuck file keeps its bytes counted: never over quota
+                if entry not in stuck and not self._charge_held(entry, now):
                     entry.dir.used -= entry.size
             self._forget(entries)
 
     def _unlink(self, entries: list[_Entry], index: bool = True) -> list[_Entry]:
         """Delete index entries, then files; returns the entries whose file could not be removed."""
         stuck = []
+        listener = self._unlink_listener
+        if listener is not None and entries:
+            try:
+                listener([entry.digest for entry in entries])
+            except Exception:  # never let a listener keep a page on disk
+                log.exception("unlink listener failed")
         for entry in entries:
             if index and entry.dir.index is not None:
                 try:

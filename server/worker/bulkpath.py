@@ -43,6 +43,8 @@ class OpenedRange:
     fds: list[int] = field(default_factory=list)
     page_offsets: list[int] = field(default_factory=list)
     page_lengths: list[int] = field(default_factory=list)
+    pages: list[Any] = field(default_factory=list)  # the PageId behind each descriptor
+    valid_until: float = 0.0  # monotonic: when the worker's knowledge of the object's version expires
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
@@ -53,39 +55,47 @@ class OpenedRange:
 class CachedPages:
     """Opens the cached page files behind a range request, with the worker's own metadata only."""
 
-    def __init__(self, resolve: Callable[[Any], Any], page_id: Callable[[Any, int], Any],
+    def __init__(self, resolve: Callable[[Any], tuple[Any, float] | None], page_id: Callable[[Any, int], Any],
                  open_page: Callable[[Any], int | None], page_size: int,
                  token: Callable[[str], bool] | None = None) -> None:
+        """``resolve(path)``: the worker's fresh metadata of the object and when it expires, or None."""
         self._resolve, self._page_id, self._open_page = resolve, page_id, open_page
         self.page_size, self._token_ok = page_size, token
 
-    def open(self, request: Any) -> OpenedRange:
-        """``request`` has path, offset, length, version and token (both protocols' requests do)."""
-        if self._token_ok is not None and not self._token_ok(request.token):
-            return OpenedRange(REFUSED, "UNAUTHENTICATED: missing or wrong access token")
+    def token_ok(self, token: str) -> bool:
+        return self._token_ok is None or self._token_ok(token)
+
+    def open(self, request: Any, max_pages: int = MAX_PAGES) -> OpenedRange:
+        """``request`` has path, offset, length and version (both protocols' range requests do);
+        the caller has checked the token."""
         try:
             path = parse_path(request.path)
             if request.offset < 0 or request.length < -1:
                 raise ValueError("offset must be >= 0 and length >= -1")
         except Exception as exc:  # a bad path, or range
             return OpenedRange(REFUSED, f"{to_status(exc).name}: {exc}")
-        meta = self._resolve(path)
-        if meta is None or meta.is_dir or (request.version and meta.version != request.version):
+        known = self._resolve(path)
+        if known is None:
+            return OpenedRange(NOT_CACHED)
+        meta, until = known
+        if meta.is_dir or (request.version and meta.version != request.version):
             return OpenedRange(NOT_CACHED)
         end = meta.size if request.length == -1 else min(meta.size, request.offset + request.length)
         if end <= request.offset:
-            return OpenedRange(OK, meta=meta, offset=request.offset, end=request.offset)
+            return OpenedRange(OK, meta=meta, offset=request.offset, end=request.offset, valid_until=until)
         first, last = request.offset // self.page_size, (end - 1) // self.page_size
-        if last - first + 1 > MAX_PAGES:
-            return OpenedRange(REFUSED, f"more than {MAX_PAGES} pages in one request")
-        opened = OpenedRange(OK, meta=meta, offset=request.offset, end=end)
+        if last - first + 1 > max_pages:
+            return OpenedRange(REFUSED, f"more than {max_pages} pages in one request")
+        opened = OpenedRange(OK, meta=meta, offset=request.offset, end=end, valid_until=until)
         try:
             for index in range(first, last + 1):
-                fd = self._open_page(self._page_id(meta, index))
+                pid = self._page_id(meta, index)
+                fd = self._open_page(pid)
                 if fd is None:
                     opened.close()
                     return OpenedRange(NOT_CACHED, meta=meta)
                 opened.fds.append(fd)
+                opened.pages.append(pid)
                 start = index * self.page_size
                 opened.page_offsets.append(start)
                 opened.page_lengths.append(min(meta.size, start + self.page_size) - start)

@@ -29,6 +29,7 @@ from cachefs.server.worker.registration import Registrar, worker_stats
 from cachefs.server.worker.service import WorkerServicer
 from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
+from cachefs.server.worker.handles import HandleTable
 from cachefs.server.worker.shortcircuit import ShortCircuitServer
 from cachefs.tls import MESSAGE_OPTIONS, bind_port
 
@@ -67,6 +68,7 @@ class Worker:
         self._server: grpc.Server | None = None
         self._metrics_http: HttpServer | None = None
         self.short_circuit: ShortCircuitServer | None = None
+        self.handle_table: HandleTable | None = None
         self.data_port_server: DataPortServer | None = None
         self.data_port: int | None = None  # bound data port (None: off)
         self._stopped = threading.Event()
@@ -116,7 +118,7 @@ class Worker:
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
-        cached = CachedPages(self.objects.cached_info, self.reader._page_id, self.pages.open_page,
+        cached = CachedPages(self.objects.cached_info_until, self.reader._page_id, self.pages.open_page,
                              self.pages.page_size, token)
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
@@ -151,6 +153,7 @@ class Worker:
             self._metrics_http.stop()
         if self.short_circuit is not None:
             self.short_circuit.stop()
+        self._close_handle_table()
         if self.data_port_server is not None:
             self.data_port_server.stop()
         self.reader.close(timeout=grace)
@@ -173,11 +176,42 @@ class Worker:
         if not path:
             return ""
         try:
-            self.short_circuit = ShortCircuitServer(path, cached, on_served=self.metrics.served_short_circuit).start()
+            table = self._handle_table()
+            self.short_circuit = ShortCircuitServer(
+                path, cached, on_served=self.metrics.served_short_circuit, table=table, hold=self._hold,
+                still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
+            self._close_handle_table()
             return ""
         return path
+
+    def _handle_table(self) -> HandleTable | None:
+        """The table of held page handles (server/worker/handles.py), or None when off."""
+        if self.config.short_circuit_handles == 0:
+            return None
+        try:
+            table = HandleTable(self.config.short_circuit_handles, on_touched=self.pages.touch_digests)
+        except OSError as exc:  # no memfd here: clients read each descriptor once
+            log.warning("held short-circuit handles are off: %s", exc)
+            return None
+        self.handle_table = table
+        self.pages.set_unlink_listener(table.invalidate)
+        self.metrics.watch_handles(table.in_use)
+        return table
+
+    def _close_handle_table(self) -> None:
+        if self.handle_table is not None:
+            self.pages.set_unlink_listener(None)
+            self.handle_table.close()
+
+    def _hold(self, digests: list[str], until: float) -> bool:
+        """Let local clients hold these pages open until ``until``, if the held space has room."""
+        capacity = sum(d.quota_bytes for d in self.config.cache_dirs)
+        if self.pages.held_unlinked_bytes() > capacity * self.config.max_held_fraction:
+            return False
+        self.pages.hold(digests, until)
+        return True
 
     def _start_data_port(self, cached: CachedPages) -> int:
         """The data port (server/worker/dataport.py); 0 when off: disabled, or TLS (it is plaintext)."""

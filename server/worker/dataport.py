@@ -126,6 +126,9 @@ class DataPortServer(ConnectionServer):
         except Exception:
             self._send_reply(conn, Reply(code=Reply.REFUSED, message="malformed request"))
             return
+        if not self.pages.token_ok(request.token):
+            self._send_reply(conn, Reply(code=Reply.REFUSED, message="UNAUTHENTICATED: missing or wrong access token"))
+            return
         opened = self.pages.open(request)
         try:
             info = info_message(opened.meta) if opened.meta is not None else None

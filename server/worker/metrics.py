@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -47,6 +47,12 @@ class _PageStoreCollector(Collector):
             "cachefs_worker_degraded",
             "1 while the cache disk is full or failing (reads pass through to the store, uncached).",
             value=int(s.degraded),
+        )
+        yield GaugeMetricFamily(
+            "cachefs_worker_held_unlinked_bytes",
+            "Bytes of evicted or freed page files that local clients may still read through held "
+            "descriptors (counted in used bytes, so within the quota, until their hold ends).",
+            value=s.held_unlinked_bytes,
         )
 
 
@@ -133,6 +139,13 @@ class WorkerMetrics:
         self.pages_freed = Counter(
             "cachefs_worker_pages_freed", "Pages dropped from the page store by Free requests.", registry=r
         )
+        self.held_page_reads = Counter(
+            "cachefs_worker_held_page_reads",
+            "Page reads local clients made through descriptors they held (reported afterwards; "
+            "also counted as page-store hits).", registry=r)
+        self.held_handles = Gauge(
+            "cachefs_worker_held_handles", "Pages with a slot in the held-handle table (handed out, still cached).",
+            registry=r)
         for outcome in ("hit", "miss", "joined", "prefetch"):
             self.page_reads.labels(outcome)
         for outcome in ("fetched", "skipped", "failed"):
@@ -145,6 +158,15 @@ class WorkerMetrics:
     def served_short_circuit(self, pages: int, nbytes: int) -> None:
         """A short-circuit read (page file descriptors over the Unix socket)."""
         self._served_bulk(self.short_circuit_bytes, pages, nbytes)
+
+    def read_through_held(self, pages: int, nbytes: int) -> None:
+        """Pages a local client read through held descriptors (the worker learns of them later):
+        counted as cached short-circuit reads."""
+        self.held_page_reads.inc(pages)
+        self._served_bulk(self.short_circuit_bytes, pages, nbytes)
+
+    def watch_handles(self, in_use: Callable[[], int]) -> None:
+        self.held_handles.set_function(in_use)
 
     def served_data_port(self, pages: int, nbytes: int) -> None:
         """A read through the data port (page files sent with sendfile)."""

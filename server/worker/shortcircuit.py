@@ -17,26 +17,39 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
-from cachefs.localhost import MAX_MESSAGE
+from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.proto import shortcircuit_pb2
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import OK, CachedPages, ConnectionServer, token_checker
+from cachefs.server.worker.handles import HandleTable
 
 __all__ = ["ShortCircuitServer", "token_checker"]
 
 Reply = shortcircuit_pb2.ShortCircuitReply
+RangeReply = shortcircuit_pb2.RangeReply
+
+#: How long a client may keep a handed-out descriptor at most, whatever the metadata TTL.
+MAX_HOLD_SECONDS = 300.0
 
 
 class ShortCircuitServer(ConnectionServer):
     name = "shortcircuit"
 
     def __init__(self, path: str, pages: CachedPages, mode: int = 0o660, max_connections: int = 256,
-                 on_served: Callable[[int, int], None] | None = None) -> None:
+                 on_served: Callable[[int, int], None] | None = None, table: HandleTable | None = None,
+                 hold: Callable[[list[str], float], bool] | None = None,
+                 still_cached: Callable[[str], bool] | None = None,
+                 on_touched: Callable[[int, int], None] | None = None) -> None:
+        """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
+        to the quota while clients may hold them (False: no room, hand them out for one read),
+        and ``still_cached(digest)`` closes the race with an eviction in between."""
         super().__init__(max_connections)
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
+        self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
 
     def _listen(self) -> socket.socket:
         if len(os.fsencode(self.path)) >= 108:
@@ -63,24 +76,69 @@ class ShortCircuitServer(ConnectionServer):
             data = conn.recv(MAX_MESSAGE)
             if not data:
                 return
-            reply, fds = self._answer(data)
+            fds: list[int] = []
             try:
+                reply = self._answer(data, fds)
                 socket.send_fds(conn, [reply.SerializeToString()], fds)
             finally:
                 for fd in fds:
                     os.close(fd)
 
-    def _answer(self, data: bytes) -> tuple[Any, list[int]]:
+    def _answer(self, data: bytes, fds: list[int]) -> Any:
+        """The reply to one request; the descriptors to send with it are appended to ``fds``."""
         request = shortcircuit_pb2.ShortCircuitRequest()
         try:
             request.ParseFromString(data)
         except Exception:
-            return Reply(code=Reply.REFUSED, message="malformed request"), []
-        opened = self.pages.open(request)
+            return Reply(refused=True, message="malformed request")
+        if not self.pages.token_ok(request.token):
+            return Reply(refused=True, message="UNAUTHENTICATED: missing or wrong access token")
+        if request.touched and self.table is not None:
+            touched = self.table.touched(request.touched)
+            if self._on_touched is not None:
+                self._on_touched(touched, request.touched_bytes)
+        reply = Reply()
+        if request.hello and self.table is not None:
+            fds.append(self.table.reader_fd())
+            reply.instance, reply.table_slots = self.table.instance, self.table.slots
+            reply.page_size = self.pages.page_size
+        for wanted in request.ranges:
+            reply.ranges.append(self._range(wanted, fds))
+        return reply
+
+    def _range(self, wanted: Any, fds: list[int]) -> Any:
+        budget = MAX_PAGES - len(fds)
+        if budget <= 0:
+            return RangeReply(code=RangeReply.REFUSED, message=f"more than {MAX_PAGES} pages in one reply")
+        opened = self.pages.open(wanted, max_pages=budget)
         info = info_message(opened.meta) if opened.meta is not None else None
         if opened.code != OK:
-            return Reply(code=opened.code, message=opened.message, info=info), []
-        if self._on_served is not None and opened.fds:
+            return RangeReply(code=opened.code, message=opened.message, info=info)
+        now = time.monotonic()
+        until = min(opened.valid_until, now + MAX_HOLD_SECONDS)
+        slots, generations = self._slots(opened.pages, until)
+        if self._on_served is not None and opened.fds and not wanted.ahead:
             self._on_served(len(opened.fds), opened.end - opened.offset)
-        return Reply(code=Reply.OK, info=info, page_offsets=opened.page_offsets,
-                     page_lengths=opened.page_lengths), opened.fds
+        fds.extend(opened.fds)
+        opened.fds = []
+        return RangeReply(code=RangeReply.OK, info=info, page_offsets=opened.page_offsets,
+                          page_lengths=opened.page_lengths, slots=slots, generations=generations,
+                          valid_ms=max(0, int((until - now) * 1000)))
+
+    def _slots(self, pages: list[Any], until: float) -> tuple[list[int], list[int]]:
+        """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor."""
+        if self.table is None or self._hold is None or not pages or until <= time.monotonic():
+            return [0] * len(pages), [0] * len(pages)
+        digests = [pid.digest() for pid in pages]
+        if not self._hold(digests, until):
+            return [0] * len(pages), [0] * len(pages)
+        slots, generations = [], []
+        for digest in digests:
+            slot, generation = self.table.assign(digest)
+            # An eviction between opening the file and taking the slot would not have told us.
+            if self._still_cached is not None and not self._still_cached(digest):
+                self.table.invalidate([digest])
+                slot = generation = 0
+            slots.append(slot)
+            generations.append(generation)
+        return slots, generations
