@@ -65,17 +65,19 @@ class RangeReply(_message.Message):
     def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ...) -> None: ...
 
 class ShortCircuitReply(_message.Message):
-    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size")
+    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TABLE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[RangeReply]
     message: str
     refused: bool
     instance: str
     table_slots: int
     page_size: int
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    answered: bool
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., answered: _Optional[bool] = ...) -> None: ...

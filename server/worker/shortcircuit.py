@@ -90,14 +90,14 @@ class ShortCircuitServer(ConnectionServer):
         try:
             request.ParseFromString(data)
         except Exception:
-            return Reply(refused=True, message="malformed request")
+            return Reply(refused=True, message="malformed request", answered=True)
         if not self.pages.token_ok(request.token):
-            return Reply(refused=True, message="UNAUTHENTICATED: missing or wrong access token")
+            return Reply(refused=True, message="UNAUTHENTICATED: missing or wrong access token", answered=True)
         if request.touched and self.table is not None:
             touched = self.table.touched(request.touched)
             if self._on_touched is not None:
                 self._on_touched(touched, request.touched_bytes)
-        reply = Reply()
+        reply = Reply(answered=True)
         if request.hello and self.table is not None:
             fds.append(self.table.reader_fd())
             reply.instance, reply.table_slots = self.table.instance, self.table.slots

@@ -1,0 +1,274 @@
+"""Held page handles (#14): the worker's shared table of generations (server/worker/handles.py),
+the client's cache of descriptors (client/handles.py), the page store's charge for unlinked pages
+still held open, and what a real in-process worker does with them: reads with no message, and no
+read through a handle after the page left the cache.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import grpc
+import pytest
+
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.handles import HandleCache, Page, TableView
+from cachefs.localhost import TABLE_STALE_SECONDS
+from cachefs.pagefile import TRAILER_SIZE
+from cachefs.proto import worker_pb2, worker_pb2_grpc
+from cachefs.server.pagestore import PageStore
+from cachefs.server.pagestore.store import CacheDir, PageId
+from cachefs.server.worker.handles import HandleTable
+from helpers import payload, wait_for
+
+PAGE = 64 << 10
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _view(table: HandleTable) -> TableView:
+    fd = table.reader_fd()
+    try:
+        return TableView(fd, table.instance, table.slots)
+    finally:
+        os.close(fd)
+
+
+# -- the worker's table ---------------------------------------------------------------------------
+def test_a_slot_keeps_its_generation_until_its_page_leaves_and_clients_cannot_write():
+    table = HandleTable(slots=4)
+    view = _view(table)
+    try:
+        assert view.alive()
+        a = table.assign("a")
+        assert table.assign("a") == a and view.valid(*a)  # a cached page keeps its slot
+        b, c = table.assign("b"), table.assign("c")
+        assert len({a[0], b[0], c[0]}) == 3 and 0 not in (a[0], b[0], c[0])  # slot 0 is never handed out
+        assert table.invalidate(["b", "unknown"]) == 1
+        assert not view.valid(*b) and view.valid(*a) and view.valid(*c)
+        d = table.assign("d")  # reuses b's slot with a new generation: b's holders stay invalid
+        assert d[0] == b[0] and d[1] != b[1] and not view.valid(*b) and view.valid(*d)
+        e = table.assign("e")  # full (3 usable slots): the least recently handed-out page (a) loses its slot
+        assert e[0] == a[0] and not view.valid(*a) and view.valid(*e)
+        assert table.in_use() == 3
+        with pytest.raises(TypeError):  # mapped read-only
+            view.words[10] = 1
+        fd = table.reader_fd()
+        try:
+            with pytest.raises((OSError, PermissionError)):
+                mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+    finally:
+        table.close()
+    assert not view.alive()  # a closed table drops every handle taken from it
+    assert not view.valid(*e)
+    view.close()
+
+
+def test_touched_slots_reach_the_page_store_recency():
+    seen: list[list[str]] = []
+    table = HandleTable(slots=8, on_touched=seen.append)
+    try:
+        s1, _ = table.assign("p1")
+        s2, _ = table.assign("p2")
+        table.invalidate(["p2"])
+        assert table.touched([s1, s2, 0, 99999]) == 1  # freed, reserved and out-of-range slots ignored
+        assert seen == [["p1"]]
+    finally:
+        table.close()
+
+
+def test_a_table_with_a_stale_heartbeat_is_not_trusted(monkeypatch):
+    table = HandleTable(slots=4)
+    view = _view(table)
+    try:
+        assert view.alive()
+        later = time.monotonic_ns() + int((TABLE_STALE_SECONDS + 1) * 1e9)
+        monkeypatch.setattr(time, "monotonic_ns", lambda: later)
+        assert not view.alive()  # what a client sees of a worker that was killed
+    finally:
+        monkeypatch.undo()
+        view.close()
+        table.close()
+
+
+# -- the client's cache -----------------------------------------------------------------------------
+def _page(tmp_path, name: str, start: int, data: bytes, slot: int, generation: int) -> Page:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return Page(os.open(path, os.O_RDONLY), start, len(data), slot, generation, refs=1)
+
+
+def test_the_cache_serves_only_valid_fresh_handles_and_closes_every_descriptor(tmp_path):
+    before = _open_fds()
+    table = HandleTable(slots=16)
+    cache = HandleCache(capacity=3)
+    cache.attach(_view(table), page_size=4)
+    try:
+        slot_a, gen_a = table.assign("a0")
+        slot_b, gen_b = table.assign("a1")
+        pages = [_page(tmp_path, "a0", 0, b"abcd", slot_a, gen_a), _page(tmp_path, "a1", 4, b"ef", slot_b, gen_b)]
+        cache.add("m/a", 6, "v1", 60_000, pages)
+        cache.release(pages)
+        assert cache.lookup("m/a", 0, 6, "v2") is None  # another version
+        found = cache.lookup("m/a", 2, 3, "")
+        assert found is not None and found[:2] == (6, "v1") and [p.start for p in found[2]] == [0, 4]
+        cache.release(found[2])
+        assert cache.take_touched() == ([slot_a, slot_b], 3)
+        table.invalidate(["a1"])  # the worker evicts page 1
+        assert cache.lookup("m/a", 0, 6, "") is None
+        assert cache.held() == 1  # the invalid handle was dropped (closed), the valid one kept
+        found = cache.lookup("m/a", 0, 4, "")
+        assert found is not None
+        table.invalidate(["a0"])
+        assert cache.lookup("m/a", 0, 4, "") is None  # dropped while referenced: closed after release
+        assert found[2][0].fd >= 0
+        cache.release(found[2])
+        assert found[2][0].fd == -1
+        # LRU bound: capacity 3
+        extra = []
+        for i in range(5):
+            slot, gen = table.assign(f"b{i}")
+            extra.append(_page(tmp_path, f"b{i}", 0, b"x", slot, gen))
+            cache.add(f"m/b{i}", 1, "v", 60_000, [extra[-1]])
+            cache.release([extra[-1]])
+        assert cache.held() == 3 and cache.stats["dropped_lru"] == 2
+        # Expiry: what the worker vouched for lasts valid_ms only
+        slot, gen = table.assign("c")
+        short = _page(tmp_path, "c", 0, b"y", slot, gen)
+        cache.add("m/c", 1, "v", 1, [short])
+        cache.release([short])
+
+        def expired() -> bool:
+            found = cache.lookup("m/c", 0, 1, "")
+            if found is not None:
+                cache.release(found[2])
+            return found is None
+
+        assert wait_for(expired, timeout=5)
+        # Not holdable (slot 0): closed as soon as its read is done
+        once = _page(tmp_path, "d", 0, b"z", 0, 0)
+        cache.add("m/d", 1, "v", 60_000, [once])
+        cache.release([once])
+        assert once.fd == -1
+    finally:
+        cache.close()
+        table.close()
+    assert _open_fds() == before, os.listdir("/proc/self/fd")
+
+
+# -- the page store's charge for held, unlinked pages -----------------------------------------------
+def test_unlinked_pages_still_held_count_against_the_quota_until_the_hold_ends(tmp_path):
+    quota = 4 * (PAGE + TRAILER_SIZE)
+    unlinked: list[list[str]] = []
+    with PageStore([CacheDir(str(tmp_path / "c"), quota)], page_size=PAGE) as store:
+        store.set_unlink_listener(unlinked.append)
+        pids = [PageId("m", f"k{i}", "v", 0) for i in range(6)]
+        for pid in pids[:4]:
+            assert store.put(pid, payload(PAGE, 1))
+        until = time.monotonic() + 1.0
+        store.hold([pids[0].digest(), pids[1].digest()], until)
+        assert store.delete(pids[0])  # freed while held: invalidated, unlinked, still charged
+        assert unlinked[-1] == [pids[0].digest()]
+        assert store.stats().held_unlinked_bytes == PAGE + TRAILER_SIZE
+        assert store.stats().used_bytes == 4 * (PAGE + TRAILER_SIZE)
+        # Full: a put must evict; the held LRU page (k1) goes but frees nothing, so k2 goes too.
+        assert store.put(pids[4], payload(PAGE, 2))
+        assert not store.contains(pids[1]) and not store.contains(pids[2]) and store.contains(pids[3])
+        assert store.stats().held_unlinked_bytes == 2 * (PAGE + TRAILER_SIZE)
+        assert store.stats().used_bytes <= quota
+        assert wait_for(lambda: store.stats().held_unlinked_bytes == 0, timeout=10)
+        assert store.stats().used_bytes == 2 * (PAGE + TRAILER_SIZE)  # k3, k4
+        assert store.put(pids[5], payload(PAGE, 3))
+        assert store.stats().used_bytes <= quota
+
+
+# -- a real worker ---------------------------------------------------------------------------------------
+def _fs(worker, **kw) -> CacheFileSystem:
+    return CacheFileSystem(workers=worker.address, skip_instance_cache=True, **kw)
+
+
+def _settled(worker, path: str, size: int) -> None:
+    with grpc.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        assert wait_for(lambda: stub.GetCached(worker_pb2.GetCachedRequest(paths=[path]), timeout=10)
+                        .cached_bytes[0] == size, timeout=30)
+
+
+def _served(worker) -> float:
+    return worker.metrics.short_circuit_bytes._value.get()
+
+
+def test_held_reads_send_nothing_and_are_reported_afterwards(local_store, make_worker):
+    data = payload(3 * PAGE + 11, 1)
+    local_store.add("obj", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    assert fs.cat_file("cachefs://data/obj") == data
+    _settled(worker, "data/obj", len(data))
+    assert fs.cat_file("cachefs://data/obj") == data  # handed out: short-circuit, handles kept
+    served = _served(worker)
+    held = worker.metrics.held_page_reads._value.get()
+    for start, end in [(0, None), (5, PAGE + 9), (3 * PAGE, None)]:
+        assert fs.cat_file("cachefs://data/obj", start, end) == data[start:end]
+    assert _served(worker) == served  # nothing reached the worker
+    fs.session.report_reads()
+    assert worker.metrics.held_page_reads._value.get() == held + 4 + 2 + 1
+    assert _served(worker) == served + len(data) + (PAGE + 4) + 11
+    assert worker.metrics.registry.get_sample_value("cachefs_worker_held_handles") == 4
+
+
+def test_no_read_through_a_handle_after_its_page_is_freed_or_evicted(local_store, make_worker):
+    data = payload(2 * PAGE, 2)
+    local_store.add("obj", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    fs.cat_file("cachefs://data/obj")
+    _settled(worker, "data/obj", len(data))
+    assert fs.cat_file("cachefs://data/obj") == data
+    reader = fs.session._state.get().bulk._readers[worker.address][0]
+    assert reader.handles.held() == 2
+    held_reads = reader.handles.stats["held_reads"]
+    with grpc.insecure_channel(worker.address) as ch:
+        assert worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/obj"),
+                                                          timeout=10).pages_freed == 2
+    assert worker.pages.stats().held_unlinked_bytes == 2 * (PAGE + TRAILER_SIZE)  # charged while held
+    assert fs.cat_file("cachefs://data/obj") == data  # not through the old handles: gRPC, from the store
+    assert reader.handles.stats["held_reads"] == held_reads
+    assert reader.handles.stats["dropped_invalid"] >= 1
+
+
+def test_a_changed_object_is_seen_once_the_metadata_ttl_runs_out(local_store, make_worker):
+    local_store.add("obj", payload(PAGE, 3))
+    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=1.0, metadata_stale_grace=0)
+    fs = _fs(worker)
+    fs.cat_file("cachefs://data/obj")
+    _settled(worker, "data/obj", PAGE)
+    assert fs.cat_file("cachefs://data/obj") == payload(PAGE, 3)
+    local_store.add("obj", payload(PAGE, 4))  # a new version in the store (new mtime)
+    # A held handle lasts what was left of the worker's TTL: the new bytes show within it.
+    assert wait_for(lambda: fs.cat_file("cachefs://data/obj") == payload(PAGE, 4), timeout=15)
+
+
+def test_a_stopped_worker_drops_every_handle_and_a_new_one_is_used(local_store, make_worker, tmp_path):
+    data = payload(PAGE, 5)
+    local_store.add("obj", data)
+    cache = tmp_path / "restart"
+    worker = make_worker(local_store.mount, page_size=PAGE, cache_dir=cache)
+    fs = _fs(worker)
+    fs.cat_file("cachefs://data/obj")
+    _settled(worker, "data/obj", PAGE)
+    assert fs.cat_file("cachefs://data/obj") == data
+    reader = fs.session._state.get().bulk._readers[worker.address][0]
+    assert reader.handles.held() == 1
+    old_table = reader.handles.table
+    worker.short_circuit.stop()
+    worker._close_handle_table()  # what a worker's stop does to its table
+    assert not reader.handles.usable() and reader.handles.held() == 0
+    assert fs.cat_file("cachefs://data/obj") == data  # through gRPC meanwhile
+    assert old_table is not None
