@@ -148,6 +148,19 @@ class BulkPaths:
                 log.debug("preparing %d ranges failed: %s", len(wanted), exc)
         return ready
 
+    def info(self, path: str, fetch: int = 0) -> tuple[int, str, float] | None:
+        """(size, version, mtime) of a cached file as a worker on this host vouched for it (and,
+        with ``fetch``, asked for with the handles of its first bytes), or None: ask through gRPC."""
+        candidates = self.workers.candidates(path, 0, include_broken=False)
+        reader = self._reader(candidates[0]) if candidates else None
+        if reader is None or not hasattr(reader, "info"):
+            return None
+        try:
+            return reader.info(path, fetch)
+        except Exception as exc:  # noqa: BLE001 - gRPC answers instead
+            log.debug("short-circuit info of %s failed: %s", path, exc)
+            return None
+
     def report(self) -> None:
         """Tell each local worker of the reads made through held page handles since the last
         request (they are otherwise reported with the next one)."""

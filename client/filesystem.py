@@ -291,7 +291,9 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         if cp is None:
             return self._direct().open(path, mode, block_size=block_size, cache_options=cache_options,
                                        cache_type=cache_type, **kwargs)
-        info = self.info(path)
+        # A read follows: from a worker on this host, the info and the first block's page
+        # handles come in one message (client/handles.py), not an info RPC and then the read.
+        info = self._named(self.session.info(cp, read_ahead=block_size or self.config.block_size))
         if info["type"] != "file":
             raise IsADirectoryError(f"{path} is a directory")
         return CacheFile(self, info["name"], mode, block_size or self.config.block_size, cache_type=cache_type,

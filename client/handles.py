@@ -89,6 +89,7 @@ class _Object:
     size: int
     version: str
     until: float  # monotonic
+    mtime: float = 0.0
 
 
 class HandleCache:
@@ -162,7 +163,17 @@ class HandleCache:
             self.stats["held_reads"] += 1
             return obj.size, obj.version, pages
 
-    def add(self, path: str, size: int, version: str, valid_ms: int, pages: list[Page]) -> None:
+    def object_info(self, path: str) -> tuple[int, str, float] | None:
+        """(size, version, mtime) of an object as the worker vouched for it, while that lasts."""
+        if not self.usable():
+            return None
+        with self._lock:
+            obj = self._objects.get(path)
+            if obj is None or obj.until <= time.monotonic():
+                return None
+            return obj.size, obj.version, obj.mtime
+
+    def add(self, path: str, size: int, version: str, valid_ms: int, pages: list[Page], mtime: float = 0.0) -> None:
         """Keep the holdable pages of a reply (each arrives referenced once by its reader)."""
         if self.capacity == 0 or valid_ms <= 0 or self.table is None:
             return
@@ -172,7 +183,7 @@ class HandleCache:
             if obj is None or obj.version != version or obj.until < until:
                 if obj is not None and obj.version != version:
                     self._drop_object_locked(path, obj.version)
-                self._objects[path] = _Object(size, version, until)
+                self._objects[path] = _Object(size, version, until, mtime)
             self._objects.move_to_end(path)
             for page in pages:
                 if page.slot == 0:

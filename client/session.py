@@ -205,7 +205,16 @@ class ClientSession:
         return candidates[0].stub()
 
     # -- metadata ------------------------------------------------------------------------------------
-    def info(self, cp: CachePath, refresh: bool = False) -> dict[str, Any]:
+    def info(self, cp: CachePath, refresh: bool = False, read_ahead: int = 0) -> dict[str, Any]:
+        """The object's info. A file whose pages a worker on this host handed out is answered from
+        what came with them (never staler than the worker's own metadata); with ``read_ahead``
+        (a read follows: open()), its first bytes' handles are asked for in the same message."""
+        if not refresh:
+            state = self._state.get()
+            known = state.bulk.info(str(cp), read_ahead) if state.bulk.enabled else None
+            if known is not None:
+                size, version, mtime = known
+                return {"name": str(cp), "size": size, "type": "file", "version": version, "mtime": mtime}
         request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
         msg = self.call(str(cp), lambda stub: stub.GetInfo(request, timeout=self.config.timeout), f"info {cp}")
         if msg is not None:

@@ -125,7 +125,7 @@ class ShortCircuitReader:
                     pos += 1
                 results.append((got.info.size, got.info.version, pages))
                 path = ranges[len(results) - 1][0]
-                self.handles.add(path, got.info.size, got.info.version, got.valid_ms, pages)
+                self.handles.add(path, got.info.size, got.info.version, got.valid_ms, pages, got.info.mtime)
             results.extend([None] * (len(ranges) - len(results)))
             return results
         finally:
@@ -183,6 +183,18 @@ class ShortCircuitReader:
                     ready += 1
                     self.handles.release(got[2])
         return ready
+
+    def info(self, path: str, fetch: int = 0) -> tuple[int, str, float] | None:
+        """(size, version, mtime) of a cached file from what the worker handed out with its pages;
+        with ``fetch`` > 0 and nothing known, ask for the handles of its first ``fetch`` bytes
+        (a read is coming: one message brings the info and the pages for it)."""
+        known = self.handles.object_info(path)
+        if known is None and fetch > 0 and self._want_hello:
+            got = self.request([(path, 0, fetch, "")], ahead=True)[0]
+            if got is not None:
+                self.handles.release(got[2])
+                known = self.handles.object_info(path)
+        return known
 
     def report(self) -> None:
         """Send the reads made through held handles that the worker has not heard of yet."""
