@@ -40,6 +40,7 @@ __all__ = ["HandleCache", "Page", "TableView"]
 
 _STALE_NS = int(TABLE_STALE_SECONDS * 1e9)
 MAX_TOUCHED = 1024  # reads through held handles remembered before a report is sent on its own
+SWEEP_SECONDS = 1.0  # how often expired handles are closed while any are held
 
 
 class TableView:
@@ -104,7 +105,11 @@ class HandleCache:
         self._objects: OrderedDict[str, _Object] = OrderedDict()
         self._touched: list[int] = []
         self._touched_bytes = 0
-        self.stats = {"held_reads": 0, "dropped_invalid": 0, "dropped_lru": 0}
+        self.stats = {"held_reads": 0, "dropped_invalid": 0, "dropped_lru": 0, "dropped_expired": 0}
+        # Closes handles whose hold ran out even if this process reads nothing more: the worker
+        # stops counting an unlinked page's bytes then, so its file must not stay open past it.
+        self._sweeper: threading.Thread | None = None
+        self._closed = threading.Event()
 
     # -- the table ---------------------------------------------------------------------------------
     def attach(self, table: TableView, page_size: int) -> None:
@@ -200,6 +205,27 @@ class HandleCache:
                 self._drop_locked(victim, popped=True)
             while len(self._objects) > 4 * self.capacity:
                 self._objects.popitem(last=False)
+            if self._pages and (self._sweeper is None or not self._sweeper.is_alive()):
+                self._sweeper = threading.Thread(target=self._sweep_loop, name="cachefs-handle-sweeper", daemon=True)
+                self._sweeper.start()
+
+    def _sweep_loop(self) -> None:
+        while not self._closed.wait(SWEEP_SECONDS):
+            if not self.sweep():
+                return  # nothing held: the next add starts another
+
+    def sweep(self, now: float | None = None) -> int:
+        """Close handles whose object's hold has run out; returns how many are still held."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = {path for path, obj in self._objects.items() if obj.until <= now}
+            for path in expired:
+                del self._objects[path]
+            if expired:
+                for key in [k for k in self._pages if k[0] in expired]:
+                    self.stats["dropped_expired"] += 1
+                    self._drop_locked(self._pages[key])
+            return len(self._pages)
 
     def release(self, pages: list[Page]) -> None:
         """Done reading: close what is not held (or was dropped meanwhile)."""
@@ -253,6 +279,7 @@ class HandleCache:
             self._drop_all_locked()
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             table, self.table = self.table, None
             self._drop_all_locked()
@@ -263,6 +290,7 @@ class HandleCache:
         """In a forked child: close this process's copies of the parent's descriptors and mapping,
         taking no lock (a parent thread may have held it at the fork)."""
         self._lock = threading.Lock()
+        self._sweeper = None  # the parent's thread does not exist here
         pages, self._pages = list(self._pages.values()), OrderedDict()
         self._objects, self._touched = OrderedDict(), []
         for page in pages:

@@ -151,6 +151,9 @@ def test_the_cache_serves_only_valid_fresh_handles_and_closes_every_descriptor(t
             return found is None
 
         assert wait_for(expired, timeout=5)
+        # ...and its descriptor is closed by then or soon after, read or not: the worker stops
+        # charging an unlinked page's bytes when the hold ends.
+        assert wait_for(lambda: short.fd == -1, timeout=10) and cache.stats["dropped_expired"] >= 1
         # Not holdable (slot 0): closed as soon as its read is done
         once = _page(tmp_path, "d", 0, b"z", 0, 0)
         cache.add("m/d", 1, "v", 60_000, [once])
