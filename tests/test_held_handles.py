@@ -21,6 +21,7 @@ from cachefs.proto import worker_pb2, worker_pb2_grpc
 from cachefs.server.pagestore import PageStore
 from cachefs.server.pagestore.store import CacheDir, PageId
 from cachefs.server.worker.handles import HandleTable
+from cachefs.paths import parse_path as _cp
 from helpers import payload, wait_for
 
 PAGE = 64 << 10
@@ -253,9 +254,17 @@ def test_a_changed_object_is_seen_once_the_metadata_ttl_runs_out(local_store, ma
     fs.cat_file("cachefs://data/obj")
     _settled(worker, "data/obj", PAGE)
     assert fs.cat_file("cachefs://data/obj") == payload(PAGE, 3)
+    reader = fs.session._state.get().bulk._readers[worker.address][0]
+    old_version = reader.handles.object_info("data/obj")[1]
     local_store.add("obj", payload(PAGE, 4))  # a new version in the store (new mtime)
     # A held handle lasts what was left of the worker's TTL: the new bytes show within it.
     assert wait_for(lambda: fs.cat_file("cachefs://data/obj") == payload(PAGE, 4), timeout=15)
+    # The worker saw the new version and took the old one's slots back (its pages stay for
+    # readers still within the stale grace, until evicted).
+    new_version = worker.objects.info(_cp("data/obj")).version
+    assert new_version != old_version
+    older = worker.pages.other_versions("data", "obj", new_version)
+    assert older and all(d not in worker.handle_table._slot_of for d in older)
 
 
 def test_a_stopped_worker_drops_every_handle_and_a_new_one_is_used(local_store, make_worker, tmp_path):

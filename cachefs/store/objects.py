@@ -117,6 +117,18 @@ class ObjectStore:
         self._refresher: ThreadPoolExecutor | None = None
         self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
         self._backends: dict[int, _Backend] = {}
+        # Called with each object's metadata fresh from the store: the worker drops the pages of
+        # any other version it still holds (and with them the handles local clients hold on them).
+        self.on_fetched: Callable[[ObjectMeta], None] | None = None
+
+    def _remember(self, path: CachePath, meta: ObjectMeta) -> None:
+        listener = self.on_fetched
+        if listener is not None and not meta.is_dir:
+            try:
+                listener(meta)
+            except Exception:  # never let a listener fail a metadata refresh
+                log.exception("metadata listener failed for %s", path)
+        self._meta.put(path, meta)
 
     @contextmanager
     def _call(self, path: CachePath, what: str) -> Iterator[None]:
@@ -182,7 +194,7 @@ class ObjectStore:
             self._meta.pop(path)
             raise FileNotFoundError(f"{path}: no such object") from exc
         meta = ObjectMeta(path, size, version, mtime, is_dir)
-        self._meta.put(path, meta)
+        self._remember(path, meta)
         return meta
 
     def open(self, path: CachePath, head_bytes: int) -> tuple[ObjectMeta, bytes | None]:
@@ -202,7 +214,7 @@ class ObjectStore:
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such object") from exc
         meta = ObjectMeta(path, size, version, mtime, is_dir)
-        self._meta.put(path, meta)
+        self._remember(path, meta)
         if head is not None and len(head) != min(size, head_bytes):
             head = None  # not what we asked for: fetch normally
         return meta, head
@@ -233,7 +245,7 @@ class ObjectStore:
                               "" if is_dir else version_of(info), _mtime_of(info), is_dir)
             if not is_dir:
                 # A listing is a free metadata refresh: saves one HEAD per object on a cold epoch.
-                self._meta.put(child, meta)
+                self._remember(child, meta)
             entries.append(meta)
         entries.sort(key=lambda m: m.path.key)
         self._lists.put(cache_key, entries)

@@ -370,6 +370,12 @@ class PageStore:
             digests = list(self._by_object.get(mount, {}).get(key, ()))
         return self._delete_digests(digests)
 
+    def other_versions(self, mount: str, key: str, version: str) -> list[str]:
+        """Digests of the pages of every version of an object but ``version``."""
+        with self._lock:
+            return [d for d in self._by_object.get(mount, {}).get(key, ())
+                    if (e := self._entries.get(d)) is not None and e.pid.version != version]
+
     def delete_prefix(self, mount: str, prefix: str) -> int:
         """Drop the pages of every object whose key starts with ``prefix``; returns the count."""
         with self._lock:

@@ -22,6 +22,7 @@ from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.lifecycle import liveness, serve_until_signalled
 from cachefs.server.rpc import server_interceptors
+from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
@@ -78,6 +79,7 @@ class Worker:
         self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl,
                                    stale_grace=config.metadata_stale_grace)
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size)
+        self.objects.on_fetched = self._on_fetched
         self.metrics.watch_page_store(self.pages.stats)
         self.reader = PageReader(
             self.pages,
@@ -99,6 +101,16 @@ class Worker:
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def _on_fetched(self, meta: ObjectMeta) -> None:
+        """Fresh metadata from the store: handles local clients hold on pages of any other
+        version must go. (The pages themselves stay until evicted: a read that began on the
+        last version within the stale grace is still served from them.)"""
+        table = self.handle_table
+        if table is not None:
+            older = self.pages.other_versions(meta.path.mount, meta.path.key, meta.version)
+            if older:
+                table.invalidate(older)
 
     def _on_mounts_changed(self, names: set[str]) -> None:
         for name in names:
