@@ -35,6 +35,9 @@ class CachePath:
         return f"{PROTOCOL}://{self}"
 
 
+_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def strip_protocol(path: str) -> str:
     """``cachefs://m/k`` -> ``m/k``; also accepts paths without the protocol."""
     if not isinstance(path, str):
@@ -58,7 +61,7 @@ def validate_key(key: str) -> str:
     """Return ``key`` normalised (trailing '/' dropped) or raise :class:`InvalidPathError`."""
     if "\x00" in key:
         raise InvalidPathError("key contains a NUL character")
-    if any(unicodedata.category(ch) == "Cc" for ch in key):
+    if _CONTROL_RE.search(key):  # exactly Unicode's Cc category: U+0000-001F, U+007F-009F
         raise InvalidPathError(f"key contains a control character: {key!r}")
     if "\\" in key:
         raise InvalidPathError(f"key contains a backslash: {key!r}")
@@ -79,7 +82,7 @@ def validate_key(key: str) -> str:
                 raise InvalidPathError(f"key escapes or is not normalised ({part!r} component): {key!r}")
         # Look-alikes ('\u2025', full-width dots and slashes) become '..' or '/' under NFKC:
         # a store or proxy that normalises keys would see a path that escapes the mount.
-        folded = unicodedata.normalize("NFKC", key)
+        folded = key if key.isascii() else unicodedata.normalize("NFKC", key)  # ASCII is NFKC already
         if folded != key and ("\\" in folded or any(p in ("", ".", "..") for p in folded.split("/"))):
             raise InvalidPathError(f"key has Unicode look-alikes of '.', '/' or '\\' that escape when normalised: {key!r}")
     return key

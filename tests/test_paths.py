@@ -48,3 +48,15 @@ def test_any_text_parses_or_is_refused_cleanly(text):
     assert ".." not in parts and "." not in parts and "" not in parts
     assert "\x00" not in cp.key and "\\" not in cp.key
     assert parse_path(str(cp)) == cp  # round trip
+
+
+def test_control_characters_are_exactly_unicodes_cc_category():
+    import sys
+    import unicodedata
+
+    from cachefs.paths import _CONTROL_RE
+
+    for code in range(0x3000):  # all of Cc lies below U+00A0; well past it for look-alikes
+        ch = chr(code)
+        assert bool(_CONTROL_RE.search(ch)) == (unicodedata.category(ch) == "Cc"), hex(code)
+    assert all(unicodedata.category(chr(c)) != "Cc" for c in range(0x3000, sys.maxunicode + 1, 97))
