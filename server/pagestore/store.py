@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import heapq
 import logging
 import os
@@ -60,6 +61,12 @@ _CLOSE_WAIT_S = 10.0
 _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EBADMSG, errno.EISDIR, errno.ENOTDIR})
 
 
+@functools.lru_cache(maxsize=4096)
+def _object_prefix(mount: str, key: str, version: str) -> bytes:
+    """The digest input common to an object's pages (an object's pages are looked up together)."""
+    return _DIGEST_DOMAIN + _lp(mount) + _lp(key) + _lp(version)
+
+
 def _lp(value: str) -> bytes:
     raw = value.encode("utf-8", "surrogatepass")
     return len(raw).to_bytes(4, "little") + raw
@@ -80,8 +87,8 @@ class PageId:
 
     def digest(self) -> str:
         """Stable 32-hex-digit name: xxh3_128 over length-prefixed fields (never Python's hash())."""
-        raw = _DIGEST_DOMAIN + _lp(self.mount) + _lp(self.key) + _lp(self.version)
-        return xxhash.xxh3_128_hexdigest(raw + self.index.to_bytes(8, "little"))
+        return xxhash.xxh3_128_hexdigest(_object_prefix(self.mount, self.key, self.version)
+                                         + self.index.to_bytes(8, "little"))
 
 
 @dataclass(frozen=True)
