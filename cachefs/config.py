@@ -401,8 +401,10 @@ class ClientConfig:
     # (client/shortcircuit.py), not through gRPC.
     short_circuit: bool = True
     # Page file descriptors from a worker on this host kept open per process and read again
-    # with no message to the worker (client/handles.py; HDFS keeps 256); 0: one read each.
-    short_circuit_handles: int = 256
+    # with no message to the worker (client/handles.py), at most a quarter of the process's
+    # descriptor limit; 0: one read each. 4096 pages of 1 MiB: a warm epoch of a few GiB per
+    # process reads with no message at all.
+    short_circuit_handles: int = 4096
     # Read cached pages of other hosts' workers through their data port (TCP, sendfile; see
     # server/worker/dataport.py), not through gRPC. Never with TLS (the port is plaintext).
     data_port: bool = True

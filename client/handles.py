@@ -10,7 +10,9 @@ A short-circuit reply hands over page file descriptors; this process keeps those
 * the worker's knowledge of the object's version, which came with the handle, is still fresh
   (``valid_ms``): a held handle is never staler than a read through the worker would be.
 
-Handles are bounded (``capacity`` descriptors, least recently used out) and reference-counted, so
+Handles are bounded (``capacity`` descriptors, at most a quarter of the process's descriptor
+limit, least recently used out; a page is 1 MiB by default, so HDFS's 256 block descriptors,
+128 MiB blocks each, would be a far smaller working set here) and reference-counted, so
 a descriptor dropped while another thread reads it is closed only after that read: its number is
 never reused under a reader. Reads through held handles are remembered as slots and reported to
 the worker with the next request (``take_touched``), so its recency and hit counters see them.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 import threading
 import time
 from collections import OrderedDict
@@ -93,11 +96,20 @@ class _Object:
     mtime: float = 0.0
 
 
+def _within_fd_limit(capacity: int) -> int:
+    """At most a quarter of this process's descriptor limit: the rest is the program's."""
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return min(capacity, 256)
+    return capacity if soft == resource.RLIM_INFINITY else min(capacity, max(0, soft // 4))
+
+
 class HandleCache:
     """Held descriptors of one worker's pages, keyed by (path, version, page start)."""
 
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = max(0, capacity)
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = _within_fd_limit(max(0, capacity))
         self.table: TableView | None = None
         self.page_size = 0
         self._lock = threading.Lock()

@@ -41,7 +41,7 @@ class ShortCircuitReader:
     kind = "short_circuit"
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
-                 handles: int = 256) -> None:
+                 handles: int = 4096) -> None:
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
         self._pool = SocketPool(self._connect, max_idle)
         self.verified = VerifiedFiles()
