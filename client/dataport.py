@@ -34,6 +34,19 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def _exchange_head(sock: socket.socket, frame: bytes) -> bytes | None:
+    """Send a request, get its reply's frame header; None if the worker had closed (or reset)
+    the connection before answering any of it: the request was not served, and may be sent again."""
+    try:
+        sock.sendall(frame)
+        first = sock.recv(FRAME.size)
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+    if not first:
+        return None
+    return first if len(first) == FRAME.size else first + bytes(_recv_bytes(sock, FRAME.size - len(first)))
+
+
 def _recv_bytes(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     _recv_into(sock, memoryview(buf))
@@ -77,19 +90,32 @@ class DataPortReader:
         """
         body = dataport_pb2.DataRequest(path=path, offset=offset, length=length, version=version,
                                         token=self.token).SerializeToString()
-        sock = self._pool.take()
-        try:
-            sock.sendall(FRAME.pack(len(body)) + body)
-            (size,) = FRAME.unpack(_recv_bytes(sock, FRAME.size))
-            if size > MAX_REPLY:
-                raise ConnectionError(f"data port reply header of {size} bytes")
-            reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
-            result = self._receive(sock, reply, offset, length, out) if reply.code == Reply.OK else None
-        except BaseException:
-            sock.close()  # out of step with the stream, or gone: never reused
-            raise
-        self._pool.give_back(sock)
-        return result
+        frame = FRAME.pack(len(body)) + body
+        for attempt in (0, 1):
+            sock = self._pool.idle() if attempt == 0 else None
+            reused = sock is not None
+            sock = sock or self._connect()
+            try:
+                head = _exchange_head(sock, frame)
+                if head is None:
+                    if reused:
+                        # The worker closed this pooled connection while it was idle (its idle
+                        # timeout, or a restart), and so the older ones: once more on a new one.
+                        sock.close()
+                        self._pool.close()
+                        continue
+                    raise ConnectionError("the worker closed the data connection")
+                (size,) = FRAME.unpack(head)
+                if size > MAX_REPLY:
+                    raise ConnectionError(f"data port reply header of {size} bytes")
+                reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
+                result = self._receive(sock, reply, offset, length, out) if reply.code == Reply.OK else None
+            except BaseException:
+                sock.close()  # out of step with the stream, or gone: never reused
+                raise
+            self._pool.give_back(sock)
+            return result
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _receive(sock: socket.socket, reply: Any, offset: int, length: int,

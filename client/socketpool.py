@@ -21,10 +21,12 @@ class SocketPool:
         self._lock = threading.Lock()
 
     def take(self) -> socket.socket:
+        return self.idle() or self._connect()
+
+    def idle(self) -> socket.socket | None:
+        """The most recently given back idle socket, or None."""
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._connect()
+            return self._idle.pop() if self._idle else None
 
     def give_back(self, sock: socket.socket) -> None:
         with self._lock:

@@ -20,36 +20,23 @@ import os
 import select
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import xxhash
 
 from cachefs.proto import dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
-from cachefs.server.worker.bulkpath import OK, CachedPages, ConnectionServer, OpenedRange
+from cachefs.server.worker.bulkpath import OK, SEND_TIMEOUT, CachedPages, Connection, ConnectionServer, OpenedRange
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
 MAX_REQUEST = 64 << 10
-SEND_TIMEOUT = 60.0  # a client that takes no bytes for this long is dropped
+_READ_SIZE = 16 << 10  # bytes read at a time while a request comes in (one read for any usual request)
 #: A page of which less than this share is wanted is read and checked here and only that
 #: part is sent; above it the whole page goes out (sendfile) and the client checks it.
 WHOLE_PAGE_SHARE = 0.5
-
-
-def recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None if the peer closed the connection before sending any."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            if got == 0:
-                return None
-            raise ConnectionError("connection closed inside a frame")
-        got += k
-    return bytes(buf)
 
 
 def _wait_writable(conn: socket.socket, timeout: float) -> None:
@@ -80,9 +67,10 @@ def sendfile_all(conn: socket.socket, fd: int, offset: int, count: int, timeout:
 class DataPortServer(ConnectionServer):
     name = "dataport"
 
-    def __init__(self, host: str, port: int, pages: CachedPages, max_connections: int = 256,
-                 on_served: Callable[[int, int], None] | None = None) -> None:
-        super().__init__(max_connections)
+    def __init__(self, host: str, port: int, pages: CachedPages,
+                 on_served: Callable[[int, int], None] | None = None, **limits: Any) -> None:
+        """``limits``: ConnectionServer's (max_connections, max_per_peer, threads, timeouts)."""
+        super().__init__(**limits)
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
 
     def _listen(self) -> socket.socket:
@@ -99,20 +87,50 @@ class DataPortServer(ConnectionServer):
         self.port = sock.getsockname()[1]
         return sock
 
-    def _serve(self, conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while not self._stopping.is_set():
-            head = recv_exact(conn, FRAME.size)
-            if head is None:
-                return
-            (size,) = FRAME.unpack(head)
-            if size > MAX_REQUEST:
-                self._send_reply(conn, Reply(code=Reply.REFUSED, message=f"request of {size} bytes is too large"))
-                return  # the stream is out of step: close it
-            body = recv_exact(conn, size) if size else b""
-            if body is None:
-                return
-            self._answer(conn, body)
+    def _peer(self, sock: socket.socket, address: Any) -> Hashable:
+        return address[0]  # the remote IP
+
+    def _setup(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _read_request(self, conn: Connection) -> bytes | int | None:
+        """A whole frame's body, or its size when it is too large; None while it is incomplete."""
+        if conn.buf:
+            got = self._frame(conn.buf)
+            if got is not None:
+                return got
+        try:
+            data = os.read(conn.fd, _READ_SIZE)
+        except BlockingIOError:
+            return None
+        if not data:
+            if conn.buf:
+                raise ConnectionError("connection closed inside a frame")
+            raise EOFError
+        if not conn.buf and len(data) >= FRAME.size and FRAME.unpack_from(data)[0] == len(data) - FRAME.size:
+            return data[FRAME.size:]  # the usual case: one whole request in one read
+        conn.buf += data
+        return self._frame(conn.buf)
+
+    @staticmethod
+    def _frame(buf: bytearray) -> bytes | int | None:
+        if len(buf) < FRAME.size:
+            return None
+        (size,) = FRAME.unpack_from(buf)
+        if size > MAX_REQUEST:
+            return size
+        if len(buf) < FRAME.size + size:
+            return None
+        body = bytes(buf[FRAME.size:FRAME.size + size])
+        del buf[:FRAME.size + size]
+        return body
+
+    def _handle(self, conn: Connection, request: bytes | int) -> bool:
+        if isinstance(request, int):
+            self._send_reply(conn.sock, Reply(code=Reply.REFUSED, message=f"request of {request} bytes is too large"))
+            return False  # the stream is out of step: close it
+        self._answer(conn.sock, request)
+        return True
 
     @staticmethod
     def _send_reply(conn: socket.socket, reply: Reply) -> None:
@@ -145,7 +163,7 @@ class DataPortServer(ConnectionServer):
                 if part is not None:
                     conn.sendall(part)
                 else:
-                    sendfile_all(conn, fd, 0, seg.length)
+                    sendfile_all(conn, fd, 0, seg.length, self.send_timeout)
                 sent += seg.length
             if self._on_served is not None:
                 self._on_served(len(plan), sent)

@@ -17,14 +17,15 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.proto import shortcircuit_pb2
 from cachefs.server.rpc import info_message
-from cachefs.server.worker.bulkpath import OK, CachedPages, ConnectionServer, token_checker
+from cachefs.server.worker.bulkpath import OK, CachedPages, Connection, ConnectionServer, token_checker
 from cachefs.server.worker.handles import HandleTable
 
 __all__ = ["ShortCircuitServer", "token_checker"]
@@ -34,20 +35,25 @@ RangeReply = shortcircuit_pb2.RangeReply
 
 #: How long a client may keep a handed-out descriptor at most, whatever the metadata TTL.
 MAX_HOLD_SECONDS = 300.0
+_PEERCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+#: A client's connect fails at once (EAGAIN) while the backlog is full, and its reads then go to
+#: gRPC for a while: leave room for a burst (many loader processes starting at once).
+LISTEN_BACKLOG = 512
 
 
 class ShortCircuitServer(ConnectionServer):
     name = "shortcircuit"
 
-    def __init__(self, path: str, pages: CachedPages, mode: int = 0o660, max_connections: int = 256,
+    def __init__(self, path: str, pages: CachedPages, mode: int = 0o660,
                  on_served: Callable[[int, int], None] | None = None, table: HandleTable | None = None,
                  hold: Callable[[list[str], float], bool] | None = None,
                  still_cached: Callable[[str], bool] | None = None,
-                 on_touched: Callable[[int, int], None] | None = None) -> None:
+                 on_touched: Callable[[int, int], None] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
         to the quota while clients may hold them (False: no room, hand them out for one read),
-        and ``still_cached(digest)`` closes the race with an eviction in between."""
-        super().__init__(max_connections)
+        and ``still_cached(digest)`` closes the race with an eviction in between. ``limits``:
+        ConnectionServer's (max_connections, max_per_peer: per client process, threads, timeouts)."""
+        super().__init__(**limits)
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
         self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
 
@@ -60,7 +66,7 @@ class ShortCircuitServer(ConnectionServer):
         try:
             sock.bind(self.path)
             os.chmod(self.path, self.mode)
-            sock.listen(64)
+            sock.listen(LISTEN_BACKLOG)
         except BaseException:
             sock.close()
             raise
@@ -71,18 +77,29 @@ class ShortCircuitServer(ConnectionServer):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def _serve(self, conn: socket.socket) -> None:
-        while not self._stopping.is_set():
-            data = conn.recv(MAX_MESSAGE)
-            if not data:
-                return
-            fds: list[int] = []
-            try:
-                reply = self._answer(data, fds)
-                socket.send_fds(conn, [reply.SerializeToString()], fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+    def _peer(self, sock: socket.socket, address: Any) -> Hashable:
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        return uid, pid  # the client process
+
+    def _read_request(self, conn: Connection) -> bytes | None:
+        """A message is one request, and comes whole (SOCK_SEQPACKET)."""
+        try:
+            data = os.read(conn.fd, MAX_MESSAGE)
+        except BlockingIOError:
+            return None
+        if not data:
+            raise EOFError
+        return data
+
+    def _handle(self, conn: Connection, data: bytes) -> bool:
+        fds: list[int] = []
+        try:
+            reply = self._answer(data, fds)
+            socket.send_fds(conn.sock, [reply.SerializeToString()], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return True
 
     def _answer(self, data: bytes, fds: list[int]) -> Any:
         """The reply to one request; the descriptors to send with it are appended to ``fds``."""
