@@ -28,7 +28,8 @@ import xxhash
 from cachefs.proto import dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
-from cachefs.server.worker.bulkpath import OK, SEND_TIMEOUT, CachedPages, Connection, ConnectionServer, OpenedRange
+from cachefs.server.worker.bulkpath import OK, CachedPages, OpenedRange
+from cachefs.server.worker.connections import SEND_TIMEOUT, Connection, ConnectionServer
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")

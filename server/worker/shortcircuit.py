@@ -25,7 +25,8 @@ from typing import Any
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.proto import shortcircuit_pb2
 from cachefs.server.rpc import info_message
-from cachefs.server.worker.bulkpath import OK, CachedPages, Connection, ConnectionServer, token_checker
+from cachefs.server.worker.bulkpath import OK, CachedPages, token_checker
+from cachefs.server.worker.connections import Connection, ConnectionServer
 from cachefs.server.worker.handles import HandleTable
 
 __all__ = ["ShortCircuitServer", "token_checker"]

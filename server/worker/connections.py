@@ -1,0 +1,458 @@
+"""The connections of the worker's two raw servers (short-circuit socket, data port).
+
+Connections waiting for a request cost no thread: one epoll selector per server reads requests
+without blocking, and a whole request is served on a bounded pool of threads, a busy connection
+back to back on its thread (``LINGER``). Incomplete requests, idle connections and too many
+connections (in all, per peer) are closed within seconds, so a stalled or hostile client costs
+neither a thread nor the other clients' reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Hashable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Limits of both raw servers (ConnectionServer's arguments; these are the defaults).
+MAX_CONNECTIONS = 256  # connections in all
+MAX_PER_PEER = 64  # connections from one peer: a remote IP on the data port, a process on the socket
+THREADS = 32  # serving threads at most, whatever the number of connections
+IDLE_TIMEOUT = 30.0  # a connection with no request in flight for this long is closed
+FRAME_TIMEOUT = 3.0  # once a request's first byte is in, the rest must come within this
+SEND_TIMEOUT = 10.0  # a client that takes no bytes of a reply for this long is dropped
+#: A serving thread waits this long for its connection's next request before handing it back to
+#: the selector, unless another connection's request waits for a thread (then at once). Short
+#: gaps between requests (a training step) then cost no hand-off between threads (~0.1 ms).
+LINGER = 1.0
+THREAD_KEEPALIVE = 30.0  # a serving thread with nothing to do for this long ends
+
+class Connection:
+    """One accepted connection and what the server knows of it."""
+
+    __slots__ = ("sock", "fd", "peer", "buf", "started", "since", "state", "request")
+
+    def __init__(self, sock: socket.socket, peer: Hashable, now: float) -> None:
+        self.sock, self.fd, self.peer = sock, sock.fileno(), peer
+        self.buf = bytearray()  # bytes of a request not complete yet (the data port's frames)
+        self.started: float | None = None  # when the first byte of the incomplete request came
+        self.since = now  # when it last became idle (accepted, or a reply went out)
+        self.state = _IDLE
+        self.request: Any = None  # the complete request it is handed to a serving thread with
+
+
+class _Kick:
+    """A serving thread's doorbell: rung when a connection waits for a thread and all have one."""
+
+    __slots__ = ("fd", "kicked", "lingering", "since")
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.kicked = self.lingering = False
+        self.since = 0.0
+
+
+_IDLE, _READY, _BUSY, _CLOSED = range(4)  # watched by the selector / queued / on a thread / gone
+_ARM = select.EPOLLIN | select.EPOLLONESHOT
+
+
+class ConnectionServer:
+    """A listening socket, one selector thread for every connection waiting for a request, and a
+    bounded pool of threads that serve requests; limits on connections, per peer and in all.
+
+    A connection waiting for a request costs no thread: the selector thread watches it (epoll,
+    one-shot) and reads a request as it arrives, without blocking; once a request is whole, the
+    connection goes to a serving thread, which answers it with blocking I/O (sendfile, SCM_RIGHTS:
+    the GIL is released) and then waits up to ``linger`` seconds for the next request itself, so
+    a busy connection is served back to back on one thread with no hand-off per request (a
+    hand-off wakes two threads: ~0.1 ms here). The connection goes back to the selector when
+    ``linger`` passes, when part of a request comes (its rest may never come), or at once when
+    another connection's request waits and every thread has a connection (its eventfd is rung).
+    So the number of threads is bounded by ``threads``, whatever the number of connections, and a
+    thread is never held by a client that does not send. A request must be whole within
+    ``frame_timeout`` of its first byte, and
+    a connection with no request in flight is closed after ``idle_timeout`` (the clients reconnect
+    when a pooled connection turns out closed). A connection over ``max_connections`` in all or
+    ``max_per_peer`` for its peer (``_peer``) is closed at once: that client reads through gRPC.
+    """
+
+    name = "bulk"
+
+    def __init__(self, max_connections: int = MAX_CONNECTIONS, max_per_peer: int = MAX_PER_PEER,
+                 threads: int = THREADS, idle_timeout: float = IDLE_TIMEOUT, frame_timeout: float = FRAME_TIMEOUT,
+                 send_timeout: float = SEND_TIMEOUT, linger: float = LINGER,
+                 thread_keepalive: float = THREAD_KEEPALIVE) -> None:
+        self.max_connections, self.max_per_peer, self.threads = max_connections, max_per_peer, threads
+        self.idle_timeout, self.frame_timeout, self.send_timeout = idle_timeout, frame_timeout, send_timeout
+        self.linger, self.thread_keepalive = linger, thread_keepalive
+        self._sock: socket.socket | None = None
+        self._epoll: Any = None
+        self._wake: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._conns: dict[int, Connection] = {}  # by descriptor
+        self._peers: Counter[Hashable] = Counter()
+        self._ready: deque[Connection] = deque()  # whole requests waiting for a serving thread
+        self._waiting = 0  # serving threads waiting for one
+        self._pool = 0  # serving threads alive
+        self._serving: set[_Kick] = set()  # the threads that have a connection
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._accept_paused_until = 0.0
+        self._refusal_logged = 0.0
+        self.counts: Counter[str] = Counter()  # refused, closed_idle, closed_frame (for tests and operators)
+
+    # -- what each protocol provides ------------------------------------------------------------
+    def _listen(self) -> socket.socket:
+        raise NotImplementedError
+
+    def _peer(self, sock: socket.socket, address: Any) -> Hashable:
+        """Who a connection counts against for ``max_per_peer``."""
+        raise NotImplementedError
+
+    def _setup(self, sock: socket.socket) -> None:
+        """Socket options of a new connection."""
+
+    def _read_request(self, conn: Connection) -> Any:
+        """One whole request if there is one, reading what the socket has without blocking, else
+        None (partial bytes stay in ``conn.buf``); EOFError when the peer closed between requests."""
+        raise NotImplementedError
+
+    def _handle(self, conn: Connection, request: Any) -> bool:
+        """Answer one request (blocking sends, bounded by ``send_timeout``); False closes the connection."""
+        raise NotImplementedError
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> "ConnectionServer":
+        sock = self._listen()
+        try:
+            sock.setblocking(False)
+            self._epoll = select.epoll()
+            self._wake = os.pipe()
+            os.set_blocking(self._wake[0], False)
+            os.set_blocking(self._wake[1], False)
+            self._epoll.register(sock.fileno(), select.EPOLLIN)
+            self._epoll.register(self._wake[0], select.EPOLLIN)
+        except BaseException:
+            sock.close()
+            self._close_selector()
+            raise
+        self._sock = sock
+        self._thread = threading.Thread(target=self._select_loop, name=f"{self.name}-select", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake[1], b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._cond:
+            busy = [c for c in self._conns.values() if c.state == _BUSY]
+            self._cond.notify_all()
+        for conn in busy:  # its thread is in a send: make it fail now; the thread closes it
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        if self._thread is None or not self._thread.is_alive():
+            if self._sock is not None:
+                self._sock.close()
+            self._close_selector()
+
+    def _close_selector(self) -> None:
+        with self._lock:
+            epoll, self._epoll = self._epoll, None
+            wake, self._wake = self._wake, None
+        if epoll is not None:
+            epoll.close()
+        for fd in wake or ():
+            os.close(fd)
+
+    def stats(self) -> dict[str, int]:
+        """Connections (in all, idle in the selector, queued, being served), serving threads, and
+        the connections refused or closed for a timeout since the start."""
+        with self._lock:
+            states = Counter(c.state for c in self._conns.values())
+            return {"connections": len(self._conns), "idle": states[_IDLE], "queued": states[_READY],
+                    "serving": states[_BUSY], "threads": self._pool, "peers": len(self._peers),
+                    "refused": self.counts["refused"], "closed_idle": self.counts["closed_idle"],
+                    "closed_frame": self.counts["closed_frame"]}
+
+    # -- the selector thread ------------------------------------------------------------------------------
+    def _select_loop(self) -> None:
+        assert self._sock is not None and self._wake is not None
+        listen_fd, wake_fd, epoll = self._sock.fileno(), self._wake[0], self._epoll
+        next_scan = 0.0
+        try:
+            while not self._stopping.is_set():
+                tick = max(0.01, min(0.5, self.frame_timeout / 4, self.idle_timeout / 4))
+                try:
+                    events = epoll.poll(tick)
+                except InterruptedError:
+                    continue
+                now = time.monotonic()
+                for fd, _mask in events:
+                    if fd == listen_fd:
+                        self._accept(now)
+                    elif fd == wake_fd:
+                        with contextlib.suppress(OSError):
+                            os.read(wake_fd, 4096)
+                    else:
+                        with self._lock:
+                            conn = self._conns.get(fd)
+                        if conn is not None and conn.state == _IDLE:
+                            self._readable(conn, now)
+                if now >= next_scan:
+                    self._expire(now)
+                    next_scan = now + tick
+        except Exception:  # a bug: log it; stop() still cleans up
+            log.exception("%s selector failed", self.name)
+        finally:
+            self._shut_all()
+
+    def _accept(self, now: float) -> None:
+        assert self._sock is not None
+        for _ in range(64):  # then the other events get their turn
+            try:
+                sock, address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors or memory: the listener stays readable, so stop watching
+                    # it for a moment instead of spinning on it.
+                    log.warning("%s: cannot accept a connection: %s", self.name, exc)
+                    self._accept_paused_until = now + 0.1
+                    with self._lock, contextlib.suppress(OSError, ValueError):
+                        self._epoll.modify(self._sock.fileno(), 0)
+                    return
+                continue  # e.g. ECONNABORTED: the next one may work
+            self._admit(sock, address, now)
+
+    def _admit(self, sock: socket.socket, address: Any, now: float) -> None:
+        try:
+            sock.settimeout(self.send_timeout)  # non-blocking underneath: reads never wait
+            self._setup(sock)
+            peer = self._peer(sock, address)
+        except OSError:
+            sock.close()
+            return
+        with self._lock:
+            refused = len(self._conns) >= self.max_connections or self._peers[peer] >= self.max_per_peer
+            if refused:
+                self.counts["refused"] += 1
+            else:
+                conn = Connection(sock, peer, now)
+                self._conns[conn.fd] = conn
+                self._peers[peer] += 1
+                self._epoll.register(conn.fd, _ARM)
+        if refused:
+            sock.close()  # the client reads through gRPC
+            if now - self._refusal_logged > 60:
+                self._refusal_logged = now
+                log.warning("%s: refused a connection from %s (%d connections in all, %d from it)",
+                            self.name, peer, len(self._conns), self._peers[peer])
+
+    def _readable(self, conn: Connection, now: float) -> None:
+        try:
+            request = self._read_request(conn)
+        except (EOFError, OSError):
+            self._close(conn)
+            return
+        except Exception:  # a bug must cost one connection, never the worker
+            log.exception("%s connection failed", self.name)
+            self._close(conn)
+            return
+        if request is None:
+            if conn.buf and conn.started is None:
+                conn.started = now
+            self._arm(conn)
+            return
+        conn.started = now if conn.buf else None
+        self._dispatch(conn, request)
+
+    def _expire(self, now: float) -> None:
+        """Close what timed out: incomplete requests and idle connections; resume accepting."""
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            with self._lock, contextlib.suppress(OSError, ValueError):
+                self._epoll.modify(self._sock.fileno(), select.EPOLLIN)
+        expired = []
+        with self._lock:
+            for conn in self._conns.values():
+                if conn.state != _IDLE:
+                    continue
+                if conn.started is not None:
+                    if now - conn.started >= self.frame_timeout:
+                        expired.append((conn, "closed_frame"))
+                elif now - conn.since >= self.idle_timeout:
+                    expired.append((conn, "closed_idle"))
+            for conn, why in expired:
+                self.counts[why] += 1
+        for conn, _why in expired:
+            self._close(conn)
+
+    def _shut_all(self) -> None:
+        """On stop: close every connection not on a serving thread, wake the idle threads."""
+        with self._cond:
+            mine = [c for c in self._conns.values() if c.state in (_IDLE, _READY)]
+            self._ready.clear()
+            self._cond.notify_all()
+        for conn in mine:
+            self._close(conn)
+
+    # -- serving threads ----------------------------------------------------------------------------------
+    def _dispatch(self, conn: Connection, request: Any) -> None:
+        conn.request = request
+        spawn = closed = False
+        with self._cond:
+            if self._stopping.is_set():
+                closed = True
+            else:
+                conn.state = _READY
+                self._ready.append(conn)
+                if self._waiting >= len(self._ready):
+                    self._cond.notify()
+                elif self._pool < self.threads:
+                    self._pool += 1
+                    spawn = True
+                else:  # every thread has a connection: the one that waits longest for its next request gives it up
+                    victim = min((k for k in self._serving if not k.kicked), default=None,
+                                 key=lambda k: (not k.lingering, k.since))
+                    if victim is not None:
+                        victim.kicked = True
+                        os.eventfd_write(victim.fd, 1)
+        if closed:
+            self._close(conn)
+        elif spawn:
+            try:
+                threading.Thread(target=self._serving_thread, name=f"{self.name}-serve", daemon=True).start()
+            except RuntimeError:  # cannot start a thread: the others take it when free
+                with self._lock:
+                    self._pool -= 1
+                log.warning("%s: cannot start a serving thread", self.name)
+
+    def _serving_thread(self) -> None:
+        kick = _Kick()
+        poller = select.poll()
+        poller.register(kick.fd, select.POLLIN)
+        try:
+            while True:
+                with self._cond:
+                    self._serving.discard(kick)
+                    if kick.kicked:
+                        kick.kicked = False
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(kick.fd)
+                    deadline = time.monotonic() + self.thread_keepalive
+                    while not self._ready:
+                        remaining = deadline - time.monotonic()
+                        if self._stopping.is_set() or remaining <= 0:
+                            return
+                        self._waiting += 1
+                        try:
+                            self._cond.wait(remaining)
+                        finally:
+                            self._waiting -= 1
+                    if self._stopping.is_set():
+                        return
+                    conn = self._ready.popleft()
+                    conn.state = _BUSY
+                    self._serving.add(kick)
+                self._serve(conn, kick, poller)
+        finally:
+            with self._lock:
+                self._pool -= 1
+                self._serving.discard(kick)
+            os.close(kick.fd)
+
+    def _serve(self, conn: Connection, kick: _Kick, poller: Any) -> None:
+        """Requests on one connection back to back, while they come within ``linger`` seconds."""
+        request, conn.request = conn.request, None
+        poller.register(conn.fd, select.POLLIN)
+        try:
+            while request is not None:
+                if not self._handle(conn, request) or self._stopping.is_set():
+                    self._close(conn)
+                    return
+                conn.since = time.monotonic()
+                request = self._next(conn, kick, poller)
+        except (EOFError, OSError):
+            self._close(conn)
+            return
+        except Exception:  # a bug must cost one connection, never the worker
+            log.exception("%s connection failed", self.name)
+            self._close(conn)
+            return
+        finally:
+            poller.unregister(conn.fd)
+        self._arm(conn)
+
+    def _next(self, conn: Connection, kick: _Kick, poller: Any) -> Any:
+        """The connection's next request if it comes whole within ``linger`` and no connection
+        waits for this thread; else None (the connection goes back to the selector)."""
+        if conn.buf:  # a request sent right behind the last one
+            request = self._read_request(conn)
+            if request is not None:
+                conn.started = time.monotonic() if conn.buf else None
+                return request
+        kick.since, kick.lingering = conn.since, True
+        end = conn.since + min(self.linger, self.idle_timeout)
+        try:
+            while not kick.kicked:
+                remaining = end - time.monotonic()
+                if remaining <= 0 or not poller.poll(remaining * 1000) or kick.kicked:
+                    return None
+                request = self._read_request(conn)
+                if request is not None:
+                    conn.started = time.monotonic() if conn.buf else None
+                    return request
+                if conn.buf:  # part of a request: the selector waits for the rest, not a thread
+                    conn.started = time.monotonic()
+                    return None
+            return None
+        finally:
+            kick.lingering = False
+
+    # -- both -------------------------------------------------------------------------------------------
+    def _arm(self, conn: Connection) -> None:
+        """Back to the selector: watched until its next request, or its timeout."""
+        with self._lock:
+            if not self._stopping.is_set() and conn.state != _CLOSED:
+                conn.state = _IDLE
+                try:
+                    self._epoll.modify(conn.fd, _ARM)
+                    return
+                except (OSError, ValueError):
+                    pass
+        self._close(conn)
+
+    def _close(self, conn: Connection) -> None:
+        with self._lock:
+            if self._conns.get(conn.fd) is conn:
+                del self._conns[conn.fd]
+                self._peers[conn.peer] -= 1
+                if self._peers[conn.peer] <= 0:
+                    del self._peers[conn.peer]
+                if self._epoll is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        self._epoll.unregister(conn.fd)
+            conn.state = _CLOSED
+        conn.sock.close()
+
+
