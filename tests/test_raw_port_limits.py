@@ -221,6 +221,11 @@ def test_stalled_connections_hold_no_thread_and_are_closed_in_time(local_store, 
           f"{stats_during[0]['connections']} + {stats_during[1]['connections']} connections; closed after "
           + ", ".join(f"{how} {t[0]:.2f}-{t[-1]:.2f} s" for how, t in took.items()))
     assert dp.counts["closed_frame"] >= stalled + 1 and sc.counts["closed_idle"] >= stalled
+    sample = worker.metrics.registry.get_sample_value  # and operators see them
+    assert sample("cachefs_worker_raw_connections_closed_total", {"server": "data_port", "why": "frame"}) \
+        == dp.counts["closed_frame"]
+    assert sample("cachefs_worker_raw_connections_closed_total", {"server": "short_circuit", "why": "idle"}) \
+        == sc.counts["closed_idle"]
 
     # Reads were unaffected: none failed, every one went through its raw path, and both paths
     # kept reading while all the stalled connections were open.

@@ -81,6 +81,8 @@ class Worker:
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size)
         self.objects.on_fetched = self._on_fetched
         self.metrics.watch_page_store(self.pages.stats)
+        self.metrics.watch_raw_servers(lambda: {"short_circuit": self.short_circuit,
+                                                "data_port": self.data_port_server})
         self.reader = PageReader(
             self.pages,
             self.objects,

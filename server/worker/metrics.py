@@ -7,6 +7,7 @@ read from it at scrape time by a collector rather than mirrored on every operati
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -54,6 +55,35 @@ class _PageStoreCollector(Collector):
             "descriptors (counted in used bytes, so within the quota, until their hold ends).",
             value=s.held_unlinked_bytes,
         )
+
+
+class _RawServersCollector(Collector):
+    """Connections of the short-circuit socket and the data port (server/worker/connections.py)."""
+
+    def __init__(self, servers: Callable[[], dict[str, Any]]) -> None:
+        self._servers = servers
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        conns = GaugeMetricFamily("cachefs_worker_raw_connections",
+                                  "Open connections of the raw servers (short-circuit socket, data port).",
+                                  labels=["server"])
+        threads = GaugeMetricFamily("cachefs_worker_raw_threads",
+                                    "Serving threads of the raw servers (bounded, whatever the connections).",
+                                    labels=["server"])
+        closed = CounterMetricFamily("cachefs_worker_raw_connections_closed",
+                                     "Raw-server connections refused (over a limit) or closed for a timeout "
+                                     "(idle, or a request not whole in time).", labels=["server", "why"])
+        for name, server in self._servers().items():
+            if server is None:
+                continue
+            st = server.stats()
+            conns.add_metric([name], st["connections"])
+            threads.add_metric([name], st["threads"])
+            for why in ("refused", "closed_idle", "closed_frame"):
+                closed.add_metric([name, why.removeprefix("closed_")], st[why])
+        yield conns
+        yield threads
+        yield closed
 
 
 class _HitRatioCollector(Collector):
@@ -164,6 +194,9 @@ class WorkerMetrics:
         counted as cached short-circuit reads."""
         self.held_page_reads.inc(pages)
         self._served_bulk(self.short_circuit_bytes, pages, nbytes)
+
+    def watch_raw_servers(self, servers: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_RawServersCollector(servers))
 
     def watch_handles(self, in_use: Callable[[], int]) -> None:
         self.held_handles.set_function(in_use)
