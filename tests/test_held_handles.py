@@ -284,3 +284,20 @@ def test_a_stopped_worker_drops_every_handle_and_a_new_one_is_used(local_store, 
     assert not reader.handles.usable() and reader.handles.held() == 0
     assert fs.cat_file("cachefs://data/obj") == data  # through gRPC meanwhile
     assert old_table is not None
+
+
+def test_past_the_ttl_within_the_grace_reads_stay_on_the_socket(local_store, make_worker):
+    """As a read through the worker would: metadata past its TTL but within the stale grace is
+    used (and refreshed in the background), not sent to gRPC; a change shows once refreshed."""
+    local_store.add("obj", payload(PAGE, 6))
+    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=0.3, metadata_stale_grace=60)
+    fs = _fs(worker, short_circuit_handles=0)  # every read asks the socket
+    fs.cat_file("cachefs://data/obj")
+    _settled(worker, "data/obj", PAGE)
+    time.sleep(0.4)  # past the TTL (time only has to pass)
+    before = dict(fs.session.bulk_stats["short_circuit"])
+    assert fs.cat_file("cachefs://data/obj") == payload(PAGE, 6)
+    after = fs.session.bulk_stats["short_circuit"]
+    assert after["reads"] == before["reads"] + 1 and after["fallbacks"] == before["fallbacks"]
+    local_store.add("obj", payload(PAGE, 7))
+    assert wait_for(lambda: fs.cat_file("cachefs://data/obj") == payload(PAGE, 7), timeout=15)

@@ -101,6 +101,11 @@ class CacheFSErrorPassThrough(CacheFSError):
         self.error = error
 
 
+#: How long a client may keep using metadata past its TTL (within the stale grace) that came with
+#: page handles: the background refresh it set off lands well within it.
+STALE_HOLD = 2.0
+
+
 class ObjectStore:
     """Metadata, listings and versioned ranged reads over every mount."""
 
@@ -176,8 +181,18 @@ class ObjectStore:
         return self._meta.get(path)
 
     def cached_info_until(self, path: CachePath) -> tuple[ObjectMeta, float] | None:
-        """Like :meth:`cached_info`, with the monotonic time at which that knowledge expires."""
-        return self._meta.get_fresh_until(path)
+        """What a read would use, with no store call: fresh metadata and when it expires, or
+        metadata past its TTL but within the stale grace (refreshed in the background, as
+        :meth:`info` does), trusted for at most ``STALE_HOLD`` seconds more."""
+        found = self._meta.get_with_expiry(path)
+        if found is None:
+            return None
+        meta, expiry = found
+        now = time.monotonic()
+        if expiry > now:
+            return meta, expiry
+        self._revalidate(path)
+        return meta, min(now + STALE_HOLD, expiry + self._meta.grace)
 
     def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
         if not refresh:
