@@ -146,9 +146,11 @@ class HandleCache:
         return False
 
     # -- lookups -------------------------------------------------------------------------------------
-    def lookup(self, path: str, offset: int, length: int, version: str) -> tuple[int, str, list[Page]] | None:
+    def lookup(self, path: str, offset: int, length: int, version: str,
+               read: bool = True) -> tuple[int, str, list[Page]] | None:
         """(size, version, pages) covering the range, each referenced (``release`` them after),
-        or None if any of them is not held and valid."""
+        or None if any of them is not held and valid. ``read=False``: only checking (prepare),
+        not a read to report to the worker."""
         if not self.usable():
             return None
         table, ps = self.table, self.page_size
@@ -174,10 +176,11 @@ class HandleCache:
                 page.refs += 1
             for page in pages:
                 self._pages.move_to_end(page.key)
-            if len(self._touched) < 4 * MAX_TOUCHED:
-                self._touched.extend(p.slot for p in pages)
-            self._touched_bytes += end - offset
-            self.stats["held_reads"] += 1
+            if read:
+                if len(self._touched) < 4 * MAX_TOUCHED:
+                    self._touched.extend(p.slot for p in pages)
+                self._touched_bytes += end - offset
+                self.stats["held_reads"] += 1
             return obj.size, obj.version, pages
 
     def object_info(self, path: str) -> tuple[int, str, float] | None:

@@ -169,7 +169,7 @@ class ShortCircuitReader:
         allows, so that the reads after it find them held; returns how many are now held."""
         missing = []
         for r in ranges:
-            found = self.handles.lookup(*r)
+            found = self.handles.lookup(*r, read=False)
             if found is None:
                 missing.append(r)
             else:

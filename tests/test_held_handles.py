@@ -218,6 +218,7 @@ def test_held_reads_send_nothing_and_are_reported_afterwards(local_store, make_w
     assert fs.cat_file("cachefs://data/obj") == data  # handed out: short-circuit, handles kept
     served = _served(worker)
     held = worker.metrics.held_page_reads._value.get()
+    assert fs.prepare([("cachefs://data/obj", 0, None)] * 3) == 3  # held already: no message, no read
     for start, end in [(0, None), (5, PAGE + 9), (3 * PAGE, None)]:
         assert fs.cat_file("cachefs://data/obj", start, end) == data[start:end]
     assert _served(worker) == served  # nothing reached the worker
