@@ -112,7 +112,7 @@ class DirHandle:
             raise
 
     def page_path(self, digest: str) -> str:
-        return os.path.join(self.pages, digest[:2], digest)
+        return f"{self.pages}/{digest[:2]}/{digest}"  # os.path.join's generality costs ~5 us a page here
 
     def score(self, digest: str) -> float:
         """Weighted rendezvous score: the dir with the highest score holds the page."""
