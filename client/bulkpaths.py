@@ -127,6 +127,31 @@ class BulkPaths:
         stats["bytes"] += len(got[0])
         return got
 
+    def read_held(self, reads: list[tuple[str, int, memoryview]]) -> list[tuple[int, int] | None]:
+        """Many reads ``(path, offset, out)`` through page handles held from local workers
+        (their placed worker's), no message sent; per read (bytes read, object size) or None:
+        not held there, read it another way."""
+        results: list[tuple[int, int] | None] = [None] * len(reads)
+        by_reader: dict[int, tuple[Any, list[int]]] = {}
+        for i, (path, offset, _out) in enumerate(reads):
+            candidates = self.workers.candidates(path, offset, include_broken=False)
+            reader = self._reader(candidates[0]) if candidates else None
+            if reader is not None and hasattr(reader, "read_held_into"):
+                by_reader.setdefault(id(reader), (reader, []))[1].append(i)
+        for reader, indices in by_reader.values():
+            try:
+                got = reader.read_held_into([reads[i] for i in indices])
+            except Exception as exc:  # noqa: BLE001 - the reads find another way
+                log.debug("held read of %d ranges failed: %s", len(indices), exc)
+                continue
+            stats = self.stats[reader.kind]
+            for i, one in zip(indices, got):
+                if one is not None:
+                    results[i] = one
+                    stats["reads"] += 1
+                    stats["bytes"] += one[0]
+        return results
+
     def prepare(self, ranges: list[tuple[str, int, int, str]]) -> int:
         """Get the page handles of many ranges ahead of their reads, one message per local
         worker; returns how many ranges are now held here (their reads need no message at all).

@@ -153,35 +153,47 @@ class HandleCache:
         not a read to report to the worker."""
         if not self.usable():
             return None
-        table, ps = self.table, self.page_size
         now = time.monotonic()
         with self._lock:
-            obj = self._objects.get(path)
-            if obj is None or obj.until <= now or (version and obj.version != version):
+            return self._lookup_locked(path, offset, length, version, read, now)
+
+    def lookup_many(self, ranges: list[tuple[str, int, int]]) -> list[tuple[int, str, list[Page]] | None]:
+        """``lookup`` of many ``(path, offset, length)`` reads under one lock (a batch of samples)."""
+        if not self.usable():
+            return [None] * len(ranges)
+        now = time.monotonic()
+        with self._lock:
+            return [self._lookup_locked(path, offset, length, "", True, now) for path, offset, length in ranges]
+
+    def _lookup_locked(self, path: str, offset: int, length: int, version: str, read: bool,
+                       now: float) -> tuple[int, str, list[Page]] | None:
+        table, ps = self.table, self.page_size
+        obj = self._objects.get(path)
+        if obj is None or obj.until <= now or (version and obj.version != version):
+            return None
+        end = obj.size if length < 0 else min(obj.size, offset + length)
+        if end <= offset:
+            return obj.size, obj.version, []
+        pages = []
+        for start in range(offset - offset % ps, end, ps):
+            page = self._pages.get((path, obj.version, start))
+            if page is None or table is None or not table.valid(page.slot, page.generation):
+                if page is not None:
+                    self.stats["dropped_invalid"] += 1
+                    self._drop_locked(page)
+                for p in pages:
+                    p.refs -= 1
                 return None
-            end = obj.size if length < 0 else min(obj.size, offset + length)
-            if end <= offset:
-                return obj.size, obj.version, []
-            pages = []
-            for start in range(offset - offset % ps, end, ps):
-                page = self._pages.get((path, obj.version, start))
-                if page is None or table is None or not table.valid(page.slot, page.generation):
-                    if page is not None:
-                        self.stats["dropped_invalid"] += 1
-                        self._drop_locked(page)
-                    for p in pages:
-                        p.refs -= 1
-                    return None
-                pages.append(page)
-                page.refs += 1
-            for page in pages:
-                self._pages.move_to_end(page.key)
-            if read:
-                if len(self._touched) < 4 * MAX_TOUCHED:
-                    self._touched.extend(p.slot for p in pages)
-                self._touched_bytes += end - offset
-                self.stats["held_reads"] += 1
-            return obj.size, obj.version, pages
+            pages.append(page)
+            page.refs += 1
+        for page in pages:
+            self._pages.move_to_end(page.key)
+        if read:
+            if len(self._touched) < 4 * MAX_TOUCHED:
+                self._touched.extend(p.slot for p in pages)
+            self._touched_bytes += end - offset
+            self.stats["held_reads"] += 1
+        return obj.size, obj.version, pages
 
     def object_info(self, path: str) -> tuple[int, str, float] | None:
         """(size, version, mtime) of an object as the worker vouched for it, while that lasts."""
@@ -249,6 +261,15 @@ class HandleCache:
                 page.refs -= 1
                 if page.refs <= 0 and (page.dropped or page.slot == 0 or not page.key):
                     self._close(page)
+
+    def release_many(self, found: list[tuple[int, str, list[Page]] | None]) -> None:
+        """``release`` the pages of a ``lookup_many`` under one lock."""
+        with self._lock:
+            for got in found:
+                for page in got[2] if got is not None else ():
+                    page.refs -= 1
+                    if page.refs <= 0 and (page.dropped or page.slot == 0 or not page.key):
+                        self._close(page)
 
     def take_touched(self) -> tuple[list[int], int]:
         """Slots read through held handles since the last call, and the bytes those reads returned."""

@@ -362,6 +362,15 @@ class ClientSession:
             return 0
         return state.bulk.prepare([(str(cp), offset, length, "") for cp, offset, length in ranges])
 
+    def read_held(self, reads: list[tuple[CachePath, Any]]) -> list[tuple[int, int] | None]:
+        """Objects read whole into buffers ``(path, out)`` through page handles this process
+        holds (``prepare``), no message to any worker: per read (bytes read, object size), or
+        None where they are not all held (read that one with ``read_into``)."""
+        state = self._state.get()
+        if not state.bulk.enabled or not reads:
+            return [None] * len(reads)
+        return state.bulk.read_held([(str(cp), 0, memoryview(out).cast("B")) for cp, out in reads])
+
     def report_reads(self) -> None:
         """Send the workers on this host the reads made through held page handles now, instead
         of with the next request (their metrics and eviction see them then)."""

@@ -164,6 +164,26 @@ class ShortCircuitReader:
         finally:
             self.handles.release(pages)
 
+    def read_held_into(self, reads: list[tuple[str, int, memoryview]]) -> list[tuple[int, int] | None]:
+        """Reads ``(path, offset, out)`` through pages this process holds, with no message and
+        one lock for the batch; per read, (bytes read, object size), or None: not held (read
+        it another way). A read that fails midway is None too (its ``out`` may be partly filled)."""
+        found = self.handles.lookup_many([(path, offset, len(out)) for path, offset, out in reads])
+        results: list[tuple[int, int] | None] = []
+        try:
+            for (_path, offset, out), got in zip(reads, found):
+                if got is None:
+                    results.append(None)
+                    continue
+                size, version, pages = got
+                filled = self._assemble(size, version, pages, offset, len(out), out)
+                results.append(None if filled is None else (len(filled[0]), size))
+        finally:
+            self.handles.release_many(found)
+        if self.handles.touched_pending() >= MAX_TOUCHED:
+            self.report()
+        return results
+
     def prepare(self, ranges: list[tuple[str, int, int, str]]) -> int:
         """Fetch handles for the ranges not held yet, in as few messages as the descriptor bound
         allows, so that the reads after it find them held; returns how many are now held."""

@@ -24,6 +24,9 @@ from cachefs.proto import worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
 from cachefs.tls import MESSAGE_OPTIONS, open_channel
 
+PLACEMENT_MEMO = 1 << 16  # stripes whose ring order a WorkerSet remembers (per view)
+_RING = object()  # the memo's entry naming the ring it was made for
+
 #: Every client channel: its own connections, not gRPC's process-wide subchannel pool. A forked
 #: child's new channel would otherwise be handed the parent's connection, which is not the
 #: child's: its first call then hangs past the deadline or fails with "Wrong file descriptor
@@ -177,6 +180,7 @@ class WorkerSet:
         # One tuple, replaced whole on a view change, so a reader never sees a ring and a
         # handle table from two different views.
         self._state: tuple[HashRing, dict[str, WorkerHandle]] = (HashRing(addresses, ring_config), handles)
+        self._placement: dict[Any, Any] = {}  # (key, stripe) -> addresses, for the ring under _RING
 
     def __bool__(self) -> bool:
         return bool(self._state[1])
@@ -207,12 +211,26 @@ class WorkerSet:
         only because every breaker happens to be open.
         """
         ring, handles = self._state
-        ranked = [handles[a] for a in ring.nodes_for_offset(key, offset, len(handles))]
+        ranked = self._ranked(ring, handles, key, offset)
         now = time.monotonic()
         healthy = [h for h in ranked if h.breaker.available(now)]
         if not include_broken:
             return healthy
         return healthy + [h for h in ranked if not h.breaker.available(now)]
+
+    def _ranked(self, ring: HashRing, handles: dict[str, WorkerHandle], key: str, offset: int) -> list[WorkerHandle]:
+        """Ring order for the stripe, remembered per view (a ring lookup hashes the key: a
+        visible share of a held read's cost when every sample asks it once or twice)."""
+        if len(handles) == 1:
+            return list(handles.values())
+        memo_key = (key, offset // ring.config.stripe_size)
+        memo = self._placement
+        found = memo.get(memo_key)
+        if found is None or memo.get(_RING) is not ring:
+            if memo.get(_RING) is not ring or len(memo) > PLACEMENT_MEMO:
+                memo = self._placement = {_RING: ring}
+            found = memo[memo_key] = tuple(ring.nodes_for_offset(key, offset, len(handles)))
+        return [handles[a] for a in found]
 
     def close(self) -> None:
         for handle in self._state[1].values():

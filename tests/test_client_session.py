@@ -122,3 +122,26 @@ def test_a_store_outage_reaches_the_caller_and_opens_no_workers_breaker(make_wor
             assert fault_of(caught.value) == "store" and caught.value.grpc_code.name == "UNAVAILABLE"
         handles = [h for key in ("data/obj0", "data/obj1", "data/obj2") for h in fs.session.candidates(key)]
         assert handles and all(h.breaker.failures == 0 and h.breaker.available() for h in handles)
+
+
+def test_remembered_placement_follows_the_ring_and_its_changes():
+    """WorkerSet remembers each stripe's ring order per view: the same order as the ring, and a
+    new view (a worker gone) is never answered from the old view's memo."""
+    from cachefs.client.transport import WorkerSet
+    from cachefs.ring import RingConfig
+
+    config = RingConfig(stripe_size=1 << 20)
+    workers = WorkerSet([f"127.0.0.1:{p}" for p in (1001, 1002, 1003)], config,
+                        connect=lambda address: None)  # never dialled here
+    keys = [f"m/obj{i}" for i in range(50)]
+    for key in keys * 2:  # the second pass is answered from the memo
+        for offset in (0, 5 << 20):
+            assert [h.address for h in workers.candidates(key, offset)] == \
+                workers.ring.nodes_for_offset(key, offset, 3)
+    gone = workers.candidates(keys[0])[0].address
+    workers.update([a for a in workers.addresses if a != gone], config)
+    for key in keys:
+        ranked = [h.address for h in workers.candidates(key)]
+        assert gone not in ranked and ranked == workers.ring.nodes_for_offset(key, 0, 2)
+    workers.update([workers.addresses[0]], config)
+    assert [h.address for h in workers.candidates(keys[3], 7 << 20)] == workers.addresses

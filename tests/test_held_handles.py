@@ -302,3 +302,57 @@ def test_past_the_ttl_within_the_grace_reads_stay_on_the_socket(local_store, mak
     assert after["reads"] == before["reads"] + 1 and after["fallbacks"] == before["fallbacks"]
     local_store.add("obj", payload(PAGE, 7))
     assert wait_for(lambda: fs.cat_file("cachefs://data/obj") == payload(PAGE, 7), timeout=15)
+
+
+def test_a_dataset_batch_is_read_through_held_handles_in_one_pass(local_store, make_worker):
+    """CacheDataset.__getitems__: one prepare message for the batch, then the next epoch's
+    batch with no message at all; a freed sample is read anew, never through its old handle."""
+    from cachefs.client.dataset import CacheDataset
+
+    samples = [payload(PAGE + 7 * i, 10 + i) for i in range(6)]
+    for i, data in enumerate(samples):
+        local_store.add(f"s/{i}", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    ds = CacheDataset([f"cachefs://data/s/{i}" for i in range(6)], storage_options={"workers": worker.address},
+                      shuffle=False, rank=0, world_size=1, hint_samples=0)
+    first = ds.__getitems__(list(range(6)))  # cold: through the worker
+    assert [bytes(t.numpy()) for t in first] == samples
+    for i, data in enumerate(samples):
+        _settled(worker, f"data/s/{i}", len(data))
+    reader = None
+    assert [bytes(t.numpy()) for t in ds.__getitems__(list(range(6)))] == samples  # handles fetched
+    reader = ds._local.get().fs.session._state.get().bulk._readers[worker.address][0]
+    held_reads, served = reader.handles.stats["held_reads"], _served(worker)
+    assert [bytes(t.numpy()) for t in ds.__getitems__(list(range(6)))] == samples
+    assert reader.handles.stats["held_reads"] == held_reads + 6  # all six through held handles
+    assert _served(worker) == served  # and no message reached the worker
+    with grpc.insecure_channel(worker.address) as ch:
+        worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/s/2"), timeout=10)
+    dropped = reader.handles.stats["dropped_invalid"]
+    assert [bytes(t.numpy()) for t in ds.__getitems__(list(range(6)))] == samples
+    assert reader.handles.stats["dropped_invalid"] > dropped  # sample 2's old handles were not used
+    assert reader.handles.stats["held_reads"] == held_reads + 6 + 5
+
+
+def test_held_batch_lookups_reference_and_release_every_page(tmp_path):
+    """HandleCache.lookup_many / release_many: one lock for a batch, the same references as
+    one lookup per read (a page dropped mid-batch closes only after its last reader)."""
+    table = HandleTable(slots=16)
+    cache = HandleCache(capacity=3)
+    cache.attach(_view(table), page_size=4)
+    try:
+        slot, generation = table.assign("b0")
+        page = _page(tmp_path, "b0", 0, b"abcd", slot, generation)
+        cache.add("m/b", 4, "v1", 60_000, [page])
+        cache.release([page])
+        found = cache.lookup_many([("m/b", 0, 4), ("m/missing", 0, 5), ("m/b", 1, 2)])
+        assert found[1] is None and found[0][2] == [page] and found[2][2] == [page]
+        assert page.refs == 2 and cache.stats["held_reads"] == 2
+        table.invalidate(["b0"])
+        assert cache.lookup("m/b", 0, 4, "") is None  # dropped while two reads hold it
+        assert page.fd >= 0
+        cache.release_many(found)
+        assert page.fd == -1 and cache.held() == 0
+    finally:
+        cache.close()
+        table.close()
