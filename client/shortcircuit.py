@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 Reply = shortcircuit_pb2.ShortCircuitReply
 RangeReply = shortcircuit_pb2.RangeReply
 _BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_PAGES descriptors)
+# A range a prepare found not cached (yet: the worker may still be writing a cold read's pages)
+# is read through gRPC for this long, with no second message asking again first.
+NOT_CACHED_SECONDS = 0.5
+_NOT_CACHED_MAX = 4096
 
 
 class ShortCircuitReader:
@@ -48,6 +53,7 @@ class ShortCircuitReader:
         self.handles = HandleCache(handles)
         self._hello_lock = threading.Lock()
         self._want_hello = handles > 0
+        self._not_cached: dict[str, float] = {}  # path -> until when reads skip this socket
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -109,7 +115,9 @@ class ShortCircuitReader:
                 self._attach(fds[0], reply)
                 pos = 1
             results: list[tuple[int, str, list[Page]] | None] = []
-            for got in reply.ranges:
+            for i, got in enumerate(reply.ranges):
+                if ahead and got.code == RangeReply.NOT_CACHED:
+                    self._note_not_cached(ranges[i][0])
                 n = len(got.page_offsets) if got.code == RangeReply.OK else 0
                 if got.code != RangeReply.OK or pos + n > len(fds) or len(got.slots) not in (0, n):
                     pos += n  # those descriptors are closed below
@@ -133,6 +141,20 @@ class ShortCircuitReader:
                 if fd >= 0:
                     os.close(fd)
 
+    def _note_not_cached(self, path: str) -> None:
+        if len(self._not_cached) >= _NOT_CACHED_MAX:
+            self._not_cached = {}
+        self._not_cached[path] = time.monotonic() + NOT_CACHED_SECONDS
+
+    def _known_not_cached(self, path: str) -> bool:
+        until = self._not_cached.get(path)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        self._not_cached.pop(path, None)
+        return False
+
     def _attach(self, fd: int, reply: Any) -> None:
         try:
             table = TableView(fd, reply.instance, reply.table_slots)
@@ -153,6 +175,8 @@ class ShortCircuitReader:
         """
         found = self.handles.lookup(path, offset, length, version)
         if found is None:
+            if self._not_cached and self._known_not_cached(path):
+                return None
             found = self.request([(path, offset, length, version)])[0]
             if found is None:
                 return None

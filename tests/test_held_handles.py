@@ -356,3 +356,23 @@ def test_held_batch_lookups_reference_and_release_every_page(tmp_path):
     finally:
         cache.close()
         table.close()
+
+
+def test_a_range_a_prepare_found_not_cached_is_read_through_grpc_without_asking_again(local_store, make_worker):
+    """Right after a cold read the worker may still be writing its pages: the prepare's answer
+    (not cached) sends the reads straight to gRPC for a moment, not through a second message."""
+    data = payload(2 * PAGE, 7)
+    local_store.add("cold", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    assert fs.prepare([("cachefs://data/cold", 0, None)]) == 0
+    reader = fs.session._state.get().bulk._readers[worker.address][0]
+    exchanges = []
+    inner = reader._exchange
+    reader._exchange = lambda request: exchanges.append(request) or inner(request)
+    assert fs.cat_file("cachefs://data/cold") == data
+    assert exchanges == []  # gRPC answered, the socket was not asked again
+    _settled(worker, "data/cold", len(data))
+    reader._not_cached["data/cold"] = 0.0  # the moment is over
+    assert fs.cat_file("cachefs://data/cold") == data
+    assert len(exchanges) == 1 and reader.handles.held() == 2
