@@ -55,7 +55,7 @@ class ProcessParts(NamedTuple):
     # sample -> its parsed path (None: read through fs by URL), parsed once per process
     cache_paths: dict[int, Any]
     # "next": the side job getting the next batch's page handles (see _read_held_batch)
-    ahead: dict[str, Future]
+    ahead: dict[str, tuple[Future, int]]  # the next batch's prepare, and how many it asked for
 
 
 class SampleReadError(OSError):
@@ -359,9 +359,13 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             return None
         parts = self._local.get()
         pending = parts.ahead.pop("next", None)
+        uncached = False
         if pending is not None:
-            with contextlib.suppress(Exception):
-                pending.result(timeout=self.timeout)
+            future, asked = pending
+            try:
+                uncached = future.result(timeout=self.timeout) < asked
+            except Exception:  # noqa: BLE001 - only a hint that the handles are there
+                uncached = True
         samples = [self.plan.sample(p) for p in positions]
         paths = [self._cache_path(parts, s) for s in samples]
         if any(cp is None for cp in paths):
@@ -373,13 +377,15 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         if missing:
             # Not held yet (the first read in this process, or dropped): one message for them all.
             # Mostly not cached at all (a cold epoch): the prefetcher reads them concurrently.
-            if 4 * (len(missing) - self._prepare(parts, [samples[i] for i in missing])) > len(samples):
+            not_cached = len(missing) - self._prepare(parts, [samples[i] for i in missing])
+            if 4 * not_cached > len(samples):
                 return None
+            uncached = uncached or not_cached > 0
             for i, g in zip(missing, session.read_held([(paths[i], outs[i].numpy()) for i in missing])):
                 got[i] = g
         following = [self.plan.sample(p) for p in itertools.islice(upcoming, len(positions))]
         if following:
-            parts.ahead["next"] = parts.prefetcher.run(lambda: self._prepare(parts, following))
+            parts.ahead["next"] = (parts.prefetcher.run(lambda: self._prepare(parts, following)), len(following))
         out = []
         for position, sample, data, g in zip(positions, samples, outs, got):
             size = len(data)
@@ -389,7 +395,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                 except Exception as exc:
                     raise self._error(sample, position, exc) from exc
             out.append(self.transform(data) if self.transform is not None else data)
-        self._hint(upcoming)
+        if uncached:  # all of it cached (the usual warm epoch): hints would only cost both sides
+            self._hint(upcoming)
         return out
 
     def _prepare(self, parts: ProcessParts, samples: list[int]) -> int:

@@ -376,3 +376,27 @@ def test_a_range_a_prepare_found_not_cached_is_read_through_grpc_without_asking_
     reader._not_cached["data/cold"] = 0.0  # the moment is over
     assert fs.cat_file("cachefs://data/cold") == data
     assert len(exchanges) == 1 and reader.handles.held() == 2
+
+
+def test_a_batch_held_whole_sends_no_hints_and_one_not_cached_does(local_store, make_worker):
+    """Hints ask the worker to fetch what is coming; a batch read whole through held handles
+    says the data is cached, and its hint would only cost both sides."""
+    from cachefs.client.dataset import CacheDataset
+
+    samples = [payload(PAGE, 40 + i) for i in range(16)]
+    for i, data in enumerate(samples):
+        local_store.add(f"h/{i}", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    ds = CacheDataset([f"cachefs://data/h/{i}" for i in range(16)], storage_options={"workers": worker.address},
+                      shuffle=False, rank=0, world_size=1, hint_samples=8)
+    fs = ds._local.get().fs
+    for i, data in enumerate(samples[:7]):
+        assert fs.cat_file(f"cachefs://data/h/{i}") == data
+        _settled(worker, f"data/h/{i}", len(data))
+    hinter = ds.hinter
+    ds._calls = 0  # the next batch is one that hints (every 16th)
+    assert [bytes(t.numpy()) for t in ds.__getitems__([0, 1, 2, 3])] == samples[:4]
+    assert hinter.stats["paths"] == 0  # all of it held: no hint
+    ds._calls = 0
+    assert [bytes(t.numpy()) for t in ds.__getitems__([4, 5, 6, 7])] == samples[4:8]  # 7 through gRPC
+    assert hinter.stats["paths"] > 0  # the samples after the next batch's
