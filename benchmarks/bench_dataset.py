@@ -60,7 +60,8 @@ from netem import Endpoint, moto_endpoint  # noqa: E402
 MOUNT = "bench"
 PER_OBJECT_PEERS = ("s3fs", "s3torchconnector")  # --peer-samples bounds what these read
 WORKER_COUNTERS = ("cachefs_worker_bytes_from_store_total", "cachefs_worker_bytes_from_cache_total",
-                   "cachefs_worker_page_reads_total", "cachefs_worker_load_bytes_total")
+                   "cachefs_worker_page_reads_total", "cachefs_worker_load_bytes_total",
+                   "cachefs_worker_store_requests_total", "cachefs_worker_page_writes_dropped_total")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ID = 8  # every sample starts with its index as 8 ASCII digits
 

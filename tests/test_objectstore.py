@@ -70,3 +70,43 @@ def test_ttl_cache_expires_and_stays_bounded():
     assert [cache.get(str(i)) for i in range(5)] == [None, None, 2, 3, 4]
     now[0] = 10.5
     assert cache.get("4") is None
+
+
+def test_concurrent_opens_of_one_cold_object_share_one_request(s3_store):
+    """A read and a hinted load opening the same cold object at once: one GET, the head bytes
+    adopted once, every caller the same metadata (a cold epoch fetched ~20% twice before)."""
+    import threading
+
+    from helpers import wait_for
+
+    data = payload(200_000, 4)
+    s3_store.add("d/shared.bin", data)
+    objects = ObjectStore(MountTable([s3_store.mount]), metadata_ttl=60)
+    requests: list[str] = []
+    objects.on_request = requests.append
+    path, callers = CachePath("data", "d/shared.bin"), 6
+    adopted: list[bytes] = []
+
+    def adopt(meta, head) -> bool:  # the first caller's: the others are all waiting on it by now
+        assert wait_for(lambda: objects.opens_joined == callers - 1, timeout=30)
+        adopted.append(head)
+        return True
+
+    results: list[tuple] = []
+    threads = [threading.Thread(target=lambda: results.append(objects.open(path, 65536, adopt=adopt)))
+               for _ in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert requests == ["open"] and adopted == [data[:65536]]
+    assert len(results) == callers and len({(m.size, m.version) for m, _ in results}) == 1
+    assert sorted(head is not None for _, head in results) == [False] * (callers - 1) + [True]
+    assert objects._opening == {}
+
+
+def test_a_failed_shared_open_fails_every_caller_and_leaves_nothing_behind(s3_store):
+    objects = ObjectStore(MountTable([s3_store.mount]), metadata_ttl=60)
+    with pytest.raises(FileNotFoundError):
+        objects.open(CachePath("data", "d/nothing.bin"), 65536, adopt=lambda meta, head: True)
+    assert objects._opening == {}

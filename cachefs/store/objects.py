@@ -14,7 +14,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
@@ -104,6 +105,7 @@ class CacheFSErrorPassThrough(CacheFSError):
 #: How long a client may keep using metadata past its TTL (within the stale grace) that came with
 #: page handles: the background refresh it set off lands well within it.
 STALE_HOLD = 2.0
+OPEN_JOIN_SECONDS = 120.0  # how long a caller waits on another's open of the same object
 
 
 class ObjectStore:
@@ -125,6 +127,17 @@ class ObjectStore:
         # Called with each object's metadata fresh from the store: the worker drops the pages of
         # any other version it still holds (and with them the handles local clients hold on them).
         self.on_fetched: Callable[[ObjectMeta], None] | None = None
+        # Called once per request sent to the store, with its kind (info, open, list, read):
+        # the worker counts them (a cold epoch should cost one request per object, no more).
+        self.on_request: Callable[[str], None] | None = None
+        self._opening: dict[CachePath, Future[tuple[ObjectMeta, bytes | None]]] = {}  # single flight
+        self._open_lock = threading.Lock()
+        self.opens_joined = 0  # opens that shared another caller's request
+
+    def _count(self, kind: str) -> None:
+        counter = self.on_request
+        if counter is not None:
+            counter(kind)
 
     def _remember(self, path: CachePath, meta: ObjectMeta) -> None:
         listener = self.on_fetched
@@ -204,6 +217,7 @@ class ObjectStore:
         resolved = self.mounts.resolve(path)
         try:
             with self._call(path, "info"):
+                self._count("info")
                 size, version, mtime, is_dir = self._backend(resolved).info(resolved.fs, resolved.store_path)
         except FileNotFoundError as exc:
             self._meta.pop(path)
@@ -212,24 +226,58 @@ class ObjectStore:
         self._remember(path, meta)
         return meta
 
-    def open(self, path: CachePath, head_bytes: int) -> tuple[ObjectMeta, bytes | None]:
+    def open(self, path: CachePath, head_bytes: int,
+             adopt: Callable[[ObjectMeta, bytes], bool] | None = None) -> tuple[ObjectMeta, bytes | None]:
         """Metadata for a read, plus the object's first ``head_bytes`` when they came for free.
 
         On a cold S3 object this is one GET where info() then read() would be a HEAD and a GET:
-        half the requests for a small object, which is what cold epochs are made of.
+        half the requests for a small object, which is what cold epochs are made of. Callers
+        opening the same object at once (a read and a hinted load, say) share one request:
+        the first one's ``adopt`` takes the head bytes (the page reader) before the others go
+        on, so they find its pages in flight; with ``adopt`` the head is returned only to the
+        caller whose ``adopt`` took it.
         """
         cached = self._meta.get(path)
         if cached is not None:
             return cached, None
+        with self._open_lock:
+            shared = self._opening.get(path)
+            leader = shared is None
+            if leader:
+                shared = self._opening[path] = Future()
+            else:
+                self.opens_joined += 1
+        if not leader:
+            try:  # the first caller's answer, its error included (asked at the same moment)
+                return shared.result(timeout=OPEN_JOIN_SECONDS)[0], None
+            except FutureTimeout:  # a store this slow: ask on our own
+                return self.info(path), None
+        try:
+            meta, head = self._open_uncached(path, head_bytes)
+            if adopt is not None:
+                head = head if head is not None and not meta.is_dir and adopt(meta, head) else None
+            # Known only now: a caller arriving before the pages were adopted would fetch them.
+            self._remember(path, meta)
+        except BaseException as exc:
+            shared.set_exception(exc)
+            raise
+        else:
+            shared.set_result((meta, head))
+        finally:
+            with self._open_lock:
+                self._opening.pop(path, None)
+        return meta, head
+
+    def _open_uncached(self, path: CachePath, head_bytes: int) -> tuple[ObjectMeta, bytes | None]:
         resolved = self.mounts.resolve(path)
         try:
             with self._call(path, "read"):
+                self._count("open")
                 (size, version, mtime, is_dir), head = self._backend(resolved).head_read(
                     resolved.fs, resolved.store_path, head_bytes)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such object") from exc
         meta = ObjectMeta(path, size, version, mtime, is_dir)
-        self._remember(path, meta)
         if head is not None and len(head) != min(size, head_bytes):
             head = None  # not what we asked for: fetch normally
         return meta, head
@@ -244,6 +292,7 @@ class ObjectStore:
         fs = resolved.fs
         try:
             with self._call(path, "listing"):
+                self._count("list")
                 if recursive:
                     raw = list(fs.find(resolved.store_path, detail=True, withdirs=False).values())
                 else:
@@ -271,6 +320,7 @@ class ObjectStore:
         resolved = self.mounts.resolve(meta.path)
         try:
             with self._call(meta.path, "read"):
+                self._count("read")
                 return self._backend(resolved).read(resolved.fs, resolved.store_path, start, end, meta.version)
         except (StaleObjectError, FileNotFoundError):
             self._meta.pop(meta.path)  # the next reader asks the store afresh
@@ -284,6 +334,7 @@ class ObjectStore:
         resolved = self.mounts.resolve(meta.path)
         try:
             with self._call(meta.path, "read"):
+                self._count("read")
                 self._backend(resolved).read_pieces(resolved.fs, resolved.store_path, start, sizes, meta.version,
                                                     deliver)
         except (StaleObjectError, FileNotFoundError):

@@ -80,6 +80,7 @@ class Worker:
                                    stale_grace=config.metadata_stale_grace)
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size)
         self.objects.on_fetched = self._on_fetched
+        self.objects.on_request = lambda kind: self.metrics.store_requests.labels(kind).inc()
         self.metrics.watch_page_store(self.pages.stats)
         self.metrics.watch_raw_servers(lambda: {"short_circuit": self.short_circuit,
                                                 "data_port": self.data_port_server})

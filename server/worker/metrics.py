@@ -142,6 +142,12 @@ class WorkerMetrics:
             "Fetched pages served but not cached because too many bytes were waiting for the disk.",
             registry=r,
         )
+        self.store_requests = Counter(
+            "cachefs_worker_store_requests",
+            "Requests sent to the object store by kind: info (HEAD), open (one GET bringing the metadata and the "
+            "first pages of a cold object, shared by callers opening it at once), read (a ranged GET of a page "
+            "run), list.",
+            ["kind"], registry=r)
         self.store_errors = Counter("cachefs_worker_store_errors", "Failed object-store fetches.", registry=r)
         self.store_unavailable = Counter(
             "cachefs_worker_store_unavailable",

@@ -81,9 +81,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if head_bytes > 0 and not version and not self.pages.holds_object(path.mount, path.key):
             # Nothing of it cached: one GET can bring the metadata and the first pages together.
             # (If pages are cached, a metadata-only request is cheaper than refetching a page.)
-            meta, head = self.objects.open(path, head_bytes)
-            if head is not None:
-                self.reader.adopt(meta, head)
+            meta, _head = self.objects.open(path, head_bytes, adopt=self.reader.adopt)
         else:
             meta = self.objects.info(path)
         if version and meta.version != version:
