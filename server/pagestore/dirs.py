@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 INDEX_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 INDEX_SETTINGS: dict[str, Any] = {
     "eviction_policy": "none",
+    "cull_limit": 0,  # nothing expires: no search for expired rows on every set (92 -> 75 us a set here)
     "sqlite_journal_mode": "wal",
     "sqlite_synchronous": 1,
     "statistics": 0,
