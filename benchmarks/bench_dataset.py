@@ -17,7 +17,9 @@ files. Each loader reads a cold epoch and a warm one, with DataLoader workers 0 
 * ``cachefs-map``: ``CacheDataset`` over the per-sample objects through one worker process;
 * ``cachefs-tar``: ``CacheIterableDataset`` over the tar shards through the same worker.
 Cold cachefs epochs start from an empty cache (the worker's ``Free``). Every epoch checks that
-each sample came exactly once. Then the data-stall share: a warm epoch with a simulated step of
+each sample came exactly once, and records CPU seconds: the loader's own (this process, its
+DataLoader workers, and for cachefs the worker process) and the store's (moto), also per GB read;
+for cachefs the worker's store requests by kind and bytes fetched. Then the data-stall share: a warm epoch with a simulated step of
 2x the sample's read time (``time.sleep``, as a GPU step leaves the CPU free) per batch.
 
 ``--delay-ms D`` puts moto D ms away each way (benchmarks/netem.py: a network namespace + veth +
@@ -168,9 +170,26 @@ def epoch(loader: DataLoader, n: int, step: float = 0.0) -> dict[str, Any]:
             "stall_share_after_first_batch": round(steady, 4) if steady is not None else None}
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used; 0.0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and of its children that have exited (DataLoader workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, tmp: str) -> None:
         self.args, self.tmp = args, tmp
+        self.store_pid = self.worker_pid = 0
         self.n, self.size, self.batch = args.samples, args.size, args.batch_size
         self.results: list[dict[str, Any]] = []
 
@@ -219,6 +238,7 @@ class Bench:
         proc = worker_process({}, os.path.join(self.tmp, "cache"), quota="8GiB", env=env,
                               log_path=os.path.join(self.tmp, "worker.log"), extra=["--config", config])
         proc.start(timeout=60)
+        self.worker_pid = proc.pid
         try:
             self.metrics_url = f"http://127.0.0.1:{proc.ready['metrics_port']}/metrics"
             yield proc.address
@@ -237,6 +257,19 @@ class Bench:
                 if name.startswith(WORKER_COUNTERS):
                     out[name.removeprefix("cachefs_worker_").replace('"', "")] = float(value)
         return out
+
+    def cpu(self, loader: str) -> tuple[float, float, float]:
+        """(this process tree's, the cachefs worker's, the store's) CPU seconds so far."""
+        worker = process_cpu(self.worker_pid) if loader.startswith("cachefs") else 0.0
+        return own_cpu(), worker, process_cpu(self.store_pid) if self.store_pid else 0.0
+
+    def cpu_row(self, loader: str, before: tuple[float, float, float], n: int) -> dict[str, float]:
+        """An epoch's CPU: the loader's own (client + DataLoader workers + the cachefs worker) and the
+        store's (moto), in seconds and per GB read."""
+        own, worker, store = (a - b for a, b in zip(self.cpu(loader), before))
+        gb = n * self.size / 1e9
+        return {"loader_s": round(own + worker, 3), "cachefs_worker_s": round(worker, 3), "store_s": round(store, 3),
+                "loader_s_per_gb": round((own + worker) / gb, 2), "store_s_per_gb": round(store / gb, 2)}
 
     @staticmethod
     def free(address: str, prefix: str) -> None:
@@ -305,7 +338,9 @@ class Bench:
                     row = {"loader": name, "num_workers": w, "phase": phase}
                     try:
                         before = self.counters() if name.startswith("cachefs") else None
+                        cpu = self.cpu(name)
                         row.update(epoch(make(w), n))
+                        row["cpu"] = self.cpu_row(name, cpu, n)
                         if before is not None:  # e.g. store bytes in a warm epoch: not warm after all
                             row["worker"] = {k: v - before.get(k, 0.0) for k, v in self.counters().items()
                                              if v != before.get(k, 0.0)}
@@ -354,6 +389,9 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["stall_share after the first batch (DataLoader start-up excluded)"] = {
         f"{r['loader']} workers={r['num_workers']}": r.get("stall_share_after_first_batch")
         for r in results if r["phase"] == "warm+step"}
+    out["CPU s per GB of a cold epoch, loader's own / store's (moto)"] = {
+        f"{r['loader']} workers={r['num_workers']}": f"{r['cpu']['loader_s_per_gb']} / {r['cpu']['store_s_per_gb']}"
+        for r in results if r["phase"] == "cold" and "cpu" in r}
     return out
 
 
@@ -424,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                          "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
                 os.environ[k] = v  # streaming's and the connector's own S3 clients read these
             bench = Bench(args, tmp)
+            bench.store_pid = moto.store_pid
             bench.setup(moto)
             with bench.worker() as address:
                 bench.run(address)

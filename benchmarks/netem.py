@@ -135,6 +135,7 @@ class Endpoint:
     rtt_ms: float | None = None  # measured: median time of one GET (moto closes connections: ~2 RTT)
     mode: str = "loopback"  # "netem", "proxy" or "loopback"
     netns: str = ""  # the namespace moto runs in (netem mode)
+    store_pid: int = 0  # moto's process (its CPU is the store's, reported apart from the loaders')
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options for this endpoint (fake credentials)."""
@@ -378,7 +379,7 @@ def _netem(stack: contextlib.ExitStack, delay_ms: float, python: str, env: dict[
         stack.enter_context(attempt.pop_all())
     return Endpoint(url, float(delay_ms), f"moto in netns {v.netns} behind veth {v.host} ({v.host_ip} <-> "
                     f"{v.peer_ip}/30) + tc netem delay {delay_ms:g}ms on both ends (RTT {2 * delay_ms:g} ms set; "
-                    f"one GET {rtt} ms measured)", rtt, "netem", v.netns)
+                    f"one GET {rtt} ms measured)", rtt, "netem", v.netns, proc.pid)
 
 
 def _loopback(stack: contextlib.ExitStack, delay_ms: float, why: str, python: str, env: dict[str, str],
@@ -390,11 +391,13 @@ def _loopback(stack: contextlib.ExitStack, delay_ms: float, why: str, python: st
     _wait_answers(url, timeout)
     if delay_ms <= 0:
         rtt = measure_rtt(url)
-        return Endpoint(url, 0.0, f"loopback, no delay: {why} (one GET {rtt} ms measured)", rtt, "loopback")
+        return Endpoint(url, 0.0, f"loopback, no delay: {why} (one GET {rtt} ms measured)", rtt, "loopback",
+                        store_pid=proc.pid)
     proxy, pport = _start([python, "-c", _PROXY_MAIN, "127.0.0.1", str(port), str(delay_ms / 1000)], env, timeout)
     stack.callback(_stop, proxy)
     url = f"http://127.0.0.1:{pport}"
     _wait_answers(url, timeout)
     rtt = measure_rtt(url)
     return Endpoint(url, float(delay_ms), f"moto on loopback behind a userspace TCP delay proxy, {delay_ms:g} ms "
-                    f"each way (RTT {2 * delay_ms:g} ms set; one GET {rtt} ms measured); {why}", rtt, "proxy")
+                    f"each way (RTT {2 * delay_ms:g} ms set; one GET {rtt} ms measured); {why}", rtt, "proxy",
+                    store_pid=proc.pid)
