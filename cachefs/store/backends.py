@@ -230,5 +230,7 @@ def _backend_for(fs: fsspec.AbstractFileSystem) -> _Backend:
     if isinstance(fs, LocalFileSystem):
         return _LocalBackend()
     if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        return _S3Backend()
+        from cachefs.store.native import native_backend_for  # here: it builds on this module
+
+        return native_backend_for(fs) or _S3Backend()
     return _Backend()

@@ -1,0 +1,111 @@
+"""S3 data reads through obstore (cachefs/store/native.py) against a real S3 endpoint (moto):
+the same contract as the s3fs backend (pinned to the version, errors as the worker expects),
+and the mounts it must leave to s3fs."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+
+from cachefs.errors import StaleObjectError, StoreUnavailableError
+from cachefs.mounts import MountSpec, MountTable
+from cachefs.paths import CachePath
+from cachefs.store import native
+from cachefs.store.backends import _S3Backend
+from cachefs.store.health import StoreBreaker
+from cachefs.store.objects import ObjectStore
+from helpers import payload
+
+pytestmark = pytest.mark.skipif(native.obstore is None, reason="obstore is not installed (cachefs[native])")
+
+
+def _objects(s3_store) -> ObjectStore:
+    return ObjectStore(MountTable([s3_store.mount]), metadata_ttl=60)
+
+
+def _backend(objects: ObjectStore, path: CachePath):
+    return objects._backend(objects.mounts.resolve(path))
+
+
+def test_s3_mounts_read_natively_pinned_to_the_version(s3_store):
+    data = payload(3 * (1 << 20) + 5, 1)
+    s3_store.add("big.bin", data)
+    objects = _objects(s3_store)
+    path = CachePath("data", "big.bin")
+    assert isinstance(_backend(objects, path), native.NativeS3Backend)
+    meta, head = objects.open(path, 1 << 20)  # one GET: metadata and the first page
+    assert (meta.size, head) == (len(data), data[:1 << 20])
+    assert meta.version == objects.info(path, refresh=True).version  # the same ETag s3fs sees
+    assert objects.read(meta, 7, 70_000) == data[7:70_000]
+    pieces: dict[int, bytes] = {}
+    objects.read_pieces(meta, 1 << 20, [1 << 20, 1 << 20, 5], pieces.__setitem__)
+    assert b"".join(pieces[i] for i in range(3)) == data[1 << 20:]
+    with pytest.raises(StaleObjectError):  # a stream shorter than asked is never taken as whole
+        objects.read_pieces(meta, 3 << 20, [5, 10], {}.__setitem__)
+    s3_store.add("big.bin", payload(len(data), 2))  # changed in the store
+    with pytest.raises(StaleObjectError):
+        objects.read(meta, 0, 10)
+    with pytest.raises(StaleObjectError):
+        objects.read_pieces(meta, 0, [10], pieces.__setitem__)
+
+
+def test_what_a_get_cannot_tell_is_left_to_s3fs(s3_store):
+    s3_store.add("d/empty.bin", b"")
+    s3_store.add("d/x.bin", b"x")
+    objects = _objects(s3_store)
+    meta, head = objects.open(CachePath("data", "d/empty.bin"), 1 << 20)
+    assert (meta.size, meta.is_dir, head) == (0, False, None)
+    meta, head = objects.open(CachePath("data", "d"), 1 << 20)
+    assert meta.is_dir and head is None
+    with pytest.raises(FileNotFoundError):
+        objects.open(CachePath("data", "d/missing.bin"), 1 << 20)
+    meta = objects.info(CachePath("data", "d/x.bin"))
+    s3_store.delete("d/x.bin")
+    with pytest.raises(FileNotFoundError):
+        objects.read(meta, 0, 1)
+
+
+def test_an_unreachable_store_trips_the_breaker_quickly(aws_env, dead_port):
+    mounts = MountTable([MountSpec("m", "s3://bucket/root", {"endpoint_url": f"http://127.0.0.1:{dead_port}",
+                                                            "key": "k", "secret": "s"})])
+    objects = ObjectStore(mounts, breaker=StoreBreaker(threshold=2, cooldown=30.0))
+    assert isinstance(_backend(objects, CachePath("m", "k")), native.NativeS3Backend)
+    timings = []
+    for i in range(3):
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailableError):
+            objects.open(CachePath("m", f"k{i}"), 1 << 20)
+        timings.append(time.monotonic() - t0)
+    assert max(timings) < 5.0, timings
+    assert objects.breaker.open_mounts() == ["m"]
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"key": "a", "secret": "b", "token": "t", "endpoint_url": "http://127.0.0.1:9000",
+      "client_kwargs": {"region_name": "eu-west-1"}, "skip_instance_cache": True},
+     {"access_key_id": "a", "secret_access_key": "b", "session_token": "t", "endpoint": "http://127.0.0.1:9000",
+      "virtual_hosted_style_request": False, "client_options": {"allow_http": True}, "region": "eu-west-1",
+      "retry_config": {"max_retries": 1, "retry_timeout": datetime.timedelta(seconds=30)}}),
+    ({"anon": True, "config_kwargs": {"connect_timeout": 3, "read_timeout": 60,
+                                      "retries": {"max_attempts": 4, "mode": "standard"}}},
+     {"skip_signature": True, "client_options": {"connect_timeout": "3s", "timeout": "60s"},
+      "retry_config": {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=30)}}),
+    # credentials and region from the environment, as the AWS SDKs take them
+    ({}, {"retry_config": {"max_retries": 1, "retry_timeout": datetime.timedelta(seconds=30)}}),
+    ({"profile": "training"}, None),  # named profiles: s3fs
+    ({"key": "a", "secret": "b", "config_kwargs": {"max_pool_connections": 50}}, None),
+    ({"client_kwargs": {"region_name": "x", "verify": False}}, None),
+    ({"requester_pays": True}, None),
+])
+def test_mount_options_translate_or_keep_s3fs(options, expected):
+    assert native.store_options(options) == expected
+
+
+def test_a_mount_whose_options_do_not_translate_reads_through_s3fs(aws_env):
+    mounts = MountTable([MountSpec("m", "s3://bucket", {"key": "k", "secret": "s", "profile": "nope",
+                                                        "endpoint_url": "http://127.0.0.1:1"})])
+    objects = ObjectStore(mounts)
+    backend = _backend(objects, CachePath("m", "k"))
+    assert type(backend) is _S3Backend
