@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from cachefs.addresses import split_address
 from cachefs.client.dataport import DataPortReader
-from cachefs.client.shortcircuit import ShortCircuitReader
+from cachefs.client.shortcircuit import Prepared, ShortCircuitReader
 from cachefs.localhost import host_id
 from cachefs.proto import worker_pb2
 
@@ -31,6 +31,16 @@ PROBE_RETRY = 60.0  # seconds before asking a worker again which paths it offers
 #: much (plus the transfer's own time at min_throughput), never the gRPC deadline.
 SOCKET_TIMEOUT = 5.0
 _HOST_ID = host_id()
+#: Seconds before asking again a worker that was away (refused, socket gone, gRPC unavailable).
+AWAY_RETRY = 2.0
+
+
+def _worker_away(exc: BaseException) -> bool:
+    """The worker is not there right now (restarting, stopped), as opposed to slow or broken."""
+    if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)):
+        return True
+    code = getattr(exc, "code", None)
+    return callable(code) and getattr(code(), "name", "") == "UNAVAILABLE"
 
 
 class Reader(Protocol):
@@ -81,13 +91,15 @@ class BulkPaths:
         known = self._readers.get(handle.address)
         if known is not None and (known[0] is not None or time.monotonic() - known[1] < PROBE_RETRY):
             return known[0]
-        reader = None
+        reader, since = None, time.monotonic()
         try:
             reader = self._probe(handle)
         except Exception as exc:  # an old worker, an unreachable one: gRPC only
             log.debug("probe of %s for lean read paths failed: %s", handle.address, exc)
+            if _worker_away(exc):
+                since -= PROBE_RETRY - AWAY_RETRY
         with self._lock:
-            self._readers[handle.address] = (reader, time.monotonic())
+            self._readers[handle.address] = (reader, since)
         return reader
 
     def read(self, path: str, offset: int, length: int, version: str,
@@ -110,13 +122,16 @@ class BulkPaths:
             got = reader.read(path, offset, length, version, out)
         except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
             stats["errors"] += 1
+            # A wedged socket is given up on for a while; a worker that is away (restarting: its
+            # socket refused or gone) is asked again soon, as its gRPC port will be.
+            since = time.monotonic() - (PROBE_RETRY - AWAY_RETRY if _worker_away(exc) else 0.0)
             with self._lock:
-                self._readers[handle.address] = (None, time.monotonic())
+                self._readers[handle.address] = (None, since)
                 first = handle.address not in self._warned
                 self._warned.add(handle.address)
             log.log(logging.WARNING if first else logging.DEBUG,
                     "%s read from %s failed (%s: %s); reading through gRPC for %.0f s", reader.kind,
-                    handle.address, type(exc).__name__, exc, PROBE_RETRY)
+                    handle.address, type(exc).__name__, exc, PROBE_RETRY - (time.monotonic() - since))
             with contextlib.suppress(Exception):
                 reader.close()
             got = None
@@ -152,9 +167,10 @@ class BulkPaths:
                     stats["bytes"] += one[0]
         return results
 
-    def prepare(self, ranges: list[tuple[str, int, int, str]]) -> int:
+    def prepare(self, ranges: list[tuple[str, int, int, str]], fill: bool = True) -> Prepared:
         """Get the page handles of many ranges ahead of their reads, one message per local
-        worker; returns how many ranges are now held here (their reads need no message at all).
+        worker (``fill``: cold ranges fetched into its page store first); returns how many ranges
+        are now held here (their reads need no message at all) and how many were filled.
         Ranges whose first placed worker is not on this host are left to their reads."""
         by_reader: dict[int, tuple[Any, list[tuple[str, int, int, str]]]] = {}
         for r in ranges:
@@ -165,13 +181,15 @@ class BulkPaths:
             if reader is None or not hasattr(reader, "prepare"):
                 continue
             by_reader.setdefault(id(reader), (reader, []))[1].append(r)
-        ready = 0
+        ready = filled = 0
         for reader, wanted in by_reader.values():
             try:
-                ready += reader.prepare(wanted)
+                got = reader.prepare(wanted, fill)
             except Exception as exc:  # noqa: BLE001 - only a hint: the reads find their own way
                 log.debug("preparing %d ranges failed: %s", len(wanted), exc)
-        return ready
+                continue
+            ready, filled = ready + got.held, filled + got.filled
+        return Prepared(ready, filled)
 
     def info(self, path: str, fetch: int = 0) -> tuple[int, str, float] | None:
         """(size, version, mtime) of a cached file as a worker on this host vouched for it (and,

@@ -39,6 +39,7 @@ from cachefs.client.forksafe import ProcessLocal
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import EpochPlan
+from cachefs.client.shortcircuit import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +364,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         if pending is not None:
             future, asked = pending
             try:
-                uncached = future.result(timeout=self.timeout) < asked
+                got = future.result(timeout=self.timeout)
+                uncached = got.held < asked or got.filled > 0
             except Exception:  # noqa: BLE001 - only a hint that the handles are there
                 uncached = True
         samples = [self.plan.sample(p) for p in positions]
@@ -375,12 +377,14 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         got = session.read_held([(cp, out.numpy()) for cp, out in zip(paths, outs)])
         missing = [i for i, g in enumerate(got) if g is None]
         if missing:
-            # Not held yet (the first read in this process, or dropped): one message for them all.
-            # Mostly not cached at all (a cold epoch): the prefetcher reads them concurrently.
-            not_cached = len(missing) - self._prepare(parts, [samples[i] for i in missing])
+            # Not held yet (the first read in this process, or dropped): one message for them all;
+            # cold ones are fetched into the worker's cache first (fill), all at once. If the
+            # worker could not (busy, a store error), the prefetcher reads them through gRPC.
+            prepared = self._prepare(parts, [samples[i] for i in missing])
+            not_cached = len(missing) - prepared.held
             if 4 * not_cached > len(samples):
                 return None
-            uncached = uncached or not_cached > 0
+            uncached = uncached or not_cached > 0 or prepared.filled > 0
             for i, g in zip(missing, session.read_held([(paths[i], outs[i].numpy()) for i in missing])):
                 got[i] = g
         following = [self.plan.sample(p) for p in itertools.islice(upcoming, len(positions))]
@@ -399,12 +403,12 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             self._hint(upcoming)
         return out
 
-    def _prepare(self, parts: ProcessParts, samples: list[int]) -> int:
+    def _prepare(self, parts: ProcessParts, samples: list[int]) -> Prepared:
         ranges = []
         for s in samples:
             cp = self._cache_path(parts, s)
             if cp is None:
-                return 0
+                return Prepared(0, 0)
             ranges.append((cp, 0, int(self.sizes[s])))
         return parts.fs.session.prepare(ranges)
 

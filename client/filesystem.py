@@ -190,10 +190,11 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         length = -1 if end is None else max(0, end - offset)
         return self.session.read(cp, offset, length, version)[0]
 
-    def prepare(self, ranges: Iterable[tuple[str, int, int | None]]) -> int:
+    def prepare(self, ranges: Iterable[tuple[str, int, int | None]], fill: bool = True) -> int:
         """Get ready to read ranges ``(path, start, end)`` (end None: to the object's end): the
-        page handles of those cached on a worker on this host come in one message per worker,
-        and their reads then need no message at all. Returns how many are held; only a hint."""
+        page handles of those on a worker on this host come in one message per worker (cold ones
+        fetched into its cache first, all at once, unless ``fill`` is False), and their reads
+        then need no message at all. Returns how many are held; only a hint."""
         wanted = []
         for path, start, end in ranges:
             if start is None:
@@ -203,7 +204,7 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
             cp = self._path(path)
             if cp is not None:
                 wanted.append((cp, start, -1 if end is None else max(0, end - start)))
-        return self.session.prepare(wanted) if wanted else 0
+        return self.session.prepare(wanted, fill).held if wanted else 0
 
     def cat_ranges(self, paths: list[str], starts: Any, ends: Any, max_gap: Any = None, on_error: str = "return",
                    **kwargs: Any) -> list[Any]:

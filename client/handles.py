@@ -203,7 +203,19 @@ class HandleCache:
             obj = self._objects.get(path)
             if obj is None or obj.until <= time.monotonic():
                 return None
-            return obj.size, obj.version, obj.mtime
+            # Vouched for only while a page of it that we hold is still the worker's: a removed or
+            # rewritten object's pages are dropped there (their slots bumped), and so is this.
+            table, ps = self.table, self.page_size
+            for start in range(0, min(max(obj.size, 1), 64 * ps), ps) if ps else ():
+                page = self._pages.get((path, obj.version, start))
+                if page is None:
+                    continue
+                if table is not None and table.valid(page.slot, page.generation):
+                    return obj.size, obj.version, obj.mtime
+                self.stats["dropped_invalid"] += 1
+                self._drop_locked(page)
+                return None
+            return None
 
     def add(self, path: str, size: int, version: str, valid_ms: int, pages: list[Page], mtime: float = 0.0) -> None:
         """Keep the holdable pages of a reply (each arrives referenced once by its reader)."""

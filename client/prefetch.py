@@ -118,7 +118,11 @@ class Prefetcher(forksafe.ForkHook):
             self.in_flight_bytes -= size
 
     def _drop(self, key: Hashable) -> None:
-        future, size = self._entries.pop(key)
+        # A fork's drain (another thread) may drop what the reading thread is dropping too.
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        future, size = entry
         self.stats["dropped"] += 1
         if future.cancel():
             self._release(size)
@@ -170,7 +174,7 @@ class Prefetcher(forksafe.ForkHook):
             if len(window) >= self.max_depth:
                 break
         keep = set(window)
-        for stale in [k for k in self._entries if k != key and k not in keep]:
+        for stale in [k for k in list(self._entries) if k != key and k not in keep]:
             self._drop(stale)
         entry = self._entries.pop(key, None)
         self._top_up(window)

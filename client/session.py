@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 
 from cachefs.client.bulkpaths import BulkPaths
+from cachefs.client.shortcircuit import Prepared
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
 from cachefs.client.view import ViewWatcher
@@ -288,6 +289,7 @@ class ClientSession:
                 n = len(data)
             else:
                 n, size, version = len(got[0]), got[1], got[2]
+                self._learn_mounts(state)  # (a worker answered: as in call)
             pos += n
             if n < want or pos >= min(end, size):
                 break
@@ -304,6 +306,7 @@ class ClientSession:
         if bulk and state.bulk.enabled:  # cached bytes: page files or the data port, not gRPC messages
             got = state.bulk.read(str(cp), offset, length, version)
             if got is not None:
+                self._learn_mounts(state)  # (a worker answered: as in call)
                 return got
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
         timeout = self.read_timeout(length)
@@ -353,14 +356,16 @@ class ClientSession:
         """The deadline of a read of ``length`` bytes: the RPC timeout plus time at min_throughput."""
         return self.config.timeout + max(0, length) / self.config.min_throughput
 
-    def prepare(self, ranges: Iterable[tuple[CachePath, int, int]]) -> int:
+    def prepare(self, ranges: Iterable[tuple[CachePath, int, int]], fill: bool = True) -> Prepared:
         """Ask the workers on this host, once each, for the page handles of ranges
         ``(path, offset, length)`` about to be read; returns how many are now held, so that
-        their reads go to no worker at all (client/handles.py). 0 without such a worker."""
+        their reads go to no worker at all (client/handles.py), and how many of those the worker
+        fetched from the store first (``fill``: cold ranges are cached, then handed out, so
+        their bytes never cross gRPC). (0, 0) without such a worker."""
         state = self._state.get()
         if not state.bulk.enabled:
-            return 0
-        return state.bulk.prepare([(str(cp), offset, length, "") for cp, offset, length in ranges])
+            return Prepared(0, 0)
+        return state.bulk.prepare([(str(cp), offset, length, "") for cp, offset, length in ranges], fill)
 
     def read_held(self, reads: list[tuple[CachePath, Any]]) -> list[tuple[int, int] | None]:
         """Objects read whole into buffers ``(path, out)`` through page handles this process

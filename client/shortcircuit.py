@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -37,6 +37,14 @@ _BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_
 # is read through gRPC for this long, with no second message asking again first.
 NOT_CACHED_SECONDS = 0.5
 _NOT_CACHED_MAX = 4096
+
+
+class Prepared(NamedTuple):
+    """What a prepare got: ranges whose page handles are now held here, and how many of them the
+    worker had to fetch from the store first (cold: reads further ahead are worth a hint)."""
+
+    held: int
+    filled: int
 
 
 class ShortCircuitReader:
@@ -90,15 +98,23 @@ class ShortCircuitReader:
             return message, fds
         raise AssertionError("unreachable")
 
-    def request(self, ranges: list[tuple[str, int, int, str]],
-                ahead: bool = False) -> list[tuple[int, str, list[Page]] | None]:
+    def request(self, ranges: list[tuple[str, int, int, str]], ahead: bool = False,
+                fill: bool = True) -> list[tuple[int, str, list[Page]] | None]:
         """Ask for several ranges in one message; per range, (size, version, pages referenced:
         ``self.handles.release`` them after reading) or None (not served here: use gRPC).
-        ``ahead``: handles for reads to come (the worker counts those reads when reported)."""
+        ``ahead``: handles for reads to come (the worker counts those reads when reported).
+        ``fill``: what is not cached is fetched into the worker's page store first (a cold read
+        on this host takes no bytes through gRPC; server/worker/fill.py)."""
+        return self._request(ranges, ahead, fill)[0]
+
+    def _request(self, ranges: list[tuple[str, int, int, str]], ahead: bool,
+                 fill: bool) -> tuple[list[tuple[int, str, list[Page]] | None], int]:
+        """``request``'s results, and how many ranges the worker filled from the store for it."""
+        filled = 0
         hello = self._want_hello and not self.handles.usable()
         touched, touched_bytes = self.handles.take_touched()
         request = shortcircuit_pb2.ShortCircuitRequest(
-            ranges=[shortcircuit_pb2.RangeRequest(path=p, offset=o, length=n, version=v, ahead=ahead)
+            ranges=[shortcircuit_pb2.RangeRequest(path=p, offset=o, length=n, version=v, ahead=ahead, fill=fill)
                     for p, o, n, v in ranges],
             token=self.token, hello=hello, touched=touched, touched_bytes=touched_bytes)
         message, fds = self._exchange(request)
@@ -107,16 +123,16 @@ class ShortCircuitReader:
             reply.ParseFromString(message)
             if reply.refused:
                 log.debug("short-circuit request refused: %s", reply.message)
-                return [None] * len(ranges)
+                return [None] * len(ranges), 0
             pos = 0
             if hello and reply.instance:
                 if not fds:
-                    return [None] * len(ranges)
+                    return [None] * len(ranges), 0
                 self._attach(fds[0], reply)
                 pos = 1
             results: list[tuple[int, str, list[Page]] | None] = []
             for i, got in enumerate(reply.ranges):
-                if ahead and got.code == RangeReply.NOT_CACHED:
+                if got.code == RangeReply.NOT_CACHED:
                     self._note_not_cached(ranges[i][0])
                 n = len(got.page_offsets) if got.code == RangeReply.OK else 0
                 if got.code != RangeReply.OK or pos + n > len(fds) or len(got.slots) not in (0, n):
@@ -132,10 +148,11 @@ class ShortCircuitReader:
                     fds[pos] = -1  # owned by its Page from here
                     pos += 1
                 results.append((got.info.size, got.info.version, pages))
+                filled += got.filled
                 path = ranges[len(results) - 1][0]
                 self.handles.add(path, got.info.size, got.info.version, got.valid_ms, pages, got.info.mtime)
             results.extend([None] * (len(ranges) - len(results)))
-            return results
+            return results, filled
         finally:
             for fd in fds:
                 if fd >= 0:
@@ -208,9 +225,10 @@ class ShortCircuitReader:
             self.report()
         return results
 
-    def prepare(self, ranges: list[tuple[str, int, int, str]]) -> int:
+    def prepare(self, ranges: list[tuple[str, int, int, str]], fill: bool = True) -> Prepared:
         """Fetch handles for the ranges not held yet, in as few messages as the descriptor bound
-        allows, so that the reads after it find them held; returns how many are now held."""
+        allows, so that the reads after it find them held (``fill``: cold ranges are fetched into
+        the worker's page store first); returns how many are now held, and how many were filled."""
         missing = []
         for r in ranges:
             found = self.handles.lookup(*r, read=False)
@@ -219,14 +237,16 @@ class ShortCircuitReader:
             else:
                 self.handles.release(found[2])
         if not missing or not self._want_hello:
-            return len(ranges) - len(missing)
-        ready = len(ranges) - len(missing)
+            return Prepared(len(ranges) - len(missing), 0)
+        ready, filled = len(ranges) - len(missing), 0
         for i in range(0, len(missing), _BATCH_RANGES):
-            for got in self.request(missing[i:i + _BATCH_RANGES], ahead=True):
+            results, n_filled = self._request(missing[i:i + _BATCH_RANGES], True, fill)
+            filled += n_filled
+            for got in results:
                 if got is not None:
                     ready += 1
                     self.handles.release(got[2])
-        return ready
+        return Prepared(ready, filled)
 
     def info(self, path: str, fetch: int = 0) -> tuple[int, str, float] | None:
         """(size, version, mtime) of a cached file from what the worker handed out with its pages;

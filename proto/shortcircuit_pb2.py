@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cachefs.proto import common_pb2 as cachefs_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cachefs/proto/shortcircuit.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"\\\n\x0cRangeRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05\x61head\x18\x05 \x01(\x08\"\x85\x01\n\x13ShortCircuitRequest\x12(\n\x06ranges\x18\x01 \x03(\x0b\x32\x18.cachefs.v1.RangeRequest\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05hello\x18\x03 \x01(\x08\x12\x0f\n\x07touched\x18\x04 \x03(\r\x12\x15\n\rtouched_bytes\x18\x05 \x01(\x04\"\xfd\x01\n\nRangeReply\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.cachefs.v1.RangeReply.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\x14\n\x0cpage_offsets\x18\x04 \x03(\x03\x12\x14\n\x0cpage_lengths\x18\x05 \x03(\x03\x12\r\n\x05slots\x18\x06 \x03(\r\x12\x13\n\x0bgenerations\x18\x07 \x03(\x04\x12\x10\n\x08valid_ms\x18\x08 \x01(\r\"+\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x0e\n\nNOT_CACHED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\"\xa9\x01\n\x11ShortCircuitReply\x12&\n\x06ranges\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.RangeReply\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07refused\x18\x03 \x01(\x08\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x13\n\x0btable_slots\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x10\n\x08\x61nswered\x18\x07 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cachefs/proto/shortcircuit.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"j\n\x0cRangeRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05\x61head\x18\x05 \x01(\x08\x12\x0c\n\x04\x66ill\x18\x06 \x01(\x08\"\x85\x01\n\x13ShortCircuitRequest\x12(\n\x06ranges\x18\x01 \x03(\x0b\x32\x18.cachefs.v1.RangeRequest\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05hello\x18\x03 \x01(\x08\x12\x0f\n\x07touched\x18\x04 \x03(\r\x12\x15\n\rtouched_bytes\x18\x05 \x01(\x04\"\x8d\x02\n\nRangeReply\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.cachefs.v1.RangeReply.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\x14\n\x0cpage_offsets\x18\x04 \x03(\x03\x12\x14\n\x0cpage_lengths\x18\x05 \x03(\x03\x12\r\n\x05slots\x18\x06 \x03(\r\x12\x13\n\x0bgenerations\x18\x07 \x03(\x04\x12\x10\n\x08valid_ms\x18\x08 \x01(\r\x12\x0e\n\x06\x66illed\x18\t \x01(\x08\"+\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x0e\n\nNOT_CACHED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\"\xa9\x01\n\x11ShortCircuitReply\x12&\n\x06ranges\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.RangeReply\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07refused\x18\x03 \x01(\x08\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x13\n\x0btable_slots\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x10\n\x08\x61nswered\x18\x07 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachefs.proto.shortcircuit_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RANGEREQUEST']._serialized_start=76
-  _globals['_RANGEREQUEST']._serialized_end=168
-  _globals['_SHORTCIRCUITREQUEST']._serialized_start=171
-  _globals['_SHORTCIRCUITREQUEST']._serialized_end=304
-  _globals['_RANGEREPLY']._serialized_start=307
-  _globals['_RANGEREPLY']._serialized_end=560
-  _globals['_RANGEREPLY_CODE']._serialized_start=517
-  _globals['_RANGEREPLY_CODE']._serialized_end=560
-  _globals['_SHORTCIRCUITREPLY']._serialized_start=563
-  _globals['_SHORTCIRCUITREPLY']._serialized_end=732
+  _globals['_RANGEREQUEST']._serialized_end=182
+  _globals['_SHORTCIRCUITREQUEST']._serialized_start=185
+  _globals['_SHORTCIRCUITREQUEST']._serialized_end=318
+  _globals['_RANGEREPLY']._serialized_start=321
+  _globals['_RANGEREPLY']._serialized_end=590
+  _globals['_RANGEREPLY_CODE']._serialized_start=547
+  _globals['_RANGEREPLY_CODE']._serialized_end=590
+  _globals['_SHORTCIRCUITREPLY']._serialized_start=593
+  _globals['_SHORTCIRCUITREPLY']._serialized_end=762
 # @@protoc_insertion_point(module_scope)

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RangeRequest(_message.Message):
-    __slots__ = ("path", "offset", "length", "version", "ahead")
+    __slots__ = ("path", "offset", "length", "version", "ahead", "fill")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    FILL_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
     version: str
     ahead: bool
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    fill: bool
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., ahead: _Optional[bool] = ..., fill: _Optional[bool] = ...) -> None: ...
 
 class ShortCircuitRequest(_message.Message):
     __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes")
@@ -37,7 +39,7 @@ class ShortCircuitRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ...) -> None: ...
 
 class RangeReply(_message.Message):
-    __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms")
+    __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[RangeReply.Code]
@@ -54,6 +56,7 @@ class RangeReply(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     VALID_MS_FIELD_NUMBER: _ClassVar[int]
+    FILLED_FIELD_NUMBER: _ClassVar[int]
     code: RangeReply.Code
     message: str
     info: _common_pb2.ObjectInfo
@@ -62,7 +65,8 @@ class RangeReply(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     generations: _containers.RepeatedScalarFieldContainer[int]
     valid_ms: int
-    def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ...) -> None: ...
+    filled: bool
+    def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ...) -> None: ...
 
 class ShortCircuitReply(_message.Message):
     __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered")

@@ -312,6 +312,9 @@ def test_corrupted_and_truncated_page_files_under_a_worker_process(local_store, 
             else:
                 raw[len(raw) // 3] ^= 0xFF  # one bit pattern flipped in the payload
                 path.write_bytes(bytes(raw))
+        # A reader that has not read these pages yet (a held descriptor's page is checked once,
+        # when first read: docs/architecture.md, "Held handles"); the damage is found and repaired.
+        fs = client(worker.address)
         for _ in range(2):
             for key, data in local_store.objects.items():
                 assert fs.cat_file(f"data/{key}") == data

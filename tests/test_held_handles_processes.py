@@ -104,7 +104,10 @@ def test_four_readers_over_more_than_the_quota_while_the_worker_evicts(tmp_path)
     store.mkdir()
     objects = _objects(store, 48)  # ~6 MiB, the quota holds a third of it
     quota = 32 * (PAGE + TRAILER_SIZE)
-    with worker_process({"data": str(store)}, str(tmp_path / "cache"), quota=str(quota),
+    # Held pages may take half the quota (the most allowed; 1/8 by default): 16 pages here, so
+    # that handles are held at all beside pages that must still be evictable.
+    env = {**os.environ, "CACHEFS_WORKER_MAX_HELD_FRACTION": "0.5"}
+    with worker_process({"data": str(store)}, str(tmp_path / "cache"), quota=str(quota), env=env,
                         extra=_worker_args(ttl=2.0), log_path=str(tmp_path / "w.log")) as worker:
         port = worker.ready["metrics_port"]
         baseline_fds = _held_fds(worker.pid)

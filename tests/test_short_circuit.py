@@ -12,6 +12,7 @@ import pytest
 
 from cachefs.client.filesystem import CacheFileSystem
 from cachefs.localhost import MAX_PAGES, host_id
+from cachefs.paths import CachePath
 from cachefs.proto import shortcircuit_pb2, worker_pb2, worker_pb2_grpc
 from helpers import flip_page_bytes, page_files, payload, wait_for
 
@@ -68,7 +69,7 @@ def test_cached_reads_take_the_socket_and_return_the_same_bytes(store, make_work
     store.add("obj", data)
     worker = make_worker(store.mount, page_size=PAGE)
     fs = _fs(worker)
-    assert fs.cat_file("cachefs://data/obj") == data  # cold: through gRPC (fills the cache)
+    assert fs.cat_file("cachefs://data/obj") == data  # cold: filled by the worker, then handed out
     _settled(worker, "data/obj", len(data))
     reads = fs.session.bulk_stats["short_circuit"]["reads"]
     for start, end in [(0, None), (1, 2), (PAGE - 3, PAGE + 5), (PAGE, 3 * PAGE), (2 * PAGE + 9, None),
@@ -81,15 +82,44 @@ def test_cached_reads_take_the_socket_and_return_the_same_bytes(store, make_work
     assert worker.metrics.short_circuit_bytes._value.get() > 0 and totals["hits"] >= 6
 
 
+def test_cold_ranges_are_filled_by_the_worker_and_handed_out(local_store, make_worker):
+    """A cold read on the worker's host: the worker fetches the range into its page store and
+    answers with the page files; no byte of it crosses gRPC."""
+    data = payload(4 * PAGE + 5, 9)
+    local_store.add("obj", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    fs.info("cachefs://data/obj")  # probes the worker (gRPC): finds it local
+    metrics = worker.metrics
+
+    def through_grpc() -> float:  # bytes served other than over the short-circuit socket
+        return metrics.bytes_served._value.get() - metrics.short_circuit_bytes._value.get()
+
+    before = through_grpc()
+    assert fs.cat_file("cachefs://data/obj", 3, 3 * PAGE + 1) == data[3:3 * PAGE + 1]
+    assert fs.session.bulk_stats["short_circuit"] == {"reads": 1, "bytes": 3 * PAGE - 2, "fallbacks": 0, "errors": 0}
+    assert metrics.short_circuit_bytes._value.get() == 3 * PAGE - 2
+    assert through_grpc() == before  # nothing through gRPC
+    assert worker.filler.stats["ranges"] == 1 and worker.filler.stats["failed"] == 0
+    assert worker.pages.cached_bytes("data", "obj", worker.objects.info(CachePath("data", "obj")).version) \
+        >= 3 * PAGE  # the pages of that range (and what came with the first GET) in the page store
+    assert fs.cat_file("cachefs://data/obj") == data  # the rest filled in the same way
+    assert through_grpc() == before and worker.filler.stats["requests"] == 2
+
+
 def test_uncached_ranges_fall_back_to_grpc(local_store, make_worker):
+    """When the worker cannot fill a cold range (here: no filler, as when it is busy with other
+    fills), it answers NOT_CACHED and the read goes through gRPC."""
     data = payload(4 * PAGE, 2)
     local_store.add("obj", data)
     worker = make_worker(local_store.mount, page_size=PAGE)
+    worker.short_circuit.filler = None
     fs = _fs(worker)
     fs.info("cachefs://data/obj")  # the first read probes the worker, finds it local and asks the socket
     assert fs.cat_file("cachefs://data/obj") == data  # nothing cached: NOT_CACHED, then gRPC
     assert fs.session.bulk_stats["short_circuit"] == {"reads": 0, "bytes": 0, "fallbacks": 1, "errors": 0}
     _settled(worker, "data/obj", len(data))
+    fs.session._state.get().bulk._readers[worker.address][0]._not_cached.clear()  # its 0.5 s are over
     assert fs.cat_file("cachefs://data/obj") == data
     assert fs.session.bulk_stats["short_circuit"] == {"reads": 1, "bytes": len(data), "fallbacks": 1, "errors": 0}
 
@@ -111,7 +141,8 @@ def test_a_corrupt_page_is_never_served(local_store, make_worker, tmp_path):
     fs = _fs(worker)
     assert fs.cat_file("cachefs://data/obj") == data
     _settled(worker, "data/obj", len(data))
-    assert fs.cat_file("cachefs://data/obj") == data and fs.session.bulk_stats["short_circuit"]["reads"] == 1
+    # the cold read (filled by the worker) and this one: both short-circuit
+    assert fs.cat_file("cachefs://data/obj") == data and fs.session.bulk_stats["short_circuit"]["reads"] == 2
     assert flip_page_bytes(cache) >= 1  # a byte flipped in every page's payload
     # A process checks each page file once (page files are never changed in place: a rewrite is
     # a new file); a process that has not checked these pages yet finds them bad.
@@ -131,7 +162,7 @@ def test_the_socket_refuses_bad_requests_and_wrong_tokens(local_store, make_work
         assert wait_for(lambda: stub.GetCached(worker_pb2.GetCachedRequest(paths=["data/obj"]), timeout=10,
                                                metadata=[("x-cachefs-token", "s3cret")]).cached_bytes[0] == PAGE)
     assert ok.cat_file("cachefs://data/obj") == local_store.objects["obj"]
-    assert ok.session.bulk_stats["short_circuit"]["reads"] == 1
+    assert ok.session.bulk_stats["short_circuit"]["reads"] == 2  # cold (filled) and warm
     reply, fds = _ask(path, _request("data/obj", token="wrong"))
     assert reply.refused and "UNAUTHENTICATED" in reply.message and not reply.ranges and fds == []
     for bad in [dict(path="data/../etc/passwd"), dict(path="data/a\x00b"), dict(path="data/obj", offset=-1),
@@ -178,7 +209,7 @@ def test_a_restarted_worker_is_probed_again(local_store, make_worker, tmp_path):
     fs.cat_file("cachefs://data/obj")
     _settled(worker, "data/obj", PAGE)
     assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
-    assert fs.session.bulk_stats["short_circuit"]["reads"] == 1
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == 2  # cold (filled) and warm
     worker.short_circuit.stop()  # the socket goes away; gRPC still answers
     assert fs.cat_file("cachefs://data/obj") == local_store.objects["obj"]
 
@@ -199,7 +230,7 @@ def test_read_into_fills_the_callers_buffer(local_store, make_worker, short_circ
     tail = np.zeros(100, dtype=np.uint8)
     assert fs.read_into("cachefs://data/obj", tail, offset=3 * PAGE) == (5, len(data))  # short at the end
     assert tail[:5].tobytes() == data[3 * PAGE:]
-    assert fs.session.bulk_stats["short_circuit"]["reads"] == (2 if short_circuit else 0)
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == (3 if short_circuit else 0)  # cold one filled
 
 
 def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, make_worker, tmp_path):
@@ -214,8 +245,9 @@ def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, ma
     _settled(worker, "data/obj", len(data))
     assert fs.cat_file("cachefs://data/obj") == data  # checked here, once
     assert fs.cat_file("cachefs://data/obj", 10, 20) == data[10:20]  # a part of a checked page: no re-check
-    # (the cold read above found nothing cached: one fallback)
-    assert fs.session.bulk_stats["short_circuit"] == {"reads": 2, "bytes": len(data) + 10, "fallbacks": 1, "errors": 0}
+    # (the cold read above was filled by the worker and read here, checked: the next is not)
+    assert fs.session.bulk_stats["short_circuit"] == {"reads": 3, "bytes": 2 * len(data) + 10, "fallbacks": 0,
+                                                      "errors": 0}
     for f in page_files(cache):  # a new file in its place (new inode), one byte flipped
         raw = bytearray(f.read_bytes())
         raw[100] ^= 0xFF
@@ -223,4 +255,4 @@ def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, ma
         tmp.write_bytes(raw)
         os.replace(tmp, f)
     assert fs.cat_file("cachefs://data/obj") == data  # checked again, found bad: gRPC refetches
-    assert fs.session.bulk_stats["short_circuit"]["fallbacks"] == 2
+    assert fs.session.bulk_stats["short_circuit"]["fallbacks"] == 1

@@ -116,6 +116,7 @@ def test_dead_worker_with_fallback_loses_no_read(store, tmp_path, aws_env):
 
 def test_dead_worker_without_fallback_fails_fast_with_a_clear_error(local_store, tmp_path):
     local_store.add("a.bin", b"x" * 10)
+    local_store.add("b.bin", b"y" * 10)
     worker = worker_process({"data": local_store.mount.url}, str(tmp_path / "cache")).start()
     fs = client(worker.address, timeout=5)
     assert fs.cat_file("data/a.bin") == b"x" * 10
@@ -124,7 +125,9 @@ def test_dead_worker_without_fallback_fails_fast_with_a_clear_error(local_store,
 
     t0 = time.monotonic()
     with pytest.raises(WorkerUnavailableError):
-        fs.cat_file("data/a.bin")
+        # (not a.bin: its pages may still be read through the descriptors this process holds,
+        # until the dead worker's table goes stale)
+        fs.cat_file("data/b.bin")
     assert time.monotonic() - t0 < 5
 
 

@@ -178,6 +178,10 @@ class PageStore:
         self._held: list[tuple[float, int, DirHandle, int]] = []
         self._held_seq = 0
         self._held_bytes = 0
+        # Every hold handed out, cached or not, as (until, bytes): an upper bound of what clients
+        # hold now (an extended hold counts twice until its first record ends; never less).
+        self._holds: list[tuple[float, int]] = []
+        self._holds_bytes = 0
         self._unlink_listener: Callable[[list[str]], None] | None = None
         self.health = DiskHealth()
         self._dirs: list[DirHandle] = []
@@ -305,12 +309,26 @@ class PageStore:
                 entry = self._entries.get(digest)
                 if entry is not None and entry.state is _State.READY and until > entry.held_until:
                     entry.held_until = until
+                    heapq.heappush(self._holds, (until, entry.size))
+                    self._holds_bytes += entry.size
 
     def held_unlinked_bytes(self) -> int:
         """Bytes of unlinked page files that clients may still hold open (charged to the quota)."""
         with self._lock:
             self._release_held(time.monotonic())
             return self._held_bytes
+
+    def held_bytes(self) -> int:
+        """Bytes of pages, cached or unlinked, that local clients may hold open now (at most).
+
+        Held pages can be evicted but free nothing until their hold ends, so a worker bounds
+        this, not only the unlinked part: were every cached page held, no page could be added."""
+        now = time.monotonic()
+        with self._lock:
+            holds = self._holds
+            while holds and holds[0][0] <= now:
+                self._holds_bytes -= heapq.heappop(holds)[1]
+            return self._holds_bytes
 
     def touch_digests(self, digests: Iterable[str]) -> int:
         """Reads made through held descriptors: count them as hits and as uses for eviction."""

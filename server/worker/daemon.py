@@ -17,6 +17,7 @@ import grpc
 from cachefs.auth import outgoing_token
 from cachefs.config import WorkerConfig
 from cachefs.mounts import MountTable
+from cachefs.pagefile import TRAILER_SIZE
 from cachefs.proto import worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.metrics import WorkerMetrics
@@ -31,6 +32,7 @@ from cachefs.server.worker.service import WorkerServicer
 from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
 from cachefs.server.worker.handles import HandleTable
+from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.shortcircuit import ShortCircuitServer
 from cachefs.tls import MESSAGE_OPTIONS, bind_port
 
@@ -42,6 +44,9 @@ GRPC_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 # Calls that answer without the access token when ``open_status`` is set (liveness probes).
 WORKER_OPEN_METHODS = ("GetStatus",)
+#: Short-circuit requests filling cold ranges at once: half the raw server's serving threads, so
+#: warm reads always find one free.
+FILL_REQUESTS = 16
 
 
 def _worker_id(first_cache_dir: str) -> str:
@@ -69,6 +74,7 @@ class Worker:
         self._server: grpc.Server | None = None
         self._metrics_http: HttpServer | None = None
         self.short_circuit: ShortCircuitServer | None = None
+        self.filler: RangeFiller | None = None
         self.handle_table: HandleTable | None = None
         self.data_port_server: DataPortServer | None = None
         self.data_port: int | None = None  # bound data port (None: off)
@@ -135,6 +141,11 @@ class Worker:
         token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
         cached = CachedPages(self.objects.cached_info_until, self.reader._page_id, self.pages.open_page,
                              self.pages.page_size, token)
+        # Cold ranges asked for over the short-circuit socket are fetched into the page store and
+        # handed out as pages (fill.py): resolved exactly as a gRPC read resolves them.
+        self.filler = RangeFiller(self.reader, servicer._file_meta, servicer._head_bytes,
+                                  threads=self.config.fetch_threads, max_requests=FILL_REQUESTS,
+                                  on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -171,6 +182,8 @@ class Worker:
         self._close_handle_table()
         if self.data_port_server is not None:
             self.data_port_server.stop()
+        if self.filler is not None:
+            self.filler.close()
         self.reader.close(timeout=grace)
         self.pages.close()
         log.info("worker %s stopped", self.worker_id)
@@ -194,7 +207,8 @@ class Worker:
             table = self._handle_table()
             self.short_circuit = ShortCircuitServer(
                 path, cached, on_served=self.metrics.served_short_circuit, table=table, hold=self._hold,
-                still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held).start()
+                still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held,
+                filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()
@@ -221,9 +235,12 @@ class Worker:
             self.handle_table.close()
 
     def _hold(self, digests: list[str], until: float) -> bool:
-        """Let local clients hold these pages open until ``until``, if the held space has room."""
+        """Let local clients hold these pages open until ``until``, if the held space has room:
+        pages held (cached or unlinked) stay within ``max_held_fraction`` of the quota, so the
+        rest of the cache can always be evicted for new pages."""
         capacity = sum(d.quota_bytes for d in self.config.cache_dirs)
-        if self.pages.held_unlinked_bytes() > capacity * self.config.max_held_fraction:
+        asked = len(digests) * (self.pages.page_size + TRAILER_SIZE)  # at most
+        if self.pages.held_bytes() + asked > capacity * self.config.max_held_fraction:
             return False
         self.pages.hold(digests, until)
         return True

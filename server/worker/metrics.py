@@ -126,6 +126,18 @@ class WorkerMetrics:
             "cachefs_worker_short_circuit_bytes",
             "Bytes of cached pages handed to clients on this host as file descriptors (short-circuit reads).",
             registry=r)
+        self.handed_out_bytes = Counter(
+            "cachefs_worker_handed_out_bytes",
+            "Bytes of page files handed to clients on this host ahead of their reads (a batch's or an "
+            "open's pages); the reads through them are counted when the client reports them.",
+            registry=r)
+        self.fill_ranges = Counter(
+            "cachefs_worker_fill_ranges",
+            "Cold ranges local clients asked to have fetched into the page store and handed out, by "
+            "outcome: filled, busy (too many fills at once: read through gRPC), failed, late (not "
+            "cached within the fill deadline).",
+            ["outcome"],
+            registry=r)
         self.data_port_bytes = Counter(
             "cachefs_worker_data_port_bytes",
             "Bytes of cached pages sent through the data port (TCP, sendfile) instead of gRPC.",

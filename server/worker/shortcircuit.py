@@ -9,7 +9,9 @@ can read only the descriptors it is handed (opened read-only); the socket is gua
 file mode and, when the worker has an access token, by that token in every request.
 
 Only fully cached ranges are served here: a range with a missing page gets NOT_CACHED and the
-client reads it through gRPC, which fetches, caches and serves it as usual.
+client reads it through gRPC, which fetches, caches and serves it as usual; unless the client
+asked for it to be filled (a cold read on this host): then the worker fetches it into the page
+store first and hands out the pages (fill.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cachefs.proto import shortcircuit_pb2
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import OK, CachedPages, token_checker
 from cachefs.server.worker.connections import Connection, ConnectionServer
+from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.handles import HandleTable
 
 __all__ = ["ShortCircuitServer", "token_checker"]
@@ -49,14 +52,17 @@ class ShortCircuitServer(ConnectionServer):
                  on_served: Callable[[int, int], None] | None = None, table: HandleTable | None = None,
                  hold: Callable[[list[str], float], bool] | None = None,
                  still_cached: Callable[[str], bool] | None = None,
-                 on_touched: Callable[[int, int], None] | None = None, **limits: Any) -> None:
+                 on_touched: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
+                 on_handed_out: Callable[[int], None] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
         to the quota while clients may hold them (False: no room, hand them out for one read),
-        and ``still_cached(digest)`` closes the race with an eviction in between. ``limits``:
+        and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
+        ranges asked for with ``fill`` are fetched into the page store first (fill.py). ``limits``:
         ConnectionServer's (max_connections, max_per_peer: per client process, threads, timeouts)."""
         super().__init__(**limits)
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
         self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
+        self.filler, self._on_handed_out = filler, on_handed_out
 
     def _listen(self) -> socket.socket:
         if len(os.fsencode(self.path)) >= 108:
@@ -120,28 +126,48 @@ class ShortCircuitServer(ConnectionServer):
             fds.append(self.table.reader_fd())
             reply.instance, reply.table_slots = self.table.instance, self.table.slots
             reply.page_size = self.pages.page_size
-        for wanted in request.ranges:
-            reply.ranges.append(self._range(wanted, fds))
+        # Each range's descriptors apart until the end: a filled range is opened again after the
+        # others, and the reply's descriptors must come in the order of its ranges.
+        answers: list[tuple[Any, list[int]]] = []
+        try:
+            for wanted in request.ranges:
+                answers.append(self._range(wanted, MAX_PAGES - len(fds) - sum(len(a[1]) for a in answers)))
+            cold = [i for i, (wanted, (got, _)) in enumerate(zip(request.ranges, answers))
+                    if wanted.fill and got.code == RangeReply.NOT_CACHED]
+            if cold and self.filler is not None and self.filler.fill([request.ranges[i] for i in cold]):
+                for i in cold:
+                    answers[i] = self._range(request.ranges[i],
+                                             MAX_PAGES - len(fds) - sum(len(a[1]) for a in answers))
+                    answers[i][0].filled = True
+        except BaseException:
+            for _, range_fds in answers:
+                for fd in range_fds:
+                    os.close(fd)
+            raise
+        for got, range_fds in answers:
+            reply.ranges.append(got)
+            fds.extend(range_fds)
         return reply
 
-    def _range(self, wanted: Any, fds: list[int]) -> Any:
-        budget = MAX_PAGES - len(fds)
+    def _range(self, wanted: Any, budget: int) -> tuple[Any, list[int]]:
+        """The reply for one range and the descriptors to send with it (at most ``budget``)."""
         if budget <= 0:
-            return RangeReply(code=RangeReply.REFUSED, message=f"more than {MAX_PAGES} pages in one reply")
+            return RangeReply(code=RangeReply.REFUSED, message=f"more than {MAX_PAGES} pages in one reply"), []
         opened = self.pages.open(wanted, max_pages=budget)
         info = info_message(opened.meta) if opened.meta is not None else None
         if opened.code != OK:
-            return RangeReply(code=opened.code, message=opened.message, info=info)
+            return RangeReply(code=opened.code, message=opened.message, info=info), []
         now = time.monotonic()
         until = min(opened.valid_until, now + MAX_HOLD_SECONDS)
         slots, generations = self._slots(opened.pages, until)
         if self._on_served is not None and opened.fds and not wanted.ahead:
             self._on_served(len(opened.fds), opened.end - opened.offset)
-        fds.extend(opened.fds)
-        opened.fds = []
+        elif self._on_handed_out is not None and opened.fds:
+            self._on_handed_out(opened.end - opened.offset)
+        range_fds, opened.fds = opened.fds, []
         return RangeReply(code=RangeReply.OK, info=info, page_offsets=opened.page_offsets,
                           page_lengths=opened.page_lengths, slots=slots, generations=generations,
-                          valid_ms=max(0, int((until - now) * 1000)))
+                          valid_ms=max(0, int((until - now) * 1000))), range_fds
 
     def _slots(self, pages: list[Any], until: float) -> tuple[list[int], list[int]]:
         """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor."""

@@ -1,0 +1,114 @@
+"""Cold ranges for clients on this host: fetch them into the page store, then hand out the pages.
+
+A same-host client that finds a range not cached could read it through gRPC, which copies every
+byte into a message, through the worker's and the client's Python, over a socket. Instead it
+asks the short-circuit socket to *fill* the range: the worker fetches what is missing (the same
+single-flight, coalesced fetches as any read; one GET brings a cold object's metadata and first
+pages), waits until those pages are in the page store, and answers with their descriptors like
+any cached range. The bytes go store -> worker -> page file -> client's buffer, and the pages
+are cached for every later reader (the same process's next epoch holds them already).
+
+Bounded so that cold fills never starve warm reads: at most ``max_requests`` requests fill at
+once (a request over that gets NOT_CACHED for its cold ranges at once, and the client reads them
+through gRPC), each range's fetches run on a small pool of their own, and every wait ends at the
+fill deadline (what is not in the page store by then is answered NOT_CACHED).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from cachefs.paths import CachePath, parse_path
+from cachefs.server.pagestore import PageId
+from cachefs.server.worker.reader import PageReader
+from cachefs.store.meta import ObjectMeta
+
+log = logging.getLogger(__name__)
+
+#: How long one fill request may take on the worker: well under the client's socket timeout (5 s,
+#: client/bulkpaths.py). What is not cached by then is answered NOT_CACHED; the client's gRPC read
+#: of it joins the fetches still in flight (single-flight), so no work is lost.
+FILL_SECONDS = 3.0
+
+
+class RangeFiller:
+    """Makes ranges cached (``fill``), for the short-circuit server to open them afterwards."""
+
+    def __init__(self, reader: PageReader, resolve: Callable[[CachePath, str, int], ObjectMeta],
+                 head_bytes: Callable[[Any], int], threads: int = 16, max_requests: int = 8,
+                 deadline_seconds: float = FILL_SECONDS,
+                 on_outcome: Callable[[str, int], None] | None = None) -> None:
+        """``resolve(path, version, head_bytes)``: the object's metadata for a read (one GET brings
+        it with the first pages when nothing is cached, the reader adopting them), as the gRPC
+        read path resolves it; ``head_bytes(range)``: how much of the object to take with it;
+        ``on_outcome(outcome, ranges)``: filled, busy, failed or late (the worker's metric)."""
+        if threads < 1 or max_requests < 1 or deadline_seconds <= 0:
+            raise ValueError("threads and max_requests must be >= 1 and deadline_seconds > 0")
+        self.reader, self._resolve, self._head_bytes = reader, resolve, head_bytes
+        self.deadline_seconds = deadline_seconds
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cachefs-fill")
+        self._slots = threading.BoundedSemaphore(max_requests)
+        self._stats_lock = threading.Lock()
+        self.stats = {"requests": 0, "ranges": 0, "filled": 0, "busy": 0, "failed": 0, "late": 0}
+        self._on_outcome = on_outcome
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[name] += n
+        if self._on_outcome is not None and name not in ("requests", "ranges") and n:
+            self._on_outcome(name, n)
+
+    def fill(self, ranges: Sequence[Any]) -> bool:
+        """Bring every page of ``ranges`` (RangeRequests) into the page store, or as many as can be
+        by the deadline; False (nothing done) when too many fills are running already."""
+        if not ranges:
+            return True
+        if not self._slots.acquire(blocking=False):
+            self._count("busy", len(ranges))
+            return False
+        try:
+            self._count("requests")
+            self._count("ranges", len(ranges))
+            deadline = time.monotonic() + self.deadline_seconds
+            futures = [self._pool.submit(self._fill_one, r, deadline) for r in ranges]
+            _done, late = wait(futures, timeout=self.deadline_seconds)
+            self._count("late", len(late))
+            return True
+        finally:
+            self._slots.release()
+
+    def _fill_one(self, wanted: Any, deadline: float) -> None:
+        try:
+            path = parse_path(wanted.path)
+            if wanted.offset < 0 or wanted.length < -1:
+                return  # the server refuses it when it opens the range
+            meta = self._resolve(path, wanted.version, self._head_bytes(wanted))
+            end = meta.size if wanted.length == -1 else min(meta.size, wanted.offset + wanted.length)
+            if end <= wanted.offset:
+                return
+            page_size = self.reader.page_size
+            first, last = wanted.offset // page_size, (end - 1) // page_size
+            claimed: list[tuple[PageId, Future[bytes]]] = []
+            index = first
+            while index <= last:
+                entries = self.reader.page(meta, index, last=last, prefetch=True)
+                for offset, (future, _cached) in enumerate(entries):
+                    claimed.append((PageId(path.mount, path.key, meta.version, index + offset), future))
+                index += max(1, len(entries))
+            for pid, future in claimed:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+                self.reader.wait_settled(pid, deadline)
+            self._count("filled")
+        except TimeoutError:  # (futures' TimeoutError): the deadline passed; fill() counts it late
+            return
+        except Exception as exc:  # noqa: BLE001 - the range is answered NOT_CACHED; gRPC tells why
+            self._count("failed")
+            log.debug("filling %s failed: %s: %s", wanted.path, type(exc).__name__, exc)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

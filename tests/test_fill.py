@@ -1,0 +1,89 @@
+"""Cold ranges filled over the short-circuit socket (server/worker/fill.py): the worker fetches
+them into its page store and hands out the page files; what it cannot fill (too many fills at
+once, an object missing from the store) is answered NOT_CACHED, and the read goes through gRPC,
+which reports the error as usual."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.proto import shortcircuit_pb2
+from helpers import payload
+
+PAGE = 64 << 10
+RangeReply = shortcircuit_pb2.RangeReply
+
+
+def _fs(worker, **kw) -> CacheFileSystem:
+    return CacheFileSystem(workers=worker.address, skip_instance_cache=True, **kw)
+
+
+def _fills(worker) -> dict[str, float]:
+    """cachefs_worker_fill_ranges_total by outcome."""
+    return {sample.labels["outcome"]: sample.value for family in worker.metrics.fill_ranges.collect()
+            for sample in family.samples if sample.name.endswith("_total")}
+
+
+def test_a_batch_of_cold_objects_is_filled_in_one_message(store, make_worker):
+    objects = {f"b/{i}": payload(PAGE + 100 * i, 50 + i) for i in range(12)}
+    for key, data in objects.items():
+        store.add(key, data)
+    worker = make_worker(store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    paths = [f"cachefs://data/{k}" for k in objects]
+    fs.info(paths[0])  # probe: the worker is on this host
+    reader = fs.session._state.get().bulk._readers[worker.address][0]
+    sent = []
+    inner = reader._exchange
+    reader._exchange = lambda request: sent.append(request) or inner(request)
+    assert fs.prepare([(p, 0, None) for p in paths]) == len(paths)
+    assert len(sent) == 1 and all(r.fill for r in sent[0].ranges)
+    assert _fills(worker)["filled"] == len(paths)
+    got = fs.cat(paths)
+    assert len(got) == len(paths) and sorted(got.values()) == sorted(objects.values())
+    assert len(sent) == 1  # every read through the descriptors the fill handed out
+    assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") \
+        == sum(map(len, objects.values()))  # each fetched once
+
+
+def test_too_many_fills_at_once_read_through_grpc(store, make_worker):
+    data = payload(3 * PAGE, 60)
+    store.add("busy", data)
+    worker = make_worker(store.mount, page_size=PAGE)
+    filler = worker.short_circuit.filler
+    taken = 0
+    while filler._slots.acquire(blocking=False):  # every fill slot busy
+        taken += 1
+    try:
+        fs = _fs(worker)
+        assert fs.cat_file("cachefs://data/busy") == data  # NOT_CACHED, then gRPC
+        assert fs.session.bulk_stats["short_circuit"]["fallbacks"] == 1
+        assert _fills(worker)["busy"] >= 1 and _fills(worker).get("filled", 0) == 0
+    finally:
+        for _ in range(taken):
+            filler._slots.release()
+
+
+def test_a_range_that_cannot_be_filled_gets_grpcs_error(store, make_worker):
+    worker = make_worker(store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    with pytest.raises(FileNotFoundError):
+        fs.cat_file("cachefs://data/nothing-here")
+    assert _fills(worker)["failed"] == 1
+
+
+def test_held_pages_stay_within_their_share_of_the_quota(local_store, make_worker):
+    """Held pages cannot be evicted for room: past max_held_fraction of the quota, pages are
+    handed out for one read, so cold reads of more than the quota still cache and evict."""
+    quota = 8 * (PAGE + 32)
+    for i in range(12):
+        local_store.add(f"q/{i}", payload(PAGE, 70 + i))
+    worker = make_worker(local_store.mount, page_size=PAGE, quota=quota, max_held_fraction=0.25)
+    fs = _fs(worker)
+    for i in range(12):
+        assert fs.cat_file(f"cachefs://data/q/{i}") == local_store.objects[f"q/{i}"]
+        assert worker.pages.held_bytes() <= quota * 0.25
+    stats = worker.pages.stats()
+    assert stats.evictions > 0 and stats.put_failures == 0 and stats.used_bytes <= quota
+    assert _fills(worker)["filled"] == 12
