@@ -362,7 +362,12 @@ def test_reader_does_not_wait_for_the_page_store_write(local_store, make_worker)
     assert wait_for(lambda: worker.pages.stats().pages == 4)
 
 
-def test_pages_waiting_for_the_disk_are_bounded(local_store, make_worker):
+def test_pages_waiting_for_the_disk_are_bounded(local_store, make_worker, monkeypatch):
+    from cachefs.server.worker import reader as reader_module
+
+    # A fetch waits this long in all for room in the write queue (back-pressure), then serves the
+    # rest of its pages uncached: a disk stuck this long must not stall reads for good.
+    monkeypatch.setattr(reader_module, "WRITE_WAIT_SECONDS", 0.5)
     data = payload(8 * PAGE, 22)
     local_store.add("obj.bin", data)
     worker = make_worker(local_store.mount, page_size=PAGE, readahead_pages=0)

@@ -30,6 +30,11 @@ from cachefs.store.meta import ObjectMeta
 
 log = logging.getLogger(__name__)
 
+#: A sequential reader's next pages (a range from an object's start, or one continuing the last)
+#: are fetched as one store request of up to this much, not waited for: a tar or MDS shard of up
+#: to 64 MiB (MosaicML's default) costs one GET, as streaming's whole-shard downloads do.
+EXTENT_BYTES = 64 << 20
+
 #: How long one fill request may take on the worker: well under the client's socket timeout (5 s,
 #: client/bulkpaths.py). What is not cached by then is answered NOT_CACHED; the client's gRPC read
 #: of it joins the fetches still in flight (single-flight), so no work is lost.
@@ -100,6 +105,7 @@ class RangeFiller:
                 for offset, (future, _cached) in enumerate(entries):
                     claimed.append((PageId(path.mount, path.key, meta.version, index + offset), future))
                 index += max(1, len(entries))
+            self._read_ahead(meta, wanted.offset, end, last)
             for pid, future in claimed:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
                 self.reader.wait_settled(pid, deadline)
@@ -109,6 +115,17 @@ class RangeFiller:
         except Exception as exc:  # noqa: BLE001 - the range is answered NOT_CACHED; gRPC tells why
             self._count("failed")
             log.debug("filling %s failed: %s: %s", wanted.path, type(exc).__name__, exc)
+
+    def _read_ahead(self, meta: ObjectMeta, offset: int, end: int, last: int) -> None:
+        """For a sequential reader, claim what follows the range as one extent (not waited for)."""
+        if end >= meta.size or not self.reader.sequential(meta, offset, end):
+            return
+        page_size = self.reader.page_size
+        extent = max(1, EXTENT_BYTES // page_size)
+        final = min((meta.size - 1) // page_size, last + extent)
+        index = last + 1
+        while index <= final:
+            index += max(1, len(self.reader.page(meta, index, last=final, prefetch=True, group=extent)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

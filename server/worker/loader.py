@@ -35,6 +35,7 @@ from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.server.worker.metrics import WorkerMetrics
+from cachefs.server.worker.fill import EXTENT_BYTES
 from cachefs.server.worker.reader import PageReader
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,9 @@ class Loader:
         obj.claiming = True
         index, last = 0, obj.last_page
         while index <= last and not obj.error:
-            count = min(self.reader.options.fetch_group_pages, last - index + 1,
-                        max(1, self.window // self.page_size))
+            # Whole objects in extents of up to EXTENT_BYTES: a shard is one GET, not one per 8 MiB.
+            count = min(max(self.reader.options.fetch_group_pages, EXTENT_BYTES // self.page_size),
+                        last - index + 1, max(1, self.window // self.page_size))
             claim_bytes = self._bytes(obj.meta, index, index + count)
             self._make_room(claim_bytes)
             if not self.reader.wait_write_room(self._claimed_bytes + claim_bytes, self.deadline):
@@ -171,7 +173,7 @@ class Loader:
     def _claim_run(self, obj: _Object, index: int, last: int) -> int:
         """Claim pages from ``index`` (a run up to ``last``); returns how many pages it covered."""
         try:
-            entries = self.reader.page(obj.meta, index, last=last, prefetch=True)
+            entries = self.reader.page(obj.meta, index, last=last, prefetch=True, group=last - index + 1)
         except RuntimeError as exc:  # the reader is closed
             raise WorkerUnavailableError("worker is shutting down") from exc
         if not entries:  # already cached

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 
 _WORKER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+#: How long one store fetch may wait, in all, for room in the disk-write queue (back-pressure)
+#: before its remaining pages are served without being cached.
+WRITE_WAIT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,16 @@ class PageReader:
         start = index * self.page_size
         return start, min(meta.size, start + self.page_size)
 
-    def page(self, meta: ObjectMeta, index: int, last: int | None = None,
-             prefetch: bool = False) -> list[tuple[Future[bytes], bool]]:
+    def page(self, meta: ObjectMeta, index: int, last: int | None = None, prefetch: bool = False,
+             group: int = 0) -> list[tuple[Future[bytes], bool]]:
         """Futures for page ``index`` and, if it must be fetched, the missing pages after it.
 
         A page comes from the page store (a done future, flagged cached), from a fetch already
         in flight (shared: single-flight), or from a new fetch. A new fetch takes the run of
         consecutive missing pages up to ``last`` (at most ``fetch_group_pages``) in one store
-        request: one GET of 8 MiB costs the store far less than eight of 1 MiB. With
-        ``prefetch``, cached pages are skipped (empty list) and nothing counts as a read.
+        request: one GET of 8 MiB costs the store far less than eight of 1 MiB (``group``: a
+        larger run, for read-ahead extents and loads). With ``prefetch``, cached pages are skipped
+        (empty list) and nothing counts as a read.
         """
         pid = self._page_id(meta, index)
         with self._lock:
@@ -128,7 +132,7 @@ class PageReader:
                 done: Future[bytes] = Future()
                 done.set_result(data)
                 return [(done, True)]
-        last = index if last is None else min(last, index + self.options.fetch_group_pages - 1)
+        last = index if last is None else min(last, index + max(group, self.options.fetch_group_pages) - 1)
         claimed: list[tuple[PageId, Future[bytes]]] = []
         with self._lock:
             if self._closed:
@@ -154,6 +158,7 @@ class PageReader:
         sizes = [hi - lo for lo, hi in (self._page_bounds(meta, pid.index) for pid, _ in claimed)]
         delivered = 0
         t0 = time.perf_counter()
+        wait_until = time.monotonic() + WRITE_WAIT_SECONDS  # this fetch's back-pressure budget
 
         def deliver(i: int, page: bytes) -> None:
             nonlocal delivered
@@ -165,7 +170,7 @@ class PageReader:
             except InvalidStateError:  # failed by close() meanwhile
                 self._forget(pid)
                 return
-            self._queue_write(pid, page)
+            self._queue_write(pid, page, wait_until)
 
         try:
             self.objects.read_pieces(meta, start, sizes, deliver)
@@ -185,14 +190,21 @@ class PageReader:
             return
         self.metrics.store_fetch_seconds.observe(time.perf_counter() - t0)
 
-    def _queue_write(self, pid: PageId, data: bytes) -> None:
-        """Hand a fetched page to the writers, unless too many bytes already wait for the disk.
+    def _queue_write(self, pid: PageId, data: bytes, wait_until: float | None = None) -> None:
+        """Hand a fetched page to the writers, waiting for room while too many bytes wait for the disk.
 
         A store faster than the cache disk must not grow the queue without bound: past
-        ``max_pending_write_bytes`` a page is served but not cached (counted), never waited on.
+        ``max_pending_write_bytes`` a fetch waits (its stream is read no further: back-pressure on
+        the store) until ``wait_until`` (its budget: WRITE_WAIT_SECONDS from its start), so every
+        fetched page lands; only a disk stuck that long makes pages served but not cached
+        (counted). Without ``wait_until`` (a head adopted by a request thread) nothing waits.
         """
-        with self._lock:
-            if self._pending_write_bytes + len(data) > self.options.max_pending_write_bytes:
+        limit = self.options.max_pending_write_bytes
+        with self._settled:
+            if wait_until is not None and len(data) <= limit:
+                self._settled.wait_for(lambda: self._closed or self._pending_write_bytes + len(data) <= limit,
+                                       timeout=max(0.0, wait_until - time.monotonic()))
+            if self._pending_write_bytes + len(data) > limit:
                 self._inflight.pop(pid, None)
                 self._settled.notify_all()
                 self.metrics.writes_dropped.inc()
@@ -331,6 +343,12 @@ class PageReader:
         except FutureTimeout as exc:
             raise DeadlineExceededError(f"{meta.path}: page {index} not fetched within {timeout:.1f}s") from exc
 
+    def sequential(self, meta: ObjectMeta, offset: int, end: int) -> bool:
+        """Whether a read of [offset, end) starts the object or continues the last read of it (and
+        remember it), by the tracker that sizes read-ahead; always False with read-ahead off."""
+        max_window = self.options.readahead_pages
+        return max_window > 0 and self._sequential.window(meta, offset, end, self.page_size, max_window) > 0
+
     def _readahead(self, meta: ObjectMeta, first: int, window: int) -> None:
         last = min((meta.size - 1) // self.page_size, first + window - 1)
         index = first
@@ -341,6 +359,7 @@ class PageReader:
         """Stop fetching; let writes of already fetched pages finish (bounded by ``timeout``)."""
         with self._lock:
             self._closed = True
+            self._settled.notify_all()  # fetches waiting for write room give up
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             waiting = list(self._inflight.values())
