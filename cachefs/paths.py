@@ -6,6 +6,7 @@ and the worker refuses them again, because the worker is what holds the store cr
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -88,8 +89,12 @@ def validate_key(key: str) -> str:
     return key
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse_path(path: str) -> CachePath:
-    """Parse ``cachefs://mount/key`` (or ``mount/key``) into a validated :class:`CachePath`."""
+    """Parse ``cachefs://mount/key`` (or ``mount/key``) into a validated :class:`CachePath`.
+
+    Memoised (a CachePath is immutable; a refused path raises every time): every read parses its
+    path on both sides, and a training epoch asks for the same paths again and again."""
     bare = strip_protocol(path)
     if not bare:
         raise InvalidPathError("path names no mount: expected cachefs://<mount>/<key>")

@@ -150,7 +150,15 @@ class NativeS3Backend(_S3Backend):
         buffer, index, at = bytearray(), 0, start
         try:
             for chunk in result.stream(min_chunk_size=min(max(sizes), 8 << 20)):
-                buffer += memoryview(chunk)
+                view = memoryview(chunk)
+                if not buffer:  # whole pieces straight out of the chunk: one copy each
+                    used = 0
+                    while index < len(sizes) and len(view) - used >= sizes[index]:
+                        size = sizes[index]
+                        deliver(index, bytes(view[used:used + size]))
+                        used, index, at = used + size, index + 1, at + size
+                    view = view[used:]
+                buffer += view
                 while index < len(sizes) and len(buffer) >= sizes[index]:
                     size = sizes[index]
                     deliver(index, bytes(buffer[:size]))

@@ -129,15 +129,17 @@ class ShortCircuitServer(ConnectionServer):
         # Each range's descriptors apart until the end: a filled range is opened again after the
         # others, and the reply's descriptors must come in the order of its ranges.
         answers: list[tuple[Any, list[int]]] = []
+        budget = MAX_PAGES - len(fds)  # descriptors left for this reply
         try:
             for wanted in request.ranges:
-                answers.append(self._range(wanted, MAX_PAGES - len(fds) - sum(len(a[1]) for a in answers)))
+                answers.append(self._range(wanted, budget))
+                budget -= len(answers[-1][1])
             cold = [i for i, (wanted, (got, _)) in enumerate(zip(request.ranges, answers))
                     if wanted.fill and got.code == RangeReply.NOT_CACHED]
             if cold and self.filler is not None and self.filler.fill([request.ranges[i] for i in cold]):
                 for i in cold:
-                    answers[i] = self._range(request.ranges[i],
-                                             MAX_PAGES - len(fds) - sum(len(a[1]) for a in answers))
+                    answers[i] = self._range(request.ranges[i], budget)
+                    budget -= len(answers[i][1])
                     answers[i][0].filled = True
         except BaseException:
             for _, range_fds in answers:
