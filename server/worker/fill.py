@@ -20,11 +20,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from cachefs.paths import CachePath, parse_path
-from cachefs.server.pagestore import PageId
 from cachefs.server.worker.reader import PageReader
 from cachefs.store.meta import ObjectMeta
 
@@ -81,13 +80,15 @@ class RangeFiller:
             self._count("ranges", len(ranges))
             deadline = time.monotonic() + self.deadline_seconds
             futures = [self._pool.submit(self._fill_one, r, deadline) for r in ranges]
-            _done, late = wait(futures, timeout=self.deadline_seconds)
-            self._count("late", len(late))
+            wait(futures, timeout=self.deadline_seconds)  # each range counts its own outcome
             return True
         finally:
             self._slots.release()
 
     def _fill_one(self, wanted: Any, deadline: float) -> None:
+        if time.monotonic() >= deadline:  # queued behind other fills until too late: no store call
+            self._count("late")
+            return
         try:
             path = parse_path(wanted.path)
             if wanted.offset < 0 or wanted.length < -1:
@@ -97,21 +98,16 @@ class RangeFiller:
             if end <= wanted.offset:
                 return
             page_size = self.reader.page_size
-            first, last = wanted.offset // page_size, (end - 1) // page_size
-            claimed: list[tuple[PageId, Future[bytes]]] = []
-            index = first
-            while index <= last:
-                entries = self.reader.page(meta, index, last=last, prefetch=True)
-                for offset, (future, _cached) in enumerate(entries):
-                    claimed.append((PageId(path.mount, path.key, meta.version, index + offset), future))
-                index += max(1, len(entries))
+            last = (end - 1) // page_size
+            claimed = self.reader.claim(meta, wanted.offset // page_size, last)
             self._read_ahead(meta, wanted.offset, end, last)
             for pid, future in claimed:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
-                self.reader.wait_settled(pid, deadline)
+                if not self.reader.wait_settled(pid, deadline):
+                    raise TimeoutError
             self._count("filled")
-        except TimeoutError:  # (futures' TimeoutError): the deadline passed; fill() counts it late
-            return
+        except TimeoutError:  # (futures' TimeoutError too): not in the page store by the deadline
+            self._count("late")
         except Exception as exc:  # noqa: BLE001 - the range is answered NOT_CACHED; gRPC tells why
             self._count("failed")
             log.debug("filling %s failed: %s: %s", wanted.path, type(exc).__name__, exc)
@@ -120,12 +116,8 @@ class RangeFiller:
         """For a sequential reader, claim what follows the range as one extent (not waited for)."""
         if end >= meta.size or not self.reader.sequential(meta, offset, end):
             return
-        page_size = self.reader.page_size
-        extent = max(1, EXTENT_BYTES // page_size)
-        final = min((meta.size - 1) // page_size, last + extent)
-        index = last + 1
-        while index <= final:
-            index += max(1, len(self.reader.page(meta, index, last=final, prefetch=True, group=extent)))
+        extent = max(1, EXTENT_BYTES // self.reader.page_size)
+        self.reader.claim(meta, last + 1, min((meta.size - 1) // self.reader.page_size, last + extent), group=extent)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -349,11 +349,20 @@ class PageReader:
         max_window = self.options.readahead_pages
         return max_window > 0 and self._sequential.window(meta, offset, end, self.page_size, max_window) > 0
 
-    def _readahead(self, meta: ObjectMeta, first: int, window: int) -> None:
-        last = min((meta.size - 1) // self.page_size, first + window - 1)
+    def claim(self, meta: ObjectMeta, first: int, last: int, group: int = 0) -> list[tuple[PageId, Future[bytes]]]:
+        """Start fetching every page of [first, last] that is neither cached nor in flight (runs of
+        up to ``group`` or ``fetch_group_pages`` pages per store request; nothing counts as a read);
+        returns the pages not cached, each with the future of its bytes (joined or new)."""
+        claimed: list[tuple[PageId, Future[bytes]]] = []
         index = first
         while index <= last:
-            index += max(1, len(self.page(meta, index, last=last, prefetch=True)))
+            entries = self.page(meta, index, last=last, prefetch=True, group=group)
+            claimed.extend((self._page_id(meta, index + i), future) for i, (future, _) in enumerate(entries))
+            index += max(1, len(entries))
+        return claimed
+
+    def _readahead(self, meta: ObjectMeta, first: int, window: int) -> None:
+        self.claim(meta, first, min((meta.size - 1) // self.page_size, first + window - 1))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop fetching; let writes of already fetched pages finish (bounded by ``timeout``)."""
