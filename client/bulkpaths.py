@@ -63,10 +63,15 @@ class BulkPaths:
     session keeps it in its per-process state (forksafe.py), so a forked child never uses a
     parent's socket."""
 
-    def __init__(self, config: Any, workers: Any) -> None:
+    def __init__(self, config: Any, workers: Any, known: dict[str, Any] | None = None) -> None:
         self.config, self.workers = config, workers
         self._lock = threading.Lock()
         self._readers: dict[str, tuple[Reader | None, float]] = {}
+        # Each worker's GetStatus answer: learnt here by a probe, or handed down by the process
+        # that started this one (session.SessionBootstrap), then used for the first probe instead
+        # of asking; a later probe (after a failure) asks again.
+        self._statuses: dict[str, Any] = {}
+        self._handed_down: dict[str, Any] = dict(known or {})
         self._warned: set[str] = set()
         self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0, "errors": 0}
                       for kind in ("short_circuit", "data_port")}
@@ -75,9 +80,23 @@ class BulkPaths:
     def enabled(self) -> bool:
         return bool(self.config.short_circuit or self.config.data_port)
 
+    def _status(self, handle: Any) -> Any:
+        status = self._handed_down.pop(handle.address, None)
+        if status is None:
+            status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+        self._statuses[handle.address] = status
+        return status
+
+    def learn(self, handles: list[Any]) -> dict[str, Any]:
+        """Probe the workers not probed yet; every worker's GetStatus known here, by address."""
+        for handle in handles:
+            if handle.address not in self._readers:
+                self._reader(handle)
+        return {a: s for a, s in {**self._handed_down, **self._statuses}.items()}
+
     def _probe(self, handle: Any) -> Reader | None:
         config = self.config
-        status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+        status = self._status(handle)
         timeout = min(SOCKET_TIMEOUT, config.timeout)
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
                 and os.path.exists(status.short_circuit_socket):
@@ -203,6 +222,18 @@ class BulkPaths:
         except Exception as exc:  # noqa: BLE001 - gRPC answers instead
             log.debug("short-circuit info of %s failed: %s", path, exc)
             return None
+
+    def hint(self, handle: Any, keys: list[str]) -> int:
+        """Ask ``handle``'s worker through its short-circuit socket to load ``keys`` in the
+        background; how many it took (0: busy, not on this host, or the socket failed)."""
+        reader = self._reader(handle)
+        if reader is None or not hasattr(reader, "hint"):
+            return 0
+        try:
+            return reader.hint(keys)
+        except Exception as exc:  # noqa: BLE001 - only a hint
+            log.debug("short-circuit hint of %d objects failed: %s", len(keys), exc)
+            return 0
 
     def report(self) -> None:
         """Tell each local worker of the reads made through held page handles since the last

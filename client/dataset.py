@@ -39,6 +39,7 @@ from cachefs.client.forksafe import ProcessLocal
 from cachefs.client.hints import Hinter
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import EpochPlan
+from cachefs.client.session import SessionBootstrap
 from cachefs.client.shortcircuit import Prepared
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,34 @@ def _default_rank_world() -> tuple[int, int]:
 
 class PerProcessParts:
     """The filesystem, prefetcher and hinter of a dataset belong to one process (forksafe.py):
-    a DataLoader worker, forked or spawned, builds its own on first use; a pickle carries none."""
+    a DataLoader worker, forked or spawned, builds its own on first use; a pickle carries none.
+
+    What the main process learnt of the cluster when the dataset was made (``learn_cluster``:
+    the view and each worker's lean paths) does travel, so that a DataLoader worker's first
+    batch needs no gRPC call on a worker's host (session.SessionBootstrap says why).
+    """
 
     _local: ProcessLocal[ProcessParts]
+    storage_options: dict[str, Any]
+    _bootstrap: SessionBootstrap | None = None
+
+    def learn_cluster(self) -> None:
+        """Learn, in this (main) process, what DataLoader workers will need to start reading."""
+        if "bootstrap" in self.storage_options:
+            return
+        fs = CacheFileSystem(skip_instance_cache=True, **self.storage_options)
+        try:
+            self._bootstrap = fs.session.bootstrap()
+        except Exception as exc:  # noqa: BLE001 - workers then learn it themselves, as before
+            log.debug("could not learn the cluster ahead of DataLoader workers: %s", exc)
+        finally:
+            fs.close()
+
+    def _process_filesystem(self) -> CacheFileSystem:
+        options = self.storage_options
+        if self._bootstrap is not None and "bootstrap" not in options:
+            options = {**options, "bootstrap": self._bootstrap}
+        return CacheFileSystem(skip_instance_cache=True, **options)
 
     def _build_parts(self) -> ProcessParts:
         raise NotImplementedError
@@ -168,6 +194,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
         self._calls = 0
         self._local = self._new_local()
+        self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
     @staticmethod
@@ -236,7 +263,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     # -- pickling and per-process state ---------------------------------------------------------------
     def _build_parts(self) -> ProcessParts:
-        fs = self._filesystem(self.storage_options)
+        fs = self._process_filesystem()
         prefetcher = Prefetcher(self._fetch_position, self._size_of_position, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_depth, threads=self.prefetch_threads, timeout=self.timeout)
         return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {})

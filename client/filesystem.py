@@ -28,7 +28,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from cachefs.client.session import ClientSession
+from cachefs.client.session import ClientSession, SessionBootstrap
 from cachefs.client.urlmap import UrlMap
 from cachefs.client.writer import CacheWriteFile, WriteMethods, Writes, check_write_mode
 from cachefs.config import ClientConfig, client_option_names
@@ -76,8 +76,13 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         super().__init__(asynchronous=asynchronous, loop=loop, **fsspec_options)
         if unmounted not in ("error", "direct"):
             raise ValueError(f"unmounted must be 'error' or 'direct', got {unmounted!r}")
+        # What a main process learnt of the cluster, for the processes it starts (the datasets
+        # hand it to their DataLoader workers: session.SessionBootstrap).
+        bootstrap = options.pop("bootstrap", None)
+        if bootstrap is not None and not isinstance(bootstrap, SessionBootstrap):
+            raise TypeError(f"bootstrap must be a SessionBootstrap, not {type(bootstrap).__name__}")
         self.config = ClientConfig.from_options(options)
-        self.session = ClientSession(self.config)
+        self.session = ClientSession(self.config, bootstrap)
         self._writes = Writes(self.session, write_via)
         # Chained use (cachefs::s3://...): paths are the target store's; see client/urlmap.py.
         self._target_protocol = target_protocol
@@ -89,7 +94,7 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
     @staticmethod
     def option_names() -> frozenset[str]:
         """The keyword options this filesystem takes besides fsspec's own."""
-        return client_option_names() | {"write_via", "unmounted"}
+        return client_option_names() | {"write_via", "unmounted", "bootstrap"}
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

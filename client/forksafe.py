@@ -13,9 +13,12 @@ is not the child's to use (grpc's own threads are gone). The rules, for every cl
 - What must act around a fork (a thread inside a gRPC call that would wedge the child) is a
   :class:`ForkHook`: it quiesces before the fork and resumes in the parent after it. Every
   channel a session opens passes its calls through an :class:`RpcGate`, so that no thread is
-  inside gRPC at the fork and gRPC's own fork handlers run.
-- One ``os.register_at_fork`` handler calls them all. It is this module's only process-wide
-  state, and it has to be: at-fork handlers are process-wide by nature.
+  inside gRPC at the fork and gRPC's own fork handlers run. Those handlers exist only with
+  grpcio's fork support on, which importing ``cachefs.client`` turns on where it can
+  (client/__init__.py); a fork through a gate without it logs one warning with the remedies.
+- One ``os.register_at_fork`` handler calls them all. It (with the once-per-process fork-support
+  warning) is this module's only process-wide state, and it has to be: at-fork handlers are
+  process-wide by nature.
 
 The S3 Connector for PyTorch keeps its client the same way (one per-process holder, rebuilt by
 pid); this module generalises it to every resource a cachefs client holds.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -110,6 +114,14 @@ os.register_at_fork(before=_HOOKS.before, after_in_parent=_HOOKS.after_in_parent
                     after_in_child=_HOOKS.after_in_child)
 
 
+def grpc_inherited() -> bool:
+    """Whether this process was forked from one that had loaded gRPC. Its first gRPC channel
+    can then hang, holding the GIL, so the whole process stops (seen in about 1 of 10 DataLoader
+    worker starts, with grpcio's fork support on or off): such a process keeps gRPC for what has
+    no other way (session.SessionBootstrap, hints over the short-circuit socket)."""
+    return _HOOKS.forks_seen > 0 and "grpc" in sys.modules
+
+
 def register(hook: ForkHook) -> None:
     """Call ``hook`` around every fork of this process from now on (until it is garbage)."""
     _HOOKS.add(hook)
@@ -117,6 +129,37 @@ def register(hook: ForkHook) -> None:
 
 def unregister(hook: ForkHook) -> None:
     _HOOKS.discard(hook)
+
+
+def grpc_fork_support() -> bool:
+    """Whether gRPC's fork handlers will run in this process (read once, at grpc's import)."""
+    from grpc._cython import cygrpc
+
+    return bool(cygrpc.is_fork_support_enabled())
+
+
+class _ForkSupportWarning:
+    """Says once per process that a fork is happening without gRPC's fork handlers."""
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def check(self) -> None:
+        if self.said:
+            return
+        self.said = True
+        try:
+            enabled = grpc_fork_support()
+        except Exception:  # noqa: BLE001 - an odd grpcio build: say nothing rather than fail a fork
+            return
+        if not enabled:
+            log.warning("forking a process that uses gRPC with grpcio's fork support off: a child's first "
+                        "channel can hang. Set GRPC_ENABLE_FORK_SUPPORT=1 before grpc is imported (importing "
+                        "cachefs.client first does it), or give the DataLoader "
+                        "multiprocessing_context='forkserver'")
+
+
+_FORK_SUPPORT_WARNING = _ForkSupportWarning()
 
 
 class RpcGate(ForkHook):
@@ -157,6 +200,7 @@ class RpcGate(ForkHook):
                 self._cond.notify_all()
 
     def before_fork(self, deadline: float) -> None:
+        _FORK_SUPPORT_WARNING.check()
         with self._cond:
             self._forking = True
             if not self._cond.wait_for(lambda: self._inside <= 0, timeout=time_left(deadline)):

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -96,6 +96,9 @@ class Hinter(forksafe.ForkHook):
             return 0
         sent = 0
         for handle, keys in self.session.owners(fresh):
+            if forksafe.grpc_inherited():
+                sent += self._hint_by_socket(handle, keys)
+                continue
             for i in range(0, len(keys), self.batch):
                 chunk = keys[i:i + self.batch]
                 with self._lock:
@@ -115,6 +118,24 @@ class Hinter(forksafe.ForkHook):
                 sent += len(chunk)
                 self.stats["sent"] += 1
                 self.stats["paths"] += len(chunk)
+        return sent
+
+    def _hint_by_socket(self, handle: Any, keys: list[str]) -> int:
+        """Hints from a process whose first gRPC channel could hang (a forked DataLoader worker:
+        forksafe.grpc_inherited): through the short-circuit socket of a worker on this host,
+        answered at once; to any other worker, none."""
+        sent = 0
+        for i in range(0, len(keys), self.batch):
+            chunk = keys[i:i + self.batch]
+            taken = self.session.hint_by_socket(handle, chunk)
+            with self._lock:
+                if not taken:
+                    self.stats["dropped"] += len(chunk)
+                    continue
+                self._sent.update(chunk)
+                self.stats["sent"] += 1
+                self.stats["paths"] += len(chunk)
+            sent += len(chunk)
         return sent
 
     def _done(self, future: grpc.Future | None) -> None:

@@ -74,6 +74,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
         self._local = self._new_local()
+        self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
     @staticmethod
@@ -120,7 +121,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
 
     # -- pickling and per-process state ---------------------------------------------------------------
     def _build_parts(self) -> ProcessParts:
-        fs = self._filesystem(self.storage_options)
+        fs = self._process_filesystem()
         prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_blocks, threads=self.prefetch_threads, timeout=self.timeout)
         return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {})

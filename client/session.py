@@ -18,12 +18,14 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
 from cachefs.client.bulkpaths import BulkPaths
 from cachefs.client.shortcircuit import Prepared
+from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
 from cachefs.client.view import ViewWatcher
@@ -59,25 +61,64 @@ def meta_dict(meta: Any) -> dict[str, Any]:
             "version": meta.version, "mtime": meta.mtime}
 
 
+@dataclass(frozen=True)
+class SessionBootstrap:
+    """What a main process learnt of the cluster (the view, and each worker's ``GetStatus``: its
+    host and lean paths), handed to the processes it starts, DataLoader workers above all.
+
+    A forked child's first gRPC channel can hang: it inherits whatever gRPC's threads held at the
+    fork (client/forksafe.py). With this a DataLoader worker on a worker's host starts reading
+    through the short-circuit socket at once: no ``GetView`` and no probe on its data path; its
+    view watch and hints open their channels on threads of their own. Plain bytes: it pickles,
+    so spawned workers get it too.
+    """
+
+    view: bytes = b""  # a serialized ClusterView ("" when there is no master)
+    statuses: tuple[tuple[str, bytes], ...] = ()  # (worker address, serialized GetStatusResponse)
+
+    def cluster_view(self) -> master_pb2.ClusterView | None:
+        if not self.view:
+            return None
+        view = master_pb2.ClusterView()
+        view.ParseFromString(self.view)
+        return view
+
+    def worker_statuses(self) -> dict[str, worker_pb2.WorkerStatus]:
+        out = {}
+        for address, data in self.statuses:
+            status = worker_pb2.WorkerStatus()
+            status.ParseFromString(data)
+            out[address] = status
+        return out
+
+
 class _ProcessState:
     """Everything of a session that belongs to one process (built on first use there)."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, bootstrap: SessionBootstrap | None = None) -> None:
         self.config = config
         self.rpc_gate = RpcGate()  # a fork waits for this process's calls to leave gRPC
         self.workers = WorkerSet(list(config.workers), RingConfig(stripe_size=config.stripe_size),
                                  connect=self._connect)
-        self.bulk = BulkPaths(config, self.workers)
+        self.bulk = BulkPaths(config, self.workers, known=bootstrap.worker_statuses() if bootstrap else None)
         self.view: master_pb2.ClusterView | None = None
         self.fallback_store: Any = None
         self.mounts_learned = False
         self.fallback_slots = threading.BoundedSemaphore(config.fallback_concurrency)
         self.lock = threading.Lock()
         self.watcher: ViewWatcher | None = None
-        if config.master:
+        known_view = bootstrap.cluster_view() if bootstrap is not None else None
+        if known_view is not None:
+            self.apply_view(known_view)
+        if config.master and known_view is not None and forksafe.grpc_inherited():
+            # A DataLoader worker forked from a gRPC process: its first channel could hang the
+            # whole process (forksafe.py), so it routes by the view it was handed, unwatched.
+            log.debug("keeping the handed-down view %d in this forked process", known_view.version)
+        elif config.master:
             self.watcher = ViewWatcher(config.master, self.apply_view, timeout=config.timeout,
-                                       tls=config.tls, token=config.token)
-            self.watcher.fetch()  # the first use in this process: one GetView, then a watch thread
+                                       tls=config.tls, token=config.token, known=known_view)
+            if known_view is None:
+                self.watcher.fetch()  # the first use in this process: one GetView, then a watch thread
             self.watcher.start()
 
     def _connect(self, address: str) -> grpc.Channel:
@@ -116,13 +157,24 @@ class _ProcessState:
 class ClientSession:
     """One cluster as seen by one client: placement, reads, metadata, writes and hints."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, bootstrap: SessionBootstrap | None = None) -> None:
         self.config = config
+        self._bootstrap = bootstrap
         self._state: ProcessLocal[_ProcessState] = ProcessLocal(
-            lambda: _ProcessState(config), inherited=_ProcessState.release_inherited, name="client session")
+            lambda: _ProcessState(config, bootstrap), inherited=_ProcessState.release_inherited,
+            name="client session")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ClientSession, (self.config,))  # a spawned or unpickled copy starts unconnected
+        # A spawned or unpickled copy starts unconnected (with what its creator learnt, if anything).
+        return (ClientSession, (self.config, self._bootstrap))
+
+    def bootstrap(self) -> SessionBootstrap:
+        """What this process knows of the cluster, for processes it will start (``SessionBootstrap``):
+        the view, and the lean paths of every worker in it (asked now where not known yet)."""
+        state = self._state.get()
+        statuses = state.bulk.learn(state.workers.candidates_all())
+        view = state.view.SerializeToString() if state.view is not None else b""
+        return SessionBootstrap(view, tuple((a, s.SerializeToString()) for a, s in sorted(statuses.items())))
 
     # -- placement ---------------------------------------------------------------------------------
     @property
@@ -416,6 +468,11 @@ class ClientSession:
                 log.debug("could not learn mounts for fallback: %s", exc)
 
     # -- hints -------------------------------------------------------------------------------------------
+    def hint_by_socket(self, handle: WorkerHandle, keys: list[str]) -> int:
+        """``load_future``'s hint through ``handle``'s short-circuit socket (a worker on this
+        host); how many keys it took (0: busy, or no such socket)."""
+        return self._state.get().bulk.hint(handle, keys)
+
     def load_future(self, handle: WorkerHandle, keys: list[str], timeout: float) -> grpc.Future:
         """Ask ``handle``'s worker to cache ``keys`` (a hint: metadata and first page in one GET)."""
         return handle.stub().Load.future(worker_pb2.LoadRequest(paths=keys, hint=True), timeout=timeout)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
-from cachefs.client import rawbytes
+from cachefs.client import forksafe, rawbytes
 from cachefs.client.handles import MAX_TOUCHED, HandleCache, Page, TableView
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
@@ -36,6 +36,9 @@ _BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_
 # A range a prepare found not cached (yet: the worker may still be writing a cold read's pages)
 # is read through gRPC for this long, with no second message asking again first.
 NOT_CACHED_SECONDS = 0.5
+#: A forked DataLoader worker asks this many more times for a range the worker did not fill
+#: (busy with other fills, or late) before reading it through gRPC, which could hang it there.
+FORKED_FILL_RETRIES = 4
 _NOT_CACHED_MAX = 4096
 
 
@@ -192,9 +195,17 @@ class ShortCircuitReader:
         """
         found = self.handles.lookup(path, offset, length, version)
         if found is None:
-            if self._not_cached and self._known_not_cached(path):
+            # A process whose gRPC could hang (forksafe.grpc_inherited) keeps to this socket: a
+            # range the worker could not fill right now (busy, late) is asked for again.
+            persist = forksafe.grpc_inherited()
+            if not persist and self._not_cached and self._known_not_cached(path):
                 return None
             found = self.request([(path, offset, length, version)])[0]
+            for attempt in range(FORKED_FILL_RETRIES if persist else 0):
+                if found is not None:
+                    break
+                time.sleep(min(1.0, 0.1 * 2 ** attempt))  # back off: the worker's fills were busy
+                found = self.request([(path, offset, length, version)])[0]
             if found is None:
                 return None
         elif self.handles.touched_pending() >= MAX_TOUCHED:
@@ -259,6 +270,15 @@ class ShortCircuitReader:
                 self.handles.release(got[2])
                 known = self.handles.object_info(path)
         return known
+
+    def hint(self, keys: list[str]) -> int:
+        """Objects for the worker to load in the background (it answers at once); how many it took."""
+        message, fds = self._exchange(shortcircuit_pb2.ShortCircuitRequest(token=self.token, load=keys))
+        for fd in fds:
+            os.close(fd)
+        reply = Reply()
+        reply.ParseFromString(message)
+        return 0 if reply.refused else reply.loading
 
     def report(self) -> None:
         """Send the reads made through held handles that the worker has not heard of yet."""

@@ -34,14 +34,18 @@ _RING = object()  # the memo's entry naming the ring it was made for
 #: after: /tmp experiment, in-process and separate worker).
 OWN_CONNECTIONS = ("grpc.use_local_subchannel_pool", 1)
 
+#: A response stream read by the calling thread itself, with no helper thread per call. Also
+#: what lets a fork hook cancel a stream: with grpcio's fork support on, a helper-thread stream
+#: does not see its cancellation until the fork is over (the hook waited its whole budget).
+SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
+
 CHANNEL_OPTIONS = [
     *MESSAGE_OPTIONS,  # the worker's own limits (cachefs/tls.py)
     # A fresh connection attempt soon after a worker comes back, not minutes later.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.enable_retries", 0),
-    # Streams without a helper thread per call (the sync API otherwise starts one per stream).
-    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+    SINGLE_THREADED_STREAMS,
     OWN_CONNECTIONS,
 ]
 
@@ -192,6 +196,10 @@ class WorkerSet:
     @property
     def addresses(self) -> list[str]:
         return list(self._state[1])
+
+    def candidates_all(self) -> list[WorkerHandle]:
+        """Every worker of the current view, in no particular order."""
+        return list(self._state[1].values())
 
     def update(self, addresses: list[str], ring_config: RingConfig | None = None) -> None:
         """A new view: keep the channels of workers that stay, close those of workers that left."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from cachefs.client import forksafe
-from cachefs.client.transport import OWN_CONNECTIONS
+from cachefs.client.transport import OWN_CONNECTIONS, SINGLE_THREADED_STREAMS
 from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
@@ -25,20 +25,26 @@ log = logging.getLogger(__name__)
 
 class ViewWatcher(forksafe.ForkHook):
     def __init__(self, master: str, on_view: Callable[[master_pb2.ClusterView], None], timeout: float = 5.0,
-                 watch_seconds: float = 30.0, tls: TLSConfig = PLAINTEXT, token: str = "") -> None:
+                 watch_seconds: float = 30.0, tls: TLSConfig = PLAINTEXT, token: str = "",
+                 known: master_pb2.ClusterView | None = None) -> None:
+        """``known``: a view this process already has (handed down by the process that started
+        it): the watch goes on from there, and the channel is opened by the watch thread, so
+        that a forked child whose first channel hangs (forksafe.py) does not hang its reads."""
         self.master = master
         # A weak reference: a filesystem that is dropped lets its watcher end.
         self._on_view = weakref.WeakMethod(on_view) if hasattr(on_view, "__self__") else (lambda: on_view)
         self._timeout = timeout
         self._watch_seconds = watch_seconds
         self._tls = tls
-        self._channel = open_channel(master, tls, options=[OWN_CONNECTIONS], token=token)
-        self._stub = master_pb2_grpc.MasterServiceStub(self._channel)
+        self._token = token
+        self._channel: grpc.Channel | None = None
+        self._stub_value: master_pb2_grpc.MasterServiceStub | None = None
+        self._channel_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._call: grpc.Future | None = None
-        self.version = 0
-        self.master_id = ""
+        self.version = known.version if known is not None else 0
+        self.master_id = known.master_id if known is not None else ""
         # Fork handling: _running is cleared while a fork is pending; _outside is set whenever
         # the thread is not inside a gRPC call; _gate orders the two.
         self._running = threading.Event()
@@ -88,6 +94,16 @@ class ViewWatcher(forksafe.ForkHook):
             callback(view)
         return True
 
+    @property
+    def _stub(self) -> master_pb2_grpc.MasterServiceStub:
+        """The master's stub, its channel opened on first use (by whichever thread needs it)."""
+        with self._channel_lock:
+            if self._stub_value is None:
+                self._channel = open_channel(self.master, self._tls, options=[OWN_CONNECTIONS, SINGLE_THREADED_STREAMS],
+                                             token=self._token)
+                self._stub_value = master_pb2_grpc.MasterServiceStub(self._channel)
+            return self._stub_value
+
     def fetch(self) -> bool:
         """One synchronous GetView; False if the master did not answer."""
         try:
@@ -136,6 +152,12 @@ class ViewWatcher(forksafe.ForkHook):
                     if failures == 1:
                         log.warning("master %s: %s; keeping view %d", self.master, err.code().name, self.version)
                     self._stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
+            except Exception as exc:  # noqa: BLE001 - e.g. a channel that cannot be opened: keep the view
+                failures += 1
+                if failures == 1:
+                    log.warning("master %s: cannot watch the view (%s: %s); keeping view %d", self.master,
+                                type(exc).__name__, exc, self.version)
+                self._stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -144,4 +166,12 @@ class ViewWatcher(forksafe.ForkHook):
             call.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._channel.close()
+        # Bounded: a watch thread stuck opening its channel (a forked child, forksafe.py) holds the lock.
+        if not self._channel_lock.acquire(timeout=timeout):
+            return
+        try:
+            channel, self._channel, self._stub_value = self._channel, None, None
+        finally:
+            self._channel_lock.release()
+        if channel is not None:
+            channel.close()

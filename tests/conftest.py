@@ -1,4 +1,9 @@
-"""Shared fixtures: a real S3 endpoint (moto server in its own process), stores, workers."""
+"""Shared fixtures: a real S3 endpoint (moto server in its own process), stores, workers.
+
+grpc is imported before any cachefs.client module: this process hosts gRPC servers and forks,
+so gRPC's fork support stays off here (client/__init__.py turns it on only where the client
+comes first); training processes that tests start as subprocesses get it on, as users' do.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc  # noqa: F401 - first: see below
 import pytest
 
 from cachefs.config import CacheDirSpec, WorkerConfig

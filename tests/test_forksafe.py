@@ -314,3 +314,152 @@ def test_session_channels_go_through_the_gate(served):
     gate.enter = counting_enter  # type: ignore[method-assign]
     assert fs.cat_file(paths[0]) == objects["obj0.bin"]
     assert seen and max(seen) >= 1 and gate.inside == 0
+
+
+def _fork_support_in_fresh_process(code: str, env_value: str | None) -> str:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    if env_value is not None:
+        env["GRPC_ENABLE_FORK_SUPPORT"] = env_value
+    probe = code + "\nfrom cachefs.client import forksafe\nprint(forksafe.grpc_fork_support())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("code", "env_value", "expected"), [
+    ("import cachefs.client.filesystem", None, "True"),  # a training process: client first
+    ("import cachefs.client.dataset", "0", "False"),  # the user said no
+    ("import grpc\nimport cachefs.client.filesystem", None, "False"),  # too late: grpc read it already
+])
+def test_grpc_fork_support_is_on_where_the_client_comes_first(code: str, env_value: str | None,
+                                                              expected: str) -> None:
+    assert _fork_support_in_fresh_process(code, env_value) == expected
+
+
+def test_a_fork_without_grpc_fork_support_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    assert not forksafe.grpc_fork_support()  # this process imported grpc first (conftest.py)
+    gate = forksafe.RpcGate()
+    warning = forksafe._ForkSupportWarning()
+    with caplog.at_level("WARNING", logger="cachefs.client.forksafe"):
+        warning.check()
+        warning.check()
+    said = [r for r in caplog.records if "fork support off" in r.getMessage()]
+    assert len(said) == 1 and "GRPC_ENABLE_FORK_SUPPORT=1" in said[0].getMessage()
+    gate.before_fork(time.monotonic() + 1)  # the gate's hook checks too, and still lets the fork go
+    gate.after_fork_in_parent()
+
+
+# -- DataLoader workers on a worker's host: no gRPC on their data path ------------------------------
+def _refuse_grpc_channels(_worker_id: int) -> None:
+    """worker_init_fn: any gRPC channel this DataLoader worker opens fails loudly."""
+    import grpc
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("a DataLoader worker opened a gRPC channel")
+
+    grpc.insecure_channel = refuse
+    grpc.secure_channel = refuse
+
+
+@pytest.mark.parametrize("kind", ["map", "iter"])
+def test_dataloader_workers_read_without_a_grpc_channel(local_store, make_worker, tmp_path, kind):
+    """A forked child's first gRPC channel can hang (forksafe.py): DataLoader workers on the
+    worker's host read cold and warm epochs through the short-circuit socket alone, starting
+    from what the main process learnt (SessionBootstrap)."""
+    from torch.utils.data import DataLoader
+
+    from cachefs.client.iterable import CacheIterableDataset
+    from cachefs.client.shards import write_tar_shards
+
+    n = 24
+    if kind == "map":
+        for i in range(n):
+            local_store.add(f"train/{i:05d}.bin", f"{i:05d}".encode() + payload(3000 + i, i))
+    else:
+        samples = ((f"s/{i:05d}", {"id": f"{i:05d}".encode(), "bin": payload(3000 + i, i)}) for i in range(n))
+        write_tar_shards(samples, str(tmp_path / "shards"), shard_bytes=20_000)
+        for f in sorted((tmp_path / "shards").iterdir()):
+            local_store.add(f"shards/{f.name}", f.read_bytes())
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    opts = {"workers": worker.address}
+    if kind == "map":
+        ds = CacheDataset.from_prefix("cachefs://data/train", storage_options=opts, seed=1)
+        loader = DataLoader(ds, batch_size=4, sampler=ds.sampler(), num_workers=2, collate_fn=list,
+                            timeout=CHILD_DEADLINE, worker_init_fn=_refuse_grpc_channels)
+
+        def ids(batch):
+            return [int(bytes(t[:5].numpy()).decode()) for t in batch]
+    else:
+        ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, timeout=CHILD_DEADLINE,
+                            worker_init_fn=_refuse_grpc_channels)
+
+        def ids(sample):  # batch_size=None: one sample (a dict of fields) at a time
+            return [int(bytes(sample["id"].numpy()).decode())]
+    assert ds._bootstrap is not None and ds._bootstrap.statuses  # learnt in this (main) process
+    for _epoch in ("cold", "warm"):
+        got = sorted(i for batch in loader for i in ids(batch))
+        assert got == list(range(n))
+
+
+def test_a_session_started_from_a_bootstrap_asks_no_one_before_reading(served, monkeypatch):
+    """The view and lean paths handed down are used as they are: no GetView, no probe, and the
+    watch opens its channel on its own thread (where, refused here, it only logs)."""
+    import grpc
+
+    from cachefs.client.session import ClientSession, SessionBootstrap
+    from cachefs.config import ClientConfig
+    from cachefs.proto import master_pb2
+
+    objects, worker = served
+    parent = client(worker.address)
+    boot = parent.session.bootstrap()
+    assert [a for a, _ in boot.statuses] == [worker.address]
+    view = master_pb2.ClusterView(version=7, master_id="m1", workers=[master_pb2.WorkerInfo(address=worker.address)])
+    boot = SessionBootstrap(view.SerializeToString(), boot.statuses)
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("opened a gRPC channel")
+
+    monkeypatch.setattr(grpc, "insecure_channel", refuse)
+    session = ClientSession(ClientConfig(master="127.0.0.1:1", workers=()), boot)
+    try:
+        assert session.workers.addresses == [worker.address]  # from the handed-down view
+        path = parent._path(_paths(objects)[0])
+        assert session.read(path, 0, -1)[0] == objects["obj0.bin"]
+        assert session._state.get().bulk.stats["short_circuit"]["reads"] >= 1
+    finally:
+        session.close()
+
+
+def test_hints_from_a_forked_process_go_through_the_short_circuit_socket(served):
+    """In a process forked from one that used gRPC (forksafe.grpc_inherited), hints to a worker
+    on this host go through its short-circuit socket; the worker loads them in the background."""
+    objects, worker = served
+    fs = client(worker.address)
+    paths = _paths(objects)
+    assert fs.cat_file(paths[0]) == objects["obj0.bin"]  # gRPC used here: a fork inherits it
+    parent_conn, child_conn = multiprocessing.get_context("fork").Pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            from cachefs.client.hints import Hinter
+
+            hinter = Hinter(fs.session)
+            child_conn.send((forksafe.grpc_inherited(), hinter.hint(paths[1:]), dict(hinter.stats)))
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert parent_conn.poll(CHILD_DEADLINE)
+        inherited, sent, stats = parent_conn.recv()
+    finally:
+        os.waitpid(pid, 0)
+    assert inherited and sent == len(paths) - 1 and stats["sent"] >= 1, stats
+    keys = [fs._path(p).key for p in paths[1:]]
+    # Loaded by the worker in the background: every hinted object's pages end up cached.
+    assert wait_for(lambda: all(worker.pages.holds_object("data", k) for k in keys), timeout=30)

@@ -33,6 +33,7 @@ from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
 from cachefs.server.worker.handles import HandleTable
 from cachefs.server.worker.fill import RangeFiller
+from cachefs.server.worker.hintloads import HintLoads
 from cachefs.server.worker.shortcircuit import ShortCircuitServer
 from cachefs.tls import MESSAGE_OPTIONS, bind_port
 
@@ -75,6 +76,7 @@ class Worker:
         self._metrics_http: HttpServer | None = None
         self.short_circuit: ShortCircuitServer | None = None
         self.filler: RangeFiller | None = None
+        self.hint_loads: HintLoads | None = None
         self.handle_table: HandleTable | None = None
         self.data_port_server: DataPortServer | None = None
         self.data_port: int | None = None  # bound data port (None: off)
@@ -146,6 +148,7 @@ class Worker:
         self.filler = RangeFiller(self.reader, servicer._file_meta, servicer._head_bytes,
                                   threads=self.config.fetch_threads, max_requests=FILL_REQUESTS,
                                   on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
+        self.hint_loads = HintLoads(servicer.load_objects)
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -184,6 +187,8 @@ class Worker:
             self.data_port_server.stop()
         if self.filler is not None:
             self.filler.close()
+        if self.hint_loads is not None:
+            self.hint_loads.close()
         self.reader.close(timeout=grace)
         self.pages.close()
         log.info("worker %s stopped", self.worker_id)
@@ -208,7 +213,8 @@ class Worker:
             self.short_circuit = ShortCircuitServer(
                 path, cached, on_served=self.metrics.served_short_circuit, table=table, hold=self._hold,
                 still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held,
-                filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc).start()
+                filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc,
+                on_load=self.hint_loads.submit).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()

@@ -174,16 +174,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Load(self, request: worker_pb2.LoadRequest, context: grpc.ServicerContext) -> worker_pb2.LoadResponse:
         """Bring whole objects into this worker's page store; one bad object fails only itself."""
         self._check_job_paths(request.paths)
-        deadline = self._load_deadline(context)
+        return self.load_objects(list(request.paths), self._load_deadline(context), request.hint)
+
+    def load_objects(self, paths: list[str], deadline: float, hint: bool) -> worker_pb2.LoadResponse:
+        """Load's work, also for hints that come another way (the short-circuit socket)."""
         metas: dict[CachePath, ObjectMeta] = {}
         failed: list[str] = []
         heads: dict[CachePath, int] = {}  # first pages that came with their metadata
-        for raw in request.paths:
+        for raw in paths:
             try:
                 path = parse_path(raw)
                 if path not in metas:
-                    metas[path], heads[path] = resolve_for_load(self.objects, path,
-                                                                self.reader if request.hint else None)
+                    metas[path], heads[path] = resolve_for_load(self.objects, path, self.reader if hint else None)
             except OSError as exc:  # a bad path, unknown mount, missing object, directory, store error
                 failed.append(failure(raw, exc))
         result = Loader(self.reader, self.pages, self.metrics, deadline).run(list(metas.values()), heads)

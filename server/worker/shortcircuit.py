@@ -53,7 +53,8 @@ class ShortCircuitServer(ConnectionServer):
                  hold: Callable[[list[str], float], bool] | None = None,
                  still_cached: Callable[[str], bool] | None = None,
                  on_touched: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
-                 on_handed_out: Callable[[int], None] | None = None, **limits: Any) -> None:
+                 on_handed_out: Callable[[int], None] | None = None,
+                 on_load: Callable[[list[str]], int] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
         to the quota while clients may hold them (False: no room, hand them out for one read),
         and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
@@ -63,6 +64,7 @@ class ShortCircuitServer(ConnectionServer):
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
         self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
         self.filler, self._on_handed_out = filler, on_handed_out
+        self._on_load = on_load  # hints: objects to load in the background (hintloads.py)
 
     def _listen(self) -> socket.socket:
         if len(os.fsencode(self.path)) >= 108:
@@ -122,6 +124,8 @@ class ShortCircuitServer(ConnectionServer):
             if self._on_touched is not None:
                 self._on_touched(touched, request.touched_bytes)
         reply = Reply(answered=True)
+        if request.load and self._on_load is not None:
+            reply.loading = self._on_load(list(request.load))
         if request.hello and self.table is not None:
             fds.append(self.table.reader_fd())
             reply.instance, reply.table_slots = self.table.instance, self.table.slots
