@@ -36,6 +36,7 @@ from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, Proces
                                     _default_rank_world)
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
+from cachefs.client.indexcache import IndexCache, default_dir
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import BlockPlan
 from cachefs.client.shards import FORMATS, ShardIndex, index_from_json, index_to_json
@@ -96,9 +97,14 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
 
     @classmethod
     def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, format: str = "tar",
-                    index: str | None = "index.json", **kwargs: Any) -> "CacheIterableDataset":
+                    index: str | None = "index.json", index_cache: str | None = None,
+                    **kwargs: Any) -> "CacheIterableDataset":
         """The shards below ``url``: from its ``index`` file when there is one, else by scanning
-        every ``*.<format>`` object once (read through the cache, several shards at a time)."""
+        every ``*.<format>`` object once (read through the cache, several shards at a time).
+
+        A scanned index is kept in ``index_cache`` (default: ``$CACHEFS_INDEX_CACHE``, else
+        ``~/.cache/cachefs/shard-index``; ``""``: not kept) under the shards' paths, sizes and
+        versions, so the next start over the same shards needs no scan (indexcache.py)."""
         storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
         fs = cls._filesystem(dict(storage_options or {}))
         try:
@@ -109,11 +115,18 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         names = {name.rsplit("/", 1)[-1]: name for name in entries}
         if index and index in names:
             return cls.from_index(f"cachefs://{names[index]}", storage_options=storage_options, **kwargs)
-        paths = sorted((f"cachefs://{n}", int(i["size"])) for n, i in entries.items()
-                       if n.endswith("." + format) and i.get("type", "file") == "file")
-        if not paths:
+        listed = sorted((f"cachefs://{n}", int(i["size"]), str(i.get("version") or "")) for n, i in entries.items()
+                        if n.endswith("." + format) and i.get("type", "file") == "file")
+        if not listed:
             raise FileNotFoundError(f"no index and no .{format} shards below {base}")
-        return cls(scan_shards(paths, storage_options, format), storage_options=storage_options, **kwargs)
+        kept = IndexCache(default_dir() if index_cache is None else index_cache)
+        key = IndexCache.key(base, format, listed) if kept.directory else None
+        shards = kept.load(key) if key else None
+        if shards is None:
+            shards = scan_shards([(path, size) for path, size, _ in listed], storage_options, format)
+            if key:
+                kept.save(key, shards, format)
+        return cls(shards, storage_options=storage_options, **kwargs)
 
     def index_json(self, base: str = "") -> str:
         """This dataset's index, to save (e.g. beside the shards) so the next start needs no scan."""

@@ -33,6 +33,8 @@ def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """
     for name in [n for n in os.environ if n.startswith("CACHEFS_")]:
         monkeypatch.delenv(name)
+    # Scanned shard indexes are kept per test (client/indexcache.py), never in the user's ~/.cache.
+    monkeypatch.setenv("CACHEFS_INDEX_CACHE", tempfile.mkdtemp(prefix="cachefs-index-"))
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import io
 import tarfile
 from collections import Counter
@@ -306,3 +308,45 @@ def test_a_hint_caches_a_shard_before_anyone_reads_it(sharded):
     assert wait_for(lambda: cached()[-1] == shards[-1].size and cached()[-2] == shards[-2].size)
     assert list(cached())[:-2] == [0] * (len(shards) - 2)
     assert ds.hinter.hint([shards[-1].path]) == 0  # once per epoch
+
+
+def test_a_scanned_index_is_kept_and_used_until_a_shard_changes(sharded, local_store, make_worker, tmp_path,
+                                                                 monkeypatch):
+    """Shards without index.json are scanned once; the next start over the same shards (same
+    paths, sizes and versions) reads the kept index, and a changed shard is scanned again."""
+    import cachefs.client.iterable as iterable_module
+
+    shards, opts = sharded(30)
+    os.remove(os.path.join(local_store.mount.url, "shards", "index.json"))
+    scans: list[int] = []
+    real_scan = iterable_module.scan_shards
+
+    def counting_scan(paths, *args, **kwargs):
+        scans.append(len(paths))
+        return real_scan(paths, *args, **kwargs)
+
+    monkeypatch.setattr(iterable_module, "scan_shards", counting_scan)
+    kept = str(tmp_path / "kept")
+
+    def make(options=opts):
+        return CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=options, batch_size=4,
+                                                rank=0, world_size=1, index_cache=kept)
+
+    first = make()
+    assert scans == [len(shards)] and len(os.listdir(kept)) == 1
+    again = make()
+    assert scans == [len(shards)]  # no second scan
+    assert [s.samples for s in again.shards] == [s.samples for s in first.shards]
+    assert sorted(int(bytes(s["cls"].numpy())) for s in again) == list(range(30))
+    # One shard rewritten with other samples: a new version, so a new key and a new scan.
+    last = os.path.join(local_store.mount.url, "shards", os.path.basename(shards[-1].path))
+    n_last = len(shards[-1].samples)
+    write_tar_shards(_samples(n_last + 2), str(tmp_path / "other"), shard_bytes=10 << 20)
+    os.replace(str(tmp_path / "other" / "shard-000000.tar"), last)
+    fresh = {"workers": make_worker(local_store.mount, page_size=PAGE).address}  # no metadata cached yet
+    assert len(make(fresh).shards[-1].samples) == n_last + 2
+    assert len(scans) == 2 and len(os.listdir(kept)) == 2
+    # Keeping can be turned off.
+    make_off = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
+                                                rank=0, world_size=1, index_cache="")
+    assert len(make_off.shards) == len(shards)
