@@ -6,6 +6,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -33,6 +34,7 @@ MAX_BLOCK = 4 << 20  # bytes per ReadBlock reply
 LIST_BATCH = 1000
 MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
 MAX_JOB_PATHS = 10_000  # paths per Load/GetCached request: the master sends batches
+RESOLVE_THREADS = 8  # objects of one Load resolved at once (each one store round trip when cold)
 
 
 
@@ -181,13 +183,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         metas: dict[CachePath, ObjectMeta] = {}
         failed: list[str] = []
         heads: dict[CachePath, int] = {}  # first pages that came with their metadata
-        for raw in paths:
+
+        def resolve(raw: str) -> tuple[str, CachePath | None, ObjectMeta | None, int, OSError | None]:
             try:
                 path = parse_path(raw)
-                if path not in metas:
-                    metas[path], heads[path] = resolve_for_load(self.objects, path, self.reader if hint else None)
+                meta, head = resolve_for_load(self.objects, path, self.reader if hint else None)
+                return raw, path, meta, head, None
             except OSError as exc:  # a bad path, unknown mount, missing object, directory, store error
-                failed.append(failure(raw, exc))
+                return raw, None, None, 0, exc
+
+        # Each cold object costs one store round trip to resolve (its GET brings the metadata and
+        # first page: all of a small object), so a hint of 32 samples resolves them side by side,
+        # not one store latency after another.
+        unique = list(dict.fromkeys(paths))
+        threads = min(RESOLVE_THREADS, len(unique))
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="cachefs-resolve") as pool:
+                resolved = list(pool.map(resolve, unique))
+        else:
+            resolved = [resolve(raw) for raw in unique]
+        for raw, path, meta, head, error in resolved:
+            if error is not None:
+                failed.append(failure(raw, error))
+            elif path is not None and meta is not None and path not in metas:
+                metas[path], heads[path] = meta, head
         result = Loader(self.reader, self.pages, self.metrics, deadline).run(list(metas.values()), heads)
         return worker_pb2.LoadResponse(
             objects_loaded=result.objects_loaded, bytes_loaded=result.bytes_loaded,
