@@ -36,9 +36,10 @@ _BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_
 # A range a prepare found not cached (yet: the worker may still be writing a cold read's pages)
 # is read through gRPC for this long, with no second message asking again first.
 NOT_CACHED_SECONDS = 0.5
-#: A forked DataLoader worker asks this many more times for a range the worker did not fill
-#: (busy with other fills, or late) before reading it through gRPC, which could hang it there.
-FORKED_FILL_RETRIES = 4
+#: A forked DataLoader worker asks this many more times (0.6 s of back-off in all) for a range
+#: the worker did not fill (busy with other fills, or late) before reading it through gRPC,
+#: which could hang it there.
+FORKED_FILL_RETRIES = 5
 _NOT_CACHED_MAX = 4096
 
 
@@ -204,7 +205,7 @@ class ShortCircuitReader:
             for attempt in range(FORKED_FILL_RETRIES if persist else 0):
                 if found is not None:
                     break
-                time.sleep(min(1.0, 0.1 * 2 ** attempt))  # back off: the worker's fills were busy
+                time.sleep(0.02 * 2 ** attempt)  # back off (0.02 .. 0.32 s): the worker's fills were busy
                 found = self.request([(path, offset, length, version)])[0]
             if found is None:
                 return None
