@@ -68,8 +68,8 @@ class BulkPaths:
         self._lock = threading.Lock()
         self._readers: dict[str, tuple[Reader | None, float]] = {}
         # Each worker's GetStatus answer: learnt here by a probe, or handed down by the process
-        # that started this one (session.SessionBootstrap), then used for the first probe instead
-        # of asking; a later probe (after a failure) asks again.
+        # that started this one (session.SessionBootstrap) and used instead of asking until that
+        # worker's lean path fails; a probe after that asks again.
         self._statuses: dict[str, Any] = {}
         self._handed_down: dict[str, Any] = dict(known or {})
         self._warned: set[str] = set()
@@ -81,18 +81,22 @@ class BulkPaths:
         return bool(self.config.short_circuit or self.config.data_port)
 
     def _status(self, handle: Any) -> Any:
-        status = self._handed_down.pop(handle.address, None)
+        # Kept (threads of this process may probe at once) until this worker's lean path fails.
+        status = self._handed_down.get(handle.address)
         if status is None:
             status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
         self._statuses[handle.address] = status
         return status
 
-    def learn(self, handles: list[Any]) -> dict[str, Any]:
-        """Probe the workers not probed yet; every worker's GetStatus known here, by address."""
+    def learn(self, handles: list[Any]) -> None:
+        """Probe the workers not probed yet."""
         for handle in handles:
             if handle.address not in self._readers:
                 self._reader(handle)
-        return {a: s for a, s in {**self._handed_down, **self._statuses}.items()}
+
+    def known_statuses(self) -> dict[str, Any]:
+        """Every worker's GetStatus known here (probed or handed down), by address."""
+        return {**self._handed_down, **self._statuses}
 
     def _probe(self, handle: Any) -> Reader | None:
         config = self.config
@@ -146,6 +150,7 @@ class BulkPaths:
             since = time.monotonic() - (PROBE_RETRY - AWAY_RETRY if _worker_away(exc) else 0.0)
             with self._lock:
                 self._readers[handle.address] = (None, since)
+                self._handed_down.pop(handle.address, None)  # the next probe asks the worker
                 first = handle.address not in self._warned
                 self._warned.add(handle.address)
             log.log(logging.WARNING if first else logging.DEBUG,

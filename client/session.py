@@ -147,6 +147,12 @@ class _ProcessState:
         self.workers.close()
         self.bulk.close()
 
+    def snapshot(self) -> SessionBootstrap:
+        """What this process knows of the cluster now (asking no one)."""
+        view = self.view.SerializeToString() if self.view is not None else b""
+        statuses = self.bulk.known_statuses()
+        return SessionBootstrap(view, tuple((a, s.SerializeToString()) for a, s in sorted(statuses.items())))
+
     @staticmethod
     def release_inherited(state: "_ProcessState") -> None:
         """In a forked child: the parent's sockets may be closed here (the parent keeps its own
@@ -161,8 +167,15 @@ class ClientSession:
         self.config = config
         self._bootstrap = bootstrap
         self._state: ProcessLocal[_ProcessState] = ProcessLocal(
-            lambda: _ProcessState(config, bootstrap), inherited=_ProcessState.release_inherited,
-            name="client session")
+            lambda: _ProcessState(config, self._bootstrap), inherited=self._inherit, name="client session")
+
+    def _inherit(self, state: _ProcessState) -> None:
+        """In a forked child: release the parent's sockets, and start from what the parent knew
+        (its view and the workers it probed) rather than asking through gRPC (forksafe.py)."""
+        _ProcessState.release_inherited(state)
+        known = state.snapshot()
+        if known.view or known.statuses:
+            self._bootstrap = known
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A spawned or unpickled copy starts unconnected (with what its creator learnt, if anything).
@@ -172,9 +185,8 @@ class ClientSession:
         """What this process knows of the cluster, for processes it will start (``SessionBootstrap``):
         the view, and the lean paths of every worker in it (asked now where not known yet)."""
         state = self._state.get()
-        statuses = state.bulk.learn(state.workers.candidates_all())
-        view = state.view.SerializeToString() if state.view is not None else b""
-        return SessionBootstrap(view, tuple((a, s.SerializeToString()) for a, s in sorted(statuses.items())))
+        state.bulk.learn(state.workers.candidates_all())
+        return state.snapshot()
 
     # -- placement ---------------------------------------------------------------------------------
     @property

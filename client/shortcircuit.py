@@ -36,10 +36,10 @@ _BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_
 # A range a prepare found not cached (yet: the worker may still be writing a cold read's pages)
 # is read through gRPC for this long, with no second message asking again first.
 NOT_CACHED_SECONDS = 0.5
-#: A forked DataLoader worker asks this many more times (0.6 s of back-off in all) for a range
-#: the worker did not fill (busy with other fills, or late) before reading it through gRPC,
-#: which could hang it there.
-FORKED_FILL_RETRIES = 5
+#: How long a forked DataLoader worker keeps asking for a range the worker did not fill (busy
+#: with other fills, or late on a loaded machine) before reading it through gRPC, which could
+#: hang it there (forksafe.grpc_inherited).
+FORKED_FILL_PATIENCE = 15.0
 _NOT_CACHED_MAX = 4096
 
 
@@ -202,11 +202,8 @@ class ShortCircuitReader:
             if not persist and self._not_cached and self._known_not_cached(path):
                 return None
             found = self.request([(path, offset, length, version)])[0]
-            for attempt in range(FORKED_FILL_RETRIES if persist else 0):
-                if found is not None:
-                    break
-                time.sleep(0.02 * 2 ** attempt)  # back off (0.02 .. 0.32 s): the worker's fills were busy
-                found = self.request([(path, offset, length, version)])[0]
+            if found is None and persist:
+                found = self._request_patiently((path, offset, length, version))
             if found is None:
                 return None
         elif self.handles.touched_pending() >= MAX_TOUCHED:
@@ -216,6 +213,20 @@ class ShortCircuitReader:
             return self._assemble(size, version, pages, offset, length, out)
         finally:
             self.handles.release(pages)
+
+    def _request_patiently(self, wanted: tuple[str, int, int, str]) -> tuple[int, str, list[Page]] | None:
+        """Ask again, backing off (0.02 s doubling to 0.5 s), for up to FORKED_FILL_PATIENCE
+        seconds: a fill refused because the worker was busy, or answered late, joins the fetches
+        already in flight when asked again."""
+        deadline = time.monotonic() + FORKED_FILL_PATIENCE
+        pause = 0.02
+        while time.monotonic() + pause < deadline:
+            time.sleep(pause)
+            found = self.request([wanted])[0]
+            if found is not None:
+                return found
+            pause = min(0.5, pause * 2)
+        return None
 
     def read_held_into(self, reads: list[tuple[str, int, memoryview]]) -> list[tuple[int, int] | None]:
         """Reads ``(path, offset, out)`` through pages this process holds, with no message and

@@ -463,3 +463,30 @@ def test_hints_from_a_forked_process_go_through_the_short_circuit_socket(served)
     keys = [fs._path(p).key for p in paths[1:]]
     # Loaded by the worker in the background: every hinted object's pages end up cached.
     assert wait_for(lambda: all(worker.pages.holds_object("data", k) for k in keys), timeout=30)
+
+
+def test_a_forked_child_starts_from_what_its_parent_knew(served):
+    """A plain filesystem used in a DataLoader (a user's own Dataset): a child forked after the
+    parent read once probes nothing through gRPC; it reads through the short-circuit socket."""
+    objects, worker = served
+    fs = client(worker.address)
+    paths = _paths(objects)
+    assert fs.cat_file(paths[0]) == objects["obj0.bin"]  # the parent probed the worker here
+    parent_conn, child_conn = multiprocessing.get_context("fork").Pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            _refuse_grpc_channels(0)
+            child_conn.send([fs.cat_file(p) for p in paths])
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            child_conn.send(repr(exc))
+        finally:
+            os._exit(code)
+    try:
+        assert parent_conn.poll(CHILD_DEADLINE)
+        got = parent_conn.recv()
+    finally:
+        os.waitpid(pid, 0)
+    assert got == list(objects.values()), got
