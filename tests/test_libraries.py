@@ -1,7 +1,8 @@
 """Data libraries that take fsspec filesystems or URLs, reading (and writing) ``cachefs://`` as they
 read ``s3://``: pyarrow.dataset, polars (file objects), zarr (``get_mapper`` and its fsspec store),
 Hugging Face ``datasets`` (parquet, streaming and not), webdataset (a registered handler and
-``pipe:cachefs cat``). pandas: tests/test_ecosystem.py.
+``pipe:cachefs cat``), pandas (partitioned parquet, JSON lines, chunked CSV; more in
+tests/test_ecosystem.py).
 
 One real worker over a moto bucket per test; each library's result is compared with the data
 written, and the bytes in the bucket with s3fs's view of them.
@@ -173,3 +174,19 @@ def test_cachefs_cat_concatenates_and_fails_clearly(cluster):
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 141 and b"Traceback" not in err, err
+
+
+def test_pandas_partitioned_parquet_and_json_lines(cluster):
+    pd = pytest.importorskip("pandas")
+    fs, opts, s3, root = cluster
+    df = pd.DataFrame({"id": range(300), "part": [i % 3 for i in range(300)], "s": [f"v{i}" for i in range(300)]})
+    df.to_parquet("cachefs://data/pd/t", partition_cols=["part"], storage_options=opts)
+    assert sorted(p.split("/")[-2] for p in s3.find(f"{root}/pd/t")) == ["part=0", "part=1", "part=2"]
+    back = pd.read_parquet("cachefs://data/pd/t", storage_options=opts).sort_values("id").reset_index(drop=True)
+    assert back["id"].tolist() == list(range(300)) and back["part"].astype(int).tolist() == df["part"].tolist()
+    df.to_json("cachefs://data/pd/t.jsonl", orient="records", lines=True, storage_options=opts)
+    pd.testing.assert_frame_equal(pd.read_json("cachefs://data/pd/t.jsonl", lines=True, storage_options=opts), df)
+    fs.pipe_file("data/pd/t.csv", df.to_csv(index=False).encode())
+    chunks = list(pd.read_csv("cachefs://data/pd/t.csv", storage_options=opts, chunksize=100))
+    assert len(chunks) == 3
+    pd.testing.assert_frame_equal(pd.concat(chunks), df)
