@@ -90,7 +90,7 @@ class S3CompatMethods:
     def modified(self, path: str, refresh: bool = False, **kwargs: Any) -> datetime.datetime:
         """The object's last modification as an aware UTC datetime (s3fs: ``LastModified``).
         A directory has none: IsADirectoryError, as s3fs raises."""
-        info = self.info(path, refresh=refresh)  # type: ignore[attr-defined]
+        info = self.info(path, refresh=refresh, **kwargs)  # type: ignore[attr-defined]
         if info.get("type") != "file":
             raise IsADirectoryError(f"{path} is a directory: it has no modification time")
         if "LastModified" not in info:
