@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheDataset", "CacheFileSystem", "CacheIterableDataset", "write_tar_shards", "__version__"]
+__all__ = ["CacheDataset", "CacheFileSystem", "CacheIterableDataset", "register_webdataset", "write_tar_shards",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -28,6 +29,10 @@ def __getattr__(name: str):
         from cachefs.client.iterable import CacheIterableDataset
 
         return CacheIterableDataset
+    if name == "register_webdataset":  # webdataset opens cachefs:// URLs (client/wds.py)
+        from cachefs.client.wds import register_webdataset
+
+        return register_webdataset
     if name == "write_tar_shards":
         from cachefs.client.shards import write_tar_shards
 

@@ -100,11 +100,18 @@ def cmd_local(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_cat(args: argparse.Namespace) -> int:
+    from cachefs.client.wds import cat_main
+
+    options = {k: v for k, v in (("master", args.master), ("workers", args.workers)) if v}
+    return cat_main(args.urls, options)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cachefs.demo import run_demo
 
-    return run_demo(objects=args.objects, object_size=args.object_size, workdir=args.dir, threads=args.threads,
-                    workers=args.workers)
+    return run_demo(samples=args.samples, sample_size=args.sample_size, delay_ms=args.delay_ms, workers=args.workers,
+                    batch_size=args.batch_size, num_workers=args.num_workers, step_ms=args.step_ms, workdir=args.dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,11 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     admin.register(sub)
 
-    d = sub.add_parser("demo", help="start a local cluster over a generated dataset and read it twice")
-    d.add_argument("--workers", type=int, default=2, help="worker processes")
-    d.add_argument("--objects", type=int, default=400, help="number of sample objects")
-    d.add_argument("--object-size", default="256KiB", help="size of each object")
-    d.add_argument("--threads", type=int, default=8, help="concurrent readers")
+    c = sub.add_parser("cat", help="write objects' bytes to stdout, in order (e.g. webdataset's pipe: URLs)")
+    c.add_argument("urls", nargs="+", metavar="URL", help="cachefs://MOUNT/KEY (or any fsspec URL)")
+    c.add_argument("--master", help="master HOST:PORT (default: CACHEFS_MASTER)")
+    c.add_argument("--workers", help="worker addresses, comma-separated (default: CACHEFS_WORKERS)")
+    c.set_defaults(func=cmd_cat)
+
+    d = sub.add_parser("demo", help="a DataLoader epoch from S3 (embedded, ~20 ms away) through s3fs and through "
+                                    "cachefs, cold then warm, side by side")
+    d.add_argument("--samples", "--objects", type=int, default=600, help="samples (objects) in the bucket")
+    d.add_argument("--sample-size", "--object-size", default="256KiB", help="size of each sample")
+    d.add_argument("--delay-ms", type=float, default=5.0,
+                   help="delay each way in front of S3 (moto closes connections: first byte after ~4x this)")
+    d.add_argument("--workers", type=int, default=2, help="cachefs worker processes")
+    d.add_argument("--batch-size", type=int, default=32, help="DataLoader batch size (both runs)")
+    d.add_argument("--num-workers", type=int, default=2, help="DataLoader workers (both runs)")
+    d.add_argument("--step-ms", type=float, default=5.0, help="simulated training step per batch")
     d.add_argument("--dir", help="working directory (default: a new temporary one)")
     d.set_defaults(func=cmd_demo)
     return parser

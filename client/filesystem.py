@@ -28,6 +28,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.spec import AbstractBufferedFile
 
+from cachefs.client.fscompat import S3CompatMethods, s3_fields
 from cachefs.client.session import ClientSession, SessionBootstrap
 from cachefs.client.urlmap import UrlMap
 from cachefs.client.writer import CacheWriteFile, WriteMethods, Writes, check_write_mode
@@ -46,7 +47,7 @@ _GLOB_CHARS = frozenset("*?[")
 FSSPEC_OPTIONS = frozenset({"use_listings_cache", "listings_expiry_time", "max_paths", "batch_size"})
 
 
-class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
+class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFileSystem):
     """``cachefs://mount/key``; chained (``cachefs::s3://bucket/key``) it maps store URLs onto mounts.
 
     Options are ClientConfig's fields (``master``, ``workers``, ``fallback``, ``timeout``...;
@@ -137,16 +138,20 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
         return self._direct_fs
 
     def _named(self, entry: dict[str, Any]) -> dict[str, Any]:
-        """An entry as the caller addressed it: chained callers get store paths back."""
+        """An entry as the caller addressed it (chained callers get store paths back), with the
+        fields s3fs's entries have where they are known (``ETag``, ``LastModified``)."""
         if self._target_protocol:
             entry["name"] = self._urlmap().to_store_path(entry["name"])
-        return entry
+        return s3_fields(entry)
 
     def _is_root(self, path: str) -> bool:
         return not self._target_protocol and self._strip_protocol(path) == ""
 
     # -- the work, blocking ------------------------------------------------------------------------
     def info(self, path: str, refresh: bool = False, **kwargs: Any) -> dict[str, Any]:
+        if kwargs.get("version_id") is not None:
+            raise NotImplementedError("cachefs: version_id is not supported: the cache reads an object's "
+                                      "current version only")
         if self._is_root(path):
             return {"name": "", "size": 0, "type": "directory"}
         cp = self._path(path)
@@ -289,6 +294,9 @@ class CacheFileSystem(WriteMethods, AsyncFileSystem, ChainedFileSystem):
               cache_options: dict | None = None, cache_type: str = "readahead", **kwargs: Any) -> Any:
         if mode != "rb":
             check_write_mode(mode)
+            if not autocommit:
+                raise NotImplementedError("cachefs: transactions are not supported: a write is published "
+                                          "when its file closes (all or nothing), not at the transaction's end")
             cp = self._write_path(path)
             if mode == "xb" and self._exists_now(path):
                 raise FileExistsError(f"{path} exists (mode 'xb')")

@@ -1,4 +1,4 @@
-"""benchmarks/netem.py: a moto endpoint behind real delay (netns + veth + netem, else a delay proxy).
+"""cachefs/netem.py: a moto endpoint behind real delay (netns + veth + netem, else a delay proxy).
 
 Real processes and real sockets: moto in its own process, namespaces and veths made with `ip`
 (root only; skipped with the reason otherwise), the delay measured on the wire.
@@ -15,8 +15,7 @@ import urllib.request
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import netem  # noqa: E402
+from cachefs import netem
 
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
