@@ -8,6 +8,7 @@ program that opens paths would.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import os
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from cachefs.client.fusemount import fuse_available, mount_entry
-from cachefs.config import load_fuse_config
+from cachefs.config import FuseConfig, load_fuse_config
 from helpers import payload, wait_for
 
 REASON = fuse_available()
@@ -243,3 +244,8 @@ def test_fuse_configuration_layers_and_refusals(tmp_path):
                           "--attr-timeout", "99"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "bad configuration" in out.stderr and "attr_timeout" in out.stderr
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    section = docs.split("## FUSE mount (`cachefs fuse`)", 1)[1].split("\n## ", 1)[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert listed == {f.name for f in dataclasses.fields(FuseConfig)} - {"client"}, "docs/configuration.md"
