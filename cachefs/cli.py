@@ -109,6 +109,7 @@ def cmd_fuse(args: argparse.Namespace) -> int:
                     "tls_key_file": args.tls_key_file, "timeout": args.timeout,
                     "fallback": True if args.fallback else None}
     flags = {"attr_timeout": args.attr_timeout, "metadata_ttl": args.metadata_ttl, "max_read": args.max_read,
+             "read_ahead": args.read_ahead,
              "threads": args.threads, "allow_other": True if args.allow_other else None}
     try:
         config = load_fuse_config(args.config, flags={k: v for k, v in flags.items() if v is not None},
@@ -189,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--attr-timeout", type=float, help="seconds the kernel keeps attributes and names (default 1)")
     f.add_argument("--metadata-ttl", type=float, help="the workers' metadata_ttl: attr-timeout may not exceed it")
     f.add_argument("--max-read", help="bytes of one kernel read request (default 1MiB)")
+    f.add_argument("--read-ahead", help="the kernel's read-ahead for the mount (default 8MiB; 0: the kernel's)")
     f.add_argument("--threads", type=int, help="requests served at once (default 16)")
     f.add_argument("--allow-other", action="store_true", help="let other users read the mount (root only)")
     f.set_defaults(func=cmd_fuse)

@@ -272,7 +272,7 @@ _COMPLEX_FIELDS = {
     "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
 }
-_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size", "block_size", "min_throughput", "max_read"}
+_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
@@ -475,6 +475,9 @@ class FuseConfig:
     attr_timeout: float = 1.0
     metadata_ttl: float = 30.0  # the workers' metadata_ttl (what attr_timeout is capped by)
     max_read: int = 1 << 20  # bytes of one read request from the kernel (its usual maximum)
+    # The kernel's read-ahead for the mount (bytes; 0: leave the kernel's 128 KiB): sequential
+    # reads come as max_read requests, several in flight on libfuse's threads. Root only.
+    read_ahead: int = 8 << 20
     threads: int = 16  # libfuse threads serving requests at once (the client is thread-safe)
     allow_other: bool = False  # let other users (a training pod's) read the mount; needs root
     client: ClientConfig | None = None
@@ -486,6 +489,8 @@ class FuseConfig:
             raise ValueError(f"attr_timeout must be in [0, metadata_ttl={self.metadata_ttl}], got {self.attr_timeout}")
         if not 4096 <= self.max_read <= 16 << 20:
             raise ValueError(f"max_read must be in [4 KiB, 16 MiB], got {self.max_read}")
+        if not 0 <= self.read_ahead <= 1 << 30:
+            raise ValueError(f"read_ahead must be in [0, 1 GiB], got {self.read_ahead}")
         if not 1 <= self.threads <= 1024:
             raise ValueError(f"threads must be in [1, 1024], got {self.threads}")
 

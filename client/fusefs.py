@@ -195,6 +195,7 @@ class CacheFuseOps:
                 if len(self._opened) >= _MAX_REMEMBERED:
                     self._opened.clear()
                 self._opened[path] = handle.version
+        log.debug("open %s version %s: keep_cache %s, direct_io %s", path, handle.version, keep, direct)
         fi.fh = fh
         fi.direct_io = 1 if direct else 0
         fi.keep_cache = 1 if keep else 0
