@@ -7,8 +7,9 @@ also written as local files. A `cachefs worker` process caches them and a `cache
 mounts it (both real processes, as deployed on one host: the mount reads by short-circuit).
 Every case reads through the same loop: `readinto` 1 MiB at a time into one aligned buffer
 (`open(path, "rb", buffering=0)`), or one `readinto` of the whole 256 KiB file; every read is
-compared with the source bytes afterwards. Cases (wall time of one pass; medians of --repeat
-passes for the warm ones):
+compared with the source bytes afterwards. Cases (wall time of one pass; for the warm ones the
+median of --repeat passes, the cases interleaved round by round so that the machine's other load
+falls on all of them alike):
 
 - 64 MiB cold: the mount with an empty worker cache vs s3fs `cat_file` (a fresh filesystem).
 - 64 MiB warm, kernel page cache warm: the mount's second read vs the local file (page cache warm).
@@ -19,7 +20,7 @@ passes for the warm ones):
 - 256 KiB files, open+read+close: cold (mount, empty cache) vs s3fs; warm (second pass) vs local
   files; and through the mount with the kernel's copies dropped (each read reaches cachefs).
 
-Needs /dev/fuse, libfuse 3 and root (as the tests do). Prints the ratios and writes JSON.
+Needs /dev/fuse, libfuse 3 and root (as the tests do). Prints the ratios and writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -116,10 +117,32 @@ def cachefs_mount(tmp: str, storage_options: dict[str, Any], bucket: str) -> Ite
         worker.kill()
 
 
+def plot(ratios: dict[str, float], path: str) -> None:
+    """One bar per ratio (the mount against its peer; > 1: the mount is faster), targets marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name.split(" (")[0] for name in ratios]
+    targets = [float(name.split(">= ")[1].rstrip(")")) if ">= " in name else None for name in ratios]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.barh(names, list(ratios.values()), color="#4878a8")
+    for i, target in enumerate(targets):
+        if target is not None:
+            ax.plot([target, target], [i - 0.4, i + 0.4], color="#c03030", linewidth=2)
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("throughput ratio, cachefs fuse / peer (red: the issue's target)")
+    ax.set_title("cachefs fuse, one run (benchmarks/bench_fuse.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--small", type=int, default=200, help="number of 256 KiB objects")
-    parser.add_argument("--repeat", type=int, default=3, help="passes of each warm case (median)")
+    parser.add_argument("--repeat", type=int, default=7, help="passes of each warm case, interleaved (median)")
     parser.add_argument("--out", help="JSON result (default benchmarks/baselines/fuse-<date>.json)")
     args = parser.parse_args(argv)
 
@@ -149,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                 return [read_file(os.path.join(root, key), out) for key, out in zip(small_keys, slots)]
 
             def verify(fn: Callable[[], Any]) -> None:  # after each timed pass: every byte it read is right
+                if fn is simplecache_pass:
+                    if got_bytes.pop("large", b"") != ds.data[large_key]:
+                        raise AssertionError(f"wrong bytes for {large_key} (simplecache)")
+                    return
                 pairs = [(large_key, buf)] if fn is seq_pass else list(zip(small_keys, slots))
                 for key, out in pairs:
                     if out.tobytes() != ds.data[key]:
@@ -159,49 +186,64 @@ def main(argv: list[str] | None = None) -> int:
                 for out in slots:
                     out[:] = 0
 
-            def measure(fn: Callable[[str], Any], root: str, before: Callable[[], None] | None = None) -> float:
-                """The median of --repeat timed passes of ``fn(root)``, each checked after it."""
-                times = []
+            def measure(cases: dict[str, tuple[Callable[[str], Any], str, Callable[[], None] | None]]) -> None:
+                """Each case ``name: (fn, root, before)`` run --repeat times, the cases interleaved
+                (round after round: the machine's other load falls on all of them alike); the
+                median pass of each into results; every pass checked after it."""
+                times: dict[str, list[float]] = {name: [] for name in cases}
                 for _ in range(args.repeat):
-                    clear()
-                    if before is not None:
-                        before()
-                    times.append(timed(lambda: fn(root)))
-                    verify(fn)
-                return statistics.median(times)
-
-            seq_pass = seq
+                    for name, (fn, root, before) in cases.items():
+                        clear()
+                        if before is not None:
+                            before()
+                        times[name].append(timed(lambda: fn(root)))
+                        verify(fn)
+                for name, values in times.items():
+                    results[name] = statistics.median(values)
 
             def s3fs_pass(keys: list[str]) -> float:
                 fs = fsspec.filesystem("s3", skip_instance_cache=True, **so)
-                return timed(lambda: [fs.cat_file(f"{ds.bucket}/{k}") for k in keys])
+                got = {}
+                took = timed(lambda: got.update((k, fs.cat_file(f"{ds.bucket}/{k}")) for k in keys))
+                if any(got[k] != ds.data[k] for k in keys):
+                    raise AssertionError("wrong bytes from s3fs")
+                return took
 
             results["large_cold_s3fs_s"] = s3fs_pass([large_key])
             results["small_cold_s3fs_s"] = s3fs_pass(small_keys)
+            seq_pass = seq
             local = ds.root
             seq(local), files(local)  # the local copies' page cache warm
-            results["large_warm_local_s"] = measure(seq, local)
-            results["small_warm_local_s"] = measure(files, local)
-
             cache_dir = os.path.join(tmp, "simplecache")
             sc = fsspec.filesystem("simplecache", target_protocol="s3", target_options=so,
                                    cache_storage=cache_dir, skip_instance_cache=True)
             sc.cat_file(f"{ds.bucket}/{large_key}")
-            results["large_simplecache_second_s"] = statistics.median(
-                timed(lambda: sc.cat_file(f"{ds.bucket}/{large_key}")) for _ in range(args.repeat))
 
+            got_bytes: dict[str, bytes] = {}
+
+            def simplecache(root: str) -> int:  # its natural API: bytes, checked after the pass
+                got_bytes["large"] = sc.cat_file(f"{ds.bucket}/{large_key}")
+                return len(got_bytes["large"])
+
+            simplecache_pass = simplecache
             with cachefs_mount(tmp, so, ds.bucket) as root:
                 clear()
                 results["large_cold_fuse_s"] = timed(lambda: seq(root))
                 results["small_cold_fuse_s"] = timed(lambda: files(root))
                 verify(seq)
                 verify(files)
-                results["large_warm_fuse_s"] = measure(seq, root)
-                results["small_warm_fuse_s"] = measure(files, root)
-                results["large_fuse_kernel_dropped_s"] = measure(
-                    seq, root, before=lambda: drop_kernel_copy(os.path.join(root, large_key)))
-                results["small_fuse_kernel_dropped_s"] = measure(
-                    files, root, before=lambda: [drop_kernel_copy(os.path.join(root, k)) for k in small_keys])
+                seq(root), files(root)  # warm: the worker's cache and the kernel's
+                measure({
+                    "large_warm_local_s": (seq, local, None),
+                    "large_warm_fuse_s": (seq, root, None),
+                    "small_warm_local_s": (files, local, None),
+                    "small_warm_fuse_s": (files, root, None),
+                    "large_simplecache_second_s": (simplecache, "", None),
+                    "large_fuse_kernel_dropped_s": (
+                        seq, root, lambda: drop_kernel_copy(os.path.join(root, large_key))),
+                    "small_fuse_kernel_dropped_s": (
+                        files, root, lambda: [drop_kernel_copy(os.path.join(root, k)) for k in small_keys]),
+                })
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -236,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out or os.path.join(HERE, "baselines", f"fuse-{datetime.date.today().isoformat()}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
+    plot(ratios, os.path.splitext(path)[0] + ".png")
     print(f"{mib:.0f} MiB and {n} x 256 KiB files through `cachefs fuse` (short-circuit, same host):")
     for name, value in figures.items():
         print(f"  {name:36} {value:10.1f}")
