@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +229,105 @@ def test_sigterm_unmounts_and_a_dead_mount_is_replaced(local_store, make_worker,
     assert mount_entry(str(mp)) is None
     assert any('"unmounted"' in line for line in second.out)
     assert os.listdir(mp) == []  # the plain directory again
+
+
+class _ImageTree:
+    """An ImageFolder-style tree (class folders of PNG files) read with PIL, as torchvision would."""
+
+    def __init__(self, root: Path) -> None:
+        self.items = sorted((str(p), p.parent.name) for p in root.glob("*/*.png"))
+        self.classes = sorted({label for _, label in self.items})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        path, label = self.items[i]
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"))
+        return os.path.relpath(path, os.path.dirname(os.path.dirname(path))), pixels, self.classes.index(label)
+
+
+@needs_fuse
+def test_image_folder_through_pil_in_a_dataloader_with_two_workers(local_store, make_worker, mount_fuse):
+    import io
+
+    import torch
+    from PIL import Image
+
+    expected = {}
+    rng = np.random.default_rng(3)
+    for label in ("cat", "dog"):
+        for i in range(6):
+            pixels = rng.integers(0, 256, (24 + i, 32, 3), dtype=np.uint8)
+            out = io.BytesIO()
+            Image.fromarray(pixels).save(out, format="PNG")
+            local_store.add(f"train/{label}/{i:03d}.png", out.getvalue())
+            expected[f"{label}/{i:03d}.png"] = pixels
+    worker = make_worker(local_store.mount)
+    m = mount_fuse(*_worker_args(worker))
+    dataset = _ImageTree(m.mountpoint / "data" / "train")
+    assert len(dataset) == 12 and dataset.classes == ["cat", "dog"]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for name, pixels, label in loader:
+        seen[name] = (pixels.numpy(), label)
+    assert sorted(seen) == sorted(expected)
+    for name, (pixels, label) in seen.items():
+        assert np.array_equal(pixels, expected[name]), name
+        assert dataset.classes[label] == name.split("/")[0]
+
+
+@needs_fuse
+def test_a_killed_worker_under_a_read_loop_gives_no_eio(local_store, mount_fuse, tmp_path):
+    """kill -9 of one of two worker processes while files are read through the mount (each read
+    reaching cachefs: the kernel's copy is dropped first): every read right, none fails."""
+    from cachefs.local import worker_process
+
+    sizes = {f"f{i:02d}.bin": 200_000 + i for i in range(24)}
+    _fill(local_store, sizes)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+    workers = [worker_process({"data": local_store.mount.url}, str(tmp_path / f"cache{i}"), quota="256MiB",
+                              log_path=str(tmp_path / f"worker{i}.log"), env=env) for i in range(2)]
+    try:
+        for w in workers:
+            w.start(timeout=60)
+        m = mount_fuse("--workers", ",".join(w.address for w in workers), "--timeout", "5")
+        data = m.mountpoint / "data"
+
+        def read_all() -> list[str]:
+            wrong = []
+            for key in sizes:
+                path = data / key
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+                out = subprocess.run(["cat", str(path)], capture_output=True, timeout=60)
+                if out.returncode != 0 or out.stdout != local_store.objects[key]:
+                    wrong.append(f"{key}: rc={out.returncode} {out.stderr.decode(errors='replace').strip()}")
+            return wrong
+
+        assert read_all() == []  # both workers serve (and cache) their share
+        dead = workers[0].address
+        workers[0].kill()
+        # Reads go on (first through the page descriptors the mount holds, until the dead worker's
+        # heartbeat word goes stale; then the dead worker is asked, fails, and the other one
+        # serves) until that failover was seen, and one round more: none may fail.
+        rounds = 0
+        deadline = time.monotonic() + 60
+        while not any(dead in line and "failed" in line for line in m.err):
+            assert read_all() == [], "".join(m.err)
+            rounds += 1
+            assert time.monotonic() < deadline, f"the dead worker was never asked in {rounds} rounds"
+        assert read_all() == [], "".join(m.err)
+    finally:
+        for w in workers:
+            w.kill()
 
 
 def test_fuse_configuration_layers_and_refusals(tmp_path):
