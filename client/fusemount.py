@@ -51,7 +51,7 @@ def fuse_available() -> str | None:
 def _binding() -> Any:
     try:
         import mfusepy
-    except (ImportError, OSError, EnvironmentError) as exc:  # OSError/EnvironmentError: no libfuse
+    except (ImportError, OSError) as exc:  # OSError: mfusepy found no libfuse
         raise FuseUnavailableError(f"the FUSE binding cannot load ({exc}): pip install 'cachefs[fuse]' "
                                    f"and install libfuse 3 (Debian: apt-get install fuse3)") from None
     if mfusepy.fuse_version_major != 3:

@@ -251,11 +251,14 @@ class _ImageTree:
 
 
 @needs_fuse
-def test_image_folder_through_pil_in_a_dataloader_with_two_workers(local_store, make_worker, mount_fuse):
+def test_image_folder_through_pil_in_a_dataloader_with_two_workers(local_store, mount_fuse, tmp_path):
+    """Through a master (`--master`: workers and mounts from its view), as deployed."""
     import io
 
     import torch
     from PIL import Image
+
+    from cachefs.local import LocalCluster
 
     expected = {}
     rng = np.random.default_rng(3)
@@ -266,15 +269,18 @@ def test_image_folder_through_pil_in_a_dataloader_with_two_workers(local_store, 
             Image.fromarray(pixels).save(out, format="PNG")
             local_store.add(f"train/{label}/{i:03d}.png", out.getvalue())
             expected[f"{label}/{i:03d}.png"] = pixels
-    worker = make_worker(local_store.mount)
-    m = mount_fuse(*_worker_args(worker))
-    dataset = _ImageTree(m.mountpoint / "data" / "train")
-    assert len(dataset) == 12 and dataset.classes == ["cat", "dog"]
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
-    seen = {}
-    for name, pixels, label in loader:
-        seen[name] = (pixels.numpy(), label)
+    with LocalCluster(str(tmp_path / "cluster"), workers=2, mounts={"data": local_store.mount.url}) as cluster:
+        assert cluster.wait_for_workers()
+        m = mount_fuse("--master", cluster.master_address, "--timeout", "5")
+        assert os.listdir(m.mountpoint) == ["data"]
+        dataset = _ImageTree(m.mountpoint / "data" / "train")
+        assert len(dataset) == 12 and dataset.classes == ["cat", "dog"]
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, shuffle=True,
+                                             generator=torch.Generator().manual_seed(0))
+        seen = {}
+        for name, pixels, label in loader:
+            seen[name] = (pixels.numpy(), label)
+        assert m.stop() == 0
     assert sorted(seen) == sorted(expected)
     for name, (pixels, label) in seen.items():
         assert np.array_equal(pixels, expected[name]), name
