@@ -347,6 +347,45 @@ def test_a_killed_worker_under_a_read_loop_gives_no_eio(local_store, mount_fuse,
             w.kill()
 
 
+@needs_fuse
+def test_a_hung_worker_fails_a_read_with_eio_within_the_deadline(local_store, mount_fuse, tmp_path):
+    """SIGSTOP of the only worker: a read through the mount fails with EIO once the client's
+    deadlines have passed (here ~7 s: the short-circuit socket's 5 s, then gRPC's --timeout 2),
+    never hangs; after SIGCONT the same read succeeds."""
+    from cachefs.local import worker_process
+
+    _fill(local_store, {"cold.bin": 100_000})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+    worker = worker_process({"data": local_store.mount.url}, str(tmp_path / "cache"), quota="64MiB",
+                            log_path=str(tmp_path / "worker.log"), env=env)
+    try:
+        worker.start(timeout=60)
+        m = mount_fuse("--workers", worker.address, "--timeout", "2")
+        path = m.mountpoint / "data" / "cold.bin"
+        assert os.listdir(m.mountpoint / "data") == ["cold.bin"]  # its attributes come with the listing
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(OSError) as caught:
+                path.read_bytes()
+            took = time.monotonic() - start
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        assert caught.value.errno == errno.EIO, caught.value
+        assert took < 15, f"the read took {took:.1f} s with a 2 s client deadline"
+        assert any("data/cold.bin" in line for line in m.err), "".join(m.err)
+        assert wait_for(lambda: _read_or_none(path) == local_store.objects["cold.bin"], 30)
+    finally:
+        worker.kill()
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
 def test_fuse_configuration_layers_and_refusals(tmp_path):
     toml = tmp_path / "fuse.toml"
     toml.write_text('[client]\nworkers = "127.0.0.1:1"\ntimeout = 3\n[fuse]\nattr_timeout = 2\nmax_read = "512KiB"\n')
