@@ -1,4 +1,4 @@
-"""The ``cachefs`` command: daemons (worker, master), a local cluster, admin commands, the demo."""
+"""The ``cachefs`` command: daemons (worker, master), a local cluster, admin commands, the FUSE mount, the demo."""
 
 from __future__ import annotations
 
@@ -107,6 +107,26 @@ def cmd_cat(args: argparse.Namespace) -> int:
     return cat_main(args.urls, options)
 
 
+def cmd_fuse(args: argparse.Namespace) -> int:
+    from cachefs.client.fusemount import run
+    from cachefs.config import load_fuse_config
+
+    client_flags = {"master": args.master, "workers": args.workers, "token": args.token,
+                    "tls_ca_file": args.tls_ca_file, "tls_cert_file": args.tls_cert_file,
+                    "tls_key_file": args.tls_key_file, "timeout": args.timeout,
+                    "fallback": True if args.fallback else None}
+    flags = {"attr_timeout": args.attr_timeout, "metadata_ttl": args.metadata_ttl, "max_read": args.max_read,
+             "read_ahead": args.read_ahead,
+             "threads": args.threads, "allow_other": True if args.allow_other else None}
+    try:
+        config = load_fuse_config(args.config, flags={k: v for k, v in flags.items() if v is not None},
+                                  client_flags=client_flags)
+    except (ValueError, OSError) as exc:
+        print(f"cachefs fuse: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    return run(args.mountpoint, config)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cachefs.demo import run_demo
 
@@ -180,6 +200,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--step-ms", type=float, default=5.0, help="simulated training step per batch")
     d.add_argument("--dir", help="working directory (default: a new temporary one)")
     d.set_defaults(func=cmd_demo)
+
+    f = sub.add_parser("fuse", help="mount the cluster read-only at MOUNTPOINT (FUSE), until SIGTERM or Ctrl-C")
+    f.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory; each mount is a folder in it")
+    f.add_argument("--config", help="TOML file: [client] (master, workers, token, tls_*...) and [fuse] tables")
+    f.add_argument("--master", help="master HOST:PORT (or CACHEFS_MASTER)")
+    f.add_argument("--workers", help="worker addresses HOST:PORT,... without a master (or CACHEFS_WORKERS)")
+    f.add_argument("--token", help="access token, if the cluster wants one (or CACHEFS_TOKEN)")
+    f.add_argument("--tls-ca-file", help="CA bundle (PEM): use TLS and verify the cluster with it")
+    f.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS")
+    f.add_argument("--tls-key-file", help="its private key (PEM)")
+    f.add_argument("--timeout", type=float, help="seconds for a metadata call (a read adds length/min_throughput)")
+    f.add_argument("--fallback", action="store_true", help="read the store directly when no worker answers "
+                   "(needs this process's own store credentials)")
+    f.add_argument("--attr-timeout", type=float, help="seconds the kernel keeps attributes and names (default 1)")
+    f.add_argument("--metadata-ttl", type=float, help="the workers' metadata_ttl: attr-timeout may not exceed it")
+    f.add_argument("--max-read", help="bytes of one kernel read request (default 1MiB)")
+    f.add_argument("--read-ahead", help="the kernel's read-ahead for the mount (default 8MiB; 0: the kernel's)")
+    f.add_argument("--threads", type=int, help="requests served at once (default 16)")
+    f.add_argument("--allow-other", action="store_true", help="let other users read the mount (root only)")
+    f.set_defaults(func=cmd_fuse)
+
     return parser
 
 

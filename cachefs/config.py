@@ -270,8 +270,9 @@ _COMPLEX_FIELDS = {
     "mounts": lambda v: tuple(MountSpec.parse_many(json.loads(v) if isinstance(v, str) else v)),
     "workers": lambda v: _split_addresses(v),
     "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
+    "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
 }
-_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size", "block_size", "min_throughput"}
+_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
@@ -459,3 +460,63 @@ class ClientConfig:
 def client_option_names() -> frozenset[str]:
     """Every option a cachefs client takes (storage options, ``CACHEFS_<NAME>`` in the env)."""
     return frozenset(f.name for f in dataclasses.fields(ClientConfig))
+
+
+@dataclass(frozen=True)
+class FuseConfig:
+    """What ``cachefs fuse`` needs: the kernel-facing settings, and the client it reads through.
+
+    The mount reads through a ``ClientSession`` exactly as ``cachefs://`` does (``client``, built
+    from the same options, env ``CACHEFS_<NAME>`` and a ``[client]`` table); see docs/user-guide.md.
+    """
+
+    # Seconds the kernel keeps an object's attributes, a name's lookup and a missing name.
+    # Never longer than metadata_ttl: the kernel must not trust a size longer than the workers do.
+    attr_timeout: float = 1.0
+    metadata_ttl: float = 30.0  # the workers' metadata_ttl (what attr_timeout is capped by)
+    max_read: int = 1 << 20  # bytes of one read request from the kernel (its usual maximum)
+    # The kernel's read-ahead for the mount (bytes; 0: leave the kernel's 128 KiB): sequential
+    # reads come as max_read requests, several in flight on libfuse's threads. Root only.
+    read_ahead: int = 8 << 20
+    threads: int = 16  # libfuse threads serving requests at once (the client is thread-safe)
+    allow_other: bool = False  # let other users (a training pod's) read the mount; needs root
+    client: ClientConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.client, ClientConfig):
+            raise ValueError("the FUSE mount needs a client configuration (master or workers)")
+        if self.metadata_ttl < 0 or not 0 <= self.attr_timeout <= self.metadata_ttl:
+            raise ValueError(f"attr_timeout must be in [0, metadata_ttl={self.metadata_ttl}], got {self.attr_timeout}")
+        if not 4096 <= self.max_read <= 16 << 20:
+            raise ValueError(f"max_read must be in [4 KiB, 16 MiB], got {self.max_read}")
+        if not 0 <= self.read_ahead <= 1 << 30:
+            raise ValueError(f"read_ahead must be in [0, 1 GiB], got {self.read_ahead}")
+        if not 1 <= self.threads <= 1024:
+            raise ValueError(f"threads must be in [1, 1024], got {self.threads}")
+
+
+
+def load_fuse_config(
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    client_flags: Mapping[str, Any] | None = None,
+) -> FuseConfig:
+    """defaults < file (``[fuse]`` and ``[client]`` tables) < env (``CACHEFS_FUSE_*``; the client's
+    ``CACHEFS_<NAME>``) < flags."""
+    environ = os.environ if environ is None else environ
+    data = load_file(config_file) if config_file else {}
+    for table in ("fuse", "client"):
+        if not isinstance(data.get(table, {}), Mapping):
+            raise ValueError(f"[{table}] in {config_file} must be a table")
+    unknown = sorted(set(data) - {"fuse", "client"})
+    if unknown:
+        raise ValueError(f"{config_file}: unknown table(s) or key(s) {unknown}: settings go under [fuse] or [client]")
+    client_options = {**data.get("client", {}), **{k: v for k, v in (client_flags or {}).items() if v is not None}}
+    try:
+        client = ClientConfig.from_options(client_options, environ)
+    except TypeError as exc:  # an unknown option: a bad configuration, as for the daemons
+        raise ValueError(str(exc)) from None
+    env = env_layer("CACHEFS_FUSE_", FuseConfig, environ)
+    env.pop("client", None)
+    return build_config(FuseConfig, data.get("fuse", {}), env, flags, {"client": client})

@@ -27,7 +27,14 @@ except ImportError:  # pragma: no cover - the test extra installs it
         raise
     pytest.skip("helm-python-sdk is not installed (pip install -e '.[test]')", allow_module_level=True)
 
-from cachefs.config import MasterConfig, WorkerConfig, load_master_config, load_worker_config  # noqa: E402
+from cachefs.config import (  # noqa: E402
+    FuseConfig,
+    MasterConfig,
+    WorkerConfig,
+    load_fuse_config,
+    load_master_config,
+    load_worker_config,
+)
 from cachefs.local import DaemonProcess  # noqa: E402
 from helpers import client, payload, scrape, wait_for  # noqa: E402
 
@@ -60,6 +67,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                  "pvc": {"storageClass": "local-nvme", "size": "60Gi"}},
                    "config": {"port": 29999, "metrics_port": 9464, "page_size": "4MiB", "readahead_pages": 16}},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    },
+    "fuse": {
+        "fuse": {"enabled": True, "hostPath": "/mnt/data", "config": {"attr_timeout": 0.5, "threads": 32,
+                                                                        "max_read": "1MiB", "allow_other": True}},
+        "accessToken": {"existingSecret": "cachefs-access", "key": "access"},
+        "tls": {"existingSecret": "cachefs-tls"},
+        "worker": {"config": {"port": 29999, "metrics_port": 9464, "metadata_ttl": 10}},
     },
     "emptydir-no-persistence": {
         "master": {"persistence": {"enabled": False}, "config": {"port": 19998, "metrics_port": 9465}},
@@ -135,6 +149,53 @@ def test_schema_covers_exactly_the_daemon_settings(daemon: str, cls: type):
     # Every documented default in values.yaml is a real field (the schema also enforces it).
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     assert set(defaults[daemon]["config"]) <= values
+
+
+def test_schema_covers_the_fuse_settings():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = set(schema["properties"]["fuse"]["properties"]["config"]["properties"])
+    # metadata_ttl is the workers' (set by the chart); client is the [client] table.
+    assert values | {"metadata_ttl", "client"} == {f.name for f in dataclasses.fields(FuseConfig)}
+
+
+def test_fuse_daemonset_propagates_its_mount_and_loads_its_config(tmp_path: Path):
+    assert "fuse.toml" not in _config_files(_render({}))  # off by default: no DaemonSet, no file
+    assert len(_render({})["DaemonSet"]) == 1
+    objects = _render(VALUE_SETS["fuse"])
+    fuse = next(d for d in objects["DaemonSet"] if d["metadata"]["name"] == "rel-cachefs-fuse")
+    spec = fuse["spec"]["template"]["spec"]
+    container = _container(fuse)
+    assert container["args"] == ["fuse", "/mnt/cachefs", "--config", "/etc/cachefs/config/fuse.toml"]
+    assert container["securityContext"]["privileged"] is True  # Bidirectional propagation needs it
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert mounts["mount"]["mountPath"] == "/mnt/cachefs" and mounts["mount"]["mountPropagation"] == "Bidirectional"
+    assert volumes["mount"]["hostPath"] == {"path": "/mnt/data", "type": "DirectoryOrCreate"}
+    assert volumes["dev-fuse"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
+    # The node's worker page store (its short-circuit socket), read-only, where the worker has it.
+    assert mounts["page-store"]["readOnly"] is True and mounts["page-store"]["mountPath"] == "/var/cache/cachefs"
+    assert volumes["page-store"]["hostPath"]["path"] == "/mnt/cachefs"
+    assert _env(container)["CACHEFS_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "cachefs-access", "key": "access"}
+    assert spec["nodeSelector"] == {"cachefs.io/worker": "true"}
+
+    # The rendered fuse.toml is what `cachefs fuse --config` loads (the Secret's files stood in for).
+    from tlscerts import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    text = _config_files(objects)["fuse.toml"]
+    for rendered, real in (("/etc/cachefs/tls/ca.crt", pki.ca), ("/etc/cachefs/tls/tls.crt", pki.server_cert),
+                           ("/etc/cachefs/tls/tls.key", pki.server_key)):
+        assert rendered in text
+        text = text.replace(rendered, real)
+    (tmp_path / "fuse.toml").write_text(text)
+    config = load_fuse_config(str(tmp_path / "fuse.toml"), environ={})
+    assert config.client.master == "rel-cachefs-master.ml.svc:19998" and config.client.tls.enabled
+    assert (config.attr_timeout, config.threads, config.max_read, config.metadata_ttl) == (0.5, 32, 1 << 20, 10)
+    plain = _config_files(_render({"fuse": {"enabled": True, "hostPath": "/mnt/x", "config": {"threads": 8}}}))
+    (tmp_path / "plain.toml").write_text(plain["fuse.toml"])
+    config = load_fuse_config(str(tmp_path / "plain.toml"), environ={})
+    assert config.client.master == "rel-cachefs-master.ml.svc:19998" and config.threads == 8
+    assert config.metadata_ttl == 30 and config.attr_timeout <= config.metadata_ttl
 
 
 def test_defaults_render_master_and_workers():

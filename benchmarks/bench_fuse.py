@@ -1,0 +1,292 @@
+"""`cachefs fuse` against local files, fsspec simplecache and s3fs: one run, same bytes, ratios.
+
+    .venv/bin/python benchmarks/bench_fuse.py [--small N] [--out benchmarks/baselines/fuse-DATE.json]
+
+One moto S3 bucket (benchmarks/read_common.py) holds one 64 MiB object and N 256 KiB objects,
+also written as local files. A `cachefs worker` process caches them and a `cachefs fuse` process
+mounts it (both real processes, as deployed on one host: the mount reads by short-circuit).
+Every case reads through the same loop: `readinto` 1 MiB at a time into one aligned buffer
+(`open(path, "rb", buffering=0)`), or one `readinto` of the whole 256 KiB file; every read is
+compared with the source bytes afterwards. Cases (wall time of one pass; for the warm ones the
+median of --repeat passes, the cases interleaved round by round so that the machine's other load
+falls on all of them alike):
+
+- 64 MiB cold: the mount with an empty worker cache vs s3fs `cat_file` (a fresh filesystem).
+- 64 MiB warm, kernel page cache warm: the mount's second read vs the local file (page cache warm).
+- 64 MiB cachefs warm, kernel cache dropped: the mount after `posix_fadvise(DONTNEED)` of that
+  file (the kernel's copy only; the worker's pages stay cached) vs fsspec simplecache's second
+  read (its local copy in the page cache). Not `drop_caches`: that would drop the worker's pages
+  and every other process's too.
+- 256 KiB files, open+read+close: cold (mount, empty cache) vs s3fs; warm (second pass) vs local
+  files; and through the mount with the kernel's copies dropped (each read reaches cachefs).
+
+Needs /dev/fuse, libfuse 3 and root (as the tests do). Prints the ratios and writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+
+from read_common import aligned_empty, machine_info, make_dataset, store_endpoint  # noqa: E402
+
+MOUNT = "bench"
+CHUNK = 1 << 20
+
+
+def read_file(path: str, buf: np.ndarray) -> int:
+    """The one read loop of every case: readinto 1 MiB at a time into ``buf``; bytes read."""
+    view = memoryview(buf)
+    pos = 0
+    with open(path, "rb", buffering=0) as f:
+        while pos < len(view):
+            n = f.readinto(view[pos:pos + CHUNK])
+            if not n:
+                break
+            pos += n
+    return pos
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def drop_kernel_copy(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def cachefs_mount(tmp: str, storage_options: dict[str, Any], bucket: str) -> Iterator[str]:
+    """A worker process over the bucket and a `cachefs fuse` process over it; yields the mount's folder."""
+    from cachefs.local import toml_value, worker_process
+
+    config = os.path.join(tmp, "worker.toml")
+    with open(config, "w") as f:
+        f.write(f"[worker]\n\n[mounts.{MOUNT}]\nurl = {toml_value('s3://' + bucket)}\n"
+                f"options = {toml_value(storage_options)}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+    worker = worker_process({}, os.path.join(tmp, "cache"), quota="4GiB", env=env,
+                            log_path=os.path.join(tmp, "worker.log"), extra=["--config", config])
+    mountpoint = os.path.join(tmp, "mnt")
+    os.mkdir(mountpoint)
+    fuse = None
+    try:
+        worker.start(timeout=60)
+        fuse = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "fuse", mountpoint, "--workers", worker.address],
+                                stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, "fuse.log"), "w"), text=True,
+                                env=env)
+        mounted = threading.Event()
+        threading.Thread(target=lambda: [mounted.set() for line in fuse.stdout if '"mounted"' in line],
+                         daemon=True).start()
+        if not mounted.wait(60):
+            raise RuntimeError(f"cachefs fuse did not mount: see {tmp}/fuse.log")
+        yield os.path.join(mountpoint, MOUNT)
+    finally:
+        if fuse is not None:
+            fuse.terminate()
+            try:
+                fuse.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                fuse.kill()
+                fuse.wait(timeout=10)
+                subprocess.run(["umount", "-l", mountpoint], capture_output=True, timeout=30)
+        worker.stop()
+        worker.kill()
+
+
+def plot(ratios: dict[str, float], path: str) -> None:
+    """One bar per ratio (the mount against its peer; > 1: the mount is faster), targets marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name.split(" (")[0] for name in ratios]
+    targets = [float(name.split(">= ")[1].rstrip(")")) if ">= " in name else None for name in ratios]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.barh(names, list(ratios.values()), color="#4878a8")
+    for i, target in enumerate(targets):
+        if target is not None:
+            ax.plot([target, target], [i - 0.4, i + 0.4], color="#c03030", linewidth=2)
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("throughput ratio, cachefs fuse / peer (red: the issue's target)")
+    ax.set_title("cachefs fuse, one run (benchmarks/bench_fuse.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--small", type=int, default=200, help="number of 256 KiB objects")
+    parser.add_argument("--repeat", type=int, default=7, help="passes of each warm case, interleaved (median)")
+    parser.add_argument("--out", help="JSON result (default benchmarks/baselines/fuse-<date>.json)")
+    args = parser.parse_args(argv)
+
+    from cachefs.client.fusemount import fuse_available
+
+    reason = fuse_available()
+    if reason:
+        print(f"bench_fuse: cannot mount here: {reason}", file=sys.stderr)
+        return 2
+    import fsspec
+
+    big, small = 64 << 20, 256 << 10
+    results: dict[str, float] = {}
+    tmp = tempfile.mkdtemp(prefix="cachefs-bench-fuse-")
+    try:
+        with store_endpoint(0.0) as store:
+            ds = make_dataset(store, os.path.join(tmp, "local"), args.small, small, 1, big, seed=7)
+            so = store.storage_options()
+            large_key, small_keys = ds.large_keys[0], ds.small_keys
+            buf = aligned_empty(big)
+            slots = [aligned_empty(small) for _ in small_keys]
+
+            def seq(root: str) -> int:
+                return read_file(os.path.join(root, large_key), buf)
+
+            def files(root: str) -> list[int]:
+                return [read_file(os.path.join(root, key), out) for key, out in zip(small_keys, slots)]
+
+            def verify(fn: Callable[[], Any]) -> None:  # after each timed pass: every byte it read is right
+                if fn is simplecache_pass:
+                    if got_bytes.pop("large", b"") != ds.data[large_key]:
+                        raise AssertionError(f"wrong bytes for {large_key} (simplecache)")
+                    return
+                pairs = [(large_key, buf)] if fn is seq_pass else list(zip(small_keys, slots))
+                for key, out in pairs:
+                    if out.tobytes() != ds.data[key]:
+                        raise AssertionError(f"wrong bytes for {key}")
+
+            def clear() -> None:
+                buf[:] = 0
+                for out in slots:
+                    out[:] = 0
+
+            def measure(cases: dict[str, tuple[Callable[[str], Any], str, Callable[[], None] | None]]) -> None:
+                """Each case ``name: (fn, root, before)`` run --repeat times, the cases interleaved
+                (round after round: the machine's other load falls on all of them alike); the
+                median pass of each into results; every pass checked after it."""
+                times: dict[str, list[float]] = {name: [] for name in cases}
+                for _ in range(args.repeat):
+                    for name, (fn, root, before) in cases.items():
+                        clear()
+                        if before is not None:
+                            before()
+                        times[name].append(timed(lambda: fn(root)))
+                        verify(fn)
+                for name, values in times.items():
+                    results[name] = statistics.median(values)
+
+            def s3fs_pass(keys: list[str]) -> float:
+                fs = fsspec.filesystem("s3", skip_instance_cache=True, **so)
+                got = {}
+                took = timed(lambda: got.update((k, fs.cat_file(f"{ds.bucket}/{k}")) for k in keys))
+                if any(got[k] != ds.data[k] for k in keys):
+                    raise AssertionError("wrong bytes from s3fs")
+                return took
+
+            results["large_cold_s3fs_s"] = s3fs_pass([large_key])
+            results["small_cold_s3fs_s"] = s3fs_pass(small_keys)
+            seq_pass = seq
+            local = ds.root
+            seq(local), files(local)  # the local copies' page cache warm
+            cache_dir = os.path.join(tmp, "simplecache")
+            sc = fsspec.filesystem("simplecache", target_protocol="s3", target_options=so,
+                                   cache_storage=cache_dir, skip_instance_cache=True)
+            sc.cat_file(f"{ds.bucket}/{large_key}")
+
+            got_bytes: dict[str, bytes] = {}
+
+            def simplecache(root: str) -> int:  # its natural API: bytes, checked after the pass
+                got_bytes["large"] = sc.cat_file(f"{ds.bucket}/{large_key}")
+                return len(got_bytes["large"])
+
+            simplecache_pass = simplecache
+            with cachefs_mount(tmp, so, ds.bucket) as root:
+                clear()
+                results["large_cold_fuse_s"] = timed(lambda: seq(root))
+                results["small_cold_fuse_s"] = timed(lambda: files(root))
+                verify(seq)
+                verify(files)
+                seq(root), files(root)  # warm: the worker's cache and the kernel's
+                measure({
+                    "large_warm_local_s": (seq, local, None),
+                    "large_warm_fuse_s": (seq, root, None),
+                    "small_warm_local_s": (files, local, None),
+                    "small_warm_fuse_s": (files, root, None),
+                    "large_simplecache_second_s": (simplecache, "", None),
+                    "large_fuse_kernel_dropped_s": (
+                        seq, root, lambda: drop_kernel_copy(os.path.join(root, large_key))),
+                    "small_fuse_kernel_dropped_s": (
+                        files, root, lambda: [drop_kernel_copy(os.path.join(root, k)) for k in small_keys]),
+                })
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    mib = big / (1 << 20)
+    n = len(small_keys)
+    figures = {
+        "large_cold_fuse_MBps": big / results["large_cold_fuse_s"] / 1e6,
+        "large_cold_s3fs_MBps": big / results["large_cold_s3fs_s"] / 1e6,
+        "large_warm_fuse_MBps": big / results["large_warm_fuse_s"] / 1e6,
+        "large_warm_local_MBps": big / results["large_warm_local_s"] / 1e6,
+        "large_fuse_kernel_dropped_MBps": big / results["large_fuse_kernel_dropped_s"] / 1e6,
+        "large_simplecache_second_MBps": big / results["large_simplecache_second_s"] / 1e6,
+        "small_cold_fuse_files_per_s": n / results["small_cold_fuse_s"],
+        "small_cold_s3fs_files_per_s": n / results["small_cold_s3fs_s"],
+        "small_warm_fuse_files_per_s": n / results["small_warm_fuse_s"],
+        "small_warm_local_files_per_s": n / results["small_warm_local_s"],
+        "small_fuse_kernel_dropped_files_per_s": n / results["small_fuse_kernel_dropped_s"],
+    }
+    ratios = {  # >1 is better for the mount in every line; the issue's target beside each
+        "large_warm_fuse_vs_local (target >= 0.8)": results["large_warm_local_s"] / results["large_warm_fuse_s"],
+        "large_kernel_dropped_fuse_vs_simplecache_second (target >= 0.5)":
+            results["large_simplecache_second_s"] / results["large_fuse_kernel_dropped_s"],
+        "large_cold_fuse_vs_s3fs (target: wall <= 1.2x, i.e. ratio >= 0.83)":
+            results["large_cold_s3fs_s"] / results["large_cold_fuse_s"],
+        "small_warm_fuse_vs_local (target >= 0.5)": results["small_warm_local_s"] / results["small_warm_fuse_s"],
+        "small_cold_fuse_vs_s3fs": results["small_cold_s3fs_s"] / results["small_cold_fuse_s"],
+    }
+    out = {"benchmark": "bench_fuse", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "parameters": {"large_bytes": big, "small_bytes": small, "small_files": n, "repeat": args.repeat,
+                          "read_chunk": CHUNK},
+           "store": store.note, "seconds": results, "figures": figures, "ratios": ratios, "machine": machine_info()}
+    path = args.out or os.path.join(HERE, "baselines", f"fuse-{datetime.date.today().isoformat()}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    plot(ratios, os.path.splitext(path)[0] + ".png")
+    print(f"{mib:.0f} MiB and {n} x 256 KiB files through `cachefs fuse` (short-circuit, same host):")
+    for name, value in figures.items():
+        print(f"  {name:36} {value:10.1f}")
+    for name, value in ratios.items():
+        print(f"  {name:70} {value:6.2f}x")
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
