@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,6 +38,7 @@ from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, Proces
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.indexcache import IndexCache, default_dir
+from cachefs.client.jobstats import CounterBlock
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import BlockPlan
 from cachefs.client.shards import FORMATS, ShardIndex, index_from_json, index_to_json
@@ -75,6 +77,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
         self._local = self._new_local()
+        self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
         self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
@@ -137,7 +140,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         fs = self._process_filesystem()
         prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_blocks, threads=self.prefetch_threads, timeout=self.timeout)
-        return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {})
+        return self._parts(fs, prefetcher)
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher, Hinter]:
         return self._local.get()  # type: ignore[return-value]
@@ -229,7 +232,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         own = self._worker_resume
         skip_own = own[2] if own is not None and own[:2] == (worker, workers) else 0
         self._iter_from, self._yielded = self.samples_seen, 0
-        prefetcher = self._process()[1]
+        parts = self._local.get()
+        prefetcher = parts.prefetcher
         k0 = 0
         while skip_own and k0 < len(blocks):
             start, end = self.plan.block_span(blocks[k0])
@@ -243,6 +247,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             j = blocks[k]
             if (k - k0) % max(1, self.prefetch_blocks // 2) == 0:
                 self._hint_after(blocks, k)
+            t0 = time.perf_counter_ns()
             try:
                 samples = prefetcher.get(j, iter(blocks[k + 1:]))
             except SampleReadError:
@@ -255,6 +260,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             if k == k0 and skip_own:
                 self._yielded += skip_own
                 samples, skip_own = samples[skip_own:], 0
+            self._account(parts, len(samples), t0)  # counted as read (jobstats.py)
             for sample in samples:
                 self._yielded += 1
                 yield self.transform(sample) if self.transform is not None else sample
