@@ -63,16 +63,18 @@ class StepTimer:
         self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=int(window))
         self._loader: dict[str, Any] = {}
 
-    def __call__(self, loader: Iterable[T]) -> Iterator[T]:
-        """Iterate ``loader``, timing each step."""
-        self._loader = {k: getattr(loader, k) for k in ("num_workers", "pin_memory", "batch_size")
-                        if hasattr(loader, k)}
+    def __call__(self, batches: Iterable[T], *, loader: Any = None) -> Iterator[T]:
+        """Iterate ``batches`` (a DataLoader, or e.g. ``ds.track(loader)``: then pass ``loader``
+        too, for the advice), timing each step."""
+        source = batches if loader is None else loader
+        self._loader = {k: getattr(source, k) for k in ("num_workers", "pin_memory", "batch_size")
+                        if hasattr(source, k)}
         self.passes += 1
-        return self._timed(loader)
+        return self._timed(batches)
 
-    def _timed(self, loader: Iterable[T]) -> Iterator[T]:
+    def _timed(self, batches: Iterable[T]) -> Iterator[T]:
         asked = time.perf_counter()
-        it = iter(loader)  # DataLoader workers start here: part of the first batch's wait
+        it = iter(batches)  # DataLoader workers start here: part of the first batch's wait
         first = True
         while True:
             try:
