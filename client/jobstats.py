@@ -75,16 +75,26 @@ class CounterBlock:
     def __init__(self, path: str | None = None, rows: int = ROWS) -> None:
         self.rows = int(rows)
         if path is None:  # the creating (main) process
-            fd, path = tempfile.mkstemp(prefix="cachefs-stats-", dir=_shm_dir())
-            try:
-                os.ftruncate(fd, self.rows * len(COLUMNS) * 8)
-            finally:
-                os.close(fd)
-            self._finalizer = weakref.finalize(self, _unlink, path, os.getpid())
-        self.path = path
+            path = self._create()
+        self.path = path  # "": no block (counters off), never an error for the dataset
         self._local: ProcessLocal[_Mapped | None] = ProcessLocal(self._map, name="client counter block")
 
+    def _create(self) -> str:
+        try:
+            fd, path = tempfile.mkstemp(prefix="cachefs-stats-", dir=_shm_dir())
+        except OSError as exc:
+            log.warning("client counters are off: cannot make their block: %s", exc)
+            return ""
+        try:
+            os.ftruncate(fd, self.rows * len(COLUMNS) * 8)
+        finally:
+            os.close(fd)
+        self._finalizer = weakref.finalize(self, _unlink, path, os.getpid())
+        return path
+
     def _map(self) -> _Mapped | None:
+        if not self.path:
+            return None
         try:
             return _Mapped(self.path, self.rows)
         except OSError as exc:  # the creator is gone (its file with it): count nothing here

@@ -57,6 +57,13 @@ def test_counter_block_sums_rows_accumulates_per_row_and_pickles_as_its_path():
     assert describe(block.totals())["samples"] == 9
 
 
+def test_no_place_for_the_block_turns_counters_off_not_the_dataset(monkeypatch, tmp_path):
+    monkeypatch.setattr("cachefs.client.jobstats._shm_dir", lambda: str(tmp_path / "missing"))
+    block = CounterBlock(rows=2)
+    block.publish(1, [1] * len(COLUMNS))
+    assert block.path == "" and set(block.totals().values()) == {0}
+
+
 def test_map_dataset_stats_sum_two_fork_workers_over_two_epochs(served):
     sizes, opts = served(24)
     ds = CacheDataset.from_prefix("cachefs://data/train", storage_options=opts, rank=0, world_size=1, seed=3)

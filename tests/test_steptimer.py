@@ -24,10 +24,10 @@ class SlowDataset(Dataset):
         return i
 
 
-def _run(timer: StepTimer, loader, compute_s: float) -> list[int]:
+def _run(timer: StepTimer, loader, compute_s: float) -> list:
     seen = []
     for batch in timer(loader):
-        seen.extend(int(x) for x in batch)
+        seen.extend(batch)
         time.sleep(compute_s)
     return seen
 
@@ -79,3 +79,27 @@ def test_a_loop_left_by_break_records_only_finished_steps():
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         StepTimer(**kw)
+
+
+def test_real_dataset_over_a_slow_store_is_flagged_then_a_slow_step_is_not(make_worker, monkeypatch):
+    from cachefs.client.dataset import CacheDataset
+    from cachefs.mounts import MountSpec
+    from helpers import SlowMemoryFileSystem, payload
+
+    monkeypatch.setattr(SlowMemoryFileSystem, "delay", 0.03)  # every store read: 30 ms
+    mem = SlowMemoryFileSystem()
+    for i in range(16):
+        mem.pipe_file(f"/steptimer/train/{i:03d}.bin", payload(2000 + i, i))
+    worker = make_worker(MountSpec("mem", "slowmem:///steptimer"), page_size=64 << 10)
+    ds = CacheDataset.from_prefix("cachefs://mem/train", storage_options={"workers": worker.address},
+                                  rank=0, world_size=1, hint_samples=0)
+    loader = DataLoader(ds, batch_size=2, sampler=ds.sampler(), num_workers=0, collate_fn=lambda b: b)
+    cold = StepTimer(threshold=0.2)
+    assert len(_run(cold, ds.track(loader), compute_s=0.001)) == 16  # cold: every sample from the store
+    print(cold.report())
+    assert cold.summary().input_bound and "INPUT-BOUND" in cold.report()
+    ds.set_epoch(1)
+    warm = StepTimer(threshold=0.2)
+    assert len(_run(warm, ds.track(loader), compute_s=0.03)) == 16  # warm, and the step is the slow part
+    assert not warm.summary().input_bound, warm.report()
+    assert ds.stats()["samples"] == 32
