@@ -118,8 +118,8 @@ class StepTimer:
             tips.append("more DataLoader workers (num_workers)")
         if self._loader.get("pin_memory") is False:
             tips.append("pin_memory=True (and .to(device, non_blocking=True)) when training on a GPU")
-        tips.append("a warm cache: `cachefs load <prefix>` before the job (reads that go to the object "
-                    "store show in ds.stats() as grpc/store bytes)")
+        tips.append("a warm cache: `cachefs load <prefix>` before the job (a cold read waits for the "
+                    "object store; hints only reach a few hundred samples ahead)")
         tips.append("larger samples or shards (CacheIterableDataset over tar shards: one range read per batch)")
         return tips
 
