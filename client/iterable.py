@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, ProcessParts, SampleReadError,
-                                    _default_rank_world)
+                                    _default_rank_world, profiled)
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.indexcache import IndexCache, default_dir
@@ -186,7 +186,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         for shard, start, end in runs:
             run = torch.empty(end - start, dtype=torch.uint8)
             try:
-                got, _ = fs.read_into(self.shards[shard].path, run.numpy(), offset=start)
+                with profiled("cachefs.read_into"):
+                    got, _ = fs.read_into(self.shards[shard].path, run.numpy(), offset=start)
             except Exception as exc:
                 raise SampleReadError(f"cannot read bytes {start}-{end} of shard {self.shards[shard].path!r} "
                                       f"(block {j} of rank {self.rank}, epoch {self.plan.epoch}): "
@@ -249,7 +250,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                 self._hint_after(blocks, k)
             t0 = time.perf_counter_ns()
             try:
-                samples = prefetcher.get(j, iter(blocks[k + 1:]))
+                with profiled("cachefs.read_block"):
+                    samples = prefetcher.get(j, iter(blocks[k + 1:]))
             except SampleReadError:
                 raise
             except Exception as exc:

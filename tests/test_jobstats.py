@@ -119,3 +119,16 @@ def test_iterable_dataset_stats_sum_spawned_workers(local_store, make_worker):
     assert stats["samples"] == 24 and stats["bytes"] >= fields and stats["reads"] > 0
     rows = _rows(ds)
     assert rows[1, 0] > 0 and rows[2, 0] > 0
+
+
+def test_a_profiler_trace_shows_cachefs_ranges(served):
+    import torch
+
+    sizes, opts = served(8)
+    ds = CacheDataset.from_prefix("cachefs://data/train", storage_options=opts, rank=0, world_size=1)
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler(), num_workers=0, collate_fn=_as_list)
+    list(loader)  # warm: the next pass reads through held page handles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert sum(len(t) for batch in loader for t in batch) == sum(sizes)
+    names = {e.key: e.count for e in prof.key_averages()}
+    assert names.get("cachefs.read_batch") == 2 and names.get("cachefs.held_reads", 0) >= 2, sorted(names)
