@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheDataset", "CacheFileSystem", "CacheIterableDataset", "register_webdataset", "write_tar_shards",
+__all__ = ["CacheDataset", "CacheFileSystem", "CacheIterableDataset", "StepTimer", "register_webdataset", "write_tar_shards",
            "__version__"]
 
 
@@ -29,6 +29,10 @@ def __getattr__(name: str):
         from cachefs.client.iterable import CacheIterableDataset
 
         return CacheIterableDataset
+    if name == "StepTimer":  # no torch, no grpc: times any iterable of batches
+        from cachefs.client.steptimer import StepTimer
+
+        return StepTimer
     if name == "register_webdataset":  # webdataset opens cachefs:// URLs (client/wds.py)
         from cachefs.client.wds import register_webdataset
 

@@ -75,6 +75,8 @@ class BulkPaths:
         self._warned: set[str] = set()
         self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0, "errors": 0}
                       for kind in ("short_circuit", "data_port")}
+        # The part of stats["short_circuit"] read through page handles held here (no message).
+        self.held = {"reads": 0, "bytes": 0}
 
     @property
     def enabled(self) -> bool:
@@ -189,6 +191,8 @@ class BulkPaths:
                     results[i] = one
                     stats["reads"] += 1
                     stats["bytes"] += one[0]
+                    self.held["reads"] += 1
+                    self.held["bytes"] += one[0]
         return results
 
     def prepare(self, ranges: list[tuple[str, int, int, str]], fill: bool = True) -> Prepared:

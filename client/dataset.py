@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -37,6 +38,7 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.forksafe import ProcessLocal
 from cachefs.client.hints import Hinter
+from cachefs.client.jobstats import CounterBlock, ProcessCounts, describe
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import EpochPlan
 from cachefs.client.session import SessionBootstrap
@@ -58,6 +60,7 @@ class ProcessParts(NamedTuple):
     cache_paths: dict[int, Any]
     # "next": the side job getting the next batch's page handles (see _read_held_batch)
     ahead: dict[str, tuple[Future, int]]  # the next batch's prepare, and how many it asked for
+    counts: ProcessCounts  # samples and time counted by the dataset itself (jobstats.py)
 
 
 class SampleReadError(OSError):
@@ -79,6 +82,14 @@ def to_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
     return out
 
 
+def profiled(name: str) -> Any:
+    """A ``torch.profiler`` range named ``name`` while a profiler runs in this process (a trace
+    then shows cachefs time); otherwise nothing (a range costs ~7 µs even with no profiler)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def _default_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -97,6 +108,25 @@ class PerProcessParts:
     _local: ProcessLocal[ProcessParts]
     storage_options: dict[str, Any]
     _bootstrap: SessionBootstrap | None = None
+    _counters: CounterBlock
+
+    def _parts(self, fs: CacheFileSystem, prefetcher: Prefetcher) -> ProcessParts:
+        info = get_worker_info()
+        counts = ProcessCounts(0 if info is None else 1 + info.id)
+        return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {}, counts)
+
+    def _account(self, parts: ProcessParts, samples: int, since_ns: int) -> None:
+        """Count ``samples`` handed out after waiting since ``since_ns``; publish this process's totals."""
+        counts = parts.counts
+        counts.samples += samples
+        counts.wait_ns += time.perf_counter_ns() - since_ns
+        self._counters.publish(counts.row, counts.values(parts.fs.session, parts.prefetcher, parts.hinter))
+
+    def stats(self) -> dict[str, Any]:
+        """The client counters of every process that read for this dataset (this one and its
+        DataLoader workers, over all epochs so far): samples, bytes and reads by path taken, time
+        waiting for cachefs (``wait_s``), hints, prefetch (jobstats.py lists them)."""
+        return describe(self._counters.totals())
 
     def learn_cluster(self) -> None:
         """Learn, in this (main) process, what DataLoader workers will need to start reading."""
@@ -194,6 +224,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
         self._calls = 0
         self._local = self._new_local()
+        self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
         self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
@@ -266,7 +297,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         fs = self._process_filesystem()
         prefetcher = Prefetcher(self._fetch_position, self._size_of_position, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_depth, threads=self.prefetch_threads, timeout=self.timeout)
-        return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {})
+        return self._parts(fs, prefetcher)
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher]:
         parts = self._local.get()
@@ -315,10 +346,11 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         size = int(self.sizes[sample])
         out = torch.empty(size, dtype=torch.uint8)
         cp = self._cache_path(parts, sample)
-        if cp is None:
-            n, actual = fs.read_into(self.paths[sample], out.numpy())
-        else:
-            n, actual = fs.session.read_into(cp, out.numpy())
+        with profiled("cachefs.read_into"):  # short-circuit, data port, gRPC or store
+            if cp is None:
+                n, actual = fs.read_into(self.paths[sample], out.numpy())
+            else:
+                n, actual = fs.session.read_into(cp, out.numpy())
         if n != size or actual != size:  # changed since it was listed: take it whole, as it is now
             return to_tensor(fs.cat_file(self.paths[sample]))
         return out
@@ -346,7 +378,16 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             self._hint(upcoming)
         except Exception as exc:
             raise self._error(self.plan.sample(position), position, exc) from exc
-        return self.transform(data) if self.transform is not None else data
+        return self._apply(data)
+
+    def _apply(self, data: torch.Tensor) -> Any:
+        if self.transform is None:
+            return data
+        t0 = time.perf_counter_ns()
+        try:
+            return self.transform(data)
+        finally:  # not time waiting for cachefs
+            self._local.get().counts.transform_ns += time.perf_counter_ns() - t0
 
     @staticmethod
     def _num_workers() -> int:
@@ -359,14 +400,24 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
     def __getitem__(self, position: int) -> Any:
         # One position per call: batch_size=None, or a caller indexing by hand. The same worker
         # is next asked for position + num_workers.
+        t0 = time.perf_counter_ns()
         position = int(position)
-        return self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), len(self)))
+        with profiled("cachefs.read_sample"):
+            out = self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), len(self)))
+        self._account(self._local.get(), 1, t0)
+        return out
 
     def __getitems__(self, positions: list[int]) -> list[Any]:
         # A batch (DataLoader with batch_size): the batch's positions are consecutive (sampler()
         # or the default sequential sampler), and the worker's next batch starts num_workers
         # batches later. Anything else still reads correctly, with a less useful prefetch.
-        positions = [int(p) for p in positions]
+        t0 = time.perf_counter_ns()
+        with profiled("cachefs.read_batch"):
+            out = self._getitems([int(p) for p in positions])
+        self._account(self._local.get(), len(out), t0)
+        return out
+
+    def _getitems(self, positions: list[int]) -> list[Any]:
         if not positions:
             return []
         start, n, end, workers = positions[0], len(positions), len(self), self._num_workers()
@@ -401,7 +452,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             return None
         session = parts.fs.session
         outs = [torch.empty(int(self.sizes[s]), dtype=torch.uint8) for s in samples]
-        got = session.read_held([(cp, out.numpy()) for cp, out in zip(paths, outs)])
+        with profiled("cachefs.held_reads"):  # page handles held here: no message
+            got = session.read_held([(cp, out.numpy()) for cp, out in zip(paths, outs)])
         missing = [i for i, g in enumerate(got) if g is None]
         if missing:
             # Not held yet (the first read in this process, or dropped): one message for them all;
@@ -425,7 +477,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                     data = self._read_raw(sample)
                 except Exception as exc:
                     raise self._error(sample, position, exc) from exc
-            out.append(self.transform(data) if self.transform is not None else data)
+            out.append(self._apply(data))
         if uncached:  # all of it cached (the usual warm epoch): hints would only cost both sides
             self._hint(upcoming)
         return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,10 +34,11 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, ProcessParts, SampleReadError,
-                                    _default_rank_world)
+                                    _default_rank_world, profiled)
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.indexcache import IndexCache, default_dir
+from cachefs.client.jobstats import CounterBlock
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import BlockPlan
 from cachefs.client.shards import FORMATS, ShardIndex, index_from_json, index_to_json
@@ -75,6 +77,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
         self._local = self._new_local()
+        self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
         self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
@@ -137,7 +140,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         fs = self._process_filesystem()
         prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_blocks, threads=self.prefetch_threads, timeout=self.timeout)
-        return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {})
+        return self._parts(fs, prefetcher)
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher, Hinter]:
         return self._local.get()  # type: ignore[return-value]
@@ -183,7 +186,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         for shard, start, end in runs:
             run = torch.empty(end - start, dtype=torch.uint8)
             try:
-                got, _ = fs.read_into(self.shards[shard].path, run.numpy(), offset=start)
+                with profiled("cachefs.read_into"):
+                    got, _ = fs.read_into(self.shards[shard].path, run.numpy(), offset=start)
             except Exception as exc:
                 raise SampleReadError(f"cannot read bytes {start}-{end} of shard {self.shards[shard].path!r} "
                                       f"(block {j} of rank {self.rank}, epoch {self.plan.epoch}): "
@@ -229,7 +233,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         own = self._worker_resume
         skip_own = own[2] if own is not None and own[:2] == (worker, workers) else 0
         self._iter_from, self._yielded = self.samples_seen, 0
-        prefetcher = self._process()[1]
+        parts = self._local.get()
+        prefetcher = parts.prefetcher
         k0 = 0
         while skip_own and k0 < len(blocks):
             start, end = self.plan.block_span(blocks[k0])
@@ -243,8 +248,10 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             j = blocks[k]
             if (k - k0) % max(1, self.prefetch_blocks // 2) == 0:
                 self._hint_after(blocks, k)
+            t0 = time.perf_counter_ns()
             try:
-                samples = prefetcher.get(j, iter(blocks[k + 1:]))
+                with profiled("cachefs.read_block"):
+                    samples = prefetcher.get(j, iter(blocks[k + 1:]))
             except SampleReadError:
                 raise
             except Exception as exc:
@@ -255,6 +262,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             if k == k0 and skip_own:
                 self._yielded += skip_own
                 samples, skip_own = samples[skip_own:], 0
+            self._account(parts, len(samples), t0)  # counted as read (jobstats.py)
             for sample in samples:
                 self._yielded += 1
                 yield self.transform(sample) if self.transform is not None else sample

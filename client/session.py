@@ -105,6 +105,8 @@ class _ProcessState:
         self.fallback_store: Any = None
         self.mounts_learned = False
         self.fallback_slots = threading.BoundedSemaphore(config.fallback_concurrency)
+        # Reads not taken by a lean path (bulk.stats has those), and worker failovers, in this process.
+        self.counts = {"grpc_reads": 0, "grpc_bytes": 0, "store_reads": 0, "store_bytes": 0, "failovers": 0}
         self.lock = threading.Lock()
         self.watcher: ViewWatcher | None = None
         known_view = bootstrap.cluster_view() if bootstrap is not None else None
@@ -242,6 +244,7 @@ class ClientSession:
                     raise from_rpc_error(err, what) from None
                 log.warning("worker %s failed %s: %s", handle.address, what, err.code().name)
                 handle.breaker.record_failure()
+                state.counts["failovers"] += 1
                 last_error = err
                 continue
             handle.breaker.record_success()
@@ -389,9 +392,15 @@ class ClientSession:
             return b"".join(parts), info.size, info.version
 
         result = self.call(str(cp), call, f"read {cp}", offset=offset)
+        counts = state.counts
         if result is not None:
+            counts["grpc_reads"] += 1
+            counts["grpc_bytes"] += len(result[0])
             return result
-        return self._read_from_store(cp, offset, length, version)
+        result = self._read_from_store(cp, offset, length, version)
+        counts["store_reads"] += 1
+        counts["store_bytes"] += len(result[0])
+        return result
 
     def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
         store = self.fallback_store()
@@ -449,6 +458,20 @@ class ClientSession:
     def bulk_stats(self) -> dict[str, dict[str, int]]:
         """Reads, bytes and fallbacks to gRPC per lean path, in this process."""
         return self._state.get().bulk.stats
+
+    def counters(self) -> dict[str, int]:
+        """This process's read counters by path taken, flat: ``short_circuit_reads``/``_bytes``
+        (of which ``held_reads``/``_bytes`` through held page handles), ``data_port_*``,
+        ``grpc_*``, ``store_*`` (fallback), ``lean_fallbacks``, ``lean_errors``, ``failovers``."""
+        state = self._state.get()
+        bulk = state.bulk
+        out = dict(state.counts)
+        for kind, stats in bulk.stats.items():
+            out[f"{kind}_reads"], out[f"{kind}_bytes"] = stats["reads"], stats["bytes"]
+        out["held_reads"], out["held_bytes"] = bulk.held["reads"], bulk.held["bytes"]
+        out["lean_fallbacks"] = sum(s["fallbacks"] for s in bulk.stats.values())
+        out["lean_errors"] = sum(s["errors"] for s in bulk.stats.values())
+        return out
 
     @property
     def bulk_enabled(self) -> bool:

@@ -14,8 +14,9 @@ The rules it applies (and prints):
   CPU both are skipped: pinning needs a GPU and non_blocking is a no-op);
 * exact resume: ``state_dict()`` of the dataset saved with the model (``--checkpoint``).
 
-Per epoch it prints samples/s and the share of the epoch the loop spent waiting for data (the
-data stall); a well-fed GPU job keeps that share under a few percent.
+Per epoch it prints samples/s and the share of the steps the loop spent waiting for data (the
+data stall, measured by ``cachefs.StepTimer``; a well-fed GPU job keeps it under a few percent),
+and at the end the timer's report and the client counters of all DataLoader workers (``ds.stats()``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def local_cluster(samples: int, size: int, workdir: str) -> Iterator[tuple[str, 
 
 
 def train(master: str, data: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from cachefs import CacheDataset
+    from cachefs import CacheDataset, StepTimer
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
@@ -91,24 +92,21 @@ def train(master: str, data: str, args: argparse.Namespace) -> list[dict[str, An
     print(f"device {device} | {len(ds)} samples | num_workers {args.num_workers} | pin_memory {on_gpu} | "
           f"non_blocking {on_gpu} | batch {args.batch_size}")
     report = []
+    timer = StepTimer()  # data wait vs compute per step (client/steptimer.py)
     for epoch in range(start_epoch, args.epochs):
         ds.set_epoch(epoch)
         t0 = time.perf_counter()
-        wait = 0.0
+        wait0, compute0 = timer.wait_s, timer.compute_s
         n = 0
         loss = torch.zeros(())
-        batches = iter(ds.track(loader))
-        while True:
-            w0 = time.perf_counter()
-            batch = next(batches, None)
-            wait += time.perf_counter() - w0
-            if batch is None:
-                break
+        for batch in timer(ds.track(loader), loader=loader):
             x, y = decode_on_device(batch, device)
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if on_gpu:
+                loss.item()  # waits for the GPU: its time shows as compute, not as the next batch's wait
             n += len(batch)
             if args.checkpoint and n % (args.batch_size * args.checkpoint_every) == 0:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "data": ds.state_dict()},
@@ -116,12 +114,21 @@ def train(master: str, data: str, args: argparse.Namespace) -> list[dict[str, An
         if on_gpu:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        row = {"epoch": epoch, "samples": n, "samples_per_s": n / seconds, "data_wait_share": wait / seconds,
+        wait, compute = timer.wait_s - wait0, timer.compute_s - compute0
+        share = wait / (wait + compute) if wait + compute > 0 else 0.0  # after the epoch's first batch
+        row = {"epoch": epoch, "samples": n, "samples_per_s": n / seconds, "data_wait_share": share,
                "loss": float(loss.detach())}
         report.append(row)
         print(f"epoch {epoch}: {n} samples in {seconds:.2f} s = {row['samples_per_s']:.0f} samples/s; "
-              f"waiting for data {100 * row['data_wait_share']:.1f}% of the epoch; loss {row['loss']:.3f}",
+              f"waiting for data {100 * share:.1f}% of the steps after the first; loss {row['loss']:.3f}",
               flush=True)
+    print(timer.report())
+    stats = ds.stats()  # summed over the DataLoader workers (client/jobstats.py)
+    print(f"cachefs: {stats['samples']} samples, {stats['bytes'] / 1e6:.1f} MB in {stats['reads']} reads "
+          f"(held handles {stats['held_bytes'] / 1e6:.1f} MB, short-circuit {stats['short_circuit_bytes'] / 1e6:.1f} MB, "
+          f"data port {stats['data_port_bytes'] / 1e6:.1f} MB, gRPC {stats['grpc_bytes'] / 1e6:.1f} MB, "
+          f"store {stats['store_bytes'] / 1e6:.1f} MB); {stats['wait_s']:.2f} s reading in DataLoader workers",
+          flush=True)
     return report
 
 

@@ -1,0 +1,157 @@
+"""A dataset's client counters, summed over the processes that read for it (DataLoader workers).
+
+DataLoader workers are separate processes (forked or spawned, and with ``persistent_workers``
+off, new ones every epoch); what they count must reach the training loop without going through
+the batches (the user's ``collate_fn`` must see only samples). So the dataset's main process
+makes a small file-backed block (``/dev/shm`` where there is one) when the dataset is made,
+before any worker starts: one row of int64 counters per process, row 0 the process that made
+it, row ``1 + id`` DataLoader worker ``id``. The block pickles as its path, so forked and
+spawned workers open the same file. A process publishes its own running totals into its row
+after each call (a few dozen integer stores; the counting itself is a few ``+=`` per read in
+the session); a worker that finds its row already filled (the previous epoch's worker of that
+id) adds to it, so the counters accumulate over epochs. ``totals()`` sums the rows.
+
+Two loaders iterating one dataset object at the same time would share worker rows: give each
+its own dataset.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import tempfile
+import weakref
+from typing import Any
+
+import numpy as np
+
+from cachefs.client.forksafe import ProcessLocal
+
+log = logging.getLogger(__name__)
+
+#: The counters, in row order. ``*_ns`` are nanoseconds; ``max_*`` are maxima (not summed).
+COLUMNS: tuple[str, ...] = (
+    "samples", "wait_ns", "transform_ns",
+    "short_circuit_reads", "short_circuit_bytes", "held_reads", "held_bytes",
+    "data_port_reads", "data_port_bytes", "grpc_reads", "grpc_bytes", "store_reads", "store_bytes",
+    "lean_fallbacks", "lean_errors", "failovers",
+    "hints_sent", "hint_paths", "hints_dropped", "hints_failed",
+    "prefetch_hits", "prefetch_on_demand", "max_prefetch_in_flight_bytes",
+)
+_MAX = np.array([c.startswith("max_") for c in COLUMNS])
+#: Rows: the dataset's own process and up to this many - 1 DataLoader workers.
+ROWS = 257
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _unlink(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # never from a forked child that inherited the dataset
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class _Mapped:
+    """The block mapped in one process, and where this process's rows started."""
+
+    def __init__(self, path: str, rows: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, rows * len(COLUMNS) * 8)
+        finally:
+            os.close(fd)
+        self.array = np.ndarray((rows, len(COLUMNS)), dtype=np.int64, buffer=self.map)
+        self.base: dict[int, np.ndarray] = {}  # row -> its values when this process first wrote it
+
+
+class CounterBlock:
+    """The shared rows of one dataset's counters (see the module docstring)."""
+
+    def __init__(self, path: str | None = None, rows: int = ROWS) -> None:
+        self.rows = int(rows)
+        if path is None:  # the creating (main) process
+            path = self._create()
+        self.path = path  # "": no block (counters off), never an error for the dataset
+        self._local: ProcessLocal[_Mapped | None] = ProcessLocal(self._map, name="client counter block")
+
+    def _create(self) -> str:
+        try:
+            fd, path = tempfile.mkstemp(prefix="cachefs-stats-", dir=_shm_dir())
+        except OSError as exc:
+            log.warning("client counters are off: cannot make their block: %s", exc)
+            return ""
+        try:
+            os.ftruncate(fd, self.rows * len(COLUMNS) * 8)
+        finally:
+            os.close(fd)
+        self._finalizer = weakref.finalize(self, _unlink, path, os.getpid())
+        return path
+
+    def _map(self) -> _Mapped | None:
+        if not self.path:
+            return None
+        try:
+            return _Mapped(self.path, self.rows)
+        except OSError as exc:  # the creator is gone (its file with it): count nothing here
+            log.warning("client counters are off in this process: cannot map %s: %s", self.path, exc)
+            return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CounterBlock, (self.path, self.rows))
+
+    def publish(self, row: int, values: list[int]) -> None:
+        """Set ``row`` to this process's running totals ``values`` (in COLUMNS order), on top of
+        what the row held when this process first wrote it."""
+        mapped = self._local.get()
+        if mapped is None or not 0 <= row < self.rows:
+            return
+        base = mapped.base.get(row)
+        if base is None:
+            base = mapped.base[row] = mapped.array[row].copy()
+        now = np.asarray(values, dtype=np.int64)
+        mapped.array[row] = np.where(_MAX, np.maximum(base, now), base + now)
+
+    def totals(self) -> dict[str, int]:
+        """Every row summed (maxima: the largest)."""
+        mapped = self._local.get()
+        if mapped is None:
+            return dict.fromkeys(COLUMNS, 0)
+        array = mapped.array.copy()
+        summed = np.where(_MAX, array.max(axis=0), array.sum(axis=0))
+        return {name: int(v) for name, v in zip(COLUMNS, summed)}
+
+
+class ProcessCounts:
+    """What one process's dataset counts itself (the session, prefetcher and hinter count the rest)."""
+
+    __slots__ = ("row", "samples", "wait_ns", "transform_ns")
+
+    def __init__(self, row: int) -> None:
+        self.row = row  # 0: the dataset's own process; 1 + id: DataLoader worker id
+        self.samples = self.wait_ns = self.transform_ns = 0
+
+    def values(self, session: Any, prefetcher: Any, hinter: Any) -> list[int]:
+        """This process's running totals in COLUMNS order."""
+        c = session.counters()
+        h, p = hinter.stats, prefetcher.stats
+        return [self.samples, self.wait_ns, self.transform_ns,
+                c["short_circuit_reads"], c["short_circuit_bytes"], c["held_reads"], c["held_bytes"],
+                c["data_port_reads"], c["data_port_bytes"], c["grpc_reads"], c["grpc_bytes"],
+                c["store_reads"], c["store_bytes"], c["lean_fallbacks"], c["lean_errors"], c["failovers"],
+                h["sent"], h["paths"], h["dropped"], h["failed"],
+                p["hits"], p["on_demand"], p["max_in_flight_bytes"]]
+
+
+def describe(totals: dict[str, int]) -> dict[str, Any]:
+    """``totals`` plus derived numbers: ``wait_s`` (time reading inside the dataset's calls,
+    transform excluded) and ``bytes`` (all paths)."""
+    out: dict[str, Any] = dict(totals)
+    out["wait_s"] = max(0, totals["wait_ns"] - totals["transform_ns"]) / 1e9
+    out["bytes"] = sum(totals[f"{k}_bytes"] for k in ("short_circuit", "data_port", "grpc", "store"))
+    out["reads"] = sum(totals[f"{k}_reads"] for k in ("short_circuit", "data_port", "grpc", "store"))
+    return out
