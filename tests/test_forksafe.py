@@ -164,6 +164,9 @@ def test_fork_while_hints_and_prefetches_run(served):
                       prefetch_depth=8, prefetch_threads=3, hint_samples=64)
     fs = client(worker.address)
     hinter = Hinter(fs.session, max_in_flight=4, batch=2)
+    # One read first, as a training process makes before its DataLoader starts: the child then
+    # starts from what this process learnt (no gRPC probe there, which can crash a forked child).
+    assert fs.cat_file(paths[0]) == objects["obj0.bin"]
 
     def work() -> None:
         for i in range(0, len(ds), 7):
