@@ -84,6 +84,19 @@ def test_touched_slots_reach_the_page_store_recency():
         table.close()
 
 
+def test_a_closed_table_hands_out_no_slot_and_raises_nothing():
+    """A request still being answered while the worker stops (its table closed under it) gets
+    "read it now, do not keep it" for its pages; an eviction then changes nothing."""
+    table = HandleTable(slots=8)
+    slot, generation = table.assign("a" * 32)
+    assert slot > 0 and generation > 0
+    table.close()
+    assert table.assign("b" * 32) == (0, 0)
+    assert table.assign("a" * 32) == (0, 0)
+    assert table.invalidate(["a" * 32]) == 0
+    table.close()  # twice: nothing left to do
+
+
 def test_a_table_with_a_stale_heartbeat_is_not_trusted(monkeypatch):
     table = HandleTable(slots=4)
     view = _view(table)

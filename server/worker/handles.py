@@ -91,8 +91,12 @@ class HandleTable:
 
     # -- slots ------------------------------------------------------------------------------------
     def assign(self, digest: str) -> tuple[int, int]:
-        """(slot, generation) for a page about to be handed out; a page keeps its slot while cached."""
+        """(slot, generation) for a page about to be handed out; a page keeps its slot while cached.
+        (0, 0), "read it now, do not keep it", once the table is closed (a request still being
+        answered while the worker stops)."""
         with self._lock:
+            if self._stop.is_set():
+                return 0, 0
             slot = self._slot_of.get(digest)
             if slot is not None:
                 self._slot_of.move_to_end(digest)
@@ -112,6 +116,8 @@ class HandleTable:
         """The pages are leaving the cache: every descriptor held for them is stale from now on."""
         count = 0
         with self._lock:
+            if self._stop.is_set():  # closed: every handle from it is dropped already
+                return 0
             for digest in digests:
                 slot = self._slot_of.pop(digest, None)
                 if slot is None:
