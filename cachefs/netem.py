@@ -47,9 +47,10 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from typing import Any
+
+from cachefs.testing import fake_s3_client, new_fake_bucket
 
 NETNS_PREFIX = "cfs-netem-"
 _NETNS_RE = re.compile(r"^cfs-netem-(\d+)-[0-9a-f]{2}$")
@@ -143,16 +144,10 @@ class Endpoint:
                 "client_kwargs": {"region_name": "us-east-1"}}
 
     def client(self) -> Any:
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
+        return fake_s3_client(self.url)
 
     def new_bucket(self, prefix: str = "cachefs-bench") -> str:
-        """A fresh bucket (botocore: s3fs's mkdir of a bucket fails on moto)."""
-        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        self.client().create_bucket(Bucket=name)
-        return name
+        return new_fake_bucket(self.url, prefix)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -28,6 +28,21 @@ FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "te
                     "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def fake_s3_client(url: str) -> Any:
+    """A boto3 S3 client for a moto endpoint, with its fake credentials."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def new_fake_bucket(url: str, prefix: str) -> str:
+    """A fresh bucket at a moto endpoint (botocore: s3fs's mkdir of a bucket fails on moto)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    fake_s3_client(url).create_bucket(Bucket=name)
+    return name
+
+
 class MotoServer:
     """``with MotoServer() as s3: s3.endpoint_url`` — a moto S3 server on a free loopback port."""
 
@@ -79,16 +94,10 @@ class MotoServer:
         urllib.request.urlopen(req, timeout=10).read()
 
     def client(self) -> Any:
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
+        return fake_s3_client(self.endpoint_url)
 
     def new_bucket(self, prefix: str = "cachefs-test") -> str:
-        """A fresh bucket (botocore: s3fs's mkdir of a bucket fails on moto)."""
-        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        self.client().create_bucket(Bucket=name)
-        return name
+        return new_fake_bucket(self.endpoint_url, prefix)
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options for this endpoint: what a worker's S3 mount holds (credentials included)."""

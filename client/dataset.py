@@ -128,11 +128,15 @@ class PerProcessParts:
         waiting for cachefs (``wait_s``), hints, prefetch (jobstats.py lists them)."""
         return describe(self._counters.totals())
 
+    @staticmethod
+    def _filesystem(storage_options: dict[str, Any]) -> CacheFileSystem:
+        return CacheFileSystem(skip_instance_cache=True, **storage_options)
+
     def learn_cluster(self) -> None:
         """Learn, in this (main) process, what DataLoader workers will need to start reading."""
         if "bootstrap" in self.storage_options:
             return
-        fs = CacheFileSystem(skip_instance_cache=True, **self.storage_options)
+        fs = self._filesystem(self.storage_options)
         try:
             self._bootstrap = fs.session.bootstrap()
         except Exception as exc:  # noqa: BLE001 - workers then learn it themselves, as before
@@ -144,7 +148,7 @@ class PerProcessParts:
         options = self.storage_options
         if self._bootstrap is not None and "bootstrap" not in options:
             options = {**options, "bootstrap": self._bootstrap}
-        return CacheFileSystem(skip_instance_cache=True, **options)
+        return self._filesystem(options)
 
     def _build_parts(self) -> ProcessParts:
         raise NotImplementedError
@@ -228,10 +232,6 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
-    @staticmethod
-    def _filesystem(storage_options: dict[str, Any]) -> CacheFileSystem:
-        return CacheFileSystem(skip_instance_cache=True, **storage_options)
-
     @classmethod
     def _resolve_sizes(cls, paths: list[str], storage_options: dict[str, Any]) -> list[int]:
         """Sizes of ``paths`` by ``info``, a few at a time (once, here; then shipped with the dataset)."""

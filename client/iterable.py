@@ -81,10 +81,6 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
-    @staticmethod
-    def _filesystem(storage_options: dict[str, Any]) -> CacheFileSystem:
-        return CacheFileSystem(skip_instance_cache=True, **storage_options)
-
     @classmethod
     def from_index(cls, url: str, *, storage_options: dict[str, Any] | None = None, **kwargs: Any
                    ) -> "CacheIterableDataset":

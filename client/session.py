@@ -67,10 +67,10 @@ class SessionBootstrap:
     host and lean paths), handed to the processes it starts, DataLoader workers above all.
 
     A forked child's first gRPC channel can hang: it inherits whatever gRPC's threads held at the
-    fork (client/forksafe.py). With this a DataLoader worker on a worker's host starts reading
-    through the short-circuit socket at once: no ``GetView`` and no probe on its data path; its
-    view watch and hints open their channels on threads of their own. Plain bytes: it pickles,
-    so spawned workers get it too.
+    fork (client/forksafe.py), holding the GIL. With this a DataLoader worker on a worker's host
+    starts reading through the short-circuit socket at once: no ``GetView`` and no probe; a
+    forked one also sends its hints through that socket and keeps the view unwatched. Plain
+    bytes: it pickles, so spawned workers get it too.
     """
 
     view: bytes = b""  # a serialized ClusterView ("" when there is no master)

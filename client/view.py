@@ -28,8 +28,8 @@ class ViewWatcher(forksafe.ForkHook):
                  watch_seconds: float = 30.0, tls: TLSConfig = PLAINTEXT, token: str = "",
                  known: master_pb2.ClusterView | None = None) -> None:
         """``known``: a view this process already has (handed down by the process that started
-        it): the watch goes on from there, and the channel is opened by the watch thread, so
-        that a forked child whose first channel hangs (forksafe.py) does not hang its reads."""
+        it): the watch goes on from there with no first ``GetView``. The channel is opened on
+        first use, not here: making a watcher costs no gRPC."""
         self.master = master
         # A weak reference: a filesystem that is dropped lets its watcher end.
         self._on_view = weakref.WeakMethod(on_view) if hasattr(on_view, "__self__") else (lambda: on_view)
@@ -166,7 +166,7 @@ class ViewWatcher(forksafe.ForkHook):
             call.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        # Bounded: a watch thread stuck opening its channel (a forked child, forksafe.py) holds the lock.
+        # Bounded: a watch thread stuck opening its channel holds the lock.
         if not self._channel_lock.acquire(timeout=timeout):
             return
         try:
