@@ -21,6 +21,7 @@ def _worker_flags(args: argparse.Namespace) -> dict:
         "master": args.master,
         "advertise_address": args.advertise_address,
         "cluster_token": args.cluster_token,
+        "eviction": args.eviction,
     }
     if args.cache_dir:
         flags["cache_dirs"] = args.cache_dir
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--master", help="master HOST:PORT to register with")
     w.add_argument("--advertise-address", help="HOST:PORT clients dial, if not the bound one")
     w.add_argument("--cluster-token", help="shared secret for the master (or CACHEFS_WORKER_CLUSTER_TOKEN)")
+    w.add_argument("--eviction", choices=("future", "lru"),
+                   help="evict the page training plans read furthest ahead (future, default) or the least recently used")
     w.set_defaults(func=cmd_worker)
 
     m = sub.add_parser("master", help="run the master (gRPC): membership, view, mounts, metadata cache, jobs")

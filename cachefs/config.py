@@ -163,9 +163,15 @@ class WorkerConfig:
     # (server/worker/dataport.py): 0 = pick a free one (reported by GetStatus), -1 = off.
     # Plain TCP: off whenever the worker serves TLS.
     data_port: int = 0
+    # Which page leaves first when room is needed: "future" (the one that registered training
+    # plans read furthest ahead; pages no plan reads, least recently used, go before any;
+    # server/worker/plans.py) or "lru" (least recently used).
+    eviction: str = "future"
 
     def __post_init__(self) -> None:
         _check_listen(self.host, self.port, self.metrics_port)
+        if self.eviction not in ("future", "lru"):
+            raise ValueError(f"eviction must be 'future' or 'lru', got {self.eviction!r}")
         if not -1 <= self.data_port < 65536:
             raise ValueError(f"data_port must be -1 (off), 0 (any free port) or a port number, got {self.data_port}")
         if not self.cache_dirs:

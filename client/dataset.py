@@ -26,7 +26,9 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -39,6 +41,7 @@ from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.forksafe import ProcessLocal
 from cachefs.client.hints import Hinter
 from cachefs.client.jobstats import CounterBlock, ProcessCounts, describe
+from cachefs.client.plans import PlanPublisher, PlanReport
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.sampling import EpochPlan
 from cachefs.client.session import SessionBootstrap
@@ -109,6 +112,10 @@ class PerProcessParts:
     storage_options: dict[str, Any]
     _bootstrap: SessionBootstrap | None = None
     _counters: CounterBlock
+    plan_ahead: bool = True
+    _owner_pid: int = 0
+    _publisher: PlanPublisher | None = None  # main process only (never pickled)
+    _hint_budget: int = -1  # bytes of cache the workers offer this job for hints (-1: unknown)
 
     def _parts(self, fs: CacheFileSystem, prefetcher: Prefetcher) -> ProcessParts:
         info = get_worker_info()
@@ -153,17 +160,57 @@ class PerProcessParts:
     def _build_parts(self) -> ProcessParts:
         raise NotImplementedError
 
+    # -- the read order, told to the workers (client/plans.py) ---------------------------------------
+    def _plan_units(self) -> Sequence[tuple[str, int, int]]:
+        """Each sample's bytes: (path, offset, length), indexed by sample id."""
+        raise NotImplementedError
+
+    def _plan_order(self) -> np.ndarray:
+        """Sample ids this rank reads from now on: the rest of this epoch, then all of the next."""
+        raise NotImplementedError
+
+    def publish_plan(self) -> PlanReport | None:
+        """Tell the workers this rank's read order, so their caches keep what is read next
+        (called at construction, ``set_epoch`` and ``load_state_dict``; main process only)."""
+        if not self.plan_ahead or os.getpid() != self._owner_pid:
+            return None
+        try:
+            if self._publisher is None:
+                fs = self._process_filesystem()
+                counters = self._counters
+                publisher = PlanPublisher(fs.session, lambda: counters.totals()["samples"])
+                weakref.finalize(self, _close_publisher, publisher, fs)
+                self._publisher = publisher
+            report = self._publisher.publish(self._plan_units(), self._plan_order())
+        except Exception as exc:  # noqa: BLE001 - advisory: eviction falls back to recency
+            log.warning("could not register the read plan with the workers: %s", exc)
+            return None
+        if report.workers:
+            self._hint_budget = report.share_bytes // 2  # half: the rest keeps what is read next
+        return report
+
+    @property
+    def plan_report(self) -> PlanReport | None:
+        """What the workers said about this rank's read plan (None: not registered here)."""
+        return None if self._publisher is None else self._publisher.report
+
     def _new_local(self) -> ProcessLocal[ProcessParts]:
         return ProcessLocal(self._build_parts, name=f"{type(self).__name__} per-process parts")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_local"]
+        state.pop("_publisher", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = self._new_local()
+
+
+def _close_publisher(publisher: PlanPublisher, fs: CacheFileSystem) -> None:
+    publisher.close()
+    fs.close()
 
 
 class ConsumptionTracking:
@@ -205,7 +252,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                  sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_depth: int = 32,
-                 prefetch_threads: int = 4, hint_samples: int = 256, timeout: float = 300.0) -> None:
+                 prefetch_threads: int = 4, hint_samples: int = 256, timeout: float = 300.0,
+                 plan_ahead: bool = True) -> None:
         self.paths = list(paths)
         self.storage_options = dict(storage_options or {})
         if sizes is None:
@@ -230,6 +278,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self._local = self._new_local()
         self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
         self.learn_cluster()
+        self.plan_ahead, self._owner_pid = bool(plan_ahead), os.getpid()
+        self.publish_plan()
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -311,7 +361,10 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self._calls += 1
         if self.hint_samples <= 0 or self._calls % 16 != 1:
             return
-        paths = [self.paths[self.plan.sample(p)] for _, p in zip(range(self.hint_samples), upcoming)]
+        limit = self.hint_samples
+        if self._hint_budget >= 0:  # never hint more than the workers can keep for this job
+            limit = min(limit, int(self._hint_budget // max(1, int(self.sizes.mean()))))
+        paths = [self.paths[self.plan.sample(p)] for _, p in zip(range(limit), upcoming)]
         if paths:
             self._local.get().hinter.hint(paths)
 
@@ -501,6 +554,15 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                               self.drop_last)
         self.samples_seen = 0
         self._reset_prefetch()
+        self.publish_plan()
+
+    def _plan_units(self) -> Sequence[tuple[str, int, int]]:
+        return [(path, 0, int(size)) for path, size in zip(self.paths, self.sizes)]
+
+    def _plan_order(self) -> np.ndarray:
+        after = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, self.plan.epoch + 1, self.shuffle,
+                          self.drop_last)
+        return np.concatenate([self.plan.remaining(self.samples_seen), after.order])
 
     def _reset_prefetch(self) -> None:
         parts = self._local.peek()  # this process's, if it has read anything yet
@@ -527,6 +589,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             drop_last=self.drop_last)
         self.seed = int(state["seed"])
         self._reset_prefetch()
+        self.publish_plan()
 
 
 class CacheSampler(Sampler[int]):

@@ -43,6 +43,10 @@ __all__ = ["HandleCache", "Page", "TableView"]
 
 _STALE_NS = int(TABLE_STALE_SECONDS * 1e9)
 MAX_TOUCHED = 1024  # reads through held handles remembered before a report is sent on its own
+#: The slot of a page the worker served but did not cache (RangeReply.once): no slot in the shared
+#: table (nothing to invalidate: an in-memory copy of one version), kept for one read, briefly.
+ONCE = -1
+ONCE_SECONDS = 5.0
 SWEEP_SECONDS = 1.0  # how often expired handles are closed while any are held
 
 
@@ -80,12 +84,13 @@ class Page:
     fd: int
     start: int  # object offset of the payload's first byte
     length: int  # payload bytes (the file ends with its trailer)
-    slot: int = 0  # 0: not held (read once, then closed)
+    slot: int = 0  # 0: not held (read once, then closed); ONCE: kept for one read (see add)
     generation: int = 0
     verified: bool = False  # its checksum was checked through this descriptor
     refs: int = 0
     dropped: bool = False
     key: tuple = field(default=())
+    until: float = 0.0  # a ONCE page: read it before this (monotonic)
 
 
 @dataclass(slots=True)
@@ -177,7 +182,8 @@ class HandleCache:
         pages = []
         for start in range(offset - offset % ps, end, ps):
             page = self._pages.get((path, obj.version, start))
-            if page is None or table is None or not table.valid(page.slot, page.generation):
+            if page is None or table is None or not (
+                    table.valid(page.slot, page.generation) if page.slot != ONCE else page.until > now):
                 if page is not None:
                     self.stats["dropped_invalid"] += 1
                     self._drop_locked(page)
@@ -189,8 +195,11 @@ class HandleCache:
         for page in pages:
             self._pages.move_to_end(page.key)
         if read:
+            for page in pages:
+                if page.slot == ONCE:  # its one read: closed when released
+                    self._drop_locked(page)
             if len(self._touched) < 4 * MAX_TOUCHED:
-                self._touched.extend(p.slot for p in pages)
+                self._touched.extend(p.slot for p in pages if p.slot != ONCE)
             self._touched_bytes += end - offset
             self.stats["held_reads"] += 1
         return obj.size, obj.version, pages
@@ -208,7 +217,7 @@ class HandleCache:
             table, ps = self.table, self.page_size
             for start in range(0, min(max(obj.size, 1), 64 * ps), ps) if ps else ():
                 page = self._pages.get((path, obj.version, start))
-                if page is None:
+                if page is None or page.slot == ONCE:  # a one-read copy vouches for nothing later
                     continue
                 if table is not None and table.valid(page.slot, page.generation):
                     return obj.size, obj.version, obj.mtime
@@ -232,6 +241,8 @@ class HandleCache:
             for page in pages:
                 if page.slot == 0:
                     continue
+                if page.slot == ONCE:  # an in-memory copy of a page not admitted: one read, soon
+                    page.until = time.monotonic() + ONCE_SECONDS
                 key = (path, version, page.start)
                 old = self._pages.pop(key, None)
                 if old is not None and old is not page:

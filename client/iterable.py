@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +56,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                  batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
-                 prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0) -> None:
+                 prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0,
+                 plan_ahead: bool = True) -> None:
         self.shards = list(shards)
         if not self.shards:
             raise ValueError("a CacheIterableDataset needs at least one shard")
@@ -79,6 +81,16 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self._local = self._new_local()
         self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
         self.learn_cluster()
+        self.plan_ahead, self._owner_pid = bool(plan_ahead), os.getpid()
+        self.publish_plan()
+
+    def _plan_units(self) -> Sequence[tuple[str, int, int]]:
+        return [(shard.path, span.start, span.end - span.start) for shard in self.shards for span in shard.samples]
+
+    def _plan_order(self) -> np.ndarray:
+        after = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, self.plan.epoch + 1,
+                          self.shuffle, self.drop_last)
+        return np.concatenate([self.plan.rank_order()[self.samples_seen:], after.rank_order()])
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -217,8 +229,12 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                     shards.append(shard.path)
             if len(shards) >= self.hint_shards:
                 break
-        if shards:
-            hinter.hint(shards[:self.hint_shards])
+        limit = self.hint_shards
+        if self._hint_budget >= 0 and shards:  # never hint more than the workers can keep for this job
+            biggest = max(s.size for s in self.shards if s.path in shards)
+            limit = min(limit, int(self._hint_budget // max(1, biggest)))
+        if shards and limit > 0:
+            hinter.hint(shards[:limit])
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -296,6 +312,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self.samples_seen = self._iter_from = self._yielded = 0
         self._worker_resume = None
         self._reset()
+        self.publish_plan()
 
     @property
     def epoch(self) -> int:
@@ -327,6 +344,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                                if "worker" in state else None)
         self._iter_from, self._yielded = self.samples_seen, 0
         self._reset()
+        self.publish_plan()
 
 
 def scan_shards(paths: Sequence[tuple[str, int]], storage_options: dict[str, Any] | None = None,

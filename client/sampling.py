@@ -229,6 +229,12 @@ class BlockPlan:
         rng = np.random.Generator(np.random.PCG64([self.seed, self.epoch, 2, start]))
         return ids[rng.permutation(len(ids))]
 
+    def rank_order(self) -> np.ndarray:
+        """Global sample ids of this rank, in the order its blocks yield them."""
+        if not self.n_blocks:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([self.block_samples(j) for j in range(self.n_blocks)]).astype(np.int64)
+
     def worker_blocks(self, worker_id: int, num_workers: int, first: int = 0) -> range:
         """Blocks worker ``worker_id`` of ``num_workers`` reads, when the loader starts at ``first``."""
         return range(first + worker_id, self.n_blocks, max(1, num_workers))

@@ -23,7 +23,7 @@ import xxhash
 
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.client import forksafe, rawbytes
-from cachefs.client.handles import MAX_TOUCHED, HandleCache, Page, TableView
+from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
@@ -144,6 +144,8 @@ class ShortCircuitReader:
                     results.append(None)
                     continue
                 slots = list(got.slots) or [0] * n
+                if len(got.once) == n:  # served, not admitted: keep for one read (handles.ONCE)
+                    slots = [ONCE if once and slot == 0 else slot for slot, once in zip(slots, got.once)]
                 generations = list(got.generations) or [0] * n
                 pages = [Page(fd, start, length, slot, generation, refs=1)
                          for fd, start, length, slot, generation in

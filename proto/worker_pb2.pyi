@@ -198,3 +198,45 @@ class CopyRequest(_message.Message):
     source: str
     destination: str
     def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...
+
+class PlanRun(_message.Message):
+    __slots__ = ("path", "offset", "length", "positions")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("job", "replace", "runs", "done", "position", "rate", "lease_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    replace: bool
+    runs: _containers.RepeatedCompositeFieldContainer[PlanRun]
+    done: bool
+    position: int
+    rate: float
+    lease_seconds: float
+    def __init__(self, job: _Optional[str] = ..., replace: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[PlanRun, _Mapping]]] = ..., done: _Optional[bool] = ..., position: _Optional[int] = ..., rate: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class PlanReply(_message.Message):
+    __slots__ = ("known", "capacity_bytes", "jobs", "policy")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    capacity_bytes: int
+    jobs: int
+    policy: str
+    def __init__(self, known: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...

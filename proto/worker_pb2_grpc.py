@@ -100,6 +100,11 @@ class WorkerServiceStub:
                 request_serializer=cachefs_dot_proto_dot_worker__pb2.CopyRequest.SerializeToString,
                 response_deserializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
                 _registered_method=True)
+        self.Plan = channel.unary_unary(
+                '/cachefs.v1.WorkerService/Plan',
+                request_serializer=cachefs_dot_proto_dot_worker__pb2.PlanRequest.SerializeToString,
+                response_deserializer=cachefs_dot_proto_dot_worker__pb2.PlanReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -197,6 +202,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Plan(self, request, context):
+        """A training job's read order (its plan), so pages leave by next use, not by recency
+        (server/worker/plans.py). Sent in chunks; renewed (position and lease only) while the
+        job reads; a plan whose lease runs out pins nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +278,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Copy,
                     request_deserializer=cachefs_dot_proto_dot_worker__pb2.CopyRequest.FromString,
                     response_serializer=cachefs_dot_proto_dot_common__pb2.ObjectInfo.SerializeToString,
+            ),
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=cachefs_dot_proto_dot_worker__pb2.PlanRequest.FromString,
+                    response_serializer=cachefs_dot_proto_dot_worker__pb2.PlanReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +636,33 @@ class WorkerService:
             '/cachefs.v1.WorkerService/Copy',
             cachefs_dot_proto_dot_worker__pb2.CopyRequest.SerializeToString,
             cachefs_dot_proto_dot_common__pb2.ObjectInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachefs.v1.WorkerService/Plan',
+            cachefs_dot_proto_dot_worker__pb2.PlanRequest.SerializeToString,
+            cachefs_dot_proto_dot_worker__pb2.PlanReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,14 +36,12 @@ import math
 import os
 import shutil
 import sqlite3
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import diskcache
 import xxhash
 
-if TYPE_CHECKING:
-    from cachefs.server.pagestore import _Entry
+from cachefs.server.pagestore.policy import EvictionOrder, LruOrder
 
 __all__ = ["INDEX_ERRORS", "CacheDirInUseError", "DirHandle", "remove_path"]
 
@@ -79,13 +77,13 @@ class CacheDirInUseError(RuntimeError):
 class DirHandle:
     """An open, locked cache dir plus its in-memory accounting (guarded by the store's lock)."""
 
-    def __init__(self, root: str, quota: int, page_size: int) -> None:
+    def __init__(self, root: str, quota: int, page_size: int, order: EvictionOrder | None = None) -> None:
         self.root = root
         self.quota = quota
         self.pages = os.path.join(root, "pages")
         self.tmp = os.path.join(root, "tmp")
         self.used = 0  # bytes of READY + WRITING + not-yet-released REMOVING pages
-        self.lru: OrderedDict[str, _Entry] = OrderedDict()  # READY pages, least recent first
+        self.order: EvictionOrder = order if order is not None else LruOrder()  # READY pages
         os.makedirs(root, mode=0o700, exist_ok=True)
         lock_path = os.path.join(root, "lock")
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

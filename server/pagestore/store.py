@@ -32,6 +32,7 @@ import errno
 import functools
 import heapq
 import logging
+import math
 import os
 import secrets
 import threading
@@ -44,6 +45,8 @@ import xxhash
 
 from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
 from cachefs.server.pagestore.health import DiskHealth
+from cachefs.server.pagestore.passing import PassingPages
+from cachefs.server.pagestore.policy import NextUse, NextUseOrder
 from cachefs.pagefile import (
     TRAILER_SIZE,
     CorruptPageError,
@@ -120,6 +123,8 @@ class PageStoreStats:
     disk_errors: int = 0  # failed page writes, and reads failing with a disk errno
     degraded: bool = False  # a cache dir's last write failed: reads pass through to the store
     held_unlinked_bytes: int = 0  # in used_bytes: unlinked pages local clients may still hold open
+    bypassed: int = 0  # pages used later than every cached one: cached only until the next put
+    policy: str = "lru"  # which page leaves first: "lru" or "future" (policy.py)
 
 
 class _State(enum.Enum):
@@ -139,6 +144,7 @@ class _Entry:
     checksum: int = 0
     cancelled: bool = False  # deleted while WRITING: the writer removes it when done
     held_until: float = 0.0  # monotonic: local clients may hold its descriptor open until then
+    next_use: float = math.inf  # when a registered plan reads it next (policy.NextUseOrder)
 
     @property
     def path(self) -> str:
@@ -153,8 +159,11 @@ class PageStore:
     """Thread-safe page cache over one or more quota-bounded directories (one process per dir)."""
 
     def __init__(
-        self, dirs: Sequence[CacheDir], page_size: int = 1 << 20, *, flush_interval: float = 2.0
+        self, dirs: Sequence[CacheDir], page_size: int = 1 << 20, *, flush_interval: float = 2.0,
+        next_use: NextUse | None = None,
     ) -> None:
+        """With ``next_use`` (the worker's plan table, server/worker/plans.py), pages leave by
+        furthest next use (policy.NextUseOrder); without, least recently used first."""
         if not dirs or not all(isinstance(d, CacheDir) for d in dirs):
             raise ValueError("dirs must be a non-empty sequence of CacheDir")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -173,6 +182,11 @@ class PageStore:
         self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access changed since the last flush
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
+        self._bypassed = 0  # pages used later than every cached one: served from memory, not admitted
+        quota = sum(d.quota_bytes for d in dirs)
+        self._passing = PassingPages(max(8 * page_size, min(64 << 20, quota // 16)))
+        self._next_use = next_use
+        self.policy = "future" if next_use is not None else "lru"
         # Unlinked pages that local clients may still read through held descriptors (their
         # bytes stay counted in their dir's ``used`` until then): (until, seq, dir, bytes).
         self._held: list[tuple[float, int, DirHandle, int]] = []
@@ -187,7 +201,8 @@ class PageStore:
         self._dirs: list[DirHandle] = []
         try:
             for cfg, root in zip(dirs, roots):
-                self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size))
+                order = NextUseOrder(next_use) if next_use is not None else None
+                self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size, order))
                 self._recover(self._dirs[-1])
         except BaseException:
             self._release_dirs()
@@ -203,7 +218,7 @@ class PageStore:
         """Return the page's verified bytes, or None on a miss (a bad page is dropped first)."""
         entry = self._lookup(pid)
         if entry is None:
-            return None
+            return self._passing.get(pid.digest())
         try:
             data = read_page(entry.path, entry.size, entry.checksum)
         except (CorruptPageError, OSError) as exc:
@@ -219,7 +234,13 @@ class PageStore:
         """
         entry = self._lookup(pid)
         if entry is None:
-            return None
+            passing = self._passing.get(pid.digest())
+            if passing is None:
+                return None
+            if len(passing) > len(buf):
+                raise ValueError(f"page of {len(passing)} bytes does not fit a buffer of {len(buf)}")
+            memoryview(buf)[:len(passing)] = passing
+            return len(passing)
         try:
             n = read_page_into(entry.path, entry.size, memoryview(buf), entry.checksum)
         except (CorruptPageError, OSError) as exc:
@@ -240,7 +261,7 @@ class PageStore:
         """
         entry = self._lookup(pid)
         if entry is None:
-            return None
+            return self._passing.open(pid.digest())  # served, not admitted (passing.py): read once
         try:
             fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:  # evicted or dropped under our feet: a miss
@@ -277,13 +298,17 @@ class PageStore:
                 return False
             now = time.monotonic()
             self._release_held(now)
+            if self._next_use is not None and self._not_worth_room(target, pid, size):
+                self._bypassed += 1
+                self._passing.add(digest, data if isinstance(data, bytes) else bytes(payload))
+                return False
             victims = self._pick_victims(target, size, now)
             if victims is None:
                 self._put_failures += 1
                 return False
             for v in victims:
                 v.state = _State.REMOVING
-                del target.lru[v.digest]
+                target.order.remove(v)
             freed = sum(v.size for v in victims if not self._charge_held(v, now))
             target.used += size - freed  # the victims' bytes become this put's reservation
             self._evictions += len(victims)
@@ -296,6 +321,66 @@ class PageStore:
             self._leave()
 
     # ------------------------------------------------------- held descriptors
+    # ------------------------------------------------------- plan-driven eviction
+    def _not_worth_room(self, target: DirHandle, pid: PageId, size: int) -> bool:  # caller holds the lock
+        """True when making room for the page would push out only pages used sooner than it: it
+        is then served from memory for a few seconds (passing.py) and not admitted."""
+        order = target.order
+        assert isinstance(order, NextUseOrder) and self._next_use is not None
+        if target.used + size <= target.quota or order.has_unknown():
+            return False
+        furthest = order.furthest()
+        # A use starting now (the reader waiting for this page) is served either way: what counts
+        # is the use after it (the oracle skips a use that is under way when told ``used``).
+        return furthest > -math.inf and self._next_use(pid, True)[0] >= furthest
+
+    def worth_admitting(self, pid: PageId) -> bool:
+        """False when the page would only push out pages used sooner than it (a load or a hint
+        need not fetch it now); always True under LRU."""
+        if self._next_use is None:
+            return True
+        digest = pid.digest()
+        target = max(self._dirs, key=lambda d: d.score(digest))
+        when = self._next_use(pid, True)[0]
+        with self._lock:
+            order = target.order
+            assert isinstance(order, NextUseOrder)
+            if target.used + self.page_size + TRAILER_SIZE <= target.quota or order.has_unknown():
+                return True
+            return when < order.furthest()
+
+    def replan(self) -> int:
+        """The registered plans changed: every cached page's next use is asked again. In slices,
+        so reads and puts go on between them; returns the pages looked at."""
+        if self._next_use is None:
+            return 0
+        done = 0
+        for d in self._dirs:
+            with self._lock:
+                entries = list(d.order.entries())
+            for i in range(0, len(entries), 4096):
+                with self._lock:
+                    for entry in entries[i:i + 4096]:
+                        if entry.state is _State.READY:
+                            d.order.replan(entry)  # type: ignore[attr-defined]
+                done += min(4096, len(entries) - i)
+        return done
+
+    def refresh_stale(self) -> int:
+        """Pages whose planned use went by unread (a skipped sample, reads through held
+        descriptors not yet reported) get their next use again; returns how many."""
+        if self._next_use is None:
+            return 0
+        now, n = time.time(), 0
+        with self._lock:
+            for d in self._dirs:
+                order = d.order
+                assert isinstance(order, NextUseOrder)
+                for entry in order.stale(now):
+                    order.replan(entry)
+                    n += 1
+        return n
+
     def set_unlink_listener(self, listener: Callable[[list[str]], None] | None) -> None:
         """``listener(digests)`` runs just before page files are unlinked (server/worker/handles.py
         invalidates held descriptors there). It must not call back into the store."""
@@ -362,6 +447,10 @@ class PageStore:
         """True if the page is READY (a later get may still miss if it is evicted meanwhile)."""
         return self.contains_digest(pid.digest())
 
+    def passing(self, digest: str) -> bool:
+        """True for a page served but not admitted (passing.py): its descriptor is a copy to read once."""
+        return self._passing.opened(digest)
+
     def contains_digest(self, digest: str) -> bool:
         with self._lock:
             entry = self._entries.get(digest)
@@ -413,7 +502,7 @@ class PageStore:
         with self._lock:
             self._release_held(time.monotonic())
             return PageStoreStats(
-                pages=sum(len(d.lru) for d in self._dirs),
+                pages=sum(len(d.order) for d in self._dirs),
                 used_bytes=sum(d.used for d in self._dirs),
                 capacity_bytes=sum(d.quota for d in self._dirs),
                 hits=self._hits,
@@ -424,6 +513,8 @@ class PageStore:
                 disk_errors=self.health.errors,
                 degraded=self.health.degraded,
                 held_unlinked_bytes=self._held_bytes,
+                bypassed=self._bypassed,
+                policy=self.policy,
             )
 
     def close(self) -> None:
@@ -488,7 +579,7 @@ class PageStore:
                     log.warning("cannot read page %s: %s", entry.path, exc)
                     return
                 entry.state = _State.REMOVING
-                del entry.dir.lru[entry.digest]
+                entry.dir.order.remove(entry)
                 self._corrupt += 1
             log.warning("dropping bad page %s (%s): %s", entry.path, entry.pid, exc)
             self._remove([entry])
@@ -496,27 +587,19 @@ class PageStore:
             self._leave()
 
     def _touch(self, entry: _Entry) -> None:  # caller holds the lock
-        entry.dir.lru.move_to_end(entry.digest)
+        entry.dir.order.touch(entry)
         entry.last_access = time.time()
         self._dirty[entry.digest] = entry
 
     # ----------------------------------------------------------- write helpers
     def _pick_victims(self, target: DirHandle, size: int, now: float) -> list[_Entry] | None:
-        """LRU READY pages to evict so ``size`` fits (caller holds the lock); None if impossible.
-
-        A page a local client may still hold open is evicted too (its holders are told) but
-        frees nothing until its hold ends, so it does not count toward the room made.
-        """
-        quota = target.quota
-        victims: list[_Entry] = []
-        need = target.used + size - quota
-        for entry in target.lru.values():
-            if need <= 0:
-                break
-            victims.append(entry)
-            if entry.held_until <= now:
-                need -= entry.size
-        return victims if need <= 0 else None
+        """READY pages to evict so ``size`` fits, in the dir's eviction order (caller holds the
+        lock); None if impossible. A page a local client may still hold open is evicted too (its
+        holders are told) but frees nothing until its hold ends (policy.py)."""
+        need = target.used + size - target.quota
+        if need <= 0:
+            return []
+        return target.order.pick(need, now)
 
     def _write(self, entry: _Entry, payload: memoryview, victims: list[_Entry]) -> bool:
         d = entry.dir
@@ -544,7 +627,7 @@ class PageStore:
         with self._lock:
             if not entry.cancelled:
                 entry.state = _State.READY
-                d.lru[entry.digest] = entry
+                d.order.add(entry)
                 return True
             entry.state = _State.REMOVING
         self._remove([entry])  # deleted while we wrote it
@@ -573,7 +656,7 @@ class PageStore:
                     entry.cancelled = True
                 else:
                     entry.state = _State.REMOVING
-                    del entry.dir.lru[digest]
+                    entry.dir.order.remove(entry)
                     claimed.append(entry)
             self._busy += 1
         try:
@@ -648,6 +731,7 @@ class PageStore:
         while not self._stop.wait(interval):
             try:
                 self._flush_access()
+                self.refresh_stale()
             except Exception:  # never let the flusher die; the next round retries
                 log.exception("last_access flush failed")
 
@@ -688,13 +772,13 @@ class PageStore:
         orphans = d.remove_orphans({e.digest for e in loaded})
         loaded.sort(key=lambda e: e.last_access)
         for entry in loaded:
-            d.lru[entry.digest] = entry
+            d.order.add(entry)
             d.used += entry.size
             self._add(entry)
         evicted: list[_Entry] = []
         excess = d.used - d.quota  # the quota was lowered since the last run
-        while excess > 0 and d.lru:
-            _, entry = d.lru.popitem(last=False)
+        while excess > 0 and (entry := d.order.first()) is not None:
+            d.order.remove(entry)
             entry.state = _State.REMOVING
             evicted.append(entry)
             excess -= entry.size
@@ -703,7 +787,7 @@ class PageStore:
         log.info(
             "page store %s: %d pages, %d/%d bytes; dropped %d stale index entries, %d orphan "
             "and %d tmp files; evicted %d to fit the quota",
-            d.root, len(d.lru), d.used, d.quota, len(stale), orphans, tmp_removed,
+            d.root, len(d.order), d.used, d.quota, len(stale), orphans, tmp_removed,
             len(evicted),
         )
 

@@ -28,6 +28,7 @@ from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
 from cachefs.server.worker.registration import Registrar, worker_stats
+from cachefs.server.worker.plans import PlanTable
 from cachefs.server.worker.service import WorkerServicer
 from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
@@ -86,10 +87,14 @@ class Worker:
         self.mounts = MountTable(config.mounts)
         self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl,
                                    stale_grace=config.metadata_stale_grace)
-        self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size)
+        # Training jobs' read plans (plans.py): with eviction "future" the page store evicts by them.
+        self.plans = PlanTable(config.page_size, on_change=lambda: self.pages.replan())
+        self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size,
+                               next_use=self.plans.next_use if config.eviction == "future" else None)
         self.objects.on_fetched = self._on_fetched
         self.objects.on_request = lambda kind: self.metrics.store_requests.labels(kind).inc()
         self.metrics.watch_page_store(self.pages.stats)
+        self.metrics.plans.set_function(lambda: len(self.plans))
         self.metrics.watch_raw_servers(lambda: {"short_circuit": self.short_circuit,
                                                 "data_port": self.data_port_server})
         self.reader = PageReader(
@@ -137,7 +142,7 @@ class Worker:
         )
         servicer = WorkerServicer(
             self.worker_id, self.mounts, self.objects, self.pages, self.reader, self.metrics,
-            max_rpc_seconds=max(self.config.store_timeout * 4, 60.0),
+            max_rpc_seconds=max(self.config.store_timeout * 4, 60.0), plans=self.plans,
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
@@ -165,8 +170,17 @@ class Worker:
                 token=outgoing_token(self.config.access_token, self.config.cluster_token),
                 on_mounts_changed=self._on_mounts_changed, tls=self.config.tls,
             ).start()
+        threading.Thread(target=self._expire_plans, name="cachefs-plans", daemon=True).start()
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
+
+    def _expire_plans(self) -> None:
+        """A job that stopped renewing its plan pins nothing once its lease ends."""
+        while not self._stopped.wait(1.0):
+            try:
+                self.plans.expire()
+            except Exception:  # noqa: BLE001 - never let the sweeper die; the next round retries
+                log.exception("expiring plans failed")
 
     def stop(self, grace: float | None = None) -> None:
         """Graceful: refuse new RPCs, let running ones finish within ``grace``, flush the page index."""
@@ -214,7 +228,7 @@ class Worker:
                 path, cached, on_served=self.metrics.served_short_circuit, table=table, hold=self._hold,
                 still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held,
                 filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc,
-                on_load=self.hint_loads.submit).start()
+                on_load=self.hint_loads.submit, passing=self.pages.passing).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()

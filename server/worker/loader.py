@@ -155,6 +155,13 @@ class Loader:
     def _claim_object(self, obj: _Object) -> None:
         """Claim every missing page of the object, a window at a time."""
         obj.passes += 1
+        meta = obj.meta
+        if obj.passes == 1 and not self.pages.worth_admitting(PageId(meta.path.mount, meta.path.key, meta.version, 0)):
+            # Registered plans read every cached page sooner than this one (plans.py): fetching
+            # it now would only push out pages needed first, and it would leave again at once.
+            obj.error = "not cached: the registered training plans read it later than everything the cache holds"
+            self.metrics.load_not_admitted.inc()
+            return
         obj.claiming = True
         index, last = 0, obj.last_page
         while index <= last and not obj.error:

@@ -55,6 +55,19 @@ class _PageStoreCollector(Collector):
             "descriptors (counted in used bytes, so within the quota, until their hold ends).",
             value=s.held_unlinked_bytes,
         )
+        policy = GaugeMetricFamily(
+            "cachefs_worker_eviction_policy",
+            "1 for the page store's eviction policy: future (next use in registered plans) or lru.",
+            labels=["policy"],
+        )
+        policy.add_metric([s.policy], 1)
+        yield policy
+        yield CounterMetricFamily(
+            "cachefs_worker_cache_bypassed_admissions",
+            "Pages that registered plans read later than every cached page: served, and cached only "
+            "until the next page needs room.",
+            value=s.bypassed,
+        )
 
 
 class _RawServersCollector(Collector):
@@ -176,6 +189,13 @@ class WorkerMetrics:
         )
         self.requests = Counter(
             "cachefs_worker_requests", "RPCs by method and status code.", ["method", "code"], registry=r
+        )
+        self.plans = Gauge("cachefs_worker_plans", "Training jobs' read plans registered (eviction follows them).",
+                           registry=r)
+        self.load_not_admitted = Counter(
+            "cachefs_worker_load_not_admitted",
+            "Objects of Load requests (hints included) not fetched: registered plans read them later "
+            "than every cached page.", registry=r,
         )
         self.load_bytes = Counter(
             "cachefs_worker_load_bytes",

@@ -23,6 +23,7 @@ from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageStore
 from cachefs.server.worker.loader import Loader, failure, resolve_for_load
+from cachefs.server.worker.plans import PlanTable
 from cachefs.server.worker.reader import PageReader
 from cachefs.server.worker.writer import WriteHandler
 
@@ -49,6 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         reader: PageReader,
         metrics: WorkerMetrics,
         max_rpc_seconds: float,
+        plans: PlanTable | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.mounts = mounts
@@ -57,6 +59,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.reader = reader
         self.metrics = metrics
         self.max_rpc_seconds = max_rpc_seconds
+        self.plans = plans if plans is not None else PlanTable(pages.page_size, on_change=pages.replan)
         self.short_circuit_socket = ""  # set by the daemon when it listens for short-circuit reads
         self.data_port = 0  # set by the daemon when its data port listens
         self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
@@ -261,6 +264,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             short_circuit_socket=self.short_circuit_socket, host_id=HOST_ID, data_port=self.data_port,
             **self.metrics.totals(),
         )
+
+    @rpc("Plan")
+    def Plan(self, request: worker_pb2.PlanRequest, context: grpc.ServicerContext) -> worker_pb2.PlanReply:
+        """A job's read order for this worker's pages (plans.py): eviction follows it."""
+        known = self.plans.update(request)
+        return worker_pb2.PlanReply(known=known, capacity_bytes=self.pages.stats().capacity_bytes,
+                                    jobs=len(self.plans), policy=self.pages.policy)
 
     # -- write-through (server/worker/writer.py) -----------------------------------------------
     @rpc("Write")

@@ -54,7 +54,8 @@ class ShortCircuitServer(ConnectionServer):
                  still_cached: Callable[[str], bool] | None = None,
                  on_touched: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
                  on_handed_out: Callable[[int], None] | None = None,
-                 on_load: Callable[[list[str]], int] | None = None, **limits: Any) -> None:
+                 on_load: Callable[[list[str]], int] | None = None,
+                 passing: Callable[[str], bool] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
         to the quota while clients may hold them (False: no room, hand them out for one read),
         and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
@@ -65,6 +66,7 @@ class ShortCircuitServer(ConnectionServer):
         self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
         self.filler, self._on_handed_out = filler, on_handed_out
         self._on_load = on_load  # hints: objects to load in the background (hintloads.py)
+        self._passing = passing  # pages served but not admitted (pagestore/passing.py)
 
     def _listen(self) -> socket.socket:
         if len(os.fsencode(self.path)) >= 108:
@@ -166,6 +168,8 @@ class ShortCircuitServer(ConnectionServer):
         now = time.monotonic()
         until = min(opened.valid_until, now + MAX_HOLD_SECONDS)
         slots, generations = self._slots(opened.pages, until)
+        once = [slot == 0 and self._passing is not None and self._passing(pid.digest())
+                for slot, pid in zip(slots, opened.pages)]
         if self._on_served is not None and opened.fds and not wanted.ahead:
             self._on_served(len(opened.fds), opened.end - opened.offset)
         elif self._on_handed_out is not None and opened.fds:
@@ -173,7 +177,7 @@ class ShortCircuitServer(ConnectionServer):
         range_fds, opened.fds = opened.fds, []
         return RangeReply(code=RangeReply.OK, info=info, page_offsets=opened.page_offsets,
                           page_lengths=opened.page_lengths, slots=slots, generations=generations,
-                          valid_ms=max(0, int((until - now) * 1000))), range_fds
+                          valid_ms=max(0, int((until - now) * 1000)), once=once if any(once) else []), range_fds
 
     def _slots(self, pages: list[Any], until: float) -> tuple[list[int], list[int]]:
         """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor."""

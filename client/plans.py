@@ -1,0 +1,191 @@
+"""Telling the workers a dataset's read order, so their caches evict by next use, not recency.
+
+A dataset knows the order it reads its samples in, this epoch and the next (client/sampling.py).
+When the data set is larger than the cache, LRU evicts exactly the pages the next epoch needs
+first; a worker told the order evicts the page used furthest ahead instead (server/worker/plans.py,
+server/pagestore/policy.py). ``PlanPublisher`` sends each worker the part of the order that falls
+on its stripes (``Plan`` RPC, in chunks), then renews it once a second with the job's position
+(samples read so far, summed over DataLoader workers) and rate, under a lease: a job that dies
+pins nothing once the lease ends, and a worker that restarted and forgot the plan is sent it again.
+
+It runs in the dataset's main process only (DataLoader workers never carry it: a forked process
+must keep gRPC off its path, forksafe.py), on its own filesystem session, and its calls pass the
+session's fork gate like every other call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cachefs.paths import parse_path, strip_protocol
+from cachefs.proto import worker_pb2
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PlanPublisher", "PlanReport"]
+
+#: Runs per Plan request (a few MB at most: well under gRPC's message limit).
+CHUNK_RUNS = 20_000
+DEFAULT_LEASE_SECONDS = 30.0
+DEFAULT_RENEW_SECONDS = 1.0
+CALL_TIMEOUT = 30.0
+
+
+@dataclass
+class PlanReport:
+    """What the workers said about the plan: how much cache this job may count on."""
+
+    workers: int = 0
+    capacity_bytes: int = 0  # summed over the workers that took the plan
+    share_bytes: int = 0  # summed capacity / jobs sharing each worker
+    policy: set[str] = field(default_factory=set)
+    resent: int = 0  # plans sent again to a worker that had forgotten it (restart)
+    failed: int = 0  # requests that failed (the plan is advisory: reads go on)
+
+
+class PlanPublisher:
+    """Registers and renews one dataset's read order (one rank) with the workers that hold it."""
+
+    def __init__(self, session: Any, position: Callable[[], int], *, job: str | None = None,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, renew_seconds: float = DEFAULT_RENEW_SECONDS) -> None:
+        """``session``: a ClientSession of this process; ``position()``: samples this job has
+        read so far (any monotonic count: the plan's position 0 is its value when published)."""
+        if not 0 < renew_seconds < lease_seconds:
+            raise ValueError("renew_seconds must be > 0 and less than lease_seconds")
+        self.session, self._position = session, position
+        self.job = job or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.lease_seconds, self.renew_seconds = float(lease_seconds), float(renew_seconds)
+        self._lock = threading.Lock()
+        self._runs: dict[str, tuple[Any, list[Any]]] = {}  # address -> (handle, runs)
+        self._base = 0
+        self._rate = 0.0
+        self._last: tuple[float, int] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._owner = os.getpid()
+        self.report = PlanReport()
+
+    # -- the plan ------------------------------------------------------------------------------------
+    def publish(self, units: Sequence[tuple[str, int, int]], order: np.ndarray) -> PlanReport:
+        """Register ``order`` (unit indices in the order they will be read; a unit is a byte range
+        ``(path, offset, length)`` of one object) with every worker holding part of it."""
+        runs = self._runs_by_worker(units, order)
+        with self._lock:
+            self._runs = runs
+            self._base = self._position()
+            self._last = None
+        report = PlanReport()
+        for handle, worker_runs in runs.values():
+            self._send(handle, worker_runs, report)
+        self.report = report
+        self._start()
+        return report
+
+    def _runs_by_worker(self, units: Sequence[tuple[str, int, int]], order: np.ndarray) -> dict[str, tuple[Any, list[Any]]]:
+        positions: dict[int, list[int]] = {}
+        for position, unit in enumerate(np.asarray(order, dtype=np.int64).tolist()):
+            positions.setdefault(unit, []).append(position)
+        out: dict[str, tuple[Any, list[Any]]] = {}
+        for unit, where in positions.items():
+            raw, offset, length = units[unit]
+            if length <= 0:
+                continue
+            key = str(parse_path(strip_protocol(raw)))
+            candidates = self.session.candidates(key, offset, include_broken=False)
+            if not candidates:
+                continue
+            handle = candidates[0]
+            run = worker_pb2.PlanRun(path=key, offset=offset, length=length, positions=where)
+            out.setdefault(handle.address, (handle, []))[1].append(run)
+        return out
+
+    def _send(self, handle: Any, runs: list[Any], report: PlanReport) -> None:
+        """The whole plan to one worker: replace, chunks, done."""
+        position, rate = self._progress()
+        try:
+            reply = None
+            chunks = [runs[i:i + CHUNK_RUNS] for i in range(0, len(runs), CHUNK_RUNS)] or [[]]
+            for i, chunk in enumerate(chunks):
+                reply = handle.stub().Plan(worker_pb2.PlanRequest(
+                    job=self.job, replace=i == 0, runs=chunk, done=i == len(chunks) - 1, position=position,
+                    rate=rate, lease_seconds=self.lease_seconds), timeout=CALL_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - advisory: the cache falls back to LRU order for it
+            report.failed += 1
+            log.debug("plan for %s not taken by %s: %s", self.job, handle.address, exc)
+            return
+        self._account(reply, report)
+
+    @staticmethod
+    def _account(reply: Any, report: PlanReport) -> None:
+        report.workers += 1
+        report.capacity_bytes += reply.capacity_bytes
+        report.share_bytes += reply.capacity_bytes // max(1, reply.jobs)
+        report.policy.add(reply.policy)
+
+    # -- renewal -------------------------------------------------------------------------------------
+    def _progress(self) -> tuple[int, float]:
+        now, read = time.monotonic(), self._position()
+        position = max(0, read - self._base)
+        if self._last is not None:
+            t, p = self._last
+            if now - t >= 0.2:
+                measured = (position - p) / (now - t)
+                self._rate = measured if self._rate == 0 else 0.5 * self._rate + 0.5 * measured
+                self._last = (now, position)
+        else:
+            self._last = (now, position)
+        return position, max(0.0, self._rate)
+
+    def renew(self) -> PlanReport:
+        """Tell every worker the job's position and extend the lease (re-send where forgotten)."""
+        with self._lock:
+            runs = dict(self._runs)
+            position, rate = self._progress()
+        report = PlanReport(resent=self.report.resent)
+        for handle, worker_runs in runs.values():
+            try:
+                reply = handle.stub().Plan(worker_pb2.PlanRequest(
+                    job=self.job, position=position, rate=rate, lease_seconds=self.lease_seconds),
+                    timeout=CALL_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - a worker away: tried again next round
+                report.failed += 1
+                log.debug("renewing plan %s on %s failed: %s", self.job, handle.address, exc)
+                continue
+            if reply.known:
+                self._account(reply, report)
+            else:  # the worker restarted: it has no plan of ours
+                report.resent += 1
+                self._send(handle, worker_runs, report)
+        self.report = report
+        return report
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="cachefs-plan-renew", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.renew_seconds):
+            if os.getpid() != self._owner:
+                return
+            try:
+                self.renew()
+            except Exception:  # noqa: BLE001 - never let the renewer die
+                log.exception("renewing the read plan failed")
+
+    def close(self) -> None:
+        """Stop renewing: the workers drop the plan when its lease ends."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=CALL_TIMEOUT)

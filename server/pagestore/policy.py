@@ -1,0 +1,221 @@
+"""Which READY page of a cache dir goes first when room is needed: by recency or by next use.
+
+Training reads every sample once per epoch in an order the sampler knows in advance. Under such a
+cyclic scan larger than the cache, LRU keeps exactly the pages needed last (DESIGN.md s7). When the
+worker knows the future (jobs register their read order: server/worker/plans.py), the page whose
+next use lies furthest ahead goes first (Belady's rule, optimal for a known future); pages with no
+known next use count as furthest and leave first, least recently used among them.
+
+Both orders are per cache dir and guarded by the page store's lock (callers hold it). Each costs
+O(log n) per access: a plan-driven order keeps a max-heap of next uses with lazy deletion (a page
+whose key changes is pushed again; the stale item is skipped when it surfaces) and a min-heap of
+the same keys, so a page whose planned use went by without a read (the job skipped it, or its
+reads came through descriptors held by the client) is found and given its next use again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+__all__ = ["EvictionOrder", "LruOrder", "NextUseOrder", "NextUse"]
+
+#: A page's next use: (estimated time of next use or math.inf, the time its planned use ends:
+#: after that it is stale and asked for again). Given by the worker's plan table.
+NextUse = Callable[[Any, bool], tuple[float, float]]
+
+
+class EvictionOrder(Protocol):
+    """The READY pages of one dir in the order they leave (caller holds the store's lock)."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, digest: str) -> bool: ...
+    def add(self, entry: Any) -> None: ...
+    def touch(self, entry: Any) -> None: ...
+    def remove(self, entry: Any) -> None: ...
+    def pick(self, need: int, now: float) -> list[Any] | None: ...
+    def first(self) -> Any | None: ...
+    def entries(self) -> Iterator[Any]: ...
+
+
+def _pick_from(candidates: Iterator[Any], need: int, now: float, victims: list[Any]) -> int:
+    """Take candidates until ``need`` bytes are freed; a page a client may still hold open is
+    taken but frees nothing until its hold ends. Returns what is still needed."""
+    for entry in candidates:
+        if need <= 0:
+            break
+        victims.append(entry)
+        if entry.held_until <= now:
+            need -= entry.size
+    return need
+
+
+class LruOrder:
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._pages: OrderedDict[str, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._pages
+
+    def add(self, entry: Any) -> None:
+        self._pages[entry.digest] = entry
+
+    def touch(self, entry: Any) -> None:
+        if entry.digest in self._pages:
+            self._pages.move_to_end(entry.digest)
+
+    def remove(self, entry: Any) -> None:
+        self._pages.pop(entry.digest, None)
+
+    def pick(self, need: int, now: float) -> list[Any] | None:
+        victims: list[Any] = []
+        left = _pick_from(iter(self._pages.values()), need, now, victims)
+        return victims if left <= 0 else None
+
+    def first(self) -> Any | None:
+        return next(iter(self._pages.values()), None)
+
+    def entries(self) -> Iterator[Any]:
+        return iter(list(self._pages.values()))
+
+
+class NextUseOrder:
+    """Furthest next use first; pages with no known next use before all others, LRU among them."""
+
+    name = "future"
+
+    def __init__(self, next_use: NextUse) -> None:
+        self._next_use = next_use
+        self._unknown: OrderedDict[str, Any] = OrderedDict()
+        self._planned: dict[str, tuple[int, Any]] = {}  # digest -> (seq of its live heap items, entry)
+        self._furthest: list[tuple[float, int, str]] = []  # max-heap of (-next use, seq, digest)
+        self._stale_at: list[tuple[float, int, str]] = []  # min-heap of (use ends, seq, digest)
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._unknown) + len(self._planned)
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._unknown or digest in self._planned
+
+    def add(self, entry: Any) -> None:
+        self._place(entry, used=False)
+
+    def touch(self, entry: Any) -> None:
+        """A read: the page's use now is over, its next one counts."""
+        if entry.digest in self:
+            self._place(entry, used=True)
+
+    def replan(self, entry: Any) -> None:
+        """The plans changed: ask the page's next use again (its use now is not over)."""
+        if entry.digest in self:
+            self._place(entry, used=False)
+
+    def remove(self, entry: Any) -> None:
+        self._unknown.pop(entry.digest, None)
+        self._planned.pop(entry.digest, None)  # its heap items are skipped when they surface
+        self._compact()
+
+    def key(self, entry: Any) -> float:
+        """The page's next use as ordered now (math.inf: none known)."""
+        return entry.next_use if entry.digest in self._planned else math.inf
+
+    def _place(self, entry: Any, used: bool) -> None:
+        digest = entry.digest
+        when, stale_at = self._next_use(entry.pid, used)
+        entry.next_use = when
+        if math.isinf(when):
+            self._planned.pop(digest, None)
+            self._unknown[digest] = entry
+            self._unknown.move_to_end(digest)
+            return
+        self._unknown.pop(digest, None)
+        self._seq += 1
+        self._planned[digest] = (self._seq, entry)
+        heapq.heappush(self._furthest, (-when, self._seq, digest))
+        heapq.heappush(self._stale_at, (stale_at, self._seq, digest))
+        self._compact()
+
+    def _live(self, seq: int, digest: str) -> Any | None:
+        known = self._planned.get(digest)
+        return known[1] if known is not None and known[0] == seq else None
+
+    def _compact(self) -> None:
+        """Drop stale heap items once they outnumber the live ones (bounds memory at 2x)."""
+        live = len(self._planned)
+        if len(self._furthest) > 2 * live + 64:
+            self._furthest = [item for item in self._furthest if self._live(item[1], item[2]) is not None]
+            heapq.heapify(self._furthest)
+        if len(self._stale_at) > 2 * live + 64:
+            self._stale_at = [item for item in self._stale_at if self._live(item[1], item[2]) is not None]
+            heapq.heapify(self._stale_at)
+
+    def pick(self, need: int, now: float) -> list[Any] | None:
+        victims: list[Any] = []
+        left = _pick_from(iter(list(self._unknown.values())), need, now, victims)
+        if left > 0:
+            left = self._pick_planned(left, now, victims)
+        return victims if left <= 0 else None
+
+    def _pick_planned(self, need: int, now: float, victims: list[Any]) -> int:
+        """Pop planned pages furthest first (pushed back if the room cannot be made)."""
+        taken: list[tuple[float, int, str]] = []
+        heap = self._furthest
+        while need > 0 and heap:
+            item = heapq.heappop(heap)
+            entry = self._live(item[1], item[2])
+            if entry is None:
+                continue
+            taken.append(item)
+            victims.append(entry)
+            if entry.held_until <= now:
+                need -= entry.size
+        if need > 0:
+            for item in taken:
+                heapq.heappush(heap, item)
+        return need
+
+    def furthest(self) -> float:
+        """The next use of the page that would leave first among planned ones (-inf: none)."""
+        heap = self._furthest
+        while heap and self._live(heap[0][1], heap[0][2]) is None:
+            heapq.heappop(heap)
+        return -heap[0][0] if heap else -math.inf
+
+    def has_unknown(self) -> bool:
+        return bool(self._unknown)
+
+    def first(self) -> Any | None:
+        if self._unknown:
+            return next(iter(self._unknown.values()))
+        heap = self._furthest
+        while heap:
+            entry = self._live(heap[0][1], heap[0][2])
+            if entry is not None:
+                return entry
+            heapq.heappop(heap)
+        return None
+
+    def stale(self, now: float) -> list[Any]:
+        """Pages whose planned use has ended (by the plan's clock) without a read moving them on."""
+        out: list[Any] = []
+        heap = self._stale_at
+        while heap and heap[0][0] <= now:
+            _, seq, digest = heapq.heappop(heap)
+            entry = self._live(seq, digest)
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    def entries(self) -> Iterator[Any]:
+        return iter(list(self._unknown.values()) + [e for _, e in self._planned.values()])

@@ -1,0 +1,254 @@
+"""The jobs' read orders, as this worker's pages will be used: the future that eviction follows.
+
+A training job knows the order it reads its samples in (seed + epoch: client/sampling.py), for
+this epoch and the next. It tells each worker which of that worker's pages it reads at which
+positions (the ``Plan`` RPC, client/plans.py), and renews the plan with its position while it reads.
+From that the worker knows, for any page, when it is used next: the page store evicts the page
+used furthest ahead (server/pagestore/policy.py), which on a scan larger than the cache keeps
+what LRU throws away.
+
+Positions become times so that several jobs over one mount merge in one unit: each plan has a
+clock fixed when it is registered (its start time and its rate in samples per second), and a page
+used by several jobs is ranked by the earliest. Within one job the order is exact whatever the
+rate. Where a job is *now* is estimated from its last renewal (position + rate x elapsed), to
+tell a page's use that is going on from its next one.
+
+A plan lives under a lease that the job renews; a job that stops renewing pins nothing once its
+lease ends (the pages it planned fall back to LRU order). A worker restarted forgets every plan
+and says so to the next renewal (``known`` false), and the job sends its plan again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachefs.paths import parse_path
+
+__all__ = ["PlanError", "PlanTable"]
+
+#: Uses of a page this many positions apart or closer are one use. 0: every position its own, as
+#: Belady's rule needs (a page shared by a run of samples, a tar shard's, read once for the run:
+#: its later positions go by unread and the stale check below moves it on).
+MERGE_GAP = 0
+#: How far a job's reads may run ahead of its reported position (samples whose reads finished),
+#: in samples (client prefetch, DataLoader workers' batches in flight) at least, and in seconds of
+#: reading: a read that far ahead of the position is the use there, not an early one.
+SLACK_SAMPLES = 128
+SLACK_SECONDS = 1.0
+#: How long past its last report a job's position is moved on at its rate (a report comes every
+#: second or so; beyond that the job may have paused, and a guess too far ahead would count
+#: unread pages as read).
+EXTRAPOLATE_SECONDS = 1.5
+#: A planned use that went by this long ago without a read is looked at again.
+STALE_GRACE_SECONDS = 2.0
+MAX_LEASE_SECONDS = 3600.0
+MAX_RUNS_PER_REQUEST = 1_000_000
+MAX_PAGES_PER_RUN = 4096
+DEFAULT_RATE = 100.0  # samples/s, until the job measures its own
+
+
+class PlanError(ValueError):
+    """A plan request that cannot be taken (bad values): INVALID_ARGUMENT."""
+
+
+PageKey = tuple[str, str, int]  # mount, key, page index (any version: a page's next use is its slot's)
+
+
+@dataclass
+class _Job:
+    job: str
+    expires: float
+    start_time: float  # the plan's clock: position p is used at start_time + (p - start_pos) / clock_rate
+    start_pos: int
+    clock_rate: float  # fixed with the plan, so one job's pages keep their order
+    rate: float  # the latest measured: where the job is now
+    position: int = 0
+    reported_at: float = 0.0
+    complete: bool = False
+    pages: dict[PageKey, tuple[list[int], list[int]]] = field(default_factory=dict)  # starts, ends
+
+    def estimate(self, now: float) -> float:
+        """Where the job reads now: its last position, moved on at its rate for up to a few seconds."""
+        return self.position + self.rate * min(max(0.0, now - self.reported_at), EXTRAPOLATE_SECONDS)
+
+    def clock(self, position: int) -> float:
+        return self.start_time + (position - self.start_pos) / self.clock_rate
+
+    def slack(self) -> float:
+        return max(SLACK_SAMPLES, self.rate * SLACK_SECONDS)
+
+
+def _merge(positions: list[int]) -> tuple[list[int], list[int]]:
+    starts: list[int] = []
+    ends: list[int] = []
+    for p in sorted(positions):
+        if ends and p - ends[-1] <= MERGE_GAP:
+            ends[-1] = max(ends[-1], p)
+        else:
+            starts.append(p)
+            ends.append(p)
+    return starts, ends
+
+
+class PlanTable:
+    """Every registered plan of this worker; ``next_use`` is the page store's oracle."""
+
+    def __init__(self, page_size: int, on_change: Callable[[], Any] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``on_change()`` runs (outside the table's lock) when a plan completes, is replaced or
+        expires: the page store then asks its pages' next uses again."""
+        self.page_size = page_size
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._by_page: dict[PageKey, list[_Job]] = {}
+        self._on_change = on_change
+        self._clock = clock
+        self.stats = {"registered": 0, "renewed": 0, "expired": 0, "unknown": 0}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def update(self, request: Any) -> bool:
+        """Take one Plan request; False when it renews a plan this worker does not have."""
+        job_id = request.job
+        if not job_id or len(job_id) > 256:
+            raise PlanError("a plan needs a job id of 1-256 characters")
+        lease = request.lease_seconds
+        if not 0 < lease <= MAX_LEASE_SECONDS:
+            raise PlanError(f"lease_seconds must be in (0, {MAX_LEASE_SECONDS:g}], got {lease!r}")
+        if request.rate < 0 or not math.isfinite(request.rate) or request.position < 0:
+            raise PlanError("rate and position must be >= 0")
+        if len(request.runs) > MAX_RUNS_PER_REQUEST:
+            raise PlanError(f"more than {MAX_RUNS_PER_REQUEST} runs in one request: send chunks")
+        runs = [self._run(run) for run in request.runs]
+        now = self._clock()
+        changed = self._expire(now)
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if request.replace:
+                if job is not None:
+                    self._drop(job)
+                    changed = changed or job.complete
+                rate = request.rate or DEFAULT_RATE
+                job = _Job(job_id, now + lease, now, request.position, rate, rate)
+                self._jobs[job_id] = job
+                self.stats["registered"] += 1
+            elif job is None:
+                self.stats["unknown"] += 1
+                known = False
+            if job is not None:
+                known = True
+                job.expires = now + lease
+                job.position, job.reported_at = request.position, now
+                if request.rate > 0:
+                    job.rate = request.rate
+                if runs:
+                    self._add_runs(job, runs)
+                if request.done and not job.complete:
+                    job.complete = True
+                    changed = True
+                if not request.replace and not runs:
+                    self.stats["renewed"] += 1
+        if changed:
+            self._changed()
+        return known
+
+    def _run(self, run: Any) -> tuple[PageKey, list[int], list[int]]:
+        try:
+            path = parse_path(run.path)
+        except ValueError as exc:
+            raise PlanError(f"bad path in plan: {exc}") from None
+        if run.offset < 0 or not 0 < run.length <= 1 << 40:
+            raise PlanError(f"bad byte range {run.offset}+{run.length} for {run.path}")
+        positions = list(run.positions)
+        if not positions or min(positions) < 0:
+            raise PlanError(f"a plan run for {run.path} needs positions >= 0")
+        first = run.offset // self.page_size
+        last = (run.offset + run.length - 1) // self.page_size
+        if last - first >= MAX_PAGES_PER_RUN:
+            raise PlanError(f"a plan run of {run.length} bytes for {run.path}: split it (at most "
+                            f"{MAX_PAGES_PER_RUN} pages a run)")
+        return (path.mount, path.key, first), [last - first + 1], positions
+
+    def _add_runs(self, job: _Job, runs: list[tuple[PageKey, list[int], list[int]]]) -> None:  # lock held
+        for (mount, key, first), (count,), positions in runs:
+            for index in range(first, first + count):
+                page = (mount, key, index)
+                had = job.pages.get(page)
+                if had is not None:  # the same page in several runs (neighbouring samples): merge
+                    positions = positions + [p for s, e in zip(*had) for p in (s, e)]
+                job.pages[page] = _merge(positions)
+                if had is None:
+                    self._by_page.setdefault(page, []).append(job)
+
+    def _drop(self, job: _Job) -> None:  # lock held
+        self._jobs.pop(job.job, None)
+        for page in job.pages:
+            jobs = self._by_page.get(page)
+            if jobs is not None:
+                jobs[:] = [j for j in jobs if j is not job]
+                if not jobs:
+                    del self._by_page[page]
+
+    def _expire(self, now: float) -> bool:
+        with self._lock:
+            gone = [job for job in self._jobs.values() if job.expires <= now]
+            for job in gone:
+                self._drop(job)
+            self.stats["expired"] += len(gone)
+        return any(job.complete for job in gone)
+
+    def expire(self) -> int:
+        """Drop plans whose lease ended (the worker calls this now and then); returns how many."""
+        before = self.stats["expired"]
+        if self._expire(self._clock()):
+            self._changed()
+        return self.stats["expired"] - before
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
+
+    # -- the page store's oracle ---------------------------------------------------------------------
+    def next_use(self, pid: Any, used: bool) -> tuple[float, float]:
+        """(when the page is used next, when to look again if it is not read by then); math.inf
+        when no complete plan uses it again. ``used``: it is being read now (that use is over)."""
+        jobs = self._by_page.get((pid.mount, pid.key, pid.index))
+        if not jobs:
+            return math.inf, math.inf
+        now = self._clock()
+        best, recheck = math.inf, math.inf
+        for job in list(jobs):
+            if not job.complete or job.expires <= now:
+                continue
+            uses = job.pages.get((pid.mount, pid.key, pid.index))
+            if uses is None:
+                continue
+            starts, ends = uses
+            here, slack = job.estimate(now), job.slack()
+            i = bisect.bisect_left(ends, here)  # the first use not over yet (reads before `here` are done)
+            if used and i < len(starts) and starts[i] <= here + slack:
+                i += 1  # this read is that use
+            if i >= len(starts):
+                continue
+            when = job.clock(starts[i])
+            if when < best:
+                best = when
+                recheck = now + max(0.0, ends[i] + slack - here) / job.rate + STALE_GRACE_SECONDS
+        return best, recheck
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The plans for status pages and `cachefs stat`."""
+        now = self._clock()
+        with self._lock:
+            return [{"job": j.job, "pages": len(j.pages), "position": j.position, "rate": round(j.rate, 1),
+                     "complete": j.complete, "expires_in": round(j.expires - now, 1)}
+                    for j in self._jobs.values()]

@@ -1,0 +1,272 @@
+"""Eviction by next use (#16): the policy against a brute-force Belady, the plan table, bypass.
+
+Unit level: a real PageStore on a temp dir with a real PlanTable as its oracle, driven by a fake
+clock; the Plan RPC and the datasets' registration are exercised end to end in
+tests/test_eviction_plans.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+
+from cachefs.pagefile import TRAILER_SIZE
+from cachefs.proto import worker_pb2
+from cachefs.server.pagestore import CacheDir, PageId, PageStore
+from cachefs.server.pagestore.passing import PassingPages
+from cachefs.server.pagestore.policy import LruOrder, NextUseOrder
+from cachefs.server.worker.plans import PlanError, PlanTable
+
+PS = 4096
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def brute_force_belady(trace: list[int], capacity: int) -> int:
+    """Optimal misses with bypass, by scanning the cache on every miss (no clever structure)."""
+    cached: set[int] = set()
+    misses = 0
+    for i, page in enumerate(trace):
+        if page in cached:
+            continue
+        misses += 1
+
+        def next_use(p: int) -> float:
+            for j in range(i + 1, len(trace)):
+                if trace[j] == p:
+                    return j
+            return math.inf
+
+        if len(cached) < capacity:
+            cached.add(page)
+            continue
+        victim = max(cached, key=next_use)
+        if next_use(page) >= next_use(victim):
+            continue  # served, not admitted
+        cached.remove(victim)
+        cached.add(page)
+    return misses
+
+
+def _register(table: PlanTable, job: str, order: list[int], rate: float = 100.0, position: int = 0) -> None:
+    where: dict[int, list[int]] = {}
+    for p, page in enumerate(order):
+        where.setdefault(page, []).append(p)
+    runs = [worker_pb2.PlanRun(path=f"m/k{page}", offset=0, length=PS, positions=ps) for page, ps in where.items()]
+    assert table.update(worker_pb2.PlanRequest(job=job, replace=True, runs=runs, done=True, position=position,
+                                               rate=rate, lease_seconds=60))
+
+
+def _replay(store: PageStore, table: PlanTable, clock: FakeClock, trace: list[int], job: str = "j") -> int:
+    """Read ``trace`` as a job would: report the position, then read (miss: fetch, put, read)."""
+    misses = 0
+    for i, page in enumerate(trace):
+        clock.t += 0.01
+        table.update(worker_pb2.PlanRequest(job=job, position=i, rate=100.0, lease_seconds=60))
+        pid = PageId("m", f"k{page}", "v1", 0)
+        if not store.contains(pid):
+            misses += 1
+            store.put(pid, b"x" * PS)
+        store.get(pid)  # the read itself
+    return misses
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed):
+    rng = random.Random(seed)
+    pages = rng.randint(8, 40)
+    capacity = rng.randint(2, max(3, pages - 2))
+    # A mix of what training does: shuffled epochs, plus random re-reads.
+    trace = [p for _ in range(3) for p in rng.sample(range(pages), pages)]
+    trace += [rng.randrange(pages) for _ in range(60)]
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    store = PageStore([CacheDir(str(tmp_path), capacity * (PS + TRAILER_SIZE))], PS, next_use=table.next_use)
+    table._on_change = store.replan
+    try:
+        _register(table, "j", trace)
+        misses = _replay(store, table, clock, trace)
+        assert misses == brute_force_belady(trace, capacity)
+        assert store.stats().policy == "future"
+        assert store.stats().pages <= capacity
+    finally:
+        store.close()
+
+
+def test_lru_stays_selectable_and_thrashes_a_cyclic_scan(tmp_path):
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    trace = list(range(10)) * 4  # a scan larger than the cache, in the same order each epoch
+    lru = PageStore([CacheDir(str(tmp_path / "lru"), 5 * (PS + TRAILER_SIZE))], PS)
+    future = PageStore([CacheDir(str(tmp_path / "fut"), 5 * (PS + TRAILER_SIZE))], PS, next_use=table.next_use)
+    table._on_change = future.replan
+    try:
+        assert lru.stats().policy == "lru"
+        _register(table, "j", trace)
+        lru_misses = sum(1 for _ in _misses_lru(lru, trace))
+        future_misses = _replay(future, table, clock, trace)
+        assert lru_misses == len(trace)  # LRU keeps exactly what is needed last
+        assert future_misses == brute_force_belady(trace, 5) < lru_misses
+        assert future.stats().bypassed > 0
+    finally:
+        lru.close()
+        future.close()
+
+
+def _misses_lru(store: PageStore, trace: list[int]):
+    for page in trace:
+        pid = PageId("m", f"k{page}", "v1", 0)
+        if store.get(pid) is None:
+            store.put(pid, b"x" * PS)
+            yield page
+
+
+def test_unplanned_pages_leave_first_lru_among_them(tmp_path):
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    store = PageStore([CacheDir(str(tmp_path), 4 * (PS + TRAILER_SIZE))], PS, next_use=table.next_use)
+    table._on_change = store.replan
+    try:
+        _register(table, "j", [0, 1])  # pages 0 and 1 are read next; 7, 8 by nobody
+        for page in (0, 7, 1, 8):
+            store.put(PageId("m", f"k{page}", "v1", 0), b"x" * PS)
+        store.get(PageId("m", "k7", "v1", 0))  # 8 is now the least recently used unplanned page
+        store.put(PageId("m", "k9", "v1", 0), b"x" * PS)  # unplanned, but room is made from unplanned
+        assert not store.contains(PageId("m", "k8", "v1", 0))
+        assert all(store.contains(PageId("m", f"k{p}", "v1", 0)) for p in (0, 1, 7, 9))
+    finally:
+        store.close()
+
+
+def test_a_page_read_later_than_everything_cached_is_served_not_admitted(tmp_path):
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    store = PageStore([CacheDir(str(tmp_path), 2 * (PS + TRAILER_SIZE))], PS, next_use=table.next_use)
+    table._on_change = store.replan
+    try:
+        _register(table, "j", [5, 0, 1, 2, 0, 1, 2])  # page 2 is read after 0 and 1, at both turns
+        table.update(worker_pb2.PlanRequest(job="j", position=1, rate=100.0, lease_seconds=60))
+        store.put(PageId("m", "k0", "v1", 0), b"a" * PS)
+        store.put(PageId("m", "k1", "v1", 0), b"b" * PS)
+        late = PageId("m", "k2", "v1", 0)
+        assert not store.worth_admitting(late)
+        assert store.put(late, b"c" * PS) is False  # not admitted: 0 and 1 stay
+        assert store.contains(PageId("m", "k0", "v1", 0)) and store.contains(PageId("m", "k1", "v1", 0))
+        assert store.stats().bypassed == 1
+        fd = store.open_page(late)  # its waiting reader still gets it, once, as a page file copy
+        assert fd is not None and store.passing(late.digest())
+        try:
+            data = os.pread(fd, PS + TRAILER_SIZE, 0)
+        finally:
+            os.close(fd)
+        assert data[:PS] == b"c" * PS and len(data) == PS + TRAILER_SIZE
+        assert store.open_page(late) is None  # handed out once: a later read is a miss
+    finally:
+        store.close()
+
+
+def test_plan_expiry_unpins_pages(tmp_path):
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    store = PageStore([CacheDir(str(tmp_path), 2 * (PS + TRAILER_SIZE))], PS, next_use=table.next_use)
+    table._on_change = store.replan
+    try:
+        where = {0: [10], 1: [20]}
+        runs = [worker_pb2.PlanRun(path=f"m/k{p}", offset=0, length=PS, positions=ps) for p, ps in where.items()]
+        table.update(worker_pb2.PlanRequest(job="j", replace=True, runs=runs, done=True, rate=100, lease_seconds=5))
+        store.put(PageId("m", "k0", "v1", 0), b"x" * PS)
+        store.put(PageId("m", "k1", "v1", 0), b"x" * PS)
+        assert not store.worth_admitting(PageId("m", "k2", "v1", 0))  # planned pages are sooner
+        clock.t += 6  # the job stopped renewing
+        assert table.expire() == 1 and len(table) == 0
+        assert store.worth_admitting(PageId("m", "k2", "v1", 0))  # nothing pinned any more: LRU order
+        assert store.put(PageId("m", "k2", "v1", 0), b"x" * PS)
+    finally:
+        store.close()
+
+
+def test_two_jobs_merge_their_futures_earliest_wins():
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    # Job a reads page 0 at position 100 (1 s at 100/s); job b reads it at position 10 (0.1 s).
+    for job, pos in (("a", 100), ("b", 10)):
+        runs = [worker_pb2.PlanRun(path="m/k0", offset=0, length=PS, positions=[pos])]
+        table.update(worker_pb2.PlanRequest(job=job, replace=True, runs=runs, done=True, rate=100, lease_seconds=60))
+    when, _ = table.next_use(PageId("m", "k0", "v", 0), False)
+    assert when == pytest.approx(clock.t + 0.1)
+    assert table.next_use(PageId("m", "k9", "v", 0), False)[0] == math.inf
+
+
+def test_plan_table_maps_byte_ranges_to_pages():
+    table = PlanTable(PS, clock=FakeClock())
+    runs = [worker_pb2.PlanRun(path="m/shard", offset=PS - 10, length=20, positions=[3]),  # pages 0 and 1
+            worker_pb2.PlanRun(path="m/shard", offset=PS + 100, length=10, positions=[4])]  # page 1 again
+    table.update(worker_pb2.PlanRequest(job="j", replace=True, runs=runs, done=True, rate=100, lease_seconds=60))
+    job = table._jobs["j"]
+    assert job.pages[("m", "shard", 0)] == ([3], [3])
+    assert job.pages[("m", "shard", 1)] == ([3, 4], [3, 4])  # read at positions 3 and 4
+
+
+@pytest.mark.parametrize("bad", [
+    dict(job="", lease_seconds=10),
+    dict(job="j", lease_seconds=0),
+    dict(job="j", lease_seconds=10, rate=-1),
+    dict(job="j", lease_seconds=10, runs=[worker_pb2.PlanRun(path="m/k", offset=0, length=0, positions=[1])]),
+    dict(job="j", lease_seconds=10, runs=[worker_pb2.PlanRun(path="m/k", offset=0, length=1, positions=[])]),
+    dict(job="j", lease_seconds=10, runs=[worker_pb2.PlanRun(path="../x", offset=0, length=1, positions=[1])]),
+    dict(job="j", lease_seconds=10, runs=[worker_pb2.PlanRun(path="m/k", offset=0, length=1 << 40, positions=[1])]),
+])
+def test_bad_plans_are_refused_with_a_clear_error(bad):
+    table = PlanTable(PS, clock=FakeClock())
+    with pytest.raises(PlanError):
+        table.update(worker_pb2.PlanRequest(replace=True, **bad))
+    assert len(table) == 0
+
+
+def test_renewing_an_unknown_plan_says_so():
+    table = PlanTable(PS, clock=FakeClock())
+    assert table.update(worker_pb2.PlanRequest(job="gone", position=5, lease_seconds=10)) is False
+    assert table.stats["unknown"] == 1
+
+
+def test_passing_pages_are_bounded_and_expire(monkeypatch):
+    passing = PassingPages(max_bytes=3 * PS, ttl=5.0)
+    for i in range(5):
+        passing.add(f"d{i}", b"x" * PS)
+    assert passing.nbytes <= 3 * PS
+    assert passing.get("d0") is None and passing.get("d4") == b"x" * PS
+    assert passing.get("d4") is None  # taken
+
+
+def test_next_use_order_compacts_and_picks_furthest_first():
+    """Per access a heap push and a dict update; stale heap items are compacted away (the cost at
+    10 M pages is measured by benchmarks/bench_policy.py, not here)."""
+    order = NextUseOrder(lambda pid, used: (float(hash(pid) % 1000), math.inf))
+
+    class E:
+        __slots__ = ("pid", "digest", "next_use", "size", "held_until")
+
+        def __init__(self, i: int) -> None:
+            self.pid, self.digest, self.next_use, self.size, self.held_until = i, str(i), 0.0, 1, 0.0
+
+    entries = [E(i) for i in range(20_000)]
+    for e in entries:
+        order.add(e)
+    for e in entries[:5_000]:
+        order.touch(e)
+    # Stale heap items are compacted away: memory stays within 2x the live pages.
+    assert len(order._furthest) <= 2 * len(order) + 64
+    victims = order.pick(10, 0.0)
+    assert victims is not None and len(victims) == 10
+    keys = [v.next_use for v in victims]
+    assert keys == sorted(keys, reverse=True) and keys[0] == max(e.next_use for e in entries)
+    assert isinstance(LruOrder().pick(1, 0.0), type(None))
