@@ -135,8 +135,8 @@ def make_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
 
     def make(*mounts: MountSpec, cache_dir: Path | None = None, quota: int = 1 << 30, **settings) -> Worker:
         cache = cache_dir or Path(tempfile.mkdtemp(dir=tmp_path, prefix="cache-"))
-        config = WorkerConfig(host="127.0.0.1", port=0, cache_dirs=(CacheDirSpec(str(cache), quota),),
-                              mounts=tuple(mounts), **settings)
+        config = WorkerConfig(host="127.0.0.1", cache_dirs=(CacheDirSpec(str(cache), quota),),
+                              mounts=tuple(mounts), **{"port": 0, **settings})
         worker = Worker(config).start()
         workers.append(worker)
         return worker
