@@ -94,6 +94,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "worker_id": w.worker_id, "address": w.address, "capacity_bytes": s.capacity_bytes,
                 "used_bytes": s.used_bytes, "pages": s.pages,
                 "hit_ratio": round(s.hits / lookups, 4) if lookups else None,
+                "eviction": s.eviction_policy or "-", "plans": s.plans,
                 "heartbeat_age_s": round(max(0.0, now - w.last_heartbeat), 1) if w.last_heartbeat else None,
             })
         if args.json:
@@ -103,12 +104,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"master {master.address}  view {view.version}  {len(workers)} live worker(s)  "
               f"{len(view.mounts)} mount(s)")
         if workers:
-            print(f"{'worker':18} {'address':24} {'used':>11} {'capacity':>11} {'pages':>8} {'hit ratio':>9} {'heartbeat':>9}")
+            print(f"{'worker':18} {'address':24} {'used':>11} {'capacity':>11} {'pages':>8} {'hit ratio':>9} "
+                  f"{'eviction':>14} {'heartbeat':>9}")
             for w in workers:
                 ratio = "-" if w["hit_ratio"] is None else f"{w['hit_ratio']:.3f}"
                 age = "-" if w["heartbeat_age_s"] is None else f"{w['heartbeat_age_s']}s ago"
+                policy = f"{w['eviction']} ({w['plans']} plans)" if w["eviction"] == "future" else w["eviction"]
                 print(f"{w['worker_id']:18} {w['address']:24} {_human(w['used_bytes']):>11} "
-                      f"{_human(w['capacity_bytes']):>11} {w['pages']:>8} {ratio:>9} {age:>9}")
+                      f"{_human(w['capacity_bytes']):>11} {w['pages']:>8} {ratio:>9} {policy:>14} {age:>9}")
         return EXIT_OK
 
     return _run(args, action)

@@ -26,17 +26,17 @@ from cachefs.proto import common_pb2 as cachefs_dot_proto_dot_common__pb2
 from cachefs.proto import worker_pb2 as cachefs_dot_proto_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/master.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\x1a\x1a\x63\x61\x63hefs/proto/worker.proto\"1\n\x0fGetInfosRequest\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\";\n\x10GetInfosResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.InfoResult\"A\n\nInfoResult\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\r\n\x05\x65rror\x18\x02 \x01(\t\",\n\x0bStatRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"G\n\x0bWorkerShare\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x03 \x01(\x03\"\xad\x01\n\x0cStatResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\x0f\n\x07objects\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x04 \x01(\x03\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.cachefs.v1.WorkerShare\x12\x11\n\ttruncated\x18\x06 \x01(\x08\"\xce\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04kind\x18\x02 \x01(\x0e\x32\x13.cachefs.v1.JobKind\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x10\n\x08replicas\x18\x04 \x01(\x05\x12#\n\x05state\x18\x05 \x01(\x0e\x32\x14.cachefs.v1.JobState\x12\x15\n\robjects_total\x18\x06 \x01(\x03\x12\x14\n\x0cobjects_done\x18\x07 \x01(\x03\x12\x16\n\x0eobjects_failed\x18\x08 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\t \x01(\x03\x12\x12\n\nbytes_done\x18\n \x01(\x03\x12\x15\n\rbytes_skipped\x18\x0b \x01(\x03\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x12\n\ncreated_at\x18\r \x01(\x01\x12\x12\n\nupdated_at\x18\x0e \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0f \x01(\x01\"U\n\x10SubmitJobRequest\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.cachefs.v1.JobKind\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"&\n\x0fListJobsRequest\x12\x13\n\x0b\x61\x63tive_only\x18\x01 \x01(\x08\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.cachefs.v1.Job\"\x9a\x01\n\x0bWorkerStats\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\r\n\x05pages\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x18\n\x10\x62ytes_from_cache\x18\x06 \x01(\x03\x12\x18\n\x10\x62ytes_from_store\x18\x07 \x01(\x03\"\x98\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.cachefs.v1.WorkerStats\x12\x15\n\rregistered_at\x18\x04 \x01(\x01\x12\x16\n\x0elast_heartbeat\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\"3\n\x0cRingSettings\x12\x0e\n\x06vnodes\x18\x01 \x01(\x05\x12\x13\n\x0bstripe_size\x18\x02 \x01(\x03\"\xa9\x01\n\x0b\x43lusterView\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.cachefs.v1.WorkerInfo\x12%\n\x06mounts\x18\x03 \x03(\x0b\x32\x15.cachefs.v1.MountInfo\x12&\n\x04ring\x18\x04 \x01(\x0b\x32\x18.cachefs.v1.RingSettings\x12\x11\n\tmaster_id\x18\x05 \x01(\t\"?\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.cachefs.v1.WorkerInfo\"x\n\x16RegisterWorkerResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cview_version\x18\x03 \x01(\x03\x12\x16\n\x0emounts_version\x18\x04 \x01(\x03\"M\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.cachefs.v1.WorkerStats\"U\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x14\n\x0cview_version\x18\x02 \x01(\x03\x12\x16\n\x0emounts_version\x18\x03 \x01(\x03\"\'\n\x0eGetViewRequest\x12\x15\n\rknown_version\x18\x01 \x01(\x03\"f\n\x0f\x41\x64\x64MountRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x11\n\tread_only\x18\x04 \x01(\x08\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"*\n\x10\x41\x64\x64MountResponse\x12\x16\n\x0emounts_version\x18\x01 \x01(\x03\"\"\n\x12RemoveMountRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"-\n\x13RemoveMountResponse\x12\x16\n\x0emounts_version\x18\x01 \x01(\x03\",\n\x10GetMountsRequest\x12\x18\n\x10with_credentials\x18\x01 \x01(\x08\"R\n\x11GetMountsResponse\x12\x16\n\x0emounts_version\x18\x01 \x01(\x03\x12%\n\x06mounts\x18\x02 \x03(\x0b\x32\x15.cachefs.v1.MountInfo*7\n\x07JobKind\x12\x18\n\x14JOB_KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04LOAD\x10\x01\x12\x08\n\x04\x46REE\x10\x02*i\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\r\n\tCANCELLED\x10\x05\x32\x84\x08\n\rMasterService\x12W\n\x0eRegisterWorker\x12!.cachefs.v1.RegisterWorkerRequest\x1a\".cachefs.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.cachefs.v1.HeartbeatRequest\x1a\x1d.cachefs.v1.HeartbeatResponse\x12>\n\x07GetView\x12\x1a.cachefs.v1.GetViewRequest\x1a\x17.cachefs.v1.ClusterView\x12\x42\n\tWatchView\x12\x1a.cachefs.v1.GetViewRequest\x1a\x17.cachefs.v1.ClusterView0\x01\x12\x45\n\x08\x41\x64\x64Mount\x12\x1b.cachefs.v1.AddMountRequest\x1a\x1c.cachefs.v1.AddMountResponse\x12N\n\x0bRemoveMount\x12\x1e.cachefs.v1.RemoveMountRequest\x1a\x1f.cachefs.v1.RemoveMountResponse\x12H\n\tGetMounts\x12\x1c.cachefs.v1.GetMountsRequest\x1a\x1d.cachefs.v1.GetMountsResponse\x12:\n\x07GetInfo\x12\x17.cachefs.v1.InfoRequest\x1a\x16.cachefs.v1.ObjectInfo\x12\x45\n\x08GetInfos\x12\x1b.cachefs.v1.GetInfosRequest\x1a\x1c.cachefs.v1.GetInfosResponse\x12;\n\x04List\x12\x17.cachefs.v1.ListRequest\x1a\x18.cachefs.v1.ListResponse0\x01\x12\x39\n\x04Stat\x12\x17.cachefs.v1.StatRequest\x1a\x18.cachefs.v1.StatResponse\x12:\n\tSubmitJob\x12\x1c.cachefs.v1.SubmitJobRequest\x1a\x0f.cachefs.v1.Job\x12\x34\n\x06GetJob\x12\x19.cachefs.v1.GetJobRequest\x1a\x0f.cachefs.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.cachefs.v1.ListJobsRequest\x1a\x1c.cachefs.v1.ListJobsResponse\x12\x37\n\tCancelJob\x12\x19.cachefs.v1.GetJobRequest\x1a\x0f.cachefs.v1.Jobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/master.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\x1a\x1a\x63\x61\x63hefs/proto/worker.proto\"1\n\x0fGetInfosRequest\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\";\n\x10GetInfosResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.InfoResult\"A\n\nInfoResult\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\r\n\x05\x65rror\x18\x02 \x01(\t\",\n\x0bStatRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"G\n\x0bWorkerShare\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x03 \x01(\x03\"\xad\x01\n\x0cStatResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\x0f\n\x07objects\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x04 \x01(\x03\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.cachefs.v1.WorkerShare\x12\x11\n\ttruncated\x18\x06 \x01(\x08\"\xce\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04kind\x18\x02 \x01(\x0e\x32\x13.cachefs.v1.JobKind\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x10\n\x08replicas\x18\x04 \x01(\x05\x12#\n\x05state\x18\x05 \x01(\x0e\x32\x14.cachefs.v1.JobState\x12\x15\n\robjects_total\x18\x06 \x01(\x03\x12\x14\n\x0cobjects_done\x18\x07 \x01(\x03\x12\x16\n\x0eobjects_failed\x18\x08 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\t \x01(\x03\x12\x12\n\nbytes_done\x18\n \x01(\x03\x12\x15\n\rbytes_skipped\x18\x0b \x01(\x03\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x12\n\ncreated_at\x18\r \x01(\x01\x12\x12\n\nupdated_at\x18\x0e \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0f \x01(\x01\"U\n\x10SubmitJobRequest\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.cachefs.v1.JobKind\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"&\n\x0fListJobsRequest\x12\x13\n\x0b\x61\x63tive_only\x18\x01 \x01(\x08\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.cachefs.v1.Job\"\xdf\x01\n\x0bWorkerStats\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\r\n\x05pages\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x18\n\x10\x62ytes_from_cache\x18\x06 \x01(\x03\x12\x18\n\x10\x62ytes_from_store\x18\x07 \x01(\x03\x12\x17\n\x0f\x65viction_policy\x18( \x01(\t\x12\r\n\x05plans\x18) \x01(\x03\x12\x1b\n\x13\x62ypassed_admissions\x18* \x01(\x03\"\x98\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.cachefs.v1.WorkerStats\x12\x15\n\rregistered_at\x18\x04 \x01(\x01\x12\x16\n\x0elast_heartbeat\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\"3\n\x0cRingSettings\x12\x0e\n\x06vnodes\x18\x01 \x01(\x05\x12\x13\n\x0bstripe_size\x18\x02 \x01(\x03\"\xa9\x01\n\x0b\x43lusterView\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.cachefs.v1.WorkerInfo\x12%\n\x06mounts\x18\x03 \x03(\x0b\x32\x15.cachefs.v1.MountInfo\x12&\n\x04ring\x18\x04 \x01(\x0b\x32\x18.cachefs.v1.RingSettings\x12\x11\n\tmaster_id\x18\x05 \x01(\t\"?\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.cachefs.v1.WorkerInfo\"x\n\x16RegisterWorkerResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cview_version\x18\x03 \x01(\x03\x12\x16\n\x0emounts_version\x18\x04 \x01(\x03\"M\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.cachefs.v1.WorkerStats\"U\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x14\n\x0cview_version\x18\x02 \x01(\x03\x12\x16\n\x0emounts_version\x18\x03 \x01(\x03\"\'\n\x0eGetViewRequest\x12\x15\n\rknown_version\x18\x01 \x01(\x03\"f\n\x0f\x41\x64\x64MountRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x11\n\tread_only\x18\x04 \x01(\x08\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"*\n\x10\x41\x64\x64MountResponse\x12\x16\n\x0emounts_version\x18\x01 \x01(\x03\"\"\n\x12RemoveMountRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"-\n\x13RemoveMountResponse\x12\x16\n\x0emounts_version\x18\x01 \x01(\x03\",\n\x10GetMountsRequest\x12\x18\n\x10with_credentials\x18\x01 \x01(\x08\"R\n\x11GetMountsResponse\x12\x16\n\x0emounts_version\x18\x01 \x01(\x03\x12%\n\x06mounts\x18\x02 \x03(\x0b\x32\x15.cachefs.v1.MountInfo*7\n\x07JobKind\x12\x18\n\x14JOB_KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04LOAD\x10\x01\x12\x08\n\x04\x46REE\x10\x02*i\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUCCEEDED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\r\n\tCANCELLED\x10\x05\x32\x84\x08\n\rMasterService\x12W\n\x0eRegisterWorker\x12!.cachefs.v1.RegisterWorkerRequest\x1a\".cachefs.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.cachefs.v1.HeartbeatRequest\x1a\x1d.cachefs.v1.HeartbeatResponse\x12>\n\x07GetView\x12\x1a.cachefs.v1.GetViewRequest\x1a\x17.cachefs.v1.ClusterView\x12\x42\n\tWatchView\x12\x1a.cachefs.v1.GetViewRequest\x1a\x17.cachefs.v1.ClusterView0\x01\x12\x45\n\x08\x41\x64\x64Mount\x12\x1b.cachefs.v1.AddMountRequest\x1a\x1c.cachefs.v1.AddMountResponse\x12N\n\x0bRemoveMount\x12\x1e.cachefs.v1.RemoveMountRequest\x1a\x1f.cachefs.v1.RemoveMountResponse\x12H\n\tGetMounts\x12\x1c.cachefs.v1.GetMountsRequest\x1a\x1d.cachefs.v1.GetMountsResponse\x12:\n\x07GetInfo\x12\x17.cachefs.v1.InfoRequest\x1a\x16.cachefs.v1.ObjectInfo\x12\x45\n\x08GetInfos\x12\x1b.cachefs.v1.GetInfosRequest\x1a\x1c.cachefs.v1.GetInfosResponse\x12;\n\x04List\x12\x17.cachefs.v1.ListRequest\x1a\x18.cachefs.v1.ListResponse0\x01\x12\x39\n\x04Stat\x12\x17.cachefs.v1.StatRequest\x1a\x18.cachefs.v1.StatResponse\x12:\n\tSubmitJob\x12\x1c.cachefs.v1.SubmitJobRequest\x1a\x0f.cachefs.v1.Job\x12\x34\n\x06GetJob\x12\x19.cachefs.v1.GetJobRequest\x1a\x0f.cachefs.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.cachefs.v1.ListJobsRequest\x1a\x1c.cachefs.v1.ListJobsResponse\x12\x37\n\tCancelJob\x12\x19.cachefs.v1.GetJobRequest\x1a\x0f.cachefs.v1.Jobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachefs.proto.master_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBKIND']._serialized_start=2412
-  _globals['_JOBKIND']._serialized_end=2467
-  _globals['_JOBSTATE']._serialized_start=2469
-  _globals['_JOBSTATE']._serialized_end=2574
+  _globals['_JOBKIND']._serialized_start=2481
+  _globals['_JOBKIND']._serialized_end=2536
+  _globals['_JOBSTATE']._serialized_start=2538
+  _globals['_JOBSTATE']._serialized_end=2643
   _globals['_GETINFOSREQUEST']._serialized_start=98
   _globals['_GETINFOSREQUEST']._serialized_end=147
   _globals['_GETINFOSRESPONSE']._serialized_start=149
@@ -60,35 +60,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSRESPONSE']._serialized_start=1069
   _globals['_LISTJOBSRESPONSE']._serialized_end=1118
   _globals['_WORKERSTATS']._serialized_start=1121
-  _globals['_WORKERSTATS']._serialized_end=1275
-  _globals['_WORKERINFO']._serialized_start=1278
-  _globals['_WORKERINFO']._serialized_end=1430
-  _globals['_RINGSETTINGS']._serialized_start=1432
-  _globals['_RINGSETTINGS']._serialized_end=1483
-  _globals['_CLUSTERVIEW']._serialized_start=1486
-  _globals['_CLUSTERVIEW']._serialized_end=1655
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1657
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1720
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1722
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1842
-  _globals['_HEARTBEATREQUEST']._serialized_start=1844
-  _globals['_HEARTBEATREQUEST']._serialized_end=1921
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1923
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2008
-  _globals['_GETVIEWREQUEST']._serialized_start=2010
-  _globals['_GETVIEWREQUEST']._serialized_end=2049
-  _globals['_ADDMOUNTREQUEST']._serialized_start=2051
-  _globals['_ADDMOUNTREQUEST']._serialized_end=2153
-  _globals['_ADDMOUNTRESPONSE']._serialized_start=2155
-  _globals['_ADDMOUNTRESPONSE']._serialized_end=2197
-  _globals['_REMOVEMOUNTREQUEST']._serialized_start=2199
-  _globals['_REMOVEMOUNTREQUEST']._serialized_end=2233
-  _globals['_REMOVEMOUNTRESPONSE']._serialized_start=2235
-  _globals['_REMOVEMOUNTRESPONSE']._serialized_end=2280
-  _globals['_GETMOUNTSREQUEST']._serialized_start=2282
-  _globals['_GETMOUNTSREQUEST']._serialized_end=2326
-  _globals['_GETMOUNTSRESPONSE']._serialized_start=2328
-  _globals['_GETMOUNTSRESPONSE']._serialized_end=2410
-  _globals['_MASTERSERVICE']._serialized_start=2577
-  _globals['_MASTERSERVICE']._serialized_end=3605
+  _globals['_WORKERSTATS']._serialized_end=1344
+  _globals['_WORKERINFO']._serialized_start=1347
+  _globals['_WORKERINFO']._serialized_end=1499
+  _globals['_RINGSETTINGS']._serialized_start=1501
+  _globals['_RINGSETTINGS']._serialized_end=1552
+  _globals['_CLUSTERVIEW']._serialized_start=1555
+  _globals['_CLUSTERVIEW']._serialized_end=1724
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1726
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1789
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1791
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1911
+  _globals['_HEARTBEATREQUEST']._serialized_start=1913
+  _globals['_HEARTBEATREQUEST']._serialized_end=1990
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1992
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2077
+  _globals['_GETVIEWREQUEST']._serialized_start=2079
+  _globals['_GETVIEWREQUEST']._serialized_end=2118
+  _globals['_ADDMOUNTREQUEST']._serialized_start=2120
+  _globals['_ADDMOUNTREQUEST']._serialized_end=2222
+  _globals['_ADDMOUNTRESPONSE']._serialized_start=2224
+  _globals['_ADDMOUNTRESPONSE']._serialized_end=2266
+  _globals['_REMOVEMOUNTREQUEST']._serialized_start=2268
+  _globals['_REMOVEMOUNTREQUEST']._serialized_end=2302
+  _globals['_REMOVEMOUNTRESPONSE']._serialized_start=2304
+  _globals['_REMOVEMOUNTRESPONSE']._serialized_end=2349
+  _globals['_GETMOUNTSREQUEST']._serialized_start=2351
+  _globals['_GETMOUNTSREQUEST']._serialized_end=2395
+  _globals['_GETMOUNTSRESPONSE']._serialized_start=2397
+  _globals['_GETMOUNTSRESPONSE']._serialized_end=2479
+  _globals['_MASTERSERVICE']._serialized_start=2646
+  _globals['_MASTERSERVICE']._serialized_end=3674
 # @@protoc_insertion_point(module_scope)

@@ -152,7 +152,7 @@ class ListJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "bytes_from_cache", "bytes_from_store")
+    __slots__ = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "bytes_from_cache", "bytes_from_store", "eviction_policy", "plans", "bypassed_admissions")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,9 @@ class WorkerStats(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    BYPASSED_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     pages: int
@@ -167,7 +170,10 @@ class WorkerStats(_message.Message):
     misses: int
     bytes_from_cache: int
     bytes_from_store: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ...) -> None: ...
+    eviction_policy: str
+    plans: int
+    bypassed_admissions: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., plans: _Optional[int] = ..., bypassed_admissions: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "stats", "registered_at", "last_heartbeat", "version")

@@ -26,8 +26,9 @@ def test_admin_commands_against_a_live_cluster(local_store, tmp_path):
         status = json.loads(_cachefs("status", *m, "--json").stdout)
         assert len(status["workers"]) == 2 and status["mounts"] == ["data"]
         assert {w["address"] for w in status["workers"]} == {w.address for w in cluster.workers}
+        assert [w["eviction"] for w in status["workers"]] == ["future", "future"]  # the default policy
         text = _cachefs("status", *m).stdout
-        assert "2 live worker(s)" in text
+        assert "2 live worker(s)" in text and "future (0 plans)" in text
 
         out = _cachefs("mount", *m, "s3x", "s3://bucket/p", "-o", "secret=TOPSECRET", "-o",
                        "endpoint_url=http://127.0.0.1:9", "--read-only")

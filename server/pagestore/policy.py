@@ -162,7 +162,7 @@ class NextUseOrder:
 
     def pick(self, need: int, now: float) -> list[Any] | None:
         victims: list[Any] = []
-        left = _pick_from(iter(list(self._unknown.values())), need, now, victims)
+        left = _pick_from(iter(self._unknown.values()), need, now, victims)  # removed by the caller after
         if left > 0:
             left = self._pick_planned(left, now, victims)
         return victims if left <= 0 else None

@@ -166,7 +166,7 @@ class Worker:
         if self.config.master:
             self.registrar = Registrar(
                 self.config.master, self.worker_id, self.address, self.mounts,
-                stats=lambda: worker_stats(self.pages.stats(), self.metrics.totals()),
+                stats=lambda: worker_stats(self.pages.stats(), self.metrics.totals(), len(self.plans)),
                 token=outgoing_token(self.config.access_token, self.config.cluster_token),
                 on_mounts_changed=self._on_mounts_changed, tls=self.config.tls,
             ).start()

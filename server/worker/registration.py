@@ -143,6 +143,7 @@ class Registrar:
             self._on_mounts_changed(changed)
 
 
-def worker_stats(stats: PageStoreStats, totals: dict[str, int]) -> master_pb2.WorkerStats:
+def worker_stats(stats: PageStoreStats, totals: dict[str, int], plans: int = 0) -> master_pb2.WorkerStats:
     return master_pb2.WorkerStats(capacity_bytes=stats.capacity_bytes, used_bytes=stats.used_bytes,
-                                  pages=stats.pages, **totals)
+                                  pages=stats.pages, eviction_policy=stats.policy, plans=plans,
+                                  bypassed_admissions=stats.bypassed, **totals)
