@@ -106,7 +106,7 @@ def rank_main(args: argparse.Namespace) -> None:
     paths = json.loads(args.paths_json)
     ds = CacheDataset(paths, sizes=[args.size] * len(paths), storage_options={"workers": args.workers},
                       seed=args.seed, shuffle=args.shuffle == "yes", rank=args.rank, world_size=args.ranks,
-                      plan_ahead=args.policy == "future")
+                      plan_ahead=args.policy == "future", hint_samples=args.hint_samples)
     sync = args.sync_dir
     for epoch in range(args.epochs):
         ds.set_epoch(epoch)
@@ -164,6 +164,7 @@ def one_run(moto: MotoServer, bucket: str, paths: list[str], keys: list[str], ar
             f.write(f"[worker]\n\n[mounts.{MOUNT}]\nurl = {toml_value(f's3://{bucket}/data')}\n"
                     f"options = {toml_value(moto.storage_options())}\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+        env.update(dict(kv.split("=", 1) for kv in args.worker_env))
         workers = [worker_process({}, os.path.join(tmp, f"w{i}"), quota=str(quota), env=env,
                                   extra=["--config", config, "--eviction", policy, "--page-size", str(args.page_size),
                                          "--metadata-ttl", "600"],
@@ -177,7 +178,7 @@ def one_run(moto: MotoServer, bucket: str, paths: list[str], keys: list[str], ar
             cmd = [sys.executable, os.path.abspath(__file__), "--rank-child", "--paths-json", json.dumps(paths),
                    "--workers", addresses, "--size", str(args.size), "--seed", str(args.seed), "--ranks", str(ranks),
                    "--epochs", str(args.epochs), "--num-workers", str(num_workers), "--policy", policy,
-                   "--shuffle", "yes" if shuffle else "no", "--sync-dir", sync]
+                   "--shuffle", "yes" if shuffle else "no", "--sync-dir", sync, "--hint-samples", str(args.hint_samples)]
             procs = [subprocess.Popen(cmd + ["--rank", str(r)]) for r in range(ranks)]
             epochs = []
             try:
@@ -252,6 +253,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--hint-samples", type=int, default=256, help="CacheDataset's hint_samples (its default)")
+    ap.add_argument("--worker-env", action="append", default=[], metavar="CACHEFS_WORKER_X=V",
+                    help="worker settings through the environment (repeatable)")
     # child mode
     ap.add_argument("--rank-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--paths-json", help=argparse.SUPPRESS)

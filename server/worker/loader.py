@@ -155,12 +155,9 @@ class Loader:
     def _claim_object(self, obj: _Object) -> None:
         """Claim every missing page of the object, a window at a time."""
         obj.passes += 1
-        meta = obj.meta
-        if obj.passes == 1 and not self.pages.worth_admitting(PageId(meta.path.mount, meta.path.key, meta.version, 0)):
+        if obj.passes == 1 and self._not_admitted(obj):
             # Registered plans read every cached page sooner than this one (plans.py): fetching
             # it now would only push out pages needed first, and it would leave again at once.
-            obj.error = "not cached: the registered training plans read it later than everything the cache holds"
-            self.metrics.load_not_admitted.inc()
             return
         obj.claiming = True
         index, last = 0, obj.last_page
@@ -236,7 +233,7 @@ class Loader:
             return
         if self._complete(obj):
             obj.done = True
-        elif obj.passes < MAX_PASSES:
+        elif obj.passes < MAX_PASSES and not self._not_admitted(obj):
             self._queue.append(obj)  # a page did not stay (dropped or evicted): once more
         else:
             cached = self._cached(obj)
@@ -244,6 +241,16 @@ class Loader:
                          "(evicted by other traffic, or page writes failed)")
 
     # -- helpers --------------------------------------------------------------------------
+    def _not_admitted(self, obj: _Object) -> bool:
+        """Registered plans read the object later than everything cached (plans.py): its pages
+        were served but not admitted, and fetching them again would end the same way."""
+        meta = obj.meta
+        if self.pages.worth_admitting(PageId(meta.path.mount, meta.path.key, meta.version, 0)):
+            return False
+        obj.error = "not cached: the registered training plans read it later than everything the cache holds"
+        self.metrics.load_not_admitted.inc()
+        return True
+
     def _cached(self, obj: _Object) -> int:
         path = obj.meta.path
         return self.pages.cached_bytes(path.mount, path.key, obj.meta.version)

@@ -41,10 +41,11 @@ MERGE_GAP = 0
 #: reading: a read that far ahead of the position is the use there, not an early one.
 SLACK_SAMPLES = 128
 SLACK_SECONDS = 1.0
-#: How long past its last report a job's position is moved on at its rate (a report comes every
-#: second or so; beyond that the job may have paused, and a guess too far ahead would count
-#: unread pages as read).
-EXTRAPOLATE_SECONDS = 1.5
+#: How long past its last report a job's position is moved on at its rate. 0: not at all. A
+#: guess ahead of the job counts unread pages as read (they leave before their use); a position
+#: a second behind only keeps a read page a little longer, and a read ahead of the reported
+#: position is told apart by the slack above.
+EXTRAPOLATE_SECONDS = 0.0
 #: A planned use that went by this long ago without a read is looked at again.
 STALE_GRACE_SECONDS = 2.0
 MAX_LEASE_SECONDS = 3600.0
