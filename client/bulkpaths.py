@@ -77,6 +77,9 @@ class BulkPaths:
                       for kind in ("short_circuit", "data_port")}
         # The part of stats["short_circuit"] read through page handles held here (no message).
         self.held = {"reads": 0, "bytes": 0}
+        # Where this process's dataset reads in its registered plan (client/plans.py), told to
+        # local workers with every short-circuit request.
+        self.plan_progress: tuple[str, int] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -107,7 +110,7 @@ class BulkPaths:
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
                 and os.path.exists(status.short_circuit_socket):
             return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout,
-                                      handles=config.short_circuit_handles)
+                                      handles=config.short_circuit_handles, progress=lambda: self.plan_progress)
         if config.data_port and status.data_port and not config.tls.enabled:
             return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout)
         return None

@@ -116,6 +116,9 @@ class PerProcessParts:
     _owner_pid: int = 0
     _publisher: PlanPublisher | None = None  # main process only (never pickled)
     _hint_budget: int = -1  # bytes of cache the workers offer this job for hints (-1: unknown)
+    _plan_prefetch: bool = False  # the workers prefetch by the registered plan: no hints
+    _plan_job: str = ""  # the registered plan's id, and the position its 0 is at in this epoch
+    _plan_base: int = 0
 
     def _parts(self, fs: CacheFileSystem, prefetcher: Prefetcher) -> ProcessParts:
         info = get_worker_info()
@@ -187,7 +190,19 @@ class PerProcessParts:
             return None
         if report.workers:
             self._hint_budget = report.share_bytes // 2  # half: the rest keeps what is read next
+        # The workers fetch what the plan reads next themselves: hints would only repeat it.
+        self._plan_prefetch = report.complete
+        self._plan_job, self._plan_base = self._publisher.job, self._plan_start()
         return report
+
+    def _plan_start(self) -> int:
+        """The epoch position the published plan's position 0 stands for."""
+        return int(getattr(self, "samples_seen", 0))
+
+    def _note_progress(self, parts: ProcessParts, position: int) -> None:
+        """Tell local workers where this process reads in the plan (with its next request)."""
+        if self._plan_job:
+            parts.fs.session.note_progress(self._plan_job, max(0, position - self._plan_base))
 
     @property
     def plan_report(self) -> PlanReport | None:
@@ -359,7 +374,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         ``upcoming`` is what is left after the prefetcher took its window from it.
         """
         self._calls += 1
-        if self.hint_samples <= 0 or self._calls % 16 != 1:
+        if self.hint_samples <= 0 or self._plan_prefetch or self._calls % 16 != 1:
             return
         limit = self.hint_samples
         if self._hint_budget >= 0:  # never hint more than the workers can keep for this job
@@ -455,6 +470,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         # is next asked for position + num_workers.
         t0 = time.perf_counter_ns()
         position = int(position)
+        self._note_progress(self._local.get(), position)
         with profiled("cachefs.read_sample"):
             out = self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), len(self)))
         self._account(self._local.get(), 1, t0)
@@ -474,6 +490,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         if not positions:
             return []
         start, n, end, workers = positions[0], len(positions), len(self), self._num_workers()
+        self._note_progress(self._local.get(), start)
         local = self._read_held_batch(positions, EpochPlan.upcoming(start, n, workers, end, after=positions[-1]))
         if local is not None:
             return local

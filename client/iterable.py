@@ -216,7 +216,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
 
     def _hint_after(self, blocks: range, k: int) -> None:
         """Hint the shards of this worker's blocks after the prefetch window (once each per epoch)."""
-        if self.hint_shards <= 0:
+        if self.hint_shards <= 0 or self._plan_prefetch:  # the workers prefetch by the registered plan
             return
         fs, _, hinter = self._process()[:3]
         stripe = fs.session.stripe_size
@@ -261,6 +261,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             if (k - k0) % max(1, self.prefetch_blocks // 2) == 0:
                 self._hint_after(blocks, k)
             t0 = time.perf_counter_ns()
+            self._note_progress(parts, j * self.block)  # block j starts there in this rank's order
             try:
                 with profiled("cachefs.read_block"):
                     samples = prefetcher.get(j, iter(blocks[k + 1:]))

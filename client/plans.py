@@ -50,6 +50,12 @@ class PlanReport:
     policy: set[str] = field(default_factory=set)
     resent: int = 0  # plans sent again to a worker that had forgotten it (restart)
     failed: int = 0  # requests that failed (the plan is advisory: reads go on)
+    prefetches: bool = True  # every worker that took the plan fetches its next reads itself
+
+    @property
+    def complete(self) -> bool:
+        """Every worker holding part of the order took the plan and prefetches by it."""
+        return self.workers > 0 and self.failed == 0 and self.prefetches
 
 
 class PlanPublisher:
@@ -130,6 +136,7 @@ class PlanPublisher:
         report.capacity_bytes += reply.capacity_bytes
         report.share_bytes += reply.capacity_bytes // max(1, reply.jobs)
         report.policy.add(reply.policy)
+        report.prefetches = report.prefetches and reply.prefetches
 
     # -- renewal -------------------------------------------------------------------------------------
     def _progress(self) -> tuple[int, float]:

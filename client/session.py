@@ -512,6 +512,11 @@ class ClientSession:
         """Ask ``handle``'s worker to cache ``keys`` (a hint: metadata and first page in one GET)."""
         return handle.stub().Load.future(worker_pb2.LoadRequest(paths=keys, hint=True), timeout=timeout)
 
+    def note_progress(self, job: str, position: int) -> None:
+        """This process reads sample ``position`` of read plan ``job`` now (client/plans.py): local
+        workers learn it with the next short-circuit request, to tell read pages from coming ones."""
+        self._state.get().bulk.plan_progress = (job, int(position))
+
     def close(self) -> None:
         """Close this process's channels and sockets and stop following the master."""
         self._state.clear(close=_ProcessState.close)

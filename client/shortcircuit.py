@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import xxhash
@@ -58,8 +59,10 @@ class ShortCircuitReader:
     kind = "short_circuit"
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
-                 handles: int = 4096) -> None:
+                 handles: int = 4096, progress: Callable[[], tuple[str, int] | None] | None = None) -> None:
+        """``progress()``: the reading job's (plan job, position), sent with each request."""
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
+        self._progress = progress
         self._pool = SocketPool(self._connect, max_idle)
         self.verified = VerifiedFiles()
         self.handles = HandleCache(handles)
@@ -121,6 +124,7 @@ class ShortCircuitReader:
             ranges=[shortcircuit_pb2.RangeRequest(path=p, offset=o, length=n, version=v, ahead=ahead, fill=fill)
                     for p, o, n, v in ranges],
             token=self.token, hello=hello, touched=touched, touched_bytes=touched_bytes)
+        self._add_progress(request)
         message, fds = self._exchange(request)
         try:
             reply = Reply()
@@ -163,6 +167,11 @@ class ShortCircuitReader:
             for fd in fds:
                 if fd >= 0:
                     os.close(fd)
+
+    def _add_progress(self, request: Any) -> None:
+        progress = self._progress() if self._progress is not None else None
+        if progress is not None:
+            request.plan_job, request.plan_position = progress
 
     def _note_not_cached(self, path: str) -> None:
         if len(self._not_cached) >= _NOT_CACHED_MAX:
@@ -300,6 +309,7 @@ class ShortCircuitReader:
         if touched:
             request = shortcircuit_pb2.ShortCircuitRequest(token=self.token, touched=touched,
                                                            touched_bytes=touched_bytes)
+            self._add_progress(request)
             _message, fds = self._exchange(request)
             for fd in fds:
                 os.close(fd)

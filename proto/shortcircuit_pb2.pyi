@@ -25,20 +25,24 @@ class RangeRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., ahead: _Optional[bool] = ..., fill: _Optional[bool] = ...) -> None: ...
 
 class ShortCircuitRequest(_message.Message):
-    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load")
+    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load", "plan_job", "plan_position")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     TOUCHED_FIELD_NUMBER: _ClassVar[int]
     TOUCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JOB_FIELD_NUMBER: _ClassVar[int]
+    PLAN_POSITION_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[RangeRequest]
     token: str
     hello: bool
     touched: _containers.RepeatedScalarFieldContainer[int]
     touched_bytes: int
     load: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ...) -> None: ...
+    plan_job: str
+    plan_position: int
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ...) -> None: ...
 
 class RangeReply(_message.Message):
     __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "once")

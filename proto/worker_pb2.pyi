@@ -230,13 +230,15 @@ class PlanRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., replace: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[PlanRun, _Mapping]]] = ..., done: _Optional[bool] = ..., position: _Optional[int] = ..., rate: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("known", "capacity_bytes", "jobs", "policy")
+    __slots__ = ("known", "capacity_bytes", "jobs", "policy", "prefetches")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
     known: bool
     capacity_bytes: int
     jobs: int
     policy: str
-    def __init__(self, known: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    prefetches: bool
+    def __init__(self, known: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., policy: _Optional[str] = ..., prefetches: _Optional[bool] = ...) -> None: ...

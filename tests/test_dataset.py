@@ -338,7 +338,7 @@ def test_over_s3_every_sample_once_across_ranks(s3_store, make_worker):
 
 def test_hints_cache_the_samples_after_the_prefetch_window(served):
     store, opts = served(80)
-    ds = _dataset(opts, rank=0, world_size=1, prefetch_depth=2, hint_samples=30, seed=4)
+    ds = _dataset(opts, rank=0, world_size=1, prefetch_depth=2, hint_samples=30, seed=4, plan_ahead=False)
     stub = worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(opts["workers"]))
 
     def cached(positions):

@@ -113,6 +113,19 @@ def test_restarted_worker_is_sent_the_plan_again(samples, make_worker, tmp_path:
     second = make_worker(store.mount, page_size=PAGE, cache_dir=cache, port=port)
     assert len(second.plans) == 0
     # The renewer (once a second) finds the plan unknown there and sends it whole again.
-    assert wait_for(lambda: len(second.plans) == 1, timeout=30)
-    assert ds.plan_report.resent >= 1
+    assert wait_for(lambda: len(second.plans) == 1 and ds.plan_report.resent >= 1, timeout=60)
     assert second.plans.describe()[0]["complete"]
+
+
+def test_the_plan_drives_prefetch_instead_of_hints(samples, make_worker):
+    """With a plan registered, the worker fetches what the job reads next itself (from the
+    position its reads report), and the dataset sends no hints."""
+    store, paths = samples
+    worker = make_worker(store.mount, page_size=PAGE)  # room for everything: every page is admitted
+    ds = CacheDataset(paths, storage_options={"workers": worker.address}, seed=9, prefetch_depth=1)
+    assert ds.plan_report.complete
+    ds[0]  # reads position 0; the worker loads what follows it in the plan
+    following = {ds.paths[ds.plan.sample(p)] for p in range(2, 33)}
+    assert wait_for(lambda: all(worker.pages.holds_object("data", p.removeprefix("cachefs://data/"))
+                                for p in following), timeout=30)
+    assert ds.hinter.stats["sent"] == 0

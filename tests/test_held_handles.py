@@ -405,7 +405,7 @@ def test_a_batch_held_whole_sends_no_hints_and_one_not_cached_does(local_store, 
         local_store.add(f"h/{i}", data)
     worker = make_worker(local_store.mount, page_size=PAGE)
     ds = CacheDataset([f"cachefs://data/h/{i}" for i in range(16)], storage_options={"workers": worker.address},
-                      shuffle=False, rank=0, world_size=1, hint_samples=8)
+                      shuffle=False, rank=0, world_size=1, hint_samples=8, plan_ahead=False)
     fs = ds._local.get().fs
     for i, data in enumerate(samples[:7]):
         assert fs.cat_file(f"cachefs://data/h/{i}") == data

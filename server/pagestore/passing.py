@@ -56,6 +56,11 @@ class PassingPages:
                 self._bytes -= len(found[1])
         return found[1] if found is not None and found[0] > time.monotonic() else None
 
+    def has(self, digest: str) -> bool:
+        with self._lock:
+            found = self._pages.get(digest)
+        return found is not None and found[0] > time.monotonic()
+
     def opened(self, digest: str) -> bool:
         """Whether a descriptor of this page was just handed out from here (the reply says so)."""
         with self._lock:

@@ -184,7 +184,10 @@ class PageStore:
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
         self._bypassed = 0  # pages used later than every cached one: served from memory, not admitted
         quota = sum(d.quota_bytes for d in dirs)
-        self._passing = PassingPages(max(8 * page_size, min(64 << 20, quota // 16)))
+        # Pages not admitted wait here for their reader: fetched for a read under way, or ahead of
+        # one by the plan's prefetch (whose window is bounded by this: passing_bytes).
+        self.passing_bytes = max(16 * page_size, min(256 << 20, quota // 8))
+        self._passing = PassingPages(self.passing_bytes)
         self._next_use = next_use
         self.policy = "future" if next_use is not None else "lru"
         # Unlinked pages that local clients may still read through held descriptors (their
@@ -330,18 +333,19 @@ class PageStore:
         if target.used + size <= target.quota or order.has_unknown():
             return False
         furthest = order.furthest()
-        # A use starting now (the reader waiting for this page) is served either way: what counts
-        # is the use after it (the oracle skips a use that is under way when told ``used``).
+        # A use starting now or within the job's read-ahead (a reader waits, or will in a moment)
+        # is served either way, from here or from memory: what counts is the use after it (the
+        # oracle skips a use under way when told ``used``).
         return furthest > -math.inf and self._next_use(pid, True)[0] >= furthest
 
     def worth_admitting(self, pid: PageId) -> bool:
-        """False when the page would only push out pages used sooner than it (a load or a hint
-        need not fetch it now); always True under LRU."""
+        """False when the page would not be admitted if fetched now (put(): it would only push out
+        pages used sooner): a load or the plan's prefetch leaves it to its reader. Always True under LRU."""
         if self._next_use is None:
             return True
         digest = pid.digest()
         target = max(self._dirs, key=lambda d: d.score(digest))
-        when = self._next_use(pid, True)[0]
+        when = self._next_use(pid, True)[0]  # as put() will judge it: the use after a read under way
         with self._lock:
             order = target.order
             assert isinstance(order, NextUseOrder)
@@ -446,6 +450,11 @@ class PageStore:
     def contains(self, pid: PageId) -> bool:
         """True if the page is READY (a later get may still miss if it is evicted meanwhile)."""
         return self.contains_digest(pid.digest())
+
+    def available(self, pid: PageId) -> bool:
+        """Cached, or waiting in memory for its reader (not admitted)."""
+        digest = pid.digest()
+        return self.contains_digest(digest) or self._passing.has(digest)
 
     def passing(self, digest: str) -> bool:
         """True for a page served but not admitted (passing.py): its descriptor is a copy to read once."""

@@ -81,6 +81,7 @@ class Worker:
         self.handle_table: HandleTable | None = None
         self.data_port_server: DataPortServer | None = None
         self.data_port: int | None = None  # bound data port (None: off)
+        self._servicer: WorkerServicer | None = None
         self._stopped = threading.Event()
         self._had_mounts = False  # readiness: the master's mounts arrived once (kept while it is away)
         self.metrics = WorkerMetrics()
@@ -154,6 +155,8 @@ class Worker:
                                   threads=self.config.fetch_threads, max_requests=FILL_REQUESTS,
                                   on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
         self.hint_loads = HintLoads(servicer.load_objects)
+        servicer.prefetch = self.hint_loads.submit
+        self._servicer = servicer
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -173,6 +176,14 @@ class Worker:
         threading.Thread(target=self._expire_plans, name="cachefs-plans", daemon=True).start()
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
+
+    def _plan_progress(self, job: str, position: int) -> None:
+        """A local reader's position in its plan (with its short-circuit requests): what it reads
+        next is fetched ahead by the plan."""
+        self.plans.progress(job, position)
+        servicer = self._servicer
+        if servicer is not None:
+            servicer.plan_ahead(job)
 
     def _expire_plans(self) -> None:
         """A job that stopped renewing its plan pins nothing once its lease ends."""
@@ -228,7 +239,7 @@ class Worker:
                 path, cached, on_served=self.metrics.served_short_circuit, table=table, hold=self._hold,
                 still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held,
                 filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc,
-                on_load=self.hint_loads.submit, passing=self.pages.passing).start()
+                on_load=self.hint_loads.submit, passing=self.pages.passing, on_progress=self._plan_progress).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()

@@ -231,7 +231,7 @@ class Loader:
         """Once every claimed page settled: loaded, another pass, or failed."""
         if obj.claiming or obj.outstanding or obj.error:
             return
-        if self._complete(obj):
+        if self._complete(obj) or self._staged(obj):
             obj.done = True
         elif obj.passes < MAX_PASSES and not self._not_admitted(obj):
             self._queue.append(obj)  # a page did not stay (dropped or evicted): once more
@@ -241,6 +241,12 @@ class Loader:
                          "(evicted by other traffic, or page writes failed)")
 
     # -- helpers --------------------------------------------------------------------------
+    def _staged(self, obj: _Object) -> bool:
+        """Every page not cached waits in memory for its reader (not admitted: pagestore/passing.py)."""
+        meta = obj.meta
+        return all(self.pages.available(PageId(meta.path.mount, meta.path.key, meta.version, i))
+                   for i in range(obj.last_page + 1))
+
     def _not_admitted(self, obj: _Object) -> bool:
         """Registered plans read the object later than everything cached (plans.py): its pages
         were served but not admitted, and fetching them again would end the same way."""

@@ -73,6 +73,9 @@ class _Job:
     reported_at: float = 0.0
     complete: bool = False
     pages: dict[PageKey, tuple[list[int], list[int]]] = field(default_factory=dict)  # starts, ends
+    reads: list[tuple[int, str]] = field(default_factory=list)  # (position, path), sorted when complete
+    read_bytes: int = 0  # summed over reads: bytes a position reads on this worker, on average
+    ahead_to: int = 0  # positions before this were handed to prefetch already
 
     def estimate(self, now: float) -> float:
         """Where the job reads now: its last position, moved on at its rate for up to a few seconds."""
@@ -148,12 +151,18 @@ class PlanTable:
             if job is not None:
                 known = True
                 job.expires = now + lease
-                job.position, job.reported_at = request.position, now
+                if request.replace or request.position >= job.position:  # reads may have told more
+                    job.position, job.reported_at = request.position, now
                 if request.rate > 0:
                     job.rate = request.rate
                 if runs:
                     self._add_runs(job, runs)
+                    for run in request.runs:
+                        job.reads.extend((int(p), run.path) for p in run.positions)
+                        job.read_bytes += int(run.length) * len(run.positions)
                 if request.done and not job.complete:
+                    job.reads.sort()
+                    job.ahead_to = job.position
                     job.complete = True
                     changed = True
                 if not request.replace and not runs:
@@ -245,6 +254,31 @@ class PlanTable:
                 best = when
                 recheck = now + max(0.0, ends[i] + slack - here) / job.rate + STALE_GRACE_SECONDS
         return best, recheck
+
+    def progress(self, job_id: str, position: int) -> None:
+        """A read of the job at ``position`` now (it comes with reads: fresher than renewals)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is not None and position > job.position:
+                job.position, job.reported_at = position, self._clock()
+
+    def due(self, job_id: str, window_bytes: int, window_seconds: float, at_least: int = 32) -> list[str]:
+        """Objects the job reads next that were not handed to prefetch yet: from its position up
+        to ``window_seconds`` of reading at its rate (at least ``at_least`` positions), never more
+        than ``window_bytes`` ahead (what the cache can hold for it). Marks them handed out."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or not job.complete or not job.reads:
+                return []
+            per_position = max(1, job.read_bytes // max(1, len(job.reads)))
+            span = min(max(at_least, int(job.rate * window_seconds)), max(1, window_bytes // per_position))
+            start, end = max(job.ahead_to, job.position), job.position + span
+            if start >= end:
+                return []
+            lo = bisect.bisect_left(job.reads, (start, ""))
+            hi = bisect.bisect_left(job.reads, (end, ""))
+            job.ahead_to = end
+            return list(dict.fromkeys(path for _, path in job.reads[lo:hi]))
 
     def describe(self) -> list[dict[str, Any]]:
         """The plans for status pages and `cachefs stat`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +36,8 @@ LIST_BATCH = 1000
 MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
 MAX_JOB_PATHS = 10_000  # paths per Load/GetCached request: the master sends batches
 RESOLVE_THREADS = 8  # objects of one Load resolved at once (each one store round trip when cold)
+PLAN_AHEAD_SECONDS = 4.0  # how far ahead (in the job's reading time) a plan's objects are loaded
+PLAN_AHEAD_BATCH = 32  # objects per background load
 
 
 
@@ -60,6 +62,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics = metrics
         self.max_rpc_seconds = max_rpc_seconds
         self.plans = plans if plans is not None else PlanTable(pages.page_size, on_change=pages.replan)
+        # Set by the daemon: load objects in the background (hintloads.py); the plans' next reads go there.
+        self.prefetch: Callable[[list[str]], int] | None = None
         self.short_circuit_socket = ""  # set by the daemon when it listens for short-circuit reads
         self.data_port = 0  # set by the daemon when its data port listens
         self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
@@ -269,8 +273,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Plan(self, request: worker_pb2.PlanRequest, context: grpc.ServicerContext) -> worker_pb2.PlanReply:
         """A job's read order for this worker's pages (plans.py): eviction follows it."""
         known = self.plans.update(request)
+        if known:
+            self.plan_ahead(request.job)
         return worker_pb2.PlanReply(known=known, capacity_bytes=self.pages.stats().capacity_bytes,
-                                    jobs=len(self.plans), policy=self.pages.policy)
+                                    jobs=len(self.plans), policy=self.pages.policy,
+                                    prefetches=self.prefetch is not None)
+
+    def plan_ahead(self, job: str) -> None:
+        """The plan drives prefetch (no client hints): the next few seconds of the job's reads,
+        within half of its share of the cache (the rest keeps what is read after) and of the memory
+        where pages not worth admitting wait for their reader (pagestore/passing.py)."""
+        prefetch = self.prefetch
+        if prefetch is None:
+            return
+        jobs = max(1, len(self.plans))
+        window = min(self.pages.stats().capacity_bytes // jobs // 2, self.pages.passing_bytes // jobs)
+        paths = self.plans.due(job, window, PLAN_AHEAD_SECONDS)
+        for i in range(0, len(paths), PLAN_AHEAD_BATCH):
+            if not prefetch(paths[i:i + PLAN_AHEAD_BATCH]):
+                break  # busy: the reads fetch it themselves
 
     # -- write-through (server/worker/writer.py) -----------------------------------------------
     @rpc("Write")

@@ -55,7 +55,8 @@ class ShortCircuitServer(ConnectionServer):
                  on_touched: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
                  on_handed_out: Callable[[int], None] | None = None,
                  on_load: Callable[[list[str]], int] | None = None,
-                 passing: Callable[[str], bool] | None = None, **limits: Any) -> None:
+                 passing: Callable[[str], bool] | None = None,
+                 on_progress: Callable[[str, int], None] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
         to the quota while clients may hold them (False: no room, hand them out for one read),
         and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
@@ -67,6 +68,7 @@ class ShortCircuitServer(ConnectionServer):
         self.filler, self._on_handed_out = filler, on_handed_out
         self._on_load = on_load  # hints: objects to load in the background (hintloads.py)
         self._passing = passing  # pages served but not admitted (pagestore/passing.py)
+        self._on_progress = on_progress  # a reading job's position in its plan (worker/plans.py)
 
     def _listen(self) -> socket.socket:
         if len(os.fsencode(self.path)) >= 108:
@@ -126,6 +128,8 @@ class ShortCircuitServer(ConnectionServer):
             if self._on_touched is not None:
                 self._on_touched(touched, request.touched_bytes)
         reply = Reply(answered=True)
+        if request.plan_job and self._on_progress is not None:
+            self._on_progress(request.plan_job, request.plan_position)
         if request.load and self._on_load is not None:
             reply.loading = self._on_load(list(request.load))
         if request.hello and self.table is not None:
