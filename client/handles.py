@@ -86,6 +86,7 @@ class Page:
     refs: int = 0
     dropped: bool = False
     key: tuple = field(default=())
+    fetched: bool = False  # the worker fetched it from the store for the request that brought it: its first read is a miss
 
 
 @dataclass(slots=True)

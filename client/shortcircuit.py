@@ -58,8 +58,13 @@ class ShortCircuitReader:
     kind = "short_circuit"
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
-                 handles: int = 4096) -> None:
+                 handles: int = 4096, counts: dict[str, int] | None = None) -> None:
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
+        # Pages read, as the worker knew them: hits, misses (fetched for this process's request),
+        # and the part of those read through held handles (held_*). Shared with BulkPaths.stats.
+        self.counts = counts if counts is not None else {}
+        for name in ("hits", "misses", "held_hits", "held_misses"):
+            self.counts.setdefault(name, 0)
         self._pool = SocketPool(self._connect, max_idle)
         self.verified = VerifiedFiles()
         self.handles = HandleCache(handles)
@@ -145,9 +150,10 @@ class ShortCircuitReader:
                     continue
                 slots = list(got.slots) or [0] * n
                 generations = list(got.generations) or [0] * n
-                pages = [Page(fd, start, length, slot, generation, refs=1)
-                         for fd, start, length, slot, generation in
-                         zip(fds[pos:pos + n], got.page_offsets, got.page_lengths, slots, generations)]
+                fetched = list(got.fetched) if len(got.fetched) == n else [False] * n
+                pages = [Page(fd, start, length, slot, generation, refs=1, fetched=miss)
+                         for fd, start, length, slot, generation, miss in
+                         zip(fds[pos:pos + n], got.page_offsets, got.page_lengths, slots, generations, fetched)]
                 for page in pages:
                     fds[pos] = -1  # owned by its Page from here
                     pos += 1
@@ -210,9 +216,30 @@ class ShortCircuitReader:
             self.report()
         size, version, pages = found
         try:
-            return self._assemble(size, version, pages, offset, length, out)
+            got = self._assemble(size, version, pages, offset, length, out)
+            if got is not None:
+                self._tally(pages, offset, offset + len(got[0]), False)
+            return got
         finally:
             self.handles.release(pages)
+
+    def _tally(self, pages: list[Page], offset: int, end: int, held: bool) -> None:
+        """Count the pages a read of [offset, end) used: a page the worker fetched for the request
+        that brought it is a miss on its first read, any other read of a page a hit."""
+        misses = hits = 0
+        for page in pages:
+            if page.start < end and page.start + page.length > offset:
+                if page.fetched:
+                    page.fetched = False
+                    misses += 1
+                else:
+                    hits += 1
+        counts = self.counts
+        counts["hits"] += hits
+        counts["misses"] += misses
+        if held:
+            counts["held_hits"] += hits
+            counts["held_misses"] += misses
 
     def _request_patiently(self, wanted: tuple[str, int, int, str]) -> tuple[int, str, list[Page]] | None:
         """Ask again, backing off (0.02 s doubling to 0.5 s), for up to FORKED_FILL_PATIENCE
@@ -241,6 +268,8 @@ class ShortCircuitReader:
                     continue
                 size, version, pages = got
                 filled = self._assemble(size, version, pages, offset, len(out), out)
+                if filled is not None:
+                    self._tally(pages, offset, offset + len(filled[0]), True)
                 results.append(None if filled is None else (len(filled[0]), size))
         finally:
             self.handles.release_many(found)

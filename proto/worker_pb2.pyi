@@ -20,14 +20,18 @@ class ReadRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
-    __slots__ = ("offset", "data", "info")
+    __slots__ = ("offset", "data", "info", "pages_hit", "pages_missed")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    PAGES_HIT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_MISSED_FIELD_NUMBER: _ClassVar[int]
     offset: int
     data: bytes
     info: _common_pb2.ObjectInfo
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ...) -> None: ...
+    pages_hit: int
+    pages_missed: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., pages_hit: _Optional[int] = ..., pages_missed: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("path", "refresh")
