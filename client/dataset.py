@@ -120,7 +120,8 @@ class PerProcessParts:
         counts = parts.counts
         counts.samples += samples
         counts.wait_ns += time.perf_counter_ns() - since_ns
-        self._counters.publish(counts.row, counts.values(parts.fs.session, parts.prefetcher, parts.hinter))
+        if self._counters.path:  # off (stats=False, or no block could be made): nothing to publish
+            self._counters.publish(counts.row, counts.values(parts.fs.session, parts.prefetcher, parts.hinter))
 
     def stats(self) -> dict[str, Any]:
         """The client counters of every process that read for this dataset (this one and its
@@ -205,7 +206,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                  sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_depth: int = 32,
-                 prefetch_threads: int = 4, hint_samples: int = 256, timeout: float = 300.0) -> None:
+                 prefetch_threads: int = 4, hint_samples: int = 256, timeout: float = 300.0,
+                 stats: bool = True) -> None:
         self.paths = list(paths)
         self.storage_options = dict(storage_options or {})
         if sizes is None:
@@ -228,7 +230,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
         self._calls = 0
         self._local = self._new_local()
-        self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
+        # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
+        self._counters = CounterBlock() if stats else CounterBlock("")
         self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                  batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
-                 prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0) -> None:
+                 prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0,
+                 stats: bool = True) -> None:
         self.shards = list(shards)
         if not self.shards:
             raise ValueError("a CacheIterableDataset needs at least one shard")
@@ -77,7 +78,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
         self._local = self._new_local()
-        self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
+        # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
+        self._counters = CounterBlock() if stats else CounterBlock("")
         self.learn_cluster()
 
     # -- construction --------------------------------------------------------------------------------
