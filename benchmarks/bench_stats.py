@@ -54,10 +54,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MOUNT = "bench"
 
 
-def _collate(batch: list[Any]) -> list[Any]:
-    return batch  # no stacking: the loop sees the samples as read
-
-
 def _tar_sample(sample: dict[str, Any]) -> Any:
     return sample["bin"]
 
@@ -97,8 +93,9 @@ def run_epoch(loader: DataLoader, step: float = 0.0, timer: StepTimer | None = N
 
 
 def loader_for(ds: Any, workers: int, batch: int) -> DataLoader:
-    kw: dict[str, Any] = dict(batch_size=batch, num_workers=workers, collate_fn=_collate,
-                              timeout=300 if workers else 0)
+    # The default collate: a batch of equal-sized samples is stacked into one tensor (in shared
+    # memory when made in a DataLoader worker), as a training job's loader does.
+    kw: dict[str, Any] = dict(batch_size=batch, num_workers=workers, timeout=300 if workers else 0)
     if isinstance(ds, CacheDataset):
         kw["sampler"] = ds.sampler()
     return DataLoader(ds, **kw)
