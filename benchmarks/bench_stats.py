@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch.multiprocessing
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,9 +46,11 @@ from read_common import machine_info  # noqa: E402
 
 from cachefs import StepTimer  # noqa: E402
 from cachefs.client.dataset import CacheDataset  # noqa: E402
+from cachefs.client.handles import Page  # noqa: E402
 from cachefs.client.iterable import CacheIterableDataset  # noqa: E402
 from cachefs.client.jobstats import ProcessCounts  # noqa: E402
 from cachefs.client.shards import write_tar_shards  # noqa: E402
+from cachefs.client.shortcircuit import ShortCircuitReader  # noqa: E402
 from cachefs.local import worker_process  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,6 +115,17 @@ def publish_cost_us(ds: CacheDataset, loader: DataLoader, rounds: int = 20_000) 
     return (time.perf_counter() - t0) / rounds * 1e6
 
 
+def tally_cost_us(rounds: int = 200_000) -> float:
+    """The hit/miss count of one short-circuit read of one page (always on, stats or not), timed
+    alone: an upper bound of what a held batch read adds per sample (it counts inline, per batch)."""
+    reader = ShortCircuitReader("/nonexistent", handles=0)  # no I/O until a request
+    pages = [Page(-1, 0, 4096)]
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        reader._tally(pages)
+    return (time.perf_counter() - t0) / rounds * 1e6
+
+
 def overhead(address: str, prefix: str, size: int, batch: int, workers: list[int], pairs: int) -> list[dict[str, Any]]:
     so = {"workers": address}
     on = CacheDataset.from_prefix(f"cachefs://{MOUNT}/{prefix}", storage_options=so, rank=0, world_size=1)
@@ -137,19 +151,22 @@ def overhead(address: str, prefix: str, size: int, batch: int, workers: list[int
                "median_off": round(statistics.median(rates["off"]), 1),
                "median_pair_ratio_on_off": round(statistics.median(ratios), 4)}
         if w == 0:
-            cost = publish_cost_us(on, loaders["on"])
+            cost, tally = publish_cost_us(on, loaders["on"]), tally_cost_us()
             batch_us = 1e6 * batch / row["median_off"]
-            row.update(publish_us=round(cost, 2), warm_batch_us=round(batch_us, 1),
-                       publish_share_of_batch=round(cost / batch_us, 5))
+            row.update(publish_us=round(cost, 2), tally_us_per_sample=round(tally, 3), warm_batch_us=round(batch_us, 1),
+                       publish_share_of_batch=round(cost / batch_us, 5),
+                       counting_share_of_batch=round((cost + batch * tally) / batch_us, 5))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
-def stall(address: str, store: str, n: int, size: int, batch: int, epochs: int) -> list[dict[str, Any]]:
+def stall(address: str, store: str, n: int, size: int, batch: int, epochs: int,
+          fresh: bool = True) -> list[dict[str, Any]]:
     so = {"workers": address}
-    write_tar_shards(((f"s/{i:06d}", {"bin": open(os.path.join(store, "stall", f"{i:06d}.bin"), "rb").read()})
-                      for i in range(n)), os.path.join(store, "tars"), shard_bytes=64 << 20)
+    if fresh:
+        write_tar_shards(((f"s/{i:06d}", {"bin": open(os.path.join(store, "stall", f"{i:06d}.bin"), "rb").read()})
+                          for i in range(n)), os.path.join(store, "tars"), shard_bytes=64 << 20)
     sets = {"map": CacheDataset.from_prefix(f"cachefs://{MOUNT}/stall", storage_options=so, rank=0, world_size=1),
             "tar": CacheIterableDataset.from_prefix(f"cachefs://{MOUNT}/tars", storage_options=so, batch_size=batch,
                                                     rank=0, world_size=1, transform=_tar_sample, index_cache="")}
@@ -184,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, help="on/off epoch pairs per setting (default 9; 5 with --quick)")
     p.add_argument("--parts", default="overhead,stall")
     p.add_argument("--stall-epochs", type=int, default=3)
+    p.add_argument("--sharing-strategies", default="file_descriptor,file_system",
+                   help="torch.multiprocessing sharing strategies to run the stall part with (one run each)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
     pairs = args.pairs or (5 if args.quick else 9)
@@ -203,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                 doc["overhead"] = (overhead(address, "small", 4 << 10, 64, [0, 2], pairs)
                                    + overhead(address, "stall", 256 << 10, 32, [0, 2], pairs))
             if "stall" in parts:
-                doc["stall"] = stall(address, store, big_n, 256 << 10, 32, args.stall_epochs)
+                doc["stall"] = []
+                for strategy in args.sharing_strategies.split(","):
+                    torch.multiprocessing.set_sharing_strategy(strategy)
+                    print(f"sharing strategy: {strategy}", flush=True)
+                    rows = stall(address, store, big_n, 256 << 10, 32, args.stall_epochs, fresh=not doc["stall"])
+                    doc["stall"] += [{"sharing_strategy": strategy, **r} for r in rows]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     stamp = started.strftime("%Y%m%dT%H%M%SZ")

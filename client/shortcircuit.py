@@ -218,28 +218,24 @@ class ShortCircuitReader:
         try:
             got = self._assemble(size, version, pages, offset, length, out)
             if got is not None:
-                self._tally(pages, offset, offset + len(got[0]), False)
+                self._tally(pages)
             return got
         finally:
             self.handles.release(pages)
 
-    def _tally(self, pages: list[Page], offset: int, end: int, held: bool) -> None:
-        """Count the pages a read of [offset, end) used: a page the worker fetched for the request
-        that brought it is a miss on its first read, any other read of a page a hit."""
-        misses = hits = 0
+    def _tally(self, pages: list[Page]) -> None:
+        """Count the pages a read used (they cover its range exactly): a page the worker fetched
+        for the request that brought it is a miss on its first read, any other read a hit
+        (read_held_into counts its batch the same way, once per batch)."""
+        misses = 0
         for page in pages:
-            if page.start < end and page.start + page.length > offset:
-                if page.fetched:
-                    page.fetched = False
-                    misses += 1
-                else:
-                    hits += 1
+            if page.fetched:
+                page.fetched = False
+                misses += 1
         counts = self.counts
-        counts["hits"] += hits
-        counts["misses"] += misses
-        if held:
-            counts["held_hits"] += hits
-            counts["held_misses"] += misses
+        counts["hits"] += len(pages) - misses
+        if misses:
+            counts["misses"] += misses
 
     def _request_patiently(self, wanted: tuple[str, int, int, str]) -> tuple[int, str, list[Page]] | None:
         """Ask again, backing off (0.02 s doubling to 0.5 s), for up to FORKED_FILL_PATIENCE
@@ -261,6 +257,7 @@ class ShortCircuitReader:
         it another way). A read that fails midway is None too (its ``out`` may be partly filled)."""
         found = self.handles.lookup_many([(path, offset, len(out)) for path, offset, out in reads])
         results: list[tuple[int, int] | None] = []
+        used = misses = 0  # pages read, and of those fetched for the request that brought them
         try:
             for (_path, offset, out), got in zip(reads, found):
                 if got is None:
@@ -269,10 +266,20 @@ class ShortCircuitReader:
                 size, version, pages = got
                 filled = self._assemble(size, version, pages, offset, len(out), out)
                 if filled is not None:
-                    self._tally(pages, offset, offset + len(filled[0]), True)
+                    used += len(pages)
+                    for page in pages:
+                        if page.fetched:
+                            page.fetched = False
+                            misses += 1
                 results.append(None if filled is None else (len(filled[0]), size))
         finally:
             self.handles.release_many(found)
+            counts = self.counts  # once per batch: this is the warm path
+            counts["hits"] += used - misses
+            counts["held_hits"] += used - misses
+            if misses:
+                counts["misses"] += misses
+                counts["held_misses"] += misses
         if self.handles.touched_pending() >= MAX_TOUCHED:
             self.report()
         return results

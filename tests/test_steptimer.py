@@ -136,3 +136,31 @@ def test_a_store_behind_the_delay_proxy_makes_a_cold_loop_input_bound_and_a_warm
         print(warm.report())
         assert not warm.summary().input_bound, warm.report()
         assert ds.stats()["hits"] == 12  # and none of them went to the store
+
+
+def test_per_epoch_summary_since_a_mark():
+    timer = StepTimer()
+    list(timer(range(5)))
+    mark = timer.mark()
+    list(timer(range(3)))
+    since = timer.summary(since=mark)
+    assert since.steps == 2 and timer.summary().steps == 6  # each pass's first batch is start-up
+    assert 0 <= since.wait_share <= 1 and since.startup_s <= timer.summary().startup_s
+
+
+def test_batches_that_were_ready_are_told_apart_as_the_dataloaders_hand_off():
+    import types
+
+    def ready_batches():
+        for i in range(12):
+            time.sleep(0.0005)  # each batch waits well under HANDOFF_S: it was ready
+            yield i
+
+    timer = StepTimer(threshold=0.01)
+    for _ in timer(ready_batches(), loader=types.SimpleNamespace(num_workers=2, pin_memory=False)):
+        time.sleep(0.002)
+    assert timer.summary().input_bound
+    assert "set_sharing_strategy('file_system')" in timer.report()
+    slow = StepTimer(threshold=0.01)
+    list(slow(SlowDataset(6, 0.01), loader=types.SimpleNamespace(num_workers=2)))
+    assert "set_sharing_strategy" not in slow.report()  # waits of 10 ms are reads, not the hand-off
