@@ -162,5 +162,6 @@ def test_batches_that_were_ready_are_told_apart_as_the_dataloaders_hand_off():
     assert timer.summary().input_bound
     assert "set_sharing_strategy('file_system')" in timer.report()
     slow = StepTimer(threshold=0.01)
-    list(slow(SlowDataset(6, 0.01), loader=types.SimpleNamespace(num_workers=2)))
+    slow_ds = SlowDataset(6, 0.01)
+    list(slow((slow_ds[i] for i in range(len(slow_ds))), loader=types.SimpleNamespace(num_workers=2)))
     assert "set_sharing_strategy" not in slow.report()  # waits of 10 ms are reads, not the hand-off
