@@ -16,7 +16,7 @@ import sys
 #: The tags drawn by default (cachefs.client.tensorboard writes them), in this order.
 DEFAULT_TAGS = ("cachefs/step/wait_share", "cachefs/step/recent_wait_share", "cachefs/data/samples",
                 "cachefs/data/wait_s", "cachefs/data/held_bytes", "cachefs/data/hits", "cachefs/data/misses",
-                "cachefs/data/grpc_bytes", "cachefs/data/prefetch_in_flight_bytes")
+                "cachefs/data/hit_ratio", "cachefs/data/hints_answered")
 
 
 def load(logdir: str) -> dict[str, list[tuple[int, float]]]:
@@ -28,7 +28,8 @@ def load(logdir: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def render(logdir: str, out: str, tags: tuple[str, ...] | None = None, columns: int = 3) -> list[str]:
+def render(logdir: str, out: str, tags: tuple[str, ...] | None = None, columns: int = 3,
+           title: str | None = None) -> list[str]:
     """Write the PNG; returns the tags drawn (those of ``tags`` present in the log dir)."""
     import matplotlib
 
@@ -52,7 +53,7 @@ def render(logdir: str, out: str, tags: tuple[str, ...] | None = None, columns: 
         ax.grid(True, color="#e0e0e0", linewidth=0.6)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
-    fig.suptitle(f"TensorBoard scalars: {logdir}", fontsize=9, x=0.01, ha="left")
+    fig.suptitle(title or f"TensorBoard scalars: {logdir}", fontsize=9, x=0.01, ha="left")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -64,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("logdir")
     p.add_argument("out", help="the PNG to write")
     p.add_argument("--tags", help="comma-separated tags (default: the cachefs ones that are there)")
+    p.add_argument("--title", help="the picture's title (default: the log dir)")
     args = p.parse_args(argv)
-    drawn = render(args.logdir, args.out, tuple(args.tags.split(",")) if args.tags else None)
+    drawn = render(args.logdir, args.out, tuple(args.tags.split(",")) if args.tags else None, title=args.title)
     print(f"wrote {args.out}: {', '.join(drawn)}")
     return 0
 
