@@ -73,8 +73,11 @@ class BulkPaths:
         self._statuses: dict[str, Any] = {}
         self._handed_down: dict[str, Any] = dict(known or {})
         self._warned: set[str] = set()
-        self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0, "errors": 0}
+        # Per lean path: reads, bytes, reads sent to gRPC (fallbacks, errors), and pages read by
+        # hit or miss as the worker knew them (the readers count those: shortcircuit.py, dataport.py).
+        self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0, "errors": 0, "hits": 0, "misses": 0}
                       for kind in ("short_circuit", "data_port")}
+        self.stats["short_circuit"].update(held_hits=0, held_misses=0)
         # The part of stats["short_circuit"] read through page handles held here (no message).
         self.held = {"reads": 0, "bytes": 0}
         # Where this process's dataset reads in its registered plan (client/plans.py), told to
@@ -110,9 +113,11 @@ class BulkPaths:
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
                 and os.path.exists(status.short_circuit_socket):
             return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout,
-                                      handles=config.short_circuit_handles, progress=lambda: self.plan_progress)
+                                      handles=config.short_circuit_handles, counts=self.stats["short_circuit"],
+                                      progress=lambda: self.plan_progress)
         if config.data_port and status.data_port and not config.tls.enabled:
-            return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout)
+            return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout,
+                                  counts=self.stats["data_port"])
         return None
 
     def _reader(self, handle: Any) -> Reader | None:

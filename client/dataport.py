@@ -66,8 +66,13 @@ class DataPortReader:
 
     kind = "data_port"
 
-    def __init__(self, host: str, port: int, token: str = "", timeout: float = 30.0, max_idle: int = 8) -> None:
+    def __init__(self, host: str, port: int, token: str = "", timeout: float = 30.0, max_idle: int = 8,
+                 counts: dict[str, int] | None = None) -> None:
         self.host, self.port, self.token, self.timeout, self.max_idle = host, port, token, timeout, max_idle
+        # Pages read (hits: the data port serves only cached pages; a range with a missing page
+        # is NOT_CACHED and read through gRPC, which counts its misses). Shared with BulkPaths.stats.
+        self.counts = counts if counts is not None else {}
+        self.counts.setdefault("hits", 0)
         self._pool = SocketPool(self._connect, max_idle)
 
     def _connect(self) -> socket.socket:
@@ -114,6 +119,8 @@ class DataPortReader:
                 sock.close()  # out of step with the stream, or gone: never reused
                 raise
             self._pool.give_back(sock)
+            if result is not None:
+                self.counts["hits"] += len(reply.segments)
             return result
         raise AssertionError("unreachable")
 

@@ -130,7 +130,8 @@ class PerProcessParts:
         counts = parts.counts
         counts.samples += samples
         counts.wait_ns += time.perf_counter_ns() - since_ns
-        self._counters.publish(counts.row, counts.values(parts.fs.session, parts.prefetcher, parts.hinter))
+        if self._counters.path:  # off (stats=False, or no block could be made): nothing to publish
+            self._counters.publish(counts.row, counts.values(parts.fs.session, parts.prefetcher, parts.hinter))
 
     def stats(self) -> dict[str, Any]:
         """The client counters of every process that read for this dataset (this one and its
@@ -172,6 +173,10 @@ class PerProcessParts:
         """Sample ids this rank reads from now on: the rest of this epoch, then all of the next."""
         raise NotImplementedError
 
+    def _cache_prefetch(self) -> bool:
+        """Whether the cache should fetch what comes next (off with hints off: hint_samples=0)."""
+        raise NotImplementedError
+
     def publish_plan(self) -> PlanReport | None:
         """Tell the workers this rank's read order, so their caches keep what is read next
         (called at construction, ``set_epoch`` and ``load_state_dict``; main process only)."""
@@ -181,7 +186,8 @@ class PerProcessParts:
             if self._publisher is None:
                 fs = self._process_filesystem()
                 counters = self._counters
-                publisher = PlanPublisher(fs.session, lambda: counters.totals()["samples"])
+                publisher = PlanPublisher(fs.session, lambda: counters.totals()["samples"],
+                                          prefetch=self._cache_prefetch())
                 weakref.finalize(self, _close_publisher, publisher, fs)
                 self._publisher = publisher
             report = self._publisher.publish(self._plan_units(), self._plan_order())
@@ -268,7 +274,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_depth: int = 32,
                  prefetch_threads: int = 4, hint_samples: int = 256, timeout: float = 300.0,
-                 plan_ahead: bool = True) -> None:
+                 plan_ahead: bool = True, stats: bool = True) -> None:
         self.paths = list(paths)
         self.storage_options = dict(storage_options or {})
         if sizes is None:
@@ -291,7 +297,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
         self._calls = 0
         self._local = self._new_local()
-        self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
+        # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
+        self._counters = CounterBlock() if stats else CounterBlock("")
         self.learn_cluster()
         self.plan_ahead, self._owner_pid = bool(plan_ahead), os.getpid()
         self.publish_plan()
@@ -575,6 +582,9 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     def _plan_units(self) -> Sequence[tuple[str, int, int]]:
         return [(path, 0, int(size)) for path, size in zip(self.paths, self.sizes)]
+
+    def _cache_prefetch(self) -> bool:
+        return self.hint_samples > 0
 
     def _plan_order(self) -> np.ndarray:
         after = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, self.plan.epoch + 1, self.shuffle,

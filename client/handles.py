@@ -91,6 +91,7 @@ class Page:
     dropped: bool = False
     key: tuple = field(default=())
     until: float = 0.0  # a ONCE page: read it before this (monotonic)
+    fetched: bool = False  # the worker fetched it from the store for the request that brought it: its first read is a miss
 
 
 @dataclass(slots=True)

@@ -53,7 +53,10 @@ class Hinter(forksafe.ForkHook):
         self._idle = 0        # consecutive replies that loaded nothing
         self._skip = 0        # hint calls to skip while backing off
         self._backoff = 1
-        self.stats = {"sent": 0, "paths": 0, "dropped": 0, "failed": 0, "bytes_loaded": 0, "skipped_warm": 0}
+        # sent: Load calls (or socket hints taken); answered: those the worker answered (a socket
+        # hint is answered when taken); failed: calls that failed or were cancelled.
+        self.stats = {"sent": 0, "paths": 0, "answered": 0, "dropped": 0, "failed": 0, "bytes_loaded": 0,
+                      "skipped_warm": 0}
         forksafe.register(self)
 
     # -- fork hooks (client/forksafe.py) -------------------------------------------------------------
@@ -134,6 +137,7 @@ class Hinter(forksafe.ForkHook):
                     continue
                 self._sent.update(chunk)
                 self.stats["sent"] += 1
+                self.stats["answered"] += 1  # the worker took it in its reply
                 self.stats["paths"] += len(chunk)
             sent += len(chunk)
         return sent
@@ -152,6 +156,7 @@ class Hinter(forksafe.ForkHook):
             if loaded < 0:
                 self.stats["failed"] += 1
                 return
+            self.stats["answered"] += 1
             self.stats["bytes_loaded"] += loaded
             if loaded:
                 self._idle, self._backoff = 0, 1

@@ -57,7 +57,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
                  prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0,
-                 plan_ahead: bool = True) -> None:
+                 plan_ahead: bool = True, stats: bool = True) -> None:
         self.shards = list(shards)
         if not self.shards:
             raise ValueError("a CacheIterableDataset needs at least one shard")
@@ -79,10 +79,14 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
         self._local = self._new_local()
-        self._counters = CounterBlock()  # before any DataLoader worker starts (jobstats.py)
+        # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
+        self._counters = CounterBlock() if stats else CounterBlock("")
         self.learn_cluster()
         self.plan_ahead, self._owner_pid = bool(plan_ahead), os.getpid()
         self.publish_plan()
+
+    def _cache_prefetch(self) -> bool:
+        return self.hint_shards > 0
 
     def _plan_units(self) -> Sequence[tuple[str, int, int]]:
         return [(shard.path, span.start, span.end - span.start) for shard in self.shards for span in shard.samples]

@@ -30,7 +30,8 @@ from cachefs.client.forksafe import ProcessLocal
 
 log = logging.getLogger(__name__)
 
-#: The counters, in row order. ``*_ns`` are nanoseconds; ``max_*`` are maxima (not summed).
+#: The counters, in row order. ``*_ns`` are nanoseconds; ``max_*`` are maxima (not summed);
+#: GAUGES are live values (each process's latest, summed over processes), the rest running totals.
 COLUMNS: tuple[str, ...] = (
     "samples", "wait_ns", "transform_ns",
     "short_circuit_reads", "short_circuit_bytes", "held_reads", "held_bytes",
@@ -38,8 +39,14 @@ COLUMNS: tuple[str, ...] = (
     "lean_fallbacks", "lean_errors", "failovers",
     "hints_sent", "hint_paths", "hints_dropped", "hints_failed",
     "prefetch_hits", "prefetch_on_demand", "max_prefetch_in_flight_bytes",
+    # pages read, by hit or miss as the worker knew them, per worker path (held_*: part of short_circuit_*)
+    "short_circuit_hits", "short_circuit_misses", "held_hits", "held_misses", "data_port_hits",
+    "grpc_hits", "grpc_misses", "errors", "hints_answered",
+    "prefetch_in_flight", "prefetch_in_flight_bytes",
 )
+GAUGES = frozenset({"prefetch_in_flight", "prefetch_in_flight_bytes"})
 _MAX = np.array([c.startswith("max_") for c in COLUMNS])
+_GAUGE = np.array([c in GAUGES for c in COLUMNS])
 #: Rows: the dataset's own process and up to this many - 1 DataLoader workers.
 ROWS = 257
 
@@ -114,7 +121,7 @@ class CounterBlock:
         if base is None:
             base = mapped.base[row] = mapped.array[row].copy()
         now = np.asarray(values, dtype=np.int64)
-        mapped.array[row] = np.where(_MAX, np.maximum(base, now), base + now)
+        mapped.array[row] = np.where(_MAX, np.maximum(base, now), np.where(_GAUGE, now, base + now))
 
     def totals(self) -> dict[str, int]:
         """Every row summed (maxima: the largest)."""
@@ -144,14 +151,22 @@ class ProcessCounts:
                 c["data_port_reads"], c["data_port_bytes"], c["grpc_reads"], c["grpc_bytes"],
                 c["store_reads"], c["store_bytes"], c["lean_fallbacks"], c["lean_errors"], c["failovers"],
                 h["sent"], h["paths"], h["dropped"], h["failed"],
-                p["hits"], p["on_demand"], p["max_in_flight_bytes"]]
+                p["hits"], p["on_demand"], p["max_in_flight_bytes"],
+                c["short_circuit_hits"], c["short_circuit_misses"], c["held_hits"], c["held_misses"],
+                c["data_port_hits"], c["grpc_hits"], c["grpc_misses"], c["errors"], h["answered"],
+                prefetcher.in_flight, prefetcher.in_flight_bytes]
 
 
 def describe(totals: dict[str, int]) -> dict[str, Any]:
     """``totals`` plus derived numbers: ``wait_s`` (time reading inside the dataset's calls,
-    transform excluded) and ``bytes`` (all paths)."""
+    transform excluded), ``bytes`` and ``reads`` (all paths), ``hits`` and ``misses`` (pages, all
+    worker paths; store fallback reads are neither: no cache saw them) and ``hit_ratio``."""
     out: dict[str, Any] = dict(totals)
     out["wait_s"] = max(0, totals["wait_ns"] - totals["transform_ns"]) / 1e9
     out["bytes"] = sum(totals[f"{k}_bytes"] for k in ("short_circuit", "data_port", "grpc", "store"))
     out["reads"] = sum(totals[f"{k}_reads"] for k in ("short_circuit", "data_port", "grpc", "store"))
+    out["hits"] = totals["short_circuit_hits"] + totals["data_port_hits"] + totals["grpc_hits"]
+    out["misses"] = totals["short_circuit_misses"] + totals["grpc_misses"]
+    looked = out["hits"] + out["misses"]
+    out["hit_ratio"] = out["hits"] / looked if looked else 0.0
     return out

@@ -62,12 +62,14 @@ class PlanPublisher:
     """Registers and renews one dataset's read order (one rank) with the workers that hold it."""
 
     def __init__(self, session: Any, position: Callable[[], int], *, job: str | None = None,
-                 lease_seconds: float = DEFAULT_LEASE_SECONDS, renew_seconds: float = DEFAULT_RENEW_SECONDS) -> None:
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, renew_seconds: float = DEFAULT_RENEW_SECONDS,
+                 prefetch: bool = True) -> None:
         """``session``: a ClientSession of this process; ``position()``: samples this job has
-        read so far (any monotonic count: the plan's position 0 is its value when published)."""
+        read so far (any monotonic count: the plan's position 0 is its value when published);
+        ``prefetch``: the workers may fetch what the plan reads next ahead of the reads."""
         if not 0 < renew_seconds < lease_seconds:
             raise ValueError("renew_seconds must be > 0 and less than lease_seconds")
-        self.session, self._position = session, position
+        self.session, self._position, self.prefetch = session, position, prefetch
         self.job = job or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.lease_seconds, self.renew_seconds = float(lease_seconds), float(renew_seconds)
         self._lock = threading.Lock()
@@ -123,20 +125,19 @@ class PlanPublisher:
             for i, chunk in enumerate(chunks):
                 reply = handle.stub().Plan(worker_pb2.PlanRequest(
                     job=self.job, replace=i == 0, runs=chunk, done=i == len(chunks) - 1, position=position,
-                    rate=rate, lease_seconds=self.lease_seconds), timeout=CALL_TIMEOUT)
+                    rate=rate, lease_seconds=self.lease_seconds, no_prefetch=not self.prefetch), timeout=CALL_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - advisory: the cache falls back to LRU order for it
             report.failed += 1
             log.debug("plan for %s not taken by %s: %s", self.job, handle.address, exc)
             return
         self._account(reply, report)
 
-    @staticmethod
-    def _account(reply: Any, report: PlanReport) -> None:
+    def _account(self, reply: Any, report: PlanReport) -> None:
         report.workers += 1
         report.capacity_bytes += reply.capacity_bytes
         report.share_bytes += reply.capacity_bytes // max(1, reply.jobs)
         report.policy.add(reply.policy)
-        report.prefetches = report.prefetches and reply.prefetches
+        report.prefetches = report.prefetches and reply.prefetches and self.prefetch
 
     # -- renewal -------------------------------------------------------------------------------------
     def _progress(self) -> tuple[int, float]:

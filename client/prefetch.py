@@ -104,6 +104,11 @@ class Prefetcher(forksafe.ForkHook):
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a Prefetcher belongs to one process; the dataset builds one per process")
 
+    @property
+    def in_flight(self) -> int:
+        """Entries queued, being fetched, or fetched and waiting to be asked for (a live gauge)."""
+        return len(self._entries)
+
     def _ensure_pool(self) -> _Pool:
         if self._pid != os.getpid():  # a forked child: the parent's threads do not exist here
             self._entries, self.in_flight_bytes, self._pool = {}, 0, None

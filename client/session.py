@@ -105,8 +105,10 @@ class _ProcessState:
         self.fallback_store: Any = None
         self.mounts_learned = False
         self.fallback_slots = threading.BoundedSemaphore(config.fallback_concurrency)
-        # Reads not taken by a lean path (bulk.stats has those), and worker failovers, in this process.
-        self.counts = {"grpc_reads": 0, "grpc_bytes": 0, "store_reads": 0, "store_bytes": 0, "failovers": 0}
+        # Reads not taken by a lean path (bulk.stats has those), pages of gRPC reads by hit or miss
+        # as the worker's reply says, worker failovers, and reads that failed, in this process.
+        self.counts = {"grpc_reads": 0, "grpc_bytes": 0, "grpc_hits": 0, "grpc_misses": 0,
+                       "store_reads": 0, "store_bytes": 0, "failovers": 0, "errors": 0}
         self.lock = threading.Lock()
         self.watcher: ViewWatcher | None = None
         known_view = bootstrap.cluster_view() if bootstrap is not None else None
@@ -378,29 +380,39 @@ class ClientSession:
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
         timeout = self.read_timeout(length)
 
-        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[bytes, int, str]:
+        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[bytes, int, str, int, int]:
             # The first block in one unary call (a streaming call costs a thread and ~1 ms more
             # here, which is most of a small object's read); only what is left streams.
             reply = stub.ReadBlock(request, timeout=timeout)
             info = reply.info
             want = max(0, min(length, info.size - offset))
             if len(reply.data) >= want:
-                return reply.data, info.size, info.version
+                return reply.data, info.size, info.version, reply.pages_hit, reply.pages_missed
             rest = worker_pb2.ReadRequest(path=str(cp), offset=offset + len(reply.data),
                                           length=want - len(reply.data), version=info.version)
-            parts = [reply.data, *(chunk.data for chunk in stub.Read(rest, timeout=timeout))]
-            return b"".join(parts), info.size, info.version
+            parts, hits, misses = [reply.data], reply.pages_hit, reply.pages_missed
+            for chunk in stub.Read(rest, timeout=timeout):
+                parts.append(chunk.data)
+                hits, misses = hits + chunk.pages_hit, misses + chunk.pages_missed
+            return b"".join(parts), info.size, info.version, hits, misses
 
-        result = self.call(str(cp), call, f"read {cp}", offset=offset)
         counts = state.counts
-        if result is not None:
-            counts["grpc_reads"] += 1
-            counts["grpc_bytes"] += len(result[0])
-            return result
-        result = self._read_from_store(cp, offset, length, version)
+        try:
+            result = self.call(str(cp), call, f"read {cp}", offset=offset)
+            if result is not None:
+                data, size, version, hits, misses = result
+                counts["grpc_reads"] += 1
+                counts["grpc_bytes"] += len(data)
+                counts["grpc_hits"] += hits
+                counts["grpc_misses"] += misses
+                return data, size, version
+            got = self._read_from_store(cp, offset, length, version)
+        except Exception:
+            counts["errors"] += 1  # the read failed for its caller
+            raise
         counts["store_reads"] += 1
-        counts["store_bytes"] += len(result[0])
-        return result
+        counts["store_bytes"] += len(got[0])
+        return got
 
     def _read_from_store(self, cp: CachePath, offset: int, length: int, version: str) -> tuple[bytes, int, str]:
         store = self.fallback_store()
@@ -462,13 +474,21 @@ class ClientSession:
     def counters(self) -> dict[str, int]:
         """This process's read counters by path taken, flat: ``short_circuit_reads``/``_bytes``
         (of which ``held_reads``/``_bytes`` through held page handles), ``data_port_*``,
-        ``grpc_*``, ``store_*`` (fallback), ``lean_fallbacks``, ``lean_errors``, ``failovers``."""
+        ``grpc_*``, ``store_*`` (fallback), and per worker path the pages read by hit or miss
+        as the worker knew them (``short_circuit_hits``/``_misses``, of which ``held_*``;
+        ``data_port_hits``: it serves cached pages only; ``grpc_hits``/``_misses`` from the
+        replies); ``lean_fallbacks``, ``lean_errors``, ``failovers`` (a worker fault that moved
+        a call to the next worker or the store), ``errors`` (reads that failed for their caller)."""
         state = self._state.get()
         bulk = state.bulk
         out = dict(state.counts)
         for kind, stats in bulk.stats.items():
             out[f"{kind}_reads"], out[f"{kind}_bytes"] = stats["reads"], stats["bytes"]
         out["held_reads"], out["held_bytes"] = bulk.held["reads"], bulk.held["bytes"]
+        for kind, stats in bulk.stats.items():
+            out[f"{kind}_hits"], out[f"{kind}_misses"] = stats["hits"], stats["misses"]
+        short = bulk.stats["short_circuit"]
+        out["held_hits"], out["held_misses"] = short["held_hits"], short["held_misses"]
         out["lean_fallbacks"] = sum(s["fallbacks"] for s in bulk.stats.values())
         out["lean_errors"] = sum(s["errors"] for s in bulk.stats.values())
         return out

@@ -59,10 +59,16 @@ class ShortCircuitReader:
     kind = "short_circuit"
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
-                 handles: int = 4096, progress: Callable[[], tuple[str, int] | None] | None = None) -> None:
+                 handles: int = 4096, counts: dict[str, int] | None = None,
+                 progress: Callable[[], tuple[str, int] | None] | None = None) -> None:
         """``progress()``: the reading job's (plan job, position), sent with each request."""
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
         self._progress = progress
+        # Pages read, as the worker knew them: hits, misses (fetched for this process's request),
+        # and the part of those read through held handles (held_*). Shared with BulkPaths.stats.
+        self.counts = counts if counts is not None else {}
+        for name in ("hits", "misses", "held_hits", "held_misses"):
+            self.counts.setdefault(name, 0)
         self._pool = SocketPool(self._connect, max_idle)
         self.verified = VerifiedFiles()
         self.handles = HandleCache(handles)
@@ -151,9 +157,10 @@ class ShortCircuitReader:
                 if len(got.once) == n:  # served, not admitted: keep for one read (handles.ONCE)
                     slots = [ONCE if once and slot == 0 else slot for slot, once in zip(slots, got.once)]
                 generations = list(got.generations) or [0] * n
-                pages = [Page(fd, start, length, slot, generation, refs=1)
-                         for fd, start, length, slot, generation in
-                         zip(fds[pos:pos + n], got.page_offsets, got.page_lengths, slots, generations)]
+                fetched = list(got.fetched) if len(got.fetched) == n else [False] * n
+                pages = [Page(fd, start, length, slot, generation, refs=1, fetched=miss)
+                         for fd, start, length, slot, generation, miss in
+                         zip(fds[pos:pos + n], got.page_offsets, got.page_lengths, slots, generations, fetched)]
                 for page in pages:
                     fds[pos] = -1  # owned by its Page from here
                     pos += 1
@@ -221,9 +228,26 @@ class ShortCircuitReader:
             self.report()
         size, version, pages = found
         try:
-            return self._assemble(size, version, pages, offset, length, out)
+            got = self._assemble(size, version, pages, offset, length, out)
+            if got is not None:
+                self._tally(pages)
+            return got
         finally:
             self.handles.release(pages)
+
+    def _tally(self, pages: list[Page]) -> None:
+        """Count the pages a read used (they cover its range exactly): a page the worker fetched
+        for the request that brought it is a miss on its first read, any other read a hit
+        (read_held_into counts its batch the same way, once per batch)."""
+        misses = 0
+        for page in pages:
+            if page.fetched:
+                page.fetched = False
+                misses += 1
+        counts = self.counts
+        counts["hits"] += len(pages) - misses
+        if misses:
+            counts["misses"] += misses
 
     def _request_patiently(self, wanted: tuple[str, int, int, str]) -> tuple[int, str, list[Page]] | None:
         """Ask again, backing off (0.02 s doubling to 0.5 s), for up to FORKED_FILL_PATIENCE
@@ -245,6 +269,7 @@ class ShortCircuitReader:
         it another way). A read that fails midway is None too (its ``out`` may be partly filled)."""
         found = self.handles.lookup_many([(path, offset, len(out)) for path, offset, out in reads])
         results: list[tuple[int, int] | None] = []
+        used = misses = 0  # pages read, and of those fetched for the request that brought them
         try:
             for (_path, offset, out), got in zip(reads, found):
                 if got is None:
@@ -252,9 +277,21 @@ class ShortCircuitReader:
                     continue
                 size, version, pages = got
                 filled = self._assemble(size, version, pages, offset, len(out), out)
+                if filled is not None:
+                    used += len(pages)
+                    for page in pages:
+                        if page.fetched:
+                            page.fetched = False
+                            misses += 1
                 results.append(None if filled is None else (len(filled[0]), size))
         finally:
             self.handles.release_many(found)
+            counts = self.counts  # once per batch: this is the warm path
+            counts["hits"] += used - misses
+            counts["held_hits"] += used - misses
+            if misses:
+                counts["misses"] += misses
+                counts["held_misses"] += misses
         if self.handles.touched_pending() >= MAX_TOUCHED:
             self.report()
         return results

@@ -19,8 +19,9 @@ from cachefs.client.steptimer import StepTimer
 
 #: The dataset counters written (the rest of ds.stats() is for the report, not for curves).
 DATASET_SCALARS = ("samples", "wait_s", "bytes", "reads", "short_circuit_bytes", "held_bytes", "data_port_bytes",
-                   "grpc_bytes", "store_bytes", "lean_fallbacks", "failovers", "hints_sent", "prefetch_hits",
-                   "prefetch_on_demand", "max_prefetch_in_flight_bytes")
+                   "grpc_bytes", "store_bytes", "hits", "misses", "hit_ratio", "lean_fallbacks", "failovers",
+                   "errors", "hints_sent", "hints_answered", "prefetch_hits", "prefetch_on_demand",
+                   "prefetch_in_flight", "prefetch_in_flight_bytes", "max_prefetch_in_flight_bytes")
 
 
 class ScalarWriter(Protocol):

@@ -17,6 +17,9 @@ The rules it applies (and prints):
 Per epoch it prints samples/s and the share of the steps the loop spent waiting for data (the
 data stall, measured by ``cachefs.StepTimer``; a well-fed GPU job keeps it under a few percent),
 and at the end the timer's report and the client counters of all DataLoader workers (``ds.stats()``).
+With ``--tensorboard DIR`` it also writes those numbers as TensorBoard scalars every
+``--log-every`` steps (``cachefs.client.tensorboard``; needs ``pip install 'cachefs[tensorboard]'``);
+``examples/tensorboard_png.py DIR out.png`` draws them without a browser.
 """
 
 from __future__ import annotations
@@ -93,10 +96,17 @@ def train(master: str, data: str, args: argparse.Namespace) -> list[dict[str, An
           f"non_blocking {on_gpu} | batch {args.batch_size}")
     report = []
     timer = StepTimer()  # data wait vs compute per step (client/steptimer.py)
+    writer = None
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter  # the optional extra: cachefs[tensorboard]
+
+        from cachefs.client.tensorboard import write_scalars
+        writer = SummaryWriter(args.tensorboard)
+    step = 0
     for epoch in range(start_epoch, args.epochs):
         ds.set_epoch(epoch)
         t0 = time.perf_counter()
-        wait0, compute0 = timer.wait_s, timer.compute_s
+        mark = timer.mark()  # this epoch's steps: summary(since=mark)
         n = 0
         loss = torch.zeros(())
         for batch in timer(ds.track(loader), loader=loader):
@@ -108,27 +118,33 @@ def train(master: str, data: str, args: argparse.Namespace) -> list[dict[str, An
             if on_gpu:
                 loss.item()  # waits for the GPU: its time shows as compute, not as the next batch's wait
             n += len(batch)
+            step += 1
+            if writer is not None and step % args.log_every == 0:
+                write_scalars(writer, step, timer=timer, dataset=ds)  # ds.stats(): every DataLoader worker
             if args.checkpoint and n % (args.batch_size * args.checkpoint_every) == 0:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "data": ds.state_dict()},
                            args.checkpoint)
         if on_gpu:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        wait, compute = timer.wait_s - wait0, timer.compute_s - compute0
-        share = wait / (wait + compute) if wait + compute > 0 else 0.0  # after the epoch's first batch
+        share = timer.summary(since=mark).wait_share  # after the epoch's first batch
         row = {"epoch": epoch, "samples": n, "samples_per_s": n / seconds, "data_wait_share": share,
                "loss": float(loss.detach())}
         report.append(row)
         print(f"epoch {epoch}: {n} samples in {seconds:.2f} s = {row['samples_per_s']:.0f} samples/s; "
               f"waiting for data {100 * share:.1f}% of the steps after the first; loss {row['loss']:.3f}",
               flush=True)
+    if writer is not None:
+        write_scalars(writer, step, timer=timer, dataset=ds)
+        writer.close()
     print(timer.report())
     stats = ds.stats()  # summed over the DataLoader workers (client/jobstats.py)
     print(f"cachefs: {stats['samples']} samples, {stats['bytes'] / 1e6:.1f} MB in {stats['reads']} reads "
           f"(held handles {stats['held_bytes'] / 1e6:.1f} MB, short-circuit {stats['short_circuit_bytes'] / 1e6:.1f} MB, "
           f"data port {stats['data_port_bytes'] / 1e6:.1f} MB, gRPC {stats['grpc_bytes'] / 1e6:.1f} MB, "
-          f"store {stats['store_bytes'] / 1e6:.1f} MB); {stats['wait_s']:.2f} s reading in DataLoader workers",
-          flush=True)
+          f"store {stats['store_bytes'] / 1e6:.1f} MB); pages {stats['hits']} hits, {stats['misses']} misses "
+          f"(as the workers knew them); {stats['failovers']} failovers, {stats['errors']} errors; "
+          f"{stats['wait_s']:.2f} s reading in DataLoader workers", flush=True)
     return report
 
 
@@ -149,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", help="save model + data position here every --checkpoint-every batches; "
                                         "resume from it when it exists")
     p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--tensorboard", help="write StepTimer and ds.stats() scalars here (a TensorBoard log dir)")
+    p.add_argument("--log-every", type=int, default=5, help="steps between TensorBoard writes")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.local:

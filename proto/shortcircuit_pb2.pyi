@@ -45,7 +45,7 @@ class ShortCircuitRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ...) -> None: ...
 
 class RangeReply(_message.Message):
-    __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "once")
+    __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "fetched", "once")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[RangeReply.Code]
@@ -63,6 +63,7 @@ class RangeReply(_message.Message):
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     VALID_MS_FIELD_NUMBER: _ClassVar[int]
     FILLED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
     ONCE_FIELD_NUMBER: _ClassVar[int]
     code: RangeReply.Code
     message: str
@@ -73,8 +74,9 @@ class RangeReply(_message.Message):
     generations: _containers.RepeatedScalarFieldContainer[int]
     valid_ms: int
     filled: bool
+    fetched: _containers.RepeatedScalarFieldContainer[bool]
     once: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ..., once: _Optional[_Iterable[bool]] = ...) -> None: ...
+    def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ..., fetched: _Optional[_Iterable[bool]] = ..., once: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ShortCircuitReply(_message.Message):
     __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading")

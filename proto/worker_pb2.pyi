@@ -20,14 +20,18 @@ class ReadRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
-    __slots__ = ("offset", "data", "info")
+    __slots__ = ("offset", "data", "info", "pages_hit", "pages_missed")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    PAGES_HIT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_MISSED_FIELD_NUMBER: _ClassVar[int]
     offset: int
     data: bytes
     info: _common_pb2.ObjectInfo
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ...) -> None: ...
+    pages_hit: int
+    pages_missed: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., pages_hit: _Optional[int] = ..., pages_missed: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("path", "refresh")
@@ -212,7 +216,7 @@ class PlanRun(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("job", "replace", "runs", "done", "position", "rate", "lease_seconds")
+    __slots__ = ("job", "replace", "runs", "done", "position", "rate", "lease_seconds", "no_prefetch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +224,7 @@ class PlanRequest(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     RATE_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_PREFETCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     replace: bool
     runs: _containers.RepeatedCompositeFieldContainer[PlanRun]
@@ -227,7 +232,8 @@ class PlanRequest(_message.Message):
     position: int
     rate: float
     lease_seconds: float
-    def __init__(self, job: _Optional[str] = ..., replace: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[PlanRun, _Mapping]]] = ..., done: _Optional[bool] = ..., position: _Optional[int] = ..., rate: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    no_prefetch: bool
+    def __init__(self, job: _Optional[str] = ..., replace: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[PlanRun, _Mapping]]] = ..., done: _Optional[bool] = ..., position: _Optional[int] = ..., rate: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., no_prefetch: _Optional[bool] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("known", "capacity_bytes", "jobs", "policy", "prefetches")

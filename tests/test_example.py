@@ -27,8 +27,18 @@ def _run(*args: str) -> str:
 def test_example_trains_reports_and_resumes(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     out = _run("--epochs", "2", "--workdir", str(tmp_path / "w"), "--checkpoint", str(ckpt),
-               "--checkpoint-every", "2")
+               "--checkpoint-every", "2", "--tensorboard", str(tmp_path / "tb"), "--log-every", "2")
     assert "device cpu" in out and "pin_memory False" in out
+    # one page a sample: the warm epoch's 96 are hits; the cold one's are misses unless a hint was first
+    pages = re.search(r"pages (\d+) hits, (\d+) misses \(as the workers knew them\); 0 failovers, 0 errors", out)
+    assert pages and int(pages[1]) + int(pages[2]) == 192 and int(pages[1]) >= 96, out
+    # The TensorBoard log, drawn headless (docs/dataset.md shows such a picture): every default tag
+    from tensorboard_png import DEFAULT_TAGS, load, render
+    scalars = load(str(tmp_path / "tb"))
+    assert scalars["cachefs/data/samples"][-1][1] == 192 and len(scalars["cachefs/step/wait_share"]) >= 6
+    png = tmp_path / "tb.png"
+    assert render(str(tmp_path / "tb"), str(png)) == list(DEFAULT_TAGS)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     epochs = re.findall(r"epoch (\d): 96 samples in [\d.]+ s = (\d+) samples/s; waiting for data ([\d.]+)%", out)
     assert [e[0] for e in epochs] == ["0", "1"]
     assert all(int(rate) > 0 and 0 <= float(share) <= 100 for _, rate, share in epochs)

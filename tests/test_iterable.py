@@ -288,7 +288,8 @@ def test_without_an_index_the_shards_are_scanned(sharded, local_store):
 def test_hints_bring_upcoming_shards_into_the_cache(sharded):
     shards, opts = sharded(80, shard_bytes=30_000)
     ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=2,
-                                          rank=0, world_size=1, prefetch_blocks=2, hint_shards=2, shuffle=False)
+                                          rank=0, world_size=1, prefetch_blocks=2, hint_shards=2, shuffle=False,
+                                          plan_ahead=False)  # with a plan the workers prefetch instead
     assert len(list(ds)) == 80
     stats = ds.hinter.stats
     assert stats["sent"] > 0 and stats["failed"] == 0
@@ -297,7 +298,7 @@ def test_hints_bring_upcoming_shards_into_the_cache(sharded):
 def test_a_hint_caches_a_shard_before_anyone_reads_it(sharded):
     shards, opts = sharded(40, shard_bytes=30_000)
     ds = CacheIterableDataset.from_index("cachefs://data/shards/index.json", storage_options=opts, batch_size=2,
-                                         rank=0, world_size=1)
+                                         rank=0, world_size=1, plan_ahead=False)  # no plan-driven prefetch
     shards = ds.shards  # cachefs:// paths
     stub = worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(opts["workers"]))
     path = lambda s: s.path.removeprefix("cachefs://")  # noqa: E731

@@ -53,7 +53,7 @@ def exposed(port: int) -> dict[str, tuple[str, str]]:
 def test_docs_table_parses():
     docs = documented()
     assert len(docs) >= 40
-    assert all(n.startswith(("cachefs_worker_", "cachefs_master_")) for n in docs)
+    assert all(n.startswith(("cachefs_worker_", "cachefs_master_", "cachefs_client_")) for n in docs)
     assert all(n.endswith("_total") == (kind == "counter") for n, (kind, _) in docs.items())
 
 
@@ -90,7 +90,7 @@ def test_every_exposed_metric_is_documented_and_every_documented_one_exposed(clu
     worker = exposed(cluster.workers[0].ready["metrics_port"])
     assert all(n.startswith("cachefs_master_") for n in master)
     assert all(n.startswith("cachefs_worker_") for n in worker)
-    docs = documented()
+    docs = {n: v for n, v in documented().items() if not n.startswith("cachefs_client_")}
     live = {**master, **worker}
     assert sorted(set(live) - set(docs)) == [], "exposed but not in docs/metrics.md"
     assert sorted(set(docs) - set(live)) == [], "in docs/metrics.md but not exposed"
@@ -119,6 +119,46 @@ def test_the_named_figures_are_there_with_values(cluster: LocalCluster):
     assert m['cachefs_master_active_job_bytes{"part": "total"}'] == 0  # nothing left running
     assert wait_for(lambda: samples(cluster.master.ready["metrics_port"])["cachefs_master_cluster_capacity_bytes"]
                     == 64 << 20, timeout=15)  # from the worker's heartbeats
+
+
+def test_a_jobs_client_metrics_on_one_port_are_documented_and_sum_its_processes(local_store, make_worker):
+    """A training job's port (client/prometheus.py) over 2 DataLoader workers: every client metric
+    documented, and the values are the whole job's (the workers' reads, not the main process's)."""
+    from torch.utils.data import DataLoader
+
+    from cachefs import StepTimer
+    from cachefs.client import prometheus
+    from cachefs.client.dataset import CacheDataset
+
+    n = 12
+    for i in range(n):
+        local_store.add(f"train/{i:03d}.bin", payload(2000, i))
+    worker = make_worker(local_store.mount, page_size=64 << 10)
+    ds = CacheDataset.from_prefix("cachefs://data/train", storage_options={"workers": worker.address},
+                                  rank=0, world_size=1, hint_samples=0)
+    loader = DataLoader(ds, batch_size=3, sampler=ds.sampler(), num_workers=2, timeout=60,
+                        multiprocessing_context="fork")
+    timer = StepTimer()
+    assert sum(len(b) for b in timer(loader)) == n
+    server = prometheus.serve(0, datasets=[ds], timer=timer)
+    try:
+        live = exposed(server.port)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    finally:
+        server.close()
+    docs = {k: v for k, v in documented().items() if k.startswith("cachefs_client_")}
+    assert sorted(set(live) - set(docs)) == [], "exposed but not in docs/metrics.md"
+    assert sorted(set(docs) - set(live)) == [], "in docs/metrics.md but not exposed"
+    wrong = {k: (live[k], docs[k]) for k in docs if live[k] != docs[k]}
+    assert wrong == {}, "type or help text differs (exposed, documented)"
+    values = {f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["cachefs_client_samples_total"] == n
+    # cold: every page fetched for the job's requests, read through the handles it came with
+    assert values['cachefs_client_pages_total{"outcome": "miss", "path": "held"}'] == n
+    assert values['cachefs_client_bytes_total{"path": "held"}'] == n * 2000
+    assert values['cachefs_client_reads_total{"path": "grpc"}'] == 0
+    assert values["cachefs_client_steps_total"] == timer.summary().steps > 0
 
 
 def _exprs(node: object) -> list[str]:

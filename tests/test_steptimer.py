@@ -103,3 +103,65 @@ def test_real_dataset_over_a_slow_store_is_flagged_then_a_slow_step_is_not(make_
     assert len(_run(warm, ds.track(loader), compute_s=0.03)) == 16  # warm, and the step is the slow part
     assert not warm.summary().input_bound, warm.report()
     assert ds.stats()["samples"] == 32
+
+
+def test_a_store_behind_the_delay_proxy_makes_a_cold_loop_input_bound_and_a_warm_one_not(make_worker):
+    """The object store is moto behind cachefs/netem.py's userspace delay proxy (20 ms each way,
+    so ~80 ms to a cold GET's first byte): a cold epoch with a short step is flagged input-bound;
+    the same samples warm, with a step longer than their reads, are not."""
+    import s3fs
+
+    from cachefs import netem
+    from cachefs.client.dataset import CacheDataset
+    from cachefs.mounts import MountSpec
+    from helpers import payload
+
+    with netem.moto_endpoint(20, netem=False) as ep:  # the proxy: never touches the host's network
+        assert ep.mode == "proxy", ep.note
+        bucket = ep.new_bucket("steptimer")
+        store = s3fs.S3FileSystem(skip_instance_cache=True, **ep.storage_options())
+        store.pipe({f"{bucket}/train/{i:03d}.bin": payload(2000 + i, i) for i in range(12)})
+        worker = make_worker(MountSpec("s3", f"s3://{bucket}", ep.storage_options()), page_size=64 << 10)
+        ds = CacheDataset.from_prefix("cachefs://s3/train", storage_options={"workers": worker.address},
+                                      rank=0, world_size=1, hint_samples=0, prefetch_depth=0)
+        loader = DataLoader(ds, batch_size=2, sampler=ds.sampler(), num_workers=0, collate_fn=lambda b: b)
+        cold = StepTimer(threshold=0.2)
+        assert len(_run(cold, ds.track(loader), compute_s=0.005)) == 12
+        print(cold.report())
+        assert cold.summary().input_bound and "INPUT-BOUND" in cold.report()
+        assert ds.stats()["misses"] == 12  # every sample fetched through the proxy
+        ds.set_epoch(1)
+        warm = StepTimer(threshold=0.2)
+        assert len(_run(warm, ds.track(loader), compute_s=0.03)) == 12
+        print(warm.report())
+        assert not warm.summary().input_bound, warm.report()
+        assert ds.stats()["hits"] == 12  # and none of them went to the store
+
+
+def test_per_epoch_summary_since_a_mark():
+    timer = StepTimer()
+    list(timer(range(5)))
+    mark = timer.mark()
+    list(timer(range(3)))
+    since = timer.summary(since=mark)
+    assert since.steps == 2 and timer.summary().steps == 6  # each pass's first batch is start-up
+    assert 0 <= since.wait_share <= 1 and since.startup_s <= timer.summary().startup_s
+
+
+def test_batches_that_were_ready_are_told_apart_as_the_dataloaders_hand_off():
+    import types
+
+    def ready_batches():
+        for i in range(12):
+            time.sleep(0.0005)  # each batch waits well under HANDOFF_S: it was ready
+            yield i
+
+    timer = StepTimer(threshold=0.01)
+    for _ in timer(ready_batches(), loader=types.SimpleNamespace(num_workers=2, pin_memory=False)):
+        time.sleep(0.002)
+    assert timer.summary().input_bound
+    assert "set_sharing_strategy('file_system')" in timer.report()
+    slow = StepTimer(threshold=0.01)
+    slow_ds = SlowDataset(6, 0.01)
+    list(slow((slow_ds[i] for i in range(len(slow_ds))), loader=types.SimpleNamespace(num_workers=2)))
+    assert "set_sharing_strategy" not in slow.report()  # waits of 10 ms are reads, not the hand-off

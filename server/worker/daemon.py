@@ -89,7 +89,10 @@ class Worker:
         self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl,
                                    stale_grace=config.metadata_stale_grace)
         # Training jobs' read plans (plans.py): with eviction "future" the page store evicts by them.
-        self.plans = PlanTable(config.page_size, on_change=lambda: self.pages.replan())
+        # A plan changed (completed, replaced, expired): the sweeper thread asks every cached page's
+        # next use again, off the RPC thread (at millions of pages that takes seconds).
+        self._replan = threading.Event()
+        self.plans = PlanTable(config.page_size, on_change=self._replan.set)
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size,
                                next_use=self.plans.next_use if config.eviction == "future" else None)
         self.objects.on_fetched = self._on_fetched
@@ -186,10 +189,15 @@ class Worker:
             servicer.plan_ahead(job)
 
     def _expire_plans(self) -> None:
-        """A job that stopped renewing its plan pins nothing once its lease ends."""
-        while not self._stopped.wait(1.0):
+        """A job that stopped renewing its plan pins nothing once its lease ends; after any change
+        of the plans, every cached page's next use is asked again."""
+        while not self._stopped.is_set():
+            self._replan.wait(1.0)
             try:
                 self.plans.expire()
+                if self._replan.is_set():
+                    self._replan.clear()
+                    self.pages.replan()
             except Exception:  # noqa: BLE001 - never let the sweeper die; the next round retries
                 log.exception("expiring plans failed")
 

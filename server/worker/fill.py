@@ -67,9 +67,11 @@ class RangeFiller:
         if self._on_outcome is not None and name not in ("requests", "ranges") and n:
             self._on_outcome(name, n)
 
-    def fill(self, ranges: Sequence[Any]) -> bool:
+    def fill(self, ranges: Sequence[Any], fetched: list[set[Any]] | None = None) -> bool:
         """Bring every page of ``ranges`` (RangeRequests) into the page store, or as many as can be
-        by the deadline; False (nothing done) when too many fills are running already."""
+        by the deadline; False (nothing done) when too many fills are running already.
+        ``fetched``: one set per range, given the ids of the pages that were not cached (fetched
+        for this request, or joined a fetch in flight): the misses its reply tells the client."""
         if not ranges:
             return True
         if not self._slots.acquire(blocking=False):
@@ -79,13 +81,14 @@ class RangeFiller:
             self._count("requests")
             self._count("ranges", len(ranges))
             deadline = time.monotonic() + self.deadline_seconds
-            futures = [self._pool.submit(self._fill_one, r, deadline) for r in ranges]
+            futures = [self._pool.submit(self._fill_one, r, deadline, None if fetched is None else fetched[i])
+                       for i, r in enumerate(ranges)]
             wait(futures, timeout=self.deadline_seconds)  # each range counts its own outcome
             return True
         finally:
             self._slots.release()
 
-    def _fill_one(self, wanted: Any, deadline: float) -> None:
+    def _fill_one(self, wanted: Any, deadline: float, fetched: set[Any] | None = None) -> None:
         if time.monotonic() >= deadline:  # queued behind other fills until too late: no store call
             self._count("late")
             return
@@ -100,6 +103,8 @@ class RangeFiller:
             page_size = self.reader.page_size
             last = (end - 1) // page_size
             claimed = self.reader.claim(meta, wanted.offset // page_size, last)
+            if fetched is not None:
+                fetched.update(pid for pid, _ in claimed)
             self._read_ahead(meta, wanted.offset, end, last)
             for pid, future in claimed:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))

@@ -76,6 +76,7 @@ class _Job:
     reads: list[tuple[int, str]] = field(default_factory=list)  # (position, path), sorted when complete
     read_bytes: int = 0  # summed over reads: bytes a position reads on this worker, on average
     ahead_to: int = 0  # positions before this were handed to prefetch already
+    prefetch: bool = True  # the job wants what it reads next fetched ahead (not: no_prefetch)
 
     def estimate(self, now: float) -> float:
         """Where the job reads now: its last position, moved on at its rate for up to a few seconds."""
@@ -142,7 +143,7 @@ class PlanTable:
                     self._drop(job)
                     changed = changed or job.complete
                 rate = request.rate or DEFAULT_RATE
-                job = _Job(job_id, now + lease, now, request.position, rate, rate)
+                job = _Job(job_id, now + lease, now, request.position, rate, rate, prefetch=not request.no_prefetch)
                 self._jobs[job_id] = job
                 self.stats["registered"] += 1
             elif job is None:
@@ -268,7 +269,7 @@ class PlanTable:
         than ``window_bytes`` ahead (what the cache can hold for it). Marks them handed out."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or not job.complete or not job.reads:
+            if job is None or not job.complete or not job.reads or not job.prefetch:
                 return []
             per_position = max(1, job.read_bytes // max(1, len(job.reads)))
             span = min(max(at_least, int(job.rate * window_seconds)), max(1, window_bytes // per_position))

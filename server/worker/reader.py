@@ -296,13 +296,15 @@ class PageReader:
         return True
 
     def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None,
-             then: int = 0) -> Iterator[bytes | memoryview]:
+             then: int = 0, tally: list[int] | None = None) -> Iterator[bytes | memoryview]:
         """Yield the bytes of [offset, offset+length) in order, at most one page per chunk.
 
         ``deadline`` is a ``time.monotonic()`` instant; waits past it raise DeadlineExceededError.
         ``then``: bytes the caller will ask for right after this range (the rest of a read whose
         first block this is); up to ``parallel_pages`` pages of them are fetched now, so the store
         works while this range travels to the caller and the next call arrives.
+        ``tally``: ``[hits, misses]`` this read adds its pages to (a page is counted before its
+        chunk is yielded): the hit or miss the reply tells the client.
         """
         end = min(meta.size, offset + length)
         if offset >= end:
@@ -323,6 +325,8 @@ class PageReader:
                 self._readahead(meta, last + 1, ahead)
                 ahead = 0
             fut, cached = pending.popleft()
+            if tally is not None:
+                tally[0 if cached else 1] += 1
             data = self._wait(fut, meta, index, deadline)
             page_start = index * self.page_size
             lo = max(offset, page_start) - page_start

@@ -126,11 +126,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         meta, length = self._check_read(request)
         block = min(length, MAX_BLOCK)
         # The caller streams the rest right after this reply: its fetch starts now (then=...).
-        parts = list(self.reader.read(meta, request.offset, block, deadline, then=length - block))
+        tally = [0, 0]  # pages hit, missed: the reply tells the client
+        parts = list(self.reader.read(meta, request.offset, block, deadline, then=length - block, tally=tally))
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         data = data if isinstance(data, bytes) else bytes(data)
         self.metrics.bytes_served.inc(len(data))
-        return worker_pb2.ReadChunk(offset=request.offset, data=data, info=info_message(meta))
+        return worker_pb2.ReadChunk(offset=request.offset, data=data, info=info_message(meta),
+                                    pages_hit=tally[0], pages_missed=tally[1])
 
     @rpc("Read", streaming=True)
     def Read(self, request: worker_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ReadChunk]:
@@ -139,11 +141,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         info = info_message(meta)
         position = request.offset
         sent_first = False
-        for chunk in self.reader.read(meta, request.offset, length, deadline):
+        tally = [0, 0]  # pages hit, missed so far; each chunk carries those of its page
+        told = [0, 0]
+        for chunk in self.reader.read(meta, request.offset, length, deadline, tally=tally):
             for start in range(0, len(chunk), MAX_CHUNK):
                 piece = chunk[start:start + MAX_CHUNK]
                 data = piece if isinstance(piece, bytes) else bytes(piece)
-                msg = worker_pb2.ReadChunk(offset=position, data=data)
+                msg = worker_pb2.ReadChunk(offset=position, data=data, pages_hit=tally[0] - told[0],
+                                           pages_missed=tally[1] - told[1])
+                told = list(tally)
                 if not sent_first:
                     msg.info.CopyFrom(info)
                     sent_first = True

@@ -146,9 +146,10 @@ class ShortCircuitServer(ConnectionServer):
                 budget -= len(answers[-1][1])
             cold = [i for i, (wanted, (got, _)) in enumerate(zip(request.ranges, answers))
                     if wanted.fill and got.code == RangeReply.NOT_CACHED]
-            if cold and self.filler is not None and self.filler.fill([request.ranges[i] for i in cold]):
-                for i in cold:
-                    answers[i] = self._range(request.ranges[i], budget)
+            fetched: list[set[Any]] = [set() for _ in cold]  # per cold range: pages not cached (misses)
+            if cold and self.filler is not None and self.filler.fill([request.ranges[i] for i in cold], fetched):
+                for i, missed in zip(cold, fetched):
+                    answers[i] = self._range(request.ranges[i], budget, missed)
                     budget -= len(answers[i][1])
                     answers[i][0].filled = True
         except BaseException:
@@ -161,8 +162,9 @@ class ShortCircuitServer(ConnectionServer):
             fds.extend(range_fds)
         return reply
 
-    def _range(self, wanted: Any, budget: int) -> tuple[Any, list[int]]:
-        """The reply for one range and the descriptors to send with it (at most ``budget``)."""
+    def _range(self, wanted: Any, budget: int, missed: set[Any] | None = None) -> tuple[Any, list[int]]:
+        """The reply for one range and the descriptors to send with it (at most ``budget``);
+        ``missed``: ids of its pages fetched for this request (flagged ``fetched``)."""
         if budget <= 0:
             return RangeReply(code=RangeReply.REFUSED, message=f"more than {MAX_PAGES} pages in one reply"), []
         opened = self.pages.open(wanted, max_pages=budget)
@@ -179,9 +181,11 @@ class ShortCircuitServer(ConnectionServer):
         elif self._on_handed_out is not None and opened.fds:
             self._on_handed_out(opened.end - opened.offset)
         range_fds, opened.fds = opened.fds, []
+        fetched = [pid in missed for pid in opened.pages] if missed else []
         return RangeReply(code=RangeReply.OK, info=info, page_offsets=opened.page_offsets,
                           page_lengths=opened.page_lengths, slots=slots, generations=generations,
-                          valid_ms=max(0, int((until - now) * 1000)), once=once if any(once) else []), range_fds
+                          valid_ms=max(0, int((until - now) * 1000)), fetched=fetched,
+                          once=once if any(once) else []), range_fds
 
     def _slots(self, pages: list[Any], until: float) -> tuple[list[int], list[int]]:
         """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor."""
