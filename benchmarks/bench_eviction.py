@@ -185,20 +185,26 @@ def one_run(moto: MotoServer, bucket: str, paths: list[str], keys: list[str], ar
                 for e in range(args.epochs):
                     _wait_all(sync, f"start-{e}", ranks, procs)
                     before = {w.address: worker_status(w.address) for w in workers}
+                    scraped = {w.address: _scrape(w.ready["metrics_port"]) for w in workers}
                     t0 = time.perf_counter()
                     open(os.path.join(sync, f"start-{e}.go"), "w").close()
                     _wait_all(sync, f"end-{e}", ranks, procs)
                     seconds = time.perf_counter() - t0
                     after = {w.address: worker_status(w.address) for w in workers}
+                    rescraped = {w.address: _scrape(w.ready["metrics_port"]) for w in workers}
                     open(os.path.join(sync, f"end-{e}.go"), "w").close()
                     per = {a: {k: after[a][k] - before[a][k] for k in ("bytes_from_store", "hits", "misses",
                                                                         "evictions")} for a in after}
+                    for a in per:  # where this epoch's store traffic came from, on each worker
+                        per[a]["counters"] = {k: v - scraped[a].get(k, 0) for k, v in rescraped[a].items()
+                                              if v - scraped[a].get(k, 0)}
                     epochs.append({"epoch": e, "seconds": round(seconds, 2),
                                    "store_bytes": sum(p["bytes_from_store"] for p in per.values()),
                                    "per_worker": per})
                 for p in procs:
                     if p.wait(timeout=300) != 0:
                         raise RuntimeError("a rank failed")
+                counters = {w.address: _scrape(w.ready["metrics_port"]) for w in workers}
             finally:
                 for p in procs:
                     if p.poll() is None:
@@ -231,7 +237,32 @@ def one_run(moto: MotoServer, bucket: str, paths: list[str], keys: list[str], ar
             "num_workers": num_workers, "quota_bytes_per_worker": quota, "capacity_pages_per_worker": capacity,
             "data_bytes": data_bytes, "epochs": epochs, "optimum_store_bytes": optimum_epochs,
             "store_bytes_after_first": measured_after_first, "optimum_after_first": optimum_after_first,
-            "vs_optimum": round(measured_after_first / optimum_after_first, 3) if optimum_after_first else None}
+            "vs_optimum": round(measured_after_first / optimum_after_first, 3) if optimum_after_first else None,
+            "worker_counters": counters}
+
+
+#: Worker counters kept per run (where the store traffic came from, what was not admitted).
+COUNTERS = ("cachefs_worker_store_requests_total", "cachefs_worker_page_reads_total",
+            "cachefs_worker_fill_ranges_total", "cachefs_worker_load_bytes_total",
+            "cachefs_worker_load_not_admitted_total", "cachefs_worker_cache_bypassed_admissions_total",
+            "cachefs_worker_cache_passing_dropped_total", "cachefs_worker_cache_evictions_total",
+            "cachefs_worker_held_unlinked_bytes", "cachefs_worker_page_writes_dropped_total")
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in COUNTERS:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
 
 
 def _owners(addresses: str, keys: list[str]) -> dict[str, str]:
@@ -253,6 +284,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--only", action="append", metavar="QUOTA:shuffled|sequential:RANKS:DL_WORKERS",
+                    help="run these configurations only (repeatable), e.g. 0.5:shuffled:1:2")
     ap.add_argument("--hint-samples", type=int, default=256, help="CacheDataset's hint_samples (its default)")
     ap.add_argument("--worker-env", action="append", default=[], metavar="CACHEFS_WORKER_X=V",
                     help="worker settings through the environment (repeatable)")
@@ -273,6 +306,11 @@ def main() -> None:
     grid = [(q, s, r, w) for q in (0.5, 0.25) for s in (True, False) for r in (1, 2) for w in (0, 2)]
     if args.quick:
         grid = [(0.5, True, 1, 0), (0.25, True, 1, 0)]
+    if args.only:
+        grid = []
+        for spec in args.only:
+            q, order, r, w = spec.split(":")
+            grid.append((float(q), order == "shuffled", int(r), int(w)))
     with MotoServer() as moto:
         bucket = moto.new_bucket("evict")
         client = moto.client()

@@ -35,6 +35,7 @@ class PassingPages:
         self._pages: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # digest -> (expires, payload)
         self._bytes = 0
         self._opened: OrderedDict[str, float] = OrderedDict()  # handed out as descriptors lately
+        self.dropped = 0  # pages that left before anyone took them (bound or age): refetched if read
 
     def add(self, digest: str, payload: bytes) -> None:
         now = time.monotonic()
@@ -47,6 +48,7 @@ class PassingPages:
             while self._pages and (self._bytes > self.max_bytes or next(iter(self._pages.values()))[0] <= now):
                 _, (_, gone) = self._pages.popitem(last=False)
                 self._bytes -= len(gone)
+                self.dropped += 1
 
     def get(self, digest: str) -> bytes | None:
         """The page, once: its reader takes it (a later read is a miss, as for any page not cached)."""

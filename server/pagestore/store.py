@@ -125,6 +125,7 @@ class PageStoreStats:
     held_unlinked_bytes: int = 0  # in used_bytes: unlinked pages local clients may still hold open
     bypassed: int = 0  # pages used later than every cached one: cached only until the next put
     policy: str = "lru"  # which page leaves first: "lru" or "future" (policy.py)
+    passing_dropped: int = 0  # pages not admitted that left memory before their reader took them
 
 
 class _State(enum.Enum):
@@ -186,7 +187,7 @@ class PageStore:
         quota = sum(d.quota_bytes for d in dirs)
         # Pages not admitted wait here for their reader: fetched for a read under way, or ahead of
         # one by the plan's prefetch (whose window is bounded by this: passing_bytes).
-        self.passing_bytes = max(16 * page_size, min(256 << 20, quota // 8))
+        self.passing_bytes = max(64 * page_size, min(256 << 20, quota // 8))
         self._passing = PassingPages(self.passing_bytes)
         self._next_use = next_use
         self.policy = "future" if next_use is not None else "lru"
@@ -524,6 +525,7 @@ class PageStore:
                 held_unlinked_bytes=self._held_bytes,
                 bypassed=self._bypassed,
                 policy=self.policy,
+                passing_dropped=self._passing.dropped,
             )
 
     def close(self) -> None:

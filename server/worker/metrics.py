@@ -68,6 +68,12 @@ class _PageStoreCollector(Collector):
             "until the next page needs room.",
             value=s.bypassed,
         )
+        yield CounterMetricFamily(
+            "cachefs_worker_cache_passing_dropped",
+            "Pages served but not admitted that left memory before their reader took them "
+            "(a later read fetches them again).",
+            value=s.passing_dropped,
+        )
 
 
 class _RawServersCollector(Collector):

@@ -123,7 +123,7 @@ class PageReader:
                 self._page_reads["joined"].inc()
             return [(fut, False)]
         if prefetch:
-            if self.pages.contains(pid):
+            if self.pages.available(pid):
                 return []
         else:
             data = self.pages.get(pid)
@@ -142,7 +142,7 @@ class PageReader:
                 return [(fut, False)]
             for i in range(index, last + 1):
                 next_pid = pid if i == index else self._page_id(meta, i)
-                if i > index and (next_pid in self._inflight or self.pages.contains(next_pid)):
+                if i > index and (next_pid in self._inflight or self.pages.available(next_pid)):
                     break
                 fut = Future()
                 self._inflight[next_pid] = fut
