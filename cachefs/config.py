@@ -480,6 +480,9 @@ class FuseConfig:
     read_ahead: int = 8 << 20
     threads: int = 16  # libfuse threads serving requests at once (the client is thread-safe)
     allow_other: bool = False  # let other users (a training pod's) read the mount; needs root
+    # Writes through the mount (client/fusewrite.py: whole objects, streamed, published at close).
+    # Off by default: a read-only mount can never change the store by mistake.
+    writable: bool = False
     client: ClientConfig | None = None
 
     def __post_init__(self) -> None:

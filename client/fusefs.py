@@ -61,6 +61,10 @@ class _Expiring:
             return None
         return item[1]
 
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
     def put_many(self, items: list[tuple[str, Any]]) -> None:
         if self.ttl <= 0:
             return
@@ -90,6 +94,7 @@ class CacheFuseOps:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._uid, self._gid = os.getuid(), os.getgid()
+        self.writable = False  # client/fusewrite.py's subclass writes (and its modes say so)
 
     # -- paths and attributes ---------------------------------------------------------------------
     def _mount_names(self) -> list[str]:
@@ -107,10 +112,11 @@ class CacheFuseOps:
 
     def _stat(self, kind: str, size: int = 0, mtime: float = 0.0) -> dict[str, int]:
         ns = int(mtime * 1e9)
+        write = 0o200 if self.writable else 0
         if kind == "directory":
-            mode, nlink = stat.S_IFDIR | 0o555, 2
+            mode, nlink = stat.S_IFDIR | 0o555 | write, 2
         else:
-            mode, nlink = stat.S_IFREG | 0o444, 1
+            mode, nlink = stat.S_IFREG | 0o444 | write, 1
         return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": self._uid, "st_gid": self._gid,
                 "st_mtime": ns, "st_ctime": ns, "st_atime": ns, "st_blocks": (size + 511) // 512,
                 "st_blksize": self.max_read}
@@ -261,6 +267,12 @@ class CacheFuseOps:
             raise OSError(errno.EIO, f"{path}: {exc}") from None
 
 
+#: errnos that mean what they say wherever they come from (a store's refusal, an unsupported write).
+_KEPT = frozenset({errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EXDEV, errno.ENOSPC,
+                   errno.EROFS, errno.EACCES, errno.EPERM, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF,
+                   errno.EBUSY, errno.ENAMETOOLONG})
+
+
 def _errno_of(exc: OSError) -> int:
     if isinstance(exc, StaleObjectError):
         return errno.ESTALE
@@ -272,4 +284,8 @@ def _errno_of(exc: OSError) -> int:
         return errno.ENOTDIR
     if isinstance(exc, PermissionError):
         return errno.EACCES
+    if isinstance(exc, FileExistsError):
+        return errno.EEXIST
+    if type(exc) is OSError and exc.errno in _KEPT:
+        return exc.errno
     return errno.EIO
