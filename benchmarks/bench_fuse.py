@@ -64,6 +64,28 @@ def read_file(path: str, buf: np.ndarray) -> int:
     return pos
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds a live process's threads have run (schedstat, ns): what a case cost a FUSE process."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except OSError:
+        return 0.0
+    return total / 1e9
+
+
+def free(address: str, prefix: str) -> None:
+    """Empty the worker's cache below ``prefix`` (a cold epoch starts from nothing cached)."""
+    import grpc
+
+    from cachefs.proto import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix=f"{MOUNT}/{prefix}/"), timeout=60)
+
+
 def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -79,42 +101,51 @@ def drop_kernel_copy(path: str) -> None:
 
 
 @contextlib.contextmanager
-def cachefs_mount(tmp: str, storage_options: dict[str, Any], bucket: str) -> Iterator[str]:
-    """A worker process over the bucket and a `cachefs fuse` process over it; yields the mount's folder."""
+def cachefs_worker(tmp: str, storage_options: dict[str, Any], bucket: str) -> Iterator[Any]:
+    """A `cachefs worker` process over the bucket; yields it (``.address``)."""
     from cachefs.local import toml_value, worker_process
 
     config = os.path.join(tmp, "worker.toml")
     with open(config, "w") as f:
         f.write(f"[worker]\n\n[mounts.{MOUNT}]\nurl = {toml_value('s3://' + bucket)}\n"
                 f"options = {toml_value(storage_options)}\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
-    worker = worker_process({}, os.path.join(tmp, "cache"), quota="4GiB", env=env,
+    worker = worker_process({}, os.path.join(tmp, "cache"), quota="4GiB", env=_env(),
                             log_path=os.path.join(tmp, "worker.log"), extra=["--config", config])
-    mountpoint = os.path.join(tmp, "mnt")
-    os.mkdir(mountpoint)
-    fuse = None
     try:
         worker.start(timeout=60)
-        fuse = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "fuse", mountpoint, "--workers", worker.address],
-                                stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, "fuse.log"), "w"), text=True,
-                                env=env)
+        yield worker
+    finally:
+        worker.stop()
+        worker.kill()
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+
+
+@contextlib.contextmanager
+def cachefs_mount(tmp: str, address: str, name: str, *args: str) -> Iterator[tuple[str, int]]:
+    """A `cachefs fuse` process over the worker; yields (the mount's folder, the process id)."""
+    mountpoint = os.path.join(tmp, name)
+    os.mkdir(mountpoint)
+    fuse = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "fuse", mountpoint, "--workers", address, *args],
+                            stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, f"{name}.log"), "w"), text=True,
+                            env=_env())
+    try:
         mounted = threading.Event()
         threading.Thread(target=lambda: [mounted.set() for line in fuse.stdout if '"mounted"' in line],
                          daemon=True).start()
         if not mounted.wait(60):
-            raise RuntimeError(f"cachefs fuse did not mount: see {tmp}/fuse.log")
-        yield os.path.join(mountpoint, MOUNT)
+            raise RuntimeError(f"cachefs fuse did not mount: see {tmp}/{name}.log")
+        yield os.path.join(mountpoint, MOUNT), fuse.pid
     finally:
-        if fuse is not None:
-            fuse.terminate()
-            try:
-                fuse.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                fuse.kill()
-                fuse.wait(timeout=10)
-                subprocess.run(["umount", "-l", mountpoint], capture_output=True, timeout=30)
-        worker.stop()
-        worker.kill()
+        fuse.terminate()
+        try:
+            fuse.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            fuse.kill()
+            fuse.wait(timeout=10)
+            subprocess.run(["umount", "-l", mountpoint], capture_output=True, timeout=30)
 
 
 def plot(ratios: dict[str, float], path: str) -> None:
@@ -143,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--small", type=int, default=200, help="number of 256 KiB objects")
     parser.add_argument("--repeat", type=int, default=7, help="passes of each warm case, interleaved (median)")
+    parser.add_argument("--epoch-samples", type=int, default=1000,
+                        help="256 KiB samples of the DataLoader epochs (0: no epochs)")
     parser.add_argument("--out", help="JSON result (default benchmarks/baselines/fuse-<date>.json)")
     args = parser.parse_args(argv)
 
@@ -157,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     big, small = 64 << 20, 256 << 10
     results: dict[str, float] = {}
     tmp = tempfile.mkdtemp(prefix="cachefs-bench-fuse-")
+    epochs: list[dict[str, Any]] = []
     try:
         with store_endpoint(0.0) as store:
             ds = make_dataset(store, os.path.join(tmp, "local"), args.small, small, 1, big, seed=7)
@@ -186,20 +220,27 @@ def main(argv: list[str] | None = None) -> int:
                 for out in slots:
                     out[:] = 0
 
+            fuse_pids: list[int] = []
+            fuse_cpu: dict[str, float] = {}
+
             def measure(cases: dict[str, tuple[Callable[[str], Any], str, Callable[[], None] | None]]) -> None:
                 """Each case ``name: (fn, root, before)`` run --repeat times, the cases interleaved
                 (round after round: the machine's other load falls on all of them alike); the
                 median pass of each into results; every pass checked after it."""
                 times: dict[str, list[float]] = {name: [] for name in cases}
+                cpu = dict.fromkeys(cases, 0.0)
                 for _ in range(args.repeat):
                     for name, (fn, root, before) in cases.items():
                         clear()
                         if before is not None:
                             before()
+                        cpu0 = sum(process_cpu(p) for p in fuse_pids)
                         times[name].append(timed(lambda: fn(root)))
+                        cpu[name] += sum(process_cpu(p) for p in fuse_pids) - cpu0
                         verify(fn)
                 for name, values in times.items():
                     results[name] = statistics.median(values)
+                    fuse_cpu[name] = cpu[name] / args.repeat
 
             def s3fs_pass(keys: list[str]) -> float:
                 fs = fsspec.filesystem("s3", skip_instance_cache=True, **so)
@@ -226,24 +267,38 @@ def main(argv: list[str] | None = None) -> int:
                 return len(got_bytes["large"])
 
             simplecache_pass = simplecache
-            with cachefs_mount(tmp, so, ds.bucket) as root:
+            with cachefs_worker(tmp, so, ds.bucket) as worker, \
+                    cachefs_mount(tmp, worker.address, "mnt") as (root, pid), \
+                    cachefs_mount(tmp, worker.address, "mnt-kopen", "--no-revalidate-open") as (kroot, kpid):
+                fuse_pids[:] = [pid, kpid]
                 clear()
                 results["large_cold_fuse_s"] = timed(lambda: seq(root))
                 results["small_cold_fuse_s"] = timed(lambda: files(root))
                 verify(seq)
                 verify(files)
-                seq(root), files(root)  # warm: the worker's cache and the kernel's
+                seq(root), files(root), seq(kroot), files(kroot)  # warm: the worker's cache and the kernel's
                 measure({
                     "large_warm_local_s": (seq, local, None),
                     "large_warm_fuse_s": (seq, root, None),
+                    "large_warm_fuse_kernel_opens_s": (seq, kroot, None),
                     "small_warm_local_s": (files, local, None),
                     "small_warm_fuse_s": (files, root, None),
+                    "small_warm_fuse_kernel_opens_s": (files, kroot, None),
                     "large_simplecache_second_s": (simplecache, "", None),
                     "large_fuse_kernel_dropped_s": (
                         seq, root, lambda: drop_kernel_copy(os.path.join(root, large_key))),
                     "small_fuse_kernel_dropped_s": (
                         files, root, lambda: [drop_kernel_copy(os.path.join(root, k)) for k in small_keys]),
+                    "small_fuse_kernel_opens_kernel_dropped_s": (
+                        files, kroot, lambda: [drop_kernel_copy(os.path.join(kroot, k)) for k in small_keys]),
                 })
+                if args.epoch_samples:
+                    import fuse_epochs
+
+                    keys = fuse_epochs.put_samples(store.client(), ds.bucket, local, args.epoch_samples, small)
+                    epochs = fuse_epochs.run_epochs(
+                        keys, small, local, {"fuse mount": root, "fuse mount, revalidate_open off": kroot},
+                        worker.address, MOUNT, lambda prefix: free(worker.address, prefix))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -261,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         "small_warm_fuse_files_per_s": n / results["small_warm_fuse_s"],
         "small_warm_local_files_per_s": n / results["small_warm_local_s"],
         "small_fuse_kernel_dropped_files_per_s": n / results["small_fuse_kernel_dropped_s"],
+        "large_warm_fuse_kernel_opens_MBps": big / results["large_warm_fuse_kernel_opens_s"] / 1e6,
+        "small_warm_fuse_kernel_opens_files_per_s": n / results["small_warm_fuse_kernel_opens_s"],
+        "small_fuse_kernel_opens_kernel_dropped_files_per_s": n / results["small_fuse_kernel_opens_kernel_dropped_s"],
     }
     ratios = {  # >1 is better for the mount in every line; the issue's target beside each
         "large_warm_fuse_vs_local (target >= 0.8)": results["large_warm_local_s"] / results["large_warm_fuse_s"],
@@ -270,19 +328,38 @@ def main(argv: list[str] | None = None) -> int:
             results["large_cold_s3fs_s"] / results["large_cold_fuse_s"],
         "small_warm_fuse_vs_local (target >= 0.5)": results["small_warm_local_s"] / results["small_warm_fuse_s"],
         "small_cold_fuse_vs_s3fs": results["small_cold_s3fs_s"] / results["small_cold_fuse_s"],
+        "large_warm_fuse_kernel_opens_vs_local (target >= 0.8)":
+            results["large_warm_local_s"] / results["large_warm_fuse_kernel_opens_s"],
+        "small_warm_fuse_kernel_opens_vs_local (target >= 0.5)":
+            results["small_warm_local_s"] / results["small_warm_fuse_kernel_opens_s"],
     }
     out = {"benchmark": "bench_fuse", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "parameters": {"large_bytes": big, "small_bytes": small, "small_files": n, "repeat": args.repeat,
                           "read_chunk": CHUNK},
-           "store": store.note, "seconds": results, "figures": figures, "ratios": ratios, "machine": machine_info()}
+           "store": store.note, "seconds": results, "figures": figures, "ratios": ratios,
+           # CPU seconds the two FUSE processes used per pass of each warm case: ~0 where the kernel's
+           # page cache served the reads (keep_cache in effect), the requests' cost otherwise.
+           "fuse_cpu_s_per_pass": {k: round(v, 4) for k, v in fuse_cpu.items()},
+           "machine": machine_info()}
+    if epochs:
+        import fuse_epochs
+
+        out["dataloader"] = {"samples": args.epoch_samples, "sample_bytes": small, "batch": fuse_epochs.BATCH,
+                             "epochs": epochs, "ratios": fuse_epochs.ratios(epochs)}
     path = args.out or os.path.join(HERE, "baselines", f"fuse-{datetime.date.today().isoformat()}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     plot(ratios, os.path.splitext(path)[0] + ".png")
+    if epochs:
+        fuse_epochs.plot(epochs, os.path.splitext(path)[0] + "-dataloader.png")
     print(f"{mib:.0f} MiB and {n} x 256 KiB files through `cachefs fuse` (short-circuit, same host):")
     for name, value in figures.items():
         print(f"  {name:36} {value:10.1f}")
     for name, value in ratios.items():
+        print(f"  {name:70} {value:6.2f}x")
+    for name, value in fuse_cpu.items():
+        print(f"  FUSE processes' CPU per pass, {name:45} {value * 1e3:8.1f} ms")
+    for name, value in (out.get("dataloader", {}).get("ratios") or {}).items():
         print(f"  {name:70} {value:6.2f}x")
     print(f"written: {path}")
     return 0

@@ -81,8 +81,10 @@ class CacheFuseOps:
 
     use_ns = True  # times in nanoseconds (mfusepy)
 
-    def __init__(self, session: ClientSession, attr_timeout: float = 1.0, max_read: int = 1 << 20) -> None:
+    def __init__(self, session: ClientSession, attr_timeout: float = 1.0, max_read: int = 1 << 20,
+                 revalidate_open: bool = True) -> None:
         self.session = session
+        self.revalidate_open = revalidate_open
         self.attr_timeout = attr_timeout
         self.max_read = max_read
         self._attrs = _Expiring(attr_timeout)  # from listings: the lookups that follow need no call
@@ -184,6 +186,11 @@ class CacheFuseOps:
             raise OSError(errno.EROFS, f"{path}: the cachefs mount is read-only")
         if path.count("/") < 2:
             raise OSError(errno.EISDIR, path)
+        if not self.revalidate_open:
+            # ENOSYS once: the kernel then opens every file of this mount without asking (and
+            # keeps its page cache across opens until a lookup shows a change): reads come with
+            # no handle (``read_path``).
+            raise OSError(errno.ENOSYS, f"{path}: the kernel opens files of this mount itself")
         cp = self._cache_path(path)
         info = self._guard("open", path, lambda: self.session.info(cp, read_ahead=self.max_read))
         if info["type"] != "file":
@@ -215,6 +222,17 @@ class CacheFuseOps:
             return 0
         got, _size = self._guard("read", str(handle.cp), lambda: self.session.read_into(
             handle.cp, out[:want], offset, handle.version))
+        return got
+
+    def read_path(self, path: str, out: memoryview, offset: int) -> int:
+        """A read with no open handle (``revalidate_open`` off): of the version the session knows now."""
+        cp = self._cache_path(path)
+        info = self._guard("read", path, lambda: self.session.info(cp))
+        want = min(len(out), max(0, int(info["size"]) - offset))
+        if want == 0:
+            return 0
+        got, _size = self._guard("read", path, lambda: self.session.read_into(
+            cp, out[:want], offset, info.get("version", "")))
         return got
 
     def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:

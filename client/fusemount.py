@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 FSNAME = "cachefs"
 _MNT_DETACH = 2
+_CAP_AUTO_INVAL_DATA = 1 << 12  # fuse_common.h: a lookup showing a new size or mtime drops cached pages
 
 
 class FuseUnavailableError(RuntimeError):
@@ -134,8 +135,11 @@ def _fuse_class(mfusepy: Any) -> type:
         """mfusepy's FUSE with reads filled straight into libfuse's reply buffer (no bytes copy)."""
 
         def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
-            out = (ctypes.c_char * size).from_address(ctypes.addressof(buf.contents))
-            return self.operations.read_into(fip.contents.fh, memoryview(out).cast("B"), offset)
+            out = memoryview((ctypes.c_char * size).from_address(ctypes.addressof(buf.contents))).cast("B")
+            fh = fip.contents.fh if fip else 0
+            if fh == 0 and path is not None:  # the kernel opened the file itself (revalidate_open off)
+                return self.operations.read_path(path.decode(self.encoding, self.errors), out, offset)
+            return self.operations.read_into(fh, out, offset)
 
         def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:  # mfusepy drops the flags
             return self.operations.rename(old.decode(self.encoding, self.errors),
@@ -152,7 +156,8 @@ class _MountedSettings:
     session: ClientSession
 
     def __init__(self, session: ClientSession, config: FuseConfig, mountpoint: str) -> None:
-        super().__init__(session, attr_timeout=config.attr_timeout, max_read=config.max_read)  # type: ignore[call-arg]
+        super().__init__(session, attr_timeout=config.attr_timeout, max_read=config.max_read,  # type: ignore[call-arg]
+                         revalidate_open=config.revalidate_open)
         self.config = config
         self.mountpoint = mountpoint
 
@@ -162,6 +167,10 @@ class _MountedSettings:
             cfg.kernel_cache = cfg.auto_cache = 0  # keep_cache is decided per open, by version
         if conn is not None:
             conn.max_read = self.config.max_read
+            if conn.capable & _CAP_AUTO_INVAL_DATA:  # libfuse 3's default; what keeps kernel opens honest
+                conn.want |= _CAP_AUTO_INVAL_DATA
+            log.info("cachefs fuse: kernel capabilities %#x, wanted %#x, max_write %d, max_readahead %d",
+                     conn.capable, conn.want, conn.max_write, conn.max_readahead)
         if self.config.read_ahead:  # after the kernel has the init reply (which caps it): a thread
             threading.Thread(target=self._read_ahead, name="cachefs-fuse-readahead", daemon=True).start()
         print(json.dumps({"event": "mounted", "mountpoint": self.mountpoint, "pid": os.getpid(),

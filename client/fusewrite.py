@@ -82,8 +82,9 @@ class WriteHandle:
 class WritableFuseOps(CacheFuseOps):
     """``CacheFuseOps`` plus create, write, flush (publish), truncate, unlink, mkdir, rmdir, rename."""
 
-    def __init__(self, session: ClientSession, attr_timeout: float = 1.0, max_read: int = 1 << 20) -> None:
-        super().__init__(session, attr_timeout=attr_timeout, max_read=max_read)
+    def __init__(self, session: ClientSession, attr_timeout: float = 1.0, max_read: int = 1 << 20,
+                 revalidate_open: bool = True) -> None:
+        super().__init__(session, attr_timeout=attr_timeout, max_read=max_read)  # writes need every open
         self.writable = True
         self._writes = Writes(session, "worker")
         self._writing: dict[int, WriteHandle] = {}  # fh -> handle
