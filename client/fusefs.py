@@ -227,7 +227,10 @@ class CacheFuseOps:
     def read_path(self, path: str, out: memoryview, offset: int) -> int:
         """A read with no open handle (``revalidate_open`` off): of the version the session knows now."""
         cp = self._cache_path(path)
-        info = self._guard("read", path, lambda: self.session.info(cp))
+        # At the start of a file (the kernel's first read of it), the first bytes' pages come with
+        # the info in one message (as at open): a cold object then costs one GET, not a HEAD too.
+        ahead = len(out) if offset == 0 else 0
+        info = self._guard("read", path, lambda: self.session.info(cp, read_ahead=ahead))
         want = min(len(out), max(0, int(info["size"]) - offset))
         if want == 0:
             return 0

@@ -339,3 +339,25 @@ def test_fuse_configuration_layers_and_refusals(tmp_path):
     section = docs.split("## FUSE mount (`cachefs fuse`)", 1)[1].split("\n## ", 1)[0]
     listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
     assert listed == {f.name for f in dataclasses.fields(FuseConfig)} - {"client"}, "docs/configuration.md"
+
+
+@needs_fuse
+def test_kernel_opens_without_revalidation_read_right_and_see_a_change(local_store, make_worker, mount_fuse):
+    """--no-revalidate-open: the kernel opens files itself (no request per open); reads by path are
+    right, from the page cache once read, and a change is seen by a fresh open after the TTLs."""
+    _fill(local_store, {"a.bin": 300_000, "b.txt": 5})
+    worker = make_worker(local_store.mount, metadata_ttl=1.0, list_ttl=1.0)
+    m = mount_fuse(*_worker_args(worker), "--no-revalidate-open")
+    data = m.mountpoint / "data"
+    for _ in range(3):
+        assert (data / "a.bin").read_bytes() == local_store.objects["a.bin"]
+    assert (data / "b.txt").read_bytes() == local_store.objects["b.txt"]
+    with pytest.raises(OSError) as caught:
+        open(data / "b.txt", "wb")
+    assert caught.value.errno == errno.EROFS
+    new = payload(300_001, seed=9)
+    local_store.add("a.bin", new)
+    assert wait_for(lambda: _read_or_none(data / "a.bin") == new, 20), "the change was never seen"
+    with pytest.raises(ValueError, match="revalidate_open"):
+        load_fuse_config(None, environ={}, flags={"writable": True, "revalidate_open": False},
+                         client_flags={"workers": "127.0.0.1:1"})
