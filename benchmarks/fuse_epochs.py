@@ -41,6 +41,7 @@ def put_samples(s3: Any, bucket: str, local_root: str, n: int, size: int, seed: 
 
 
 def drop_kernel_copies(paths: list[str]) -> None:
+    os.sync()  # dirty pages (files just written) are not dropped
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
