@@ -236,6 +236,12 @@ class WritableFuseOps(CacheFuseOps):
     def utimens(self, path: str, times: Any = None) -> int:
         return 0  # an object's time is the store's (its last write): touch of an existing file does nothing
 
+    def chmod(self, path: str, mode: int) -> int:
+        return 0  # objects have no modes (the mount shows 644/755): rsync, tar and cp -p go on
+
+    def chown(self, path: str, uid: int, gid: int) -> int:
+        return 0  # nor owners
+
     # -- names --------------------------------------------------------------------------------------------
     def unlink(self, path: str) -> int:
         cp = self._writable_path(path)

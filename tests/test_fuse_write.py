@@ -64,6 +64,8 @@ def test_writes_reach_the_bucket_at_close(s3_store, moto_server, make_worker, mo
                         capture_output=True, text=True, timeout=60)
     assert (sh.returncode, sh.stdout) == (0, "hello\n"), sh.stderr
     assert _in_bucket(client, bucket, f"{prefix}/hello.txt") == b"hello\n"
+    os.chmod(data / "hello.txt", 0o600)  # no modes in a store: accepted, nothing changes
+    os.utime(data / "hello.txt")
     tree = tmp_path / "tree"
     (tree / "a").mkdir(parents=True)
     (tree / "a" / "one.bin").write_bytes(payload(300_000, seed=5))
