@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--small", type=int, default=200, help="number of 256 KiB objects")
     parser.add_argument("--repeat", type=int, default=7, help="passes of each warm case, interleaved (median)")
-    parser.add_argument("--epoch-samples", type=int, default=1000,
-                        help="256 KiB samples of the DataLoader epochs (0: no epochs)")
+    parser.add_argument("--epoch-samples", type=int, default=500,
+                        help="256 KiB samples of the DataLoader epochs, per loader (0: no epochs)")
     parser.add_argument("--out", help="JSON result (default benchmarks/baselines/fuse-<date>.json)")
     args = parser.parse_args(argv)
 
@@ -295,10 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.epoch_samples:
                     import fuse_epochs
 
-                    keys = fuse_epochs.put_samples(store.client(), ds.bucket, local, args.epoch_samples, small)
-                    epochs = fuse_epochs.run_epochs(
-                        keys, small, local, {"fuse mount": root, "fuse mount, revalidate_open off": kroot},
-                        worker.address, MOUNT, lambda prefix: free(worker.address, prefix))
+                    mounts = {"fuse mount": root, "fuse mount, revalidate_open off": kroot}
+                    keys = fuse_epochs.put_samples(store.client(), ds.bucket, local, args.epoch_samples, small,
+                                                   [c for c in fuse_epochs.copies_for(mounts).values() if c != "local"])
+                    epochs = fuse_epochs.run_epochs(keys, small, local, mounts, worker.address, MOUNT,
+                                                    lambda prefix: free(worker.address, prefix))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,18 +1,21 @@
 """DataLoader epochs through `cachefs fuse` (bench_fuse.py's second part), side by side.
 
 One map-style Dataset class (bench_dataset.py's ``LocalFiles``: open, one aligned ``readinto``,
-close) reads the same samples from local files and from the mount's paths (every mount given:
-e.g. the default one and one with ``revalidate_open`` off), against cachefs's own
-``CacheDataset`` over the same objects through the same worker. Workers 0 and 2, batch 32,
-each loader a cold epoch and then three warm ones (the median kept); every epoch checks each
-sample came exactly once.
-Cold: the worker's cache emptied (``Free``) and, for paths, the kernel's copies dropped
-(``posix_fadvise(DONTNEED)``: local files then come from the disk). Warm: the epoch after.
+close) reads the samples from local files and from the mounts' paths (every mount given: e.g.
+the default one and one with ``revalidate_open`` off), against cachefs's own ``CacheDataset``
+through the same worker. Each loader reads its own copy of the samples (its own prefix), so one
+loader's cold epoch (the worker's ``Free`` of that prefix) leaves the others warm. Workers 0 and 2,
+batch 32: per worker count, each loader's cold epoch, then ``WARM_ROUNDS`` rounds of one warm
+epoch of every loader in turn (the machine's other load falls on all alike), the median kept.
+Cold: the worker's cache emptied and, for paths, the kernel's copies dropped
+(``posix_fadvise(DONTNEED)`` after a sync: local files then come from the disk). Every epoch
+checks that each sample came exactly once.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -23,20 +26,29 @@ from bench_dataset import LocalFiles, epoch, sample_bytes
 
 PREFIX = "epochs"
 BATCH = 32
-WARM_EPOCHS = 3
+WARM_ROUNDS = 5
 
 
-def put_samples(s3: Any, bucket: str, local_root: str, n: int, size: int, seed: int = 11) -> list[str]:
-    """``n`` objects of ``size`` bytes (each starting with its index) in the bucket and as local files."""
+def copies_for(mounts: dict[str, str]) -> dict[str, str]:
+    """Loader name -> the folder name of its own copy of the samples."""
+    return {"local files": "local", **{name: f"mount{i}" for i, name in enumerate(mounts)}, "CacheDataset": "dataset"}
+
+
+def put_samples(s3: Any, bucket: str, local_root: str, n: int, size: int, copies: list[str],
+                seed: int = 11) -> dict[str, list[str]]:
+    """``n`` objects of ``size`` bytes (each starting with its index) under ``epochs/<copy>/`` in the
+    bucket for each copy, and once as local files; the keys of each copy."""
     noise = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
-    keys = [f"{PREFIX}/sample-{i:06d}.bin" for i in range(n)]
-    for i, key in enumerate(keys):
+    keys = {copy: [f"{PREFIX}/{copy}/sample-{i:06d}.bin" for i in range(n)] for copy in copies}
+    for i in range(n):
         data = sample_bytes(i, size, noise)
-        s3.put_object(Bucket=bucket, Key=key, Body=data)
-        path = os.path.join(local_root, key)
+        for copy in copies:
+            s3.put_object(Bucket=bucket, Key=keys[copy][i], Body=data)
+        path = os.path.join(local_root, PREFIX, "local", f"sample-{i:06d}.bin")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
+    keys["local"] = [f"{PREFIX}/local/sample-{i:06d}.bin" for i in range(n)]
     return keys
 
 
@@ -50,40 +62,52 @@ def drop_kernel_copies(paths: list[str]) -> None:
             os.close(fd)
 
 
-def run_epochs(keys: list[str], size: int, local_root: str, mounts: dict[str, str], worker: str, mount: str,
-               free: Callable[[str], None], workers: tuple[int, ...] = (0, 2)) -> list[dict[str, Any]]:
-    """Rows of {loader, num_workers, cold/warm epoch}; ``mounts``: loader name -> the mount's folder."""
+def run_epochs(keys: dict[str, list[str]], size: int, local_root: str, mounts: dict[str, str], worker: str,
+               mount: str, free: Callable[[str], None], workers: tuple[int, ...] = (0, 2)) -> list[dict[str, Any]]:
+    """Rows of {loader, num_workers, cold, warm (median), warm_items_per_s (every round)}.
+    ``mounts``: loader name -> the mount's folder; ``keys``: copy name (a loader's) -> its keys."""
     from cachefs.client.dataset import CacheDataset
 
-    def paths(root: str) -> list[str]:
-        return [os.path.join(root, key) for key in keys]
+    n = len(keys["local"])
 
-    ds = CacheDataset([f"cachefs://{mount}/{key}" for key in keys], storage_options={"workers": worker},
-                      sizes=[size] * len(keys), rank=0, world_size=1)
+    def paths(root: str, copy: str) -> list[str]:
+        return [os.path.join(root, key) for key in keys[copy]]
+
+    copy = copies_for(mounts)
+    ds = CacheDataset([f"cachefs://{mount}/{key}" for key in keys[copy["CacheDataset"]]],
+                      storage_options={"workers": worker}, sizes=[size] * n, rank=0, world_size=1)
     kw = lambda w: dict(batch_size=BATCH, num_workers=w, timeout=300 if w else 0)  # noqa: E731
+    local = paths(local_root, "local")
     loaders: dict[str, tuple[Callable[[int], DataLoader], Callable[[], None]]] = {
-        "local files": (lambda w: DataLoader(LocalFiles(paths(local_root), size), shuffle=True, **kw(w)),
-                        lambda: drop_kernel_copies(paths(local_root)))}
+        "local files": (lambda w: DataLoader(LocalFiles(local, size), shuffle=True, **kw(w)),
+                        lambda: drop_kernel_copies(local))}
     for name, root in mounts.items():
-        loaders[name] = (lambda w, root=root: DataLoader(LocalFiles(paths(root), size), shuffle=True, **kw(w)),
-                         # the kernel's copies first: dropping them opens every file, and an open
-                         # through the mount fetches its first MiB (the read that follows an open)
-                         lambda root=root: (drop_kernel_copies(paths(root)), free(PREFIX)))
-    loaders["CacheDataset"] = (lambda w: DataLoader(ds, sampler=ds.sampler(), **kw(w)), lambda: free(PREFIX))
+        mine = paths(root, copy[name])
+        # The kernel's copies first: dropping them opens every file, and an open through the
+        # mount fetches the file's first MiB (for the read that follows an open).
+        loaders[name] = (lambda w, mine=mine: DataLoader(LocalFiles(mine, size), shuffle=True, **kw(w)),
+                         lambda mine=mine, name=name: (drop_kernel_copies(mine), free(f"{PREFIX}/{copy[name]}")))
+    loaders["CacheDataset"] = (lambda w: DataLoader(ds, sampler=ds.sampler(), **kw(w)),
+                               lambda: free(f"{PREFIX}/{copy['CacheDataset']}"))
+    epoch(loaders["local files"][0](0), n)  # not measured: the first DataLoader's start-up
     rows = []
-    epoch(loaders["local files"][0](0), len(keys))  # not measured: the first DataLoader's start-up
     for w in workers:
+        cold = {}
         for name, (make, make_cold) in loaders.items():
             make_cold()
-            cold = epoch(make(w), len(keys))
-            warm = sorted((epoch(make(w), len(keys)) for _ in range(WARM_EPOCHS)), key=lambda e: e["items_per_s"])
-            warm = warm[len(warm) // 2]  # the median warm epoch (the machine is shared)
-            rows.append({"loader": name, "num_workers": w, "cold": cold, "warm": warm})
-            print(f"  epoch {name:34} workers={w}: cold {cold['items_per_s']:8.0f} items/s, "
-                  f"warm {warm['items_per_s']:8.0f} items/s", flush=True)
+            cold[name] = epoch(make(w), n)
+        warm: dict[str, list[dict[str, Any]]] = {name: [] for name in loaders}
+        for _ in range(WARM_ROUNDS):
+            for name, (make, _cold) in loaders.items():
+                warm[name].append(epoch(make(w), n))
+        for name in loaders:
+            speeds = [e["items_per_s"] for e in warm[name]]
+            median = sorted(warm[name], key=lambda e: e["items_per_s"])[len(speeds) // 2]
+            rows.append({"loader": name, "num_workers": w, "cold": cold[name], "warm": median,
+                         "warm_items_per_s": speeds})
+            print(f"  epoch {name:34} workers={w}: cold {cold[name]['items_per_s']:8.0f} items/s, warm "
+                  f"{statistics.median(speeds):8.0f} items/s (median of {len(speeds)})", flush=True)
     return rows
-
-
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     """items/s of each mount (and CacheDataset) over local files' and over CacheDataset's, per case."""
     out = {}
