@@ -25,6 +25,8 @@ falls on all of them alike):
   inode's, so a first open in another process (a DataLoader worker) reads at the same speed. The
   FUSE processes' CPU time per pass of each case is recorded: ~0 where the page cache served
   (``keep_cache`` in effect), the requests' cost otherwise.
+- 64 MiB written (1 MiB writes, median of 3 interleaved rounds, checked in the bucket after): through a third,
+  ``--writable`` mount vs ``cachefs://``'s ``open("wb")`` vs s3fs's ``open("wb")``.
 - DataLoader epochs (benchmarks/fuse_epochs.py, ``--epoch-samples`` per loader): a map-style
   Dataset over the mounts' paths vs the same over local files vs ``CacheDataset``, workers 0 and
   2, cold and warm.
@@ -94,6 +96,37 @@ def free(address: str, prefix: str) -> None:
 
     with grpc.insecure_channel(address) as ch:
         worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix=f"{MOUNT}/{prefix}/"), timeout=60)
+
+
+def write_cases(mount_root: str, address: str, so: dict[str, Any], bucket: str, data: bytes) -> dict[str, float]:
+    """64 MiB written (published, then checked in the bucket) through the writable mount (1 MiB
+    writes), through ``cachefs://``'s ``open("wb")`` and through s3fs: median seconds of 3 rounds."""
+    import fsspec
+
+    s3 = fsspec.filesystem("s3", skip_instance_cache=True, **so)
+    fs = fsspec.filesystem("cachefs", workers=address, skip_instance_cache=True)
+    view = memoryview(data)
+
+    def through(open_file: Any) -> None:
+        with open_file as f:
+            for start in range(0, len(view), CHUNK):
+                f.write(view[start:start + CHUNK])
+
+    cases = {
+        "large_write_fuse_s": lambda: through(open(os.path.join(mount_root, "written", "fuse.bin"), "wb")),
+        "large_write_cachefs_open_s": lambda: through(fs.open(f"cachefs://{MOUNT}/written/cachefs.bin", "wb")),
+        "large_write_s3fs_s": lambda: through(s3.open(f"{bucket}/written/s3fs.bin", "wb")),
+    }
+    os.makedirs(os.path.join(mount_root, "written"), exist_ok=True)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(3):  # interleaved rounds, the median kept
+        for name, write in cases.items():
+            times[name].append(timed(write))
+    out = {name: statistics.median(values) for name, values in times.items()}
+    for key in ("fuse.bin", "cachefs.bin", "s3fs.bin"):
+        if s3.cat_file(f"{bucket}/written/{key}") != data:
+            raise AssertionError(f"written/{key}: wrong bytes in the bucket")
+    return out
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -310,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     "small_fuse_kernel_opens_kernel_dropped_s": (
                         files, kroot, lambda: [drop_kernel_copy(os.path.join(kroot, k)) for k in small_keys]),
                 })
+                with cachefs_mount(tmp, worker.address, "mnt-w", "--writable") as (wroot, _wpid):
+                    results.update(write_cases(wroot, worker.address, so, ds.bucket, ds.data[large_key]))
                 if args.epoch_samples:
                     import fuse_epochs
 
@@ -339,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         "small_fuse_kernel_dropped_files_per_s": n / results["small_fuse_kernel_dropped_s"],
         "large_warm_fuse_kernel_opens_MBps": big / results["large_warm_fuse_kernel_opens_s"] / 1e6,
         "large_warm_tmpfs_MBps": big / results["large_warm_tmpfs_s"] / 1e6,
+        "large_write_fuse_MBps": big / results["large_write_fuse_s"] / 1e6,
+        "large_write_cachefs_open_MBps": big / results["large_write_cachefs_open_s"] / 1e6,
+        "large_write_s3fs_MBps": big / results["large_write_s3fs_s"] / 1e6,
         "small_warm_fuse_kernel_opens_files_per_s": n / results["small_warm_fuse_kernel_opens_s"],
         "small_fuse_kernel_opens_kernel_dropped_files_per_s": n / results["small_fuse_kernel_opens_kernel_dropped_s"],
     }
@@ -352,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         "small_cold_fuse_vs_s3fs": results["small_cold_s3fs_s"] / results["small_cold_fuse_s"],
         "large_warm_fuse_vs_tmpfs (the kernel's 4 KiB-page copy)":
             results["large_warm_tmpfs_s"] / results["large_warm_fuse_s"],
+        "large_write_fuse_vs_cachefs_open_wb": results["large_write_cachefs_open_s"] / results["large_write_fuse_s"],
+        "large_write_fuse_vs_s3fs": results["large_write_s3fs_s"] / results["large_write_fuse_s"],
         "large_warm_fuse_kernel_opens_vs_local (target >= 0.8)":
             results["large_warm_local_s"] / results["large_warm_fuse_kernel_opens_s"],
         "small_warm_fuse_kernel_opens_vs_local (target >= 0.5)":
