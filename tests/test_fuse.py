@@ -307,7 +307,8 @@ def test_a_hung_worker_fails_a_read_with_eio_within_the_deadline(local_store, mo
             os.kill(worker.pid, signal.SIGCONT)
         assert caught.value.errno == errno.EIO, caught.value
         assert took < 15, f"the read took {took:.1f} s with a 2 s client deadline"
-        assert any("data/cold.bin" in line for line in m.err), "".join(m.err)
+        # The mount's stderr is collected by a thread: its line may come a moment after the errno.
+        assert wait_for(lambda: any("data/cold.bin" in line for line in m.err), 10), "".join(m.err)
         assert wait_for(lambda: _read_or_none(path) == local_store.objects["cold.bin"], 30)
     finally:
         worker.kill()
