@@ -22,7 +22,9 @@ falls on all of them alike):
 - The warm cases again through a second mount with ``--no-revalidate-open`` (the kernel opens
   files without asking it), and the 64 MiB file on tmpfs (4 KiB pages, as FUSE's page cache).
   "Warm" is the same process re-reading a file it read before; the kernel's page cache is the
-  inode's, so a first open in another process (a DataLoader worker) reads at the same speed. The
+  inode's, so a first open in another process (a DataLoader worker) should read at the same
+  speed: the 256 KiB files are also read by a fresh Python process per pass (3 interleaved
+  rounds, its start-up not counted, its bytes checked by hash) through each mount and locally. The
   FUSE processes' CPU time per pass of each case is recorded: ~0 where the page cache served
   (``keep_cache`` in effect), the requests' cost otherwise.
 - 64 MiB written (1 MiB writes, median of 3 interleaved rounds, checked in the bucket after): through a third,
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -96,6 +99,29 @@ def free(address: str, prefix: str) -> None:
 
     with grpc.insecure_channel(address) as ch:
         worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix=f"{MOUNT}/{prefix}/"), timeout=60)
+
+
+_NEW_PROCESS = """
+import hashlib, json, os, sys, time
+paths, size = json.loads(sys.argv[1]), int(sys.argv[2])
+bufs = [bytearray(size) for _ in paths]
+start = time.perf_counter()
+for path, buf in zip(paths, bufs):
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(buf)
+took = time.perf_counter() - start
+print(json.dumps({"seconds": took, "sha256": hashlib.sha256(b"".join(bufs)).hexdigest()}))
+"""
+
+
+def new_process_pass(paths: list[str], size: int, expected: str) -> float:
+    """Seconds a fresh Python process takes to open+read+close ``paths`` (its start not counted)."""
+    out = subprocess.run([sys.executable, "-c", _NEW_PROCESS, json.dumps(paths), str(size)], capture_output=True,
+                         text=True, timeout=300, check=True)
+    got = json.loads(out.stdout)
+    if got["sha256"] != expected:
+        raise AssertionError("a fresh process read wrong bytes")
+    return float(got["seconds"])
 
 
 def write_cases(mount_root: str, address: str, so: dict[str, Any], bucket: str, data: bytes) -> dict[str, float]:
@@ -343,6 +369,17 @@ def main(argv: list[str] | None = None) -> int:
                     "small_fuse_kernel_opens_kernel_dropped_s": (
                         files, kroot, lambda: [drop_kernel_copy(os.path.join(kroot, k)) for k in small_keys]),
                 })
+                # A first open in another process (as a DataLoader worker's): the page cache is the
+                # inode's, so it should read as fast as the re-reads above.
+                expected = hashlib.sha256(b"".join(ds.data[k] for k in small_keys)).hexdigest()
+                fresh = {"small_warm_local_new_process_s": local, "small_warm_fuse_new_process_s": root,
+                         "small_warm_fuse_kernel_opens_new_process_s": kroot}
+                spent: dict[str, list[float]] = {name: [] for name in fresh}
+                for _ in range(3):
+                    for name, where in fresh.items():
+                        spent[name].append(new_process_pass([os.path.join(where, k) for k in small_keys],
+                                                            small, expected))
+                results.update({name: statistics.median(values) for name, values in spent.items()})
                 with cachefs_mount(tmp, worker.address, "mnt-w", "--writable") as (wroot, _wpid):
                     results.update(write_cases(wroot, worker.address, so, ds.bucket, ds.data[large_key]))
                 if args.epoch_samples:
@@ -374,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         "small_fuse_kernel_dropped_files_per_s": n / results["small_fuse_kernel_dropped_s"],
         "large_warm_fuse_kernel_opens_MBps": big / results["large_warm_fuse_kernel_opens_s"] / 1e6,
         "large_warm_tmpfs_MBps": big / results["large_warm_tmpfs_s"] / 1e6,
+        "small_warm_local_new_process_files_per_s": n / results["small_warm_local_new_process_s"],
+        "small_warm_fuse_new_process_files_per_s": n / results["small_warm_fuse_new_process_s"],
+        "small_warm_fuse_kernel_opens_new_process_files_per_s": n / results["small_warm_fuse_kernel_opens_new_process_s"],
         "large_write_fuse_MBps": big / results["large_write_fuse_s"] / 1e6,
         "large_write_cachefs_open_MBps": big / results["large_write_cachefs_open_s"] / 1e6,
         "large_write_s3fs_MBps": big / results["large_write_s3fs_s"] / 1e6,
@@ -390,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         "small_cold_fuse_vs_s3fs": results["small_cold_s3fs_s"] / results["small_cold_fuse_s"],
         "large_warm_fuse_vs_tmpfs (the kernel's 4 KiB-page copy)":
             results["large_warm_tmpfs_s"] / results["large_warm_fuse_s"],
+        "small_warm_new_process_fuse_vs_local": results["small_warm_local_new_process_s"] /
+            results["small_warm_fuse_new_process_s"],
+        "small_warm_new_process_fuse_kernel_opens_vs_local": results["small_warm_local_new_process_s"] /
+            results["small_warm_fuse_kernel_opens_new_process_s"],
         "large_write_fuse_vs_cachefs_open_wb": results["large_write_cachefs_open_s"] / results["large_write_fuse_s"],
         "large_write_fuse_vs_s3fs": results["large_write_s3fs_s"] / results["large_write_fuse_s"],
         "large_warm_fuse_kernel_opens_vs_local (target >= 0.8)":
