@@ -118,7 +118,9 @@ def cmd_fuse(args: argparse.Namespace) -> int:
                     "fallback": True if args.fallback else None}
     flags = {"attr_timeout": args.attr_timeout, "metadata_ttl": args.metadata_ttl, "max_read": args.max_read,
              "read_ahead": args.read_ahead,
-             "threads": args.threads, "allow_other": True if args.allow_other else None}
+             "threads": args.threads, "allow_other": True if args.allow_other else None,
+             "writable": True if args.writable else None,
+             "revalidate_open": False if args.no_revalidate_open else None}
     try:
         config = load_fuse_config(args.config, flags={k: v for k, v in flags.items() if v is not None},
                                   client_flags=client_flags)
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dir", help="working directory (default: a new temporary one)")
     d.set_defaults(func=cmd_demo)
 
-    f = sub.add_parser("fuse", help="mount the cluster read-only at MOUNTPOINT (FUSE), until SIGTERM or Ctrl-C")
+    f = sub.add_parser("fuse", help="mount the cluster at MOUNTPOINT (FUSE; read-only unless --writable), until SIGTERM or Ctrl-C")
     f.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory; each mount is a folder in it")
     f.add_argument("--config", help="TOML file: [client] (master, workers, token, tls_*...) and [fuse] tables")
     f.add_argument("--master", help="master HOST:PORT (or CACHEFS_MASTER)")
@@ -222,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--read-ahead", help="the kernel's read-ahead for the mount (default 8MiB; 0: the kernel's)")
     f.add_argument("--threads", type=int, help="requests served at once (default 16)")
     f.add_argument("--allow-other", action="store_true", help="let other users read the mount (root only)")
+    f.add_argument("--no-revalidate-open", action="store_true", help="read-only mounts: the kernel opens files "
+                   "without asking (faster small files; a file open across a change may mix versions)")
+    f.add_argument("--writable", action="store_true", help="allow writes: new files and whole rewrites stream to "
+                   "the store and are published at close; unlink, mkdir, rename (copy + delete) (default: read-only)")
     f.set_defaults(func=cmd_fuse)
 
     return parser

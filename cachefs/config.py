@@ -486,6 +486,14 @@ class FuseConfig:
     read_ahead: int = 8 << 20
     threads: int = 16  # libfuse threads serving requests at once (the client is thread-safe)
     allow_other: bool = False  # let other users (a training pod's) read the mount; needs root
+    # Every open reaches the mount, which revalidates the version and pins the open file to it
+    # (never mixed: ESTALE). False (read-only mounts only): the kernel opens files without asking
+    # (no round trip per open; its page cache dropped when a lookup shows a new size or mtime),
+    # but a file held open across a change of its object may read bytes of both versions.
+    revalidate_open: bool = True
+    # Writes through the mount (client/fusewrite.py: whole objects, streamed, published at close).
+    # Off by default: a read-only mount can never change the store by mistake.
+    writable: bool = False
     client: ClientConfig | None = None
 
     def __post_init__(self) -> None:
@@ -499,6 +507,9 @@ class FuseConfig:
             raise ValueError(f"read_ahead must be in [0, 1 GiB], got {self.read_ahead}")
         if not 1 <= self.threads <= 1024:
             raise ValueError(f"threads must be in [1, 1024], got {self.threads}")
+        if self.writable and not self.revalidate_open:
+            raise ValueError("revalidate_open = false needs a read-only mount (writable = false): "
+                             "a write starts at an open")
 
 
 

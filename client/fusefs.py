@@ -61,6 +61,10 @@ class _Expiring:
             return None
         return item[1]
 
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
     def put_many(self, items: list[tuple[str, Any]]) -> None:
         if self.ttl <= 0:
             return
@@ -77,8 +81,10 @@ class CacheFuseOps:
 
     use_ns = True  # times in nanoseconds (mfusepy)
 
-    def __init__(self, session: ClientSession, attr_timeout: float = 1.0, max_read: int = 1 << 20) -> None:
+    def __init__(self, session: ClientSession, attr_timeout: float = 1.0, max_read: int = 1 << 20,
+                 revalidate_open: bool = True) -> None:
         self.session = session
+        self.revalidate_open = revalidate_open
         self.attr_timeout = attr_timeout
         self.max_read = max_read
         self._attrs = _Expiring(attr_timeout)  # from listings: the lookups that follow need no call
@@ -90,6 +96,7 @@ class CacheFuseOps:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._uid, self._gid = os.getuid(), os.getgid()
+        self.writable = False  # client/fusewrite.py's subclass writes (and its modes say so)
 
     # -- paths and attributes ---------------------------------------------------------------------
     def _mount_names(self) -> list[str]:
@@ -107,10 +114,11 @@ class CacheFuseOps:
 
     def _stat(self, kind: str, size: int = 0, mtime: float = 0.0) -> dict[str, int]:
         ns = int(mtime * 1e9)
+        write = 0o200 if self.writable else 0
         if kind == "directory":
-            mode, nlink = stat.S_IFDIR | 0o555, 2
+            mode, nlink = stat.S_IFDIR | 0o555 | write, 2
         else:
-            mode, nlink = stat.S_IFREG | 0o444, 1
+            mode, nlink = stat.S_IFREG | 0o444 | write, 1
         return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": self._uid, "st_gid": self._gid,
                 "st_mtime": ns, "st_ctime": ns, "st_atime": ns, "st_blocks": (size + 511) // 512,
                 "st_blksize": self.max_read}
@@ -178,6 +186,11 @@ class CacheFuseOps:
             raise OSError(errno.EROFS, f"{path}: the cachefs mount is read-only")
         if path.count("/") < 2:
             raise OSError(errno.EISDIR, path)
+        if not self.revalidate_open:
+            # ENOSYS once: the kernel then opens every file of this mount without asking (and
+            # keeps its page cache across opens until a lookup shows a change): reads come with
+            # no handle (``read_path``).
+            raise OSError(errno.ENOSYS, f"{path}: the kernel opens files of this mount itself")
         cp = self._cache_path(path)
         info = self._guard("open", path, lambda: self.session.info(cp, read_ahead=self.max_read))
         if info["type"] != "file":
@@ -209,6 +222,20 @@ class CacheFuseOps:
             return 0
         got, _size = self._guard("read", str(handle.cp), lambda: self.session.read_into(
             handle.cp, out[:want], offset, handle.version))
+        return got
+
+    def read_path(self, path: str, out: memoryview, offset: int) -> int:
+        """A read with no open handle (``revalidate_open`` off): of the version the session knows now."""
+        cp = self._cache_path(path)
+        # At the start of a file (the kernel's first read of it), the first bytes' pages come with
+        # the info in one message (as at open): a cold object then costs one GET, not a HEAD too.
+        ahead = len(out) if offset == 0 else 0
+        info = self._guard("read", path, lambda: self.session.info(cp, read_ahead=ahead))
+        want = min(len(out), max(0, int(info["size"]) - offset))
+        if want == 0:
+            return 0
+        got, _size = self._guard("read", path, lambda: self.session.read_into(
+            cp, out[:want], offset, info.get("version", "")))
         return got
 
     def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:
@@ -261,6 +288,12 @@ class CacheFuseOps:
             raise OSError(errno.EIO, f"{path}: {exc}") from None
 
 
+#: errnos that mean what they say wherever they come from (a store's refusal, an unsupported write).
+_KEPT = frozenset({errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EXDEV, errno.ENOSPC,
+                   errno.EROFS, errno.EACCES, errno.EPERM, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF,
+                   errno.EBUSY, errno.ENAMETOOLONG})
+
+
 def _errno_of(exc: OSError) -> int:
     if isinstance(exc, StaleObjectError):
         return errno.ESTALE
@@ -272,4 +305,8 @@ def _errno_of(exc: OSError) -> int:
         return errno.ENOTDIR
     if isinstance(exc, PermissionError):
         return errno.EACCES
+    if isinstance(exc, FileExistsError):
+        return errno.EEXIST
+    if type(exc) is OSError and exc.errno in _KEPT:
+        return exc.errno
     return errno.EIO

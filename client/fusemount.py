@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 from cachefs.client.fusefs import CacheFuseOps
+from cachefs.client.fusewrite import WritableFuseOps
 from cachefs.client.session import ClientSession
 from cachefs.config import FuseConfig
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 FSNAME = "cachefs"
 _MNT_DETACH = 2
+_CAP_AUTO_INVAL_DATA = 1 << 12  # fuse_common.h: a lookup showing a new size or mtime drops cached pages
 
 
 class FuseUnavailableError(RuntimeError):
@@ -133,17 +135,29 @@ def _fuse_class(mfusepy: Any) -> type:
         """mfusepy's FUSE with reads filled straight into libfuse's reply buffer (no bytes copy)."""
 
         def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
-            out = (ctypes.c_char * size).from_address(ctypes.addressof(buf.contents))
-            return self.operations.read_into(fip.contents.fh, memoryview(out).cast("B"), offset)
+            out = memoryview((ctypes.c_char * size).from_address(ctypes.addressof(buf.contents))).cast("B")
+            fh = fip.contents.fh if fip else 0
+            if fh == 0 and path is not None:  # the kernel opened the file itself (revalidate_open off)
+                return self.operations.read_path(path.decode(self.encoding, self.errors), out, offset)
+            return self.operations.read_into(fh, out, offset)
+
+        def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:  # mfusepy drops the flags
+            return self.operations.rename(old.decode(self.encoding, self.errors),
+                                          new.decode(self.encoding, self.errors), flags)
 
     return _Fuse
 
 
-class _Mounted(CacheFuseOps):
-    """The operations plus libfuse's init: the kernel-facing settings, and the ready line."""
+class _MountedSettings:
+    """Mixed into the operations: libfuse's init (the kernel-facing settings) and the ready line."""
+
+    config: FuseConfig
+    mountpoint: str
+    session: ClientSession
 
     def __init__(self, session: ClientSession, config: FuseConfig, mountpoint: str) -> None:
-        super().__init__(session, attr_timeout=config.attr_timeout, max_read=config.max_read)
+        super().__init__(session, attr_timeout=config.attr_timeout, max_read=config.max_read,  # type: ignore[call-arg]
+                         revalidate_open=config.revalidate_open)
         self.config = config
         self.mountpoint = mountpoint
 
@@ -153,9 +167,14 @@ class _Mounted(CacheFuseOps):
             cfg.kernel_cache = cfg.auto_cache = 0  # keep_cache is decided per open, by version
         if conn is not None:
             conn.max_read = self.config.max_read
+            if conn.capable & _CAP_AUTO_INVAL_DATA:  # libfuse 3's default; what keeps kernel opens honest
+                conn.want |= _CAP_AUTO_INVAL_DATA
+            log.info("cachefs fuse: kernel capabilities %#x, wanted %#x, max_write %d, max_readahead %d",
+                     conn.capable, conn.want, conn.max_write, conn.max_readahead)
         if self.config.read_ahead:  # after the kernel has the init reply (which caps it): a thread
             threading.Thread(target=self._read_ahead, name="cachefs-fuse-readahead", daemon=True).start()
-        print(json.dumps({"event": "mounted", "mountpoint": self.mountpoint, "pid": os.getpid()}), flush=True)
+        print(json.dumps({"event": "mounted", "mountpoint": self.mountpoint, "pid": os.getpid(),
+                          "writable": self.config.writable}), flush=True)
 
     def _read_ahead(self) -> None:
         try:
@@ -169,6 +188,14 @@ class _Mounted(CacheFuseOps):
 
     def destroy(self, path: str) -> None:
         self.session.close()
+
+
+class _Mounted(_MountedSettings, CacheFuseOps):
+    """The read-only mount (the default): the kernel refuses every write with EROFS."""
+
+
+class _MountedWritable(_MountedSettings, WritableFuseOps):
+    """``--writable``: writes stream through to the store (client/fusewrite.py)."""
 
 
 def run(mountpoint: str, config: FuseConfig) -> int:
@@ -193,13 +220,15 @@ def run(mountpoint: str, config: FuseConfig) -> int:
         print(f"cachefs fuse: mount point {mountpoint} is not a directory", file=sys.stderr)
         return 2
     session = ClientSession(config.client)
-    options: dict[str, Any] = {"fsname": FSNAME, "subtype": FSNAME, "ro": True, "max_read": config.max_read,
+    options: dict[str, Any] = {"fsname": FSNAME, "subtype": FSNAME, "max_read": config.max_read,
                                "max_threads": config.threads}
+    if not config.writable:
+        options["ro"] = True
+    mounted = (_MountedWritable if config.writable else _Mounted)(session, config, mountpoint)
     if config.allow_other:
         options["allow_other"] = True
     try:
-        _fuse_class(mfusepy)(_Mounted(session, config, mountpoint), mountpoint, raw_fi=True, foreground=True,
-                             **options)
+        _fuse_class(mfusepy)(mounted, mountpoint, raw_fi=True, foreground=True, **options)
     except RuntimeError as exc:
         # libfuse 3.14's fuse_main answers 8 when its loop ended on a signal (SIGTERM, SIGINT),
         # the way this command is meant to stop; the mount is gone by then.

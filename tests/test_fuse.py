@@ -15,21 +15,16 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cachefs.client.fusemount import fuse_available, mount_entry
+from cachefs.client.fusemount import mount_entry
 from cachefs.config import FuseConfig, load_fuse_config
+from fusemounts import mount_fuse, needs_fuse  # noqa: F401 - mount_fuse is a fixture
 from helpers import payload, wait_for
-
-REASON = fuse_available()
-if REASON and os.environ.get("CI") == "true" and os.path.exists("/dev/fuse"):
-    raise RuntimeError(f"CI=true with /dev/fuse, but the FUSE mount cannot run: {REASON} (.ci/setup installs fuse3)")
-needs_fuse = pytest.mark.skipif(REASON is not None, reason=f"no FUSE here: {REASON}")
 
 # Sizes around the page (1 MiB) and the kernel's read (1 MiB) boundaries, an empty file, nesting.
 TREE = {
@@ -40,67 +35,6 @@ TREE = {
     "dir/sub/deep.bin": 300_000,
     "other/x.json": 2_000,
 }
-
-
-class Mount:
-    """A `cachefs fuse` process and its mount point; its output is collected as it comes."""
-
-    def __init__(self, mountpoint: Path, *args: str) -> None:
-        self.mountpoint = mountpoint
-        self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "fuse", str(mountpoint), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [threading.Thread(target=self._drain, args=(s, o), daemon=True)
-                         for s, o in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
-        for t in self._readers:
-            t.start()
-
-    @staticmethod
-    def _drain(stream, lines: list[str]) -> None:
-        for line in stream:
-            lines.append(line)
-
-    def wait_mounted(self) -> "Mount":
-        ok = wait_for(lambda: self.proc.poll() is not None or any('"mounted"' in line for line in self.out), 30)
-        assert ok and self.proc.poll() is None, f"no mount: rc={self.proc.poll()} stderr={''.join(self.err)}"
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        for t in self._readers:
-            t.join(timeout=5)
-        return self.proc.returncode
-
-    def detach_if_left(self) -> None:
-        if mount_entry(str(self.mountpoint)) is not None:
-            subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, timeout=30)
-
-
-@pytest.fixture
-def mount_fuse(tmp_path):
-    """Start `cachefs fuse` on a fresh directory; every mount is stopped and gone after the test."""
-    mounts: list[Mount] = []
-
-    def start(*args: str, mountpoint: Path | None = None) -> Mount:
-        mp = mountpoint
-        if mp is None:
-            mp = tmp_path / f"mnt{len(mounts)}"
-            mp.mkdir()
-        m = Mount(mp, *args)
-        mounts.append(m)
-        return m.wait_mounted()
-
-    yield start
-    for m in mounts:
-        m.stop()
-        m.detach_if_left()
 
 
 def _fill(store, sizes: dict[str, int]) -> None:
@@ -373,7 +307,8 @@ def test_a_hung_worker_fails_a_read_with_eio_within_the_deadline(local_store, mo
             os.kill(worker.pid, signal.SIGCONT)
         assert caught.value.errno == errno.EIO, caught.value
         assert took < 15, f"the read took {took:.1f} s with a 2 s client deadline"
-        assert any("data/cold.bin" in line for line in m.err), "".join(m.err)
+        # The mount's stderr is collected by a thread: its line may come a moment after the errno.
+        assert wait_for(lambda: any("data/cold.bin" in line for line in m.err), 10), "".join(m.err)
         assert wait_for(lambda: _read_or_none(path) == local_store.objects["cold.bin"], 30)
     finally:
         worker.kill()
@@ -405,3 +340,25 @@ def test_fuse_configuration_layers_and_refusals(tmp_path):
     section = docs.split("## FUSE mount (`cachefs fuse`)", 1)[1].split("\n## ", 1)[0]
     listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
     assert listed == {f.name for f in dataclasses.fields(FuseConfig)} - {"client"}, "docs/configuration.md"
+
+
+@needs_fuse
+def test_kernel_opens_without_revalidation_read_right_and_see_a_change(local_store, make_worker, mount_fuse):
+    """--no-revalidate-open: the kernel opens files itself (no request per open); reads by path are
+    right, from the page cache once read, and a change is seen by a fresh open after the TTLs."""
+    _fill(local_store, {"a.bin": 300_000, "b.txt": 5})
+    worker = make_worker(local_store.mount, metadata_ttl=1.0, list_ttl=1.0)
+    m = mount_fuse(*_worker_args(worker), "--no-revalidate-open")
+    data = m.mountpoint / "data"
+    for _ in range(3):
+        assert (data / "a.bin").read_bytes() == local_store.objects["a.bin"]
+    assert (data / "b.txt").read_bytes() == local_store.objects["b.txt"]
+    with pytest.raises(OSError) as caught:
+        open(data / "b.txt", "wb")
+    assert caught.value.errno == errno.EROFS
+    new = payload(300_001, seed=9)
+    local_store.add("a.bin", new)
+    assert wait_for(lambda: _read_or_none(data / "a.bin") == new, 20), "the change was never seen"
+    with pytest.raises(ValueError, match="revalidate_open"):
+        load_fuse_config(None, environ={}, flags={"writable": True, "revalidate_open": False},
+                         client_flags={"workers": "127.0.0.1:1"})

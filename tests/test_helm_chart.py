@@ -196,6 +196,10 @@ def test_fuse_daemonset_propagates_its_mount_and_loads_its_config(tmp_path: Path
     config = load_fuse_config(str(tmp_path / "plain.toml"), environ={})
     assert config.client.master == "rel-cachefs-master.ml.svc:19998" and config.threads == 8
     assert config.metadata_ttl == 30 and config.attr_timeout <= config.metadata_ttl
+    assert not config.writable  # read-only unless asked
+    writable = _config_files(_render({"fuse": {"enabled": True, "hostPath": "/mnt/x", "config": {"writable": True}}}))
+    (tmp_path / "writable.toml").write_text(writable["fuse.toml"])
+    assert load_fuse_config(str(tmp_path / "writable.toml"), environ={}).writable
 
 
 def test_defaults_render_master_and_workers():
