@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cachefs.proto import common_pb2 as cachefs_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/worker.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"L\n\x0bReadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\"O\n\tReadChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\",\n\x0bInfoRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"?\n\x0bListRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\x12\x0f\n\x07refresh\x18\x03 \x01(\x08\"7\n\x0cListResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.ObjectInfo\"\x13\n\x11ListMountsRequest\";\n\x12ListMountsResponse\x12%\n\x06mounts\x18\x01 \x03(\x0b\x32\x15.cachefs.v1.MountInfo\"\x12\n\x10GetStatusRequest\"\x81\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x03\x12\r\n\x05pages\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x12\x0c\n\x04hits\x18\x07 \x01(\x03\x12\x0e\n\x06misses\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x18\n\x10\x62ytes_from_cache\x18\n \x01(\x03\x12\x18\n\x10\x62ytes_from_store\x18\x0b \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x0c \x01(\x08\x12\x13\n\x0b\x64isk_errors\x18\r \x01(\x03\x12\x15\n\rcorrupt_pages\x18\x0e \x01(\x03\x12\x1a\n\x12stores_unavailable\x18\x0f \x03(\t\x12\x1c\n\x14short_circuit_socket\x18\x14 \x01(\t\x12\x0f\n\x07host_id\x18\x15 \x01(\t\x12\x11\n\tdata_port\x18\x16 \x01(\x05\"*\n\x0bLoadRequest\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0c\n\x04hint\x18\x02 \x01(\x08\"c\n\x0cLoadResponse\x12\x16\n\x0eobjects_loaded\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_loaded\x18\x02 \x01(\x03\x12\x15\n\rbytes_skipped\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x03(\t\"\x1d\n\x0b\x46reeRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"#\n\x0c\x46reeResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"!\n\x10GetCachedRequest\x12\r\n\x05paths\x18\x01 \x03(\t\")\n\x11GetCachedResponse\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x01 \x03(\x03\"K\n\nWriteChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tsize_hint\x18\x03 \x01(\x03\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"0\n\rRemoveRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\"%\n\x0eRemoveResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"H\n\x0eMakeDirRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0e\x63reate_parents\x18\x02 \x01(\x08\x12\x10\n\x08\x65xist_ok\x18\x03 \x01(\x08\"\x11\n\x0fMakeDirResponse\"2\n\x0b\x43opyRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t2\xca\x06\n\rWorkerService\x12\x38\n\x04Read\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk0\x01\x12;\n\tReadBlock\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk\x12:\n\x07GetInfo\x12\x17.cachefs.v1.InfoRequest\x1a\x16.cachefs.v1.ObjectInfo\x12;\n\x04List\x12\x17.cachefs.v1.ListRequest\x1a\x18.cachefs.v1.ListResponse0\x01\x12K\n\nListMounts\x12\x1d.cachefs.v1.ListMountsRequest\x1a\x1e.cachefs.v1.ListMountsResponse\x12\x43\n\tGetStatus\x12\x1c.cachefs.v1.GetStatusRequest\x1a\x18.cachefs.v1.WorkerStatus\x12\x39\n\x04Load\x12\x17.cachefs.v1.LoadRequest\x1a\x18.cachefs.v1.LoadResponse\x12\x39\n\x04\x46ree\x12\x17.cachefs.v1.FreeRequest\x1a\x18.cachefs.v1.FreeResponse\x12H\n\tGetCached\x12\x1c.cachefs.v1.GetCachedRequest\x1a\x1d.cachefs.v1.GetCachedResponse\x12\x39\n\x05Write\x12\x16.cachefs.v1.WriteChunk\x1a\x16.cachefs.v1.ObjectInfo(\x01\x12?\n\x06Remove\x12\x19.cachefs.v1.RemoveRequest\x1a\x1a.cachefs.v1.RemoveResponse\x12\x42\n\x07MakeDir\x12\x1a.cachefs.v1.MakeDirRequest\x1a\x1b.cachefs.v1.MakeDirResponse\x12\x37\n\x04\x43opy\x12\x17.cachefs.v1.CopyRequest\x1a\x16.cachefs.v1.ObjectInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/worker.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"L\n\x0bReadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\"O\n\tReadChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\",\n\x0bInfoRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"?\n\x0bListRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\x12\x0f\n\x07refresh\x18\x03 \x01(\x08\"7\n\x0cListResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.ObjectInfo\"\x13\n\x11ListMountsRequest\";\n\x12ListMountsResponse\x12%\n\x06mounts\x18\x01 \x03(\x0b\x32\x15.cachefs.v1.MountInfo\"\x12\n\x10GetStatusRequest\"\x81\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x03\x12\r\n\x05pages\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x12\x0c\n\x04hits\x18\x07 \x01(\x03\x12\x0e\n\x06misses\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x18\n\x10\x62ytes_from_cache\x18\n \x01(\x03\x12\x18\n\x10\x62ytes_from_store\x18\x0b \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x0c \x01(\x08\x12\x13\n\x0b\x64isk_errors\x18\r \x01(\x03\x12\x15\n\rcorrupt_pages\x18\x0e \x01(\x03\x12\x1a\n\x12stores_unavailable\x18\x0f \x03(\t\x12\x1c\n\x14short_circuit_socket\x18\x14 \x01(\t\x12\x0f\n\x07host_id\x18\x15 \x01(\t\x12\x11\n\tdata_port\x18\x16 \x01(\x05\"@\n\x0bLoadRequest\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0c\n\x04hint\x18\x02 \x01(\x08\x12\x14\n\x0cleader_epoch\x18\x1e \x01(\x03\"c\n\x0cLoadResponse\x12\x16\n\x0eobjects_loaded\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_loaded\x18\x02 \x01(\x03\x12\x15\n\rbytes_skipped\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x03(\t\"3\n\x0b\x46reeRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x1e \x01(\x03\"#\n\x0c\x46reeResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"!\n\x10GetCachedRequest\x12\r\n\x05paths\x18\x01 \x03(\t\")\n\x11GetCachedResponse\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x01 \x03(\x03\"K\n\nWriteChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tsize_hint\x18\x03 \x01(\x03\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"0\n\rRemoveRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\"%\n\x0eRemoveResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"H\n\x0eMakeDirRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0e\x63reate_parents\x18\x02 \x01(\x08\x12\x10\n\x08\x65xist_ok\x18\x03 \x01(\x08\"\x11\n\x0fMakeDirResponse\"2\n\x0b\x43opyRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t2\xca\x06\n\rWorkerService\x12\x38\n\x04Read\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk0\x01\x12;\n\tReadBlock\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk\x12:\n\x07GetInfo\x12\x17.cachefs.v1.InfoRequest\x1a\x16.cachefs.v1.ObjectInfo\x12;\n\x04List\x12\x17.cachefs.v1.ListRequest\x1a\x18.cachefs.v1.ListResponse0\x01\x12K\n\nListMounts\x12\x1d.cachefs.v1.ListMountsRequest\x1a\x1e.cachefs.v1.ListMountsResponse\x12\x43\n\tGetStatus\x12\x1c.cachefs.v1.GetStatusRequest\x1a\x18.cachefs.v1.WorkerStatus\x12\x39\n\x04Load\x12\x17.cachefs.v1.LoadRequest\x1a\x18.cachefs.v1.LoadResponse\x12\x39\n\x04\x46ree\x12\x17.cachefs.v1.FreeRequest\x1a\x18.cachefs.v1.FreeResponse\x12H\n\tGetCached\x12\x1c.cachefs.v1.GetCachedRequest\x1a\x1d.cachefs.v1.GetCachedResponse\x12\x39\n\x05Write\x12\x16.cachefs.v1.WriteChunk\x1a\x16.cachefs.v1.ObjectInfo(\x01\x12?\n\x06Remove\x12\x19.cachefs.v1.RemoveRequest\x1a\x1a.cachefs.v1.RemoveResponse\x12\x42\n\x07MakeDir\x12\x1a.cachefs.v1.MakeDirRequest\x1a\x1b.cachefs.v1.MakeDirResponse\x12\x37\n\x04\x43opy\x12\x17.cachefs.v1.CopyRequest\x1a\x16.cachefs.v1.ObjectInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,29 +51,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATUS']._serialized_start=500
   _globals['_WORKERSTATUS']._serialized_end=885
   _globals['_LOADREQUEST']._serialized_start=887
-  _globals['_LOADREQUEST']._serialized_end=929
-  _globals['_LOADRESPONSE']._serialized_start=931
-  _globals['_LOADRESPONSE']._serialized_end=1030
-  _globals['_FREEREQUEST']._serialized_start=1032
-  _globals['_FREEREQUEST']._serialized_end=1061
-  _globals['_FREERESPONSE']._serialized_start=1063
-  _globals['_FREERESPONSE']._serialized_end=1098
-  _globals['_GETCACHEDREQUEST']._serialized_start=1100
-  _globals['_GETCACHEDREQUEST']._serialized_end=1133
-  _globals['_GETCACHEDRESPONSE']._serialized_start=1135
-  _globals['_GETCACHEDRESPONSE']._serialized_end=1176
-  _globals['_WRITECHUNK']._serialized_start=1178
-  _globals['_WRITECHUNK']._serialized_end=1253
-  _globals['_REMOVEREQUEST']._serialized_start=1255
-  _globals['_REMOVEREQUEST']._serialized_end=1303
-  _globals['_REMOVERESPONSE']._serialized_start=1305
-  _globals['_REMOVERESPONSE']._serialized_end=1342
-  _globals['_MAKEDIRREQUEST']._serialized_start=1344
-  _globals['_MAKEDIRREQUEST']._serialized_end=1416
-  _globals['_MAKEDIRRESPONSE']._serialized_start=1418
-  _globals['_MAKEDIRRESPONSE']._serialized_end=1435
-  _globals['_COPYREQUEST']._serialized_start=1437
-  _globals['_COPYREQUEST']._serialized_end=1487
-  _globals['_WORKERSERVICE']._serialized_start=1490
-  _globals['_WORKERSERVICE']._serialized_end=2332
+  _globals['_LOADREQUEST']._serialized_end=951
+  _globals['_LOADRESPONSE']._serialized_start=953
+  _globals['_LOADRESPONSE']._serialized_end=1052
+  _globals['_FREEREQUEST']._serialized_start=1054
+  _globals['_FREEREQUEST']._serialized_end=1105
+  _globals['_FREERESPONSE']._serialized_start=1107
+  _globals['_FREERESPONSE']._serialized_end=1142
+  _globals['_GETCACHEDREQUEST']._serialized_start=1144
+  _globals['_GETCACHEDREQUEST']._serialized_end=1177
+  _globals['_GETCACHEDRESPONSE']._serialized_start=1179
+  _globals['_GETCACHEDRESPONSE']._serialized_end=1220
+  _globals['_WRITECHUNK']._serialized_start=1222
+  _globals['_WRITECHUNK']._serialized_end=1297
+  _globals['_REMOVEREQUEST']._serialized_start=1299
+  _globals['_REMOVEREQUEST']._serialized_end=1347
+  _globals['_REMOVERESPONSE']._serialized_start=1349
+  _globals['_REMOVERESPONSE']._serialized_end=1386
+  _globals['_MAKEDIRREQUEST']._serialized_start=1388
+  _globals['_MAKEDIRREQUEST']._serialized_end=1460
+  _globals['_MAKEDIRRESPONSE']._serialized_start=1462
+  _globals['_MAKEDIRRESPONSE']._serialized_end=1479
+  _globals['_COPYREQUEST']._serialized_start=1481
+  _globals['_COPYREQUEST']._serialized_end=1531
+  _globals['_WORKERSERVICE']._serialized_start=1534
+  _globals['_WORKERSERVICE']._serialized_end=2376
 # @@protoc_insertion_point(module_scope)

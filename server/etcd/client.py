@@ -15,10 +15,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from cachefs.errors import ControlPlaneUnavailableError
 from cachefs.server.etcd import api
 
 log = logging.getLogger(__name__)
@@ -28,8 +30,8 @@ _RETRY_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADL
                               grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
 
 
-class EtcdUnavailableError(ConnectionError):
-    """No etcd endpoint answered within the deadline."""
+class EtcdUnavailableError(ControlPlaneUnavailableError):
+    """No etcd endpoint answered within the deadline (UNAVAILABLE when it ends an RPC)."""
 
 
 class EtcdError(OSError):
@@ -63,6 +65,17 @@ class EtcdSettings:
     @property
     def tls(self) -> bool:
         return bool(self.ca_file or self.cert_file) or any(u.startswith("https://") for u in self.endpoints)
+
+
+def settings_of(config: Any) -> EtcdSettings:
+    """A master config's ``etcd*`` fields as settings (files checked to exist)."""
+    for name in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
+        path = getattr(config, name)
+        if path and not Path(path).is_file():
+            raise ValueError(f"{name}: no such file {path!r}")
+    return EtcdSettings(tuple(config.etcd), ca_file=config.etcd_ca_file, cert_file=config.etcd_cert_file,
+                        key_file=config.etcd_key_file, user=config.etcd_user, password=config.etcd_password,
+                        timeout=config.etcd_timeout)
 
 
 def _target(url: str) -> str:

@@ -164,6 +164,7 @@ class Worker:
                 stats=lambda: worker_stats(self.pages.stats(), self.metrics.totals()),
                 token=outgoing_token(self.config.access_token, self.config.cluster_token),
                 on_mounts_changed=self._on_mounts_changed, tls=self.config.tls,
+                on_epoch=servicer.epochs.observe,
             ).start()
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
