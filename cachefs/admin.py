@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from cachefs.auth import token_metadata
-from cachefs.tls import TLSConfig, explain, open_channel
+from cachefs.tls import TLSConfig, explain
 
 from cachefs.progress import human_bytes
 
@@ -33,8 +33,9 @@ _human = human_bytes
 
 class _Master:
     def __init__(self, args: argparse.Namespace) -> None:
-        from cachefs.proto import master_pb2_grpc
+        from cachefs.masters import MasterList
 
+        # One master or several (m1:19998,m2:19998): calls go to one that answers.
         address = args.master or os.environ.get("CACHEFS_MASTER", "127.0.0.1:19998")
         # The cluster token (changes, credentials) also passes the access check; else the access token.
         token = (args.cluster_token or os.environ.get("CACHEFS_CLUSTER_TOKEN", "")
@@ -43,11 +44,14 @@ class _Master:
         self.metadata = token_metadata(token)
         self.timeout = args.timeout
         self.tls = admin_tls(args)
-        self.channel = open_channel(address, self.tls)
-        self.stub = master_pb2_grpc.MasterServiceStub(self.channel)
+        self.masters = MasterList(address, self.tls)
+
+    @property
+    def stub(self) -> Any:
+        return self.masters.stub()
 
     def call(self, method: str, request: Any) -> Any:
-        return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+        return self.masters.call(method, request, timeout=self.timeout, metadata=self.metadata)
 
 
 def admin_tls(args: argparse.Namespace) -> TLSConfig:
@@ -62,7 +66,7 @@ def admin_tls(args: argparse.Namespace) -> TLSConfig:
 def _run(args: argparse.Namespace, action) -> int:
     try:
         master = _Master(args)
-    except ValueError as exc:  # unreadable TLS files
+    except ValueError as exc:  # unreadable TLS files, a bad master address
         print(f"cachefs: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
@@ -77,7 +81,7 @@ def _run(args: argparse.Namespace, action) -> int:
         print(f"cachefs: {code.name.lower().replace('_', ' ')}: {err.details()}", file=sys.stderr)
         return EXIT_REFUSED
     finally:
-        master.channel.close()
+        master.masters.close()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -96,12 +100,18 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "hit_ratio": round(s.hits / lookups, 4) if lookups else None,
                 "heartbeat_age_s": round(max(0.0, now - w.last_heartbeat), 1) if w.last_heartbeat else None,
             })
+        answered = master.masters.current
+        leader = ({"leader_id": view.leader_id, "leader_address": view.leader_address,
+                   "leader_epoch": view.leader_epoch, "masters": list(view.masters)} if view.leader_epoch else {})
         if args.json:
-            print(json.dumps({"master": master.address, "view_version": view.version, "workers": workers,
-                              "mounts": [m.name for m in view.mounts]}, indent=2))
+            print(json.dumps({"master": answered, "view_version": view.version, "workers": workers,
+                              "mounts": [m.name for m in view.mounts], **leader}, indent=2))
             return EXIT_OK
-        print(f"master {master.address}  view {view.version}  {len(workers)} live worker(s)  "
+        print(f"master {answered}  view {view.version}  {len(workers)} live worker(s)  "
               f"{len(view.mounts)} mount(s)")
+        if leader:
+            print(f"leader {view.leader_address or '(none now)'}  epoch {view.leader_epoch}  "
+                  f"masters {', '.join(view.masters)}")
         if workers:
             print(f"{'worker':18} {'address':24} {'used':>11} {'capacity':>11} {'pages':>8} {'hit ratio':>9} {'heartbeat':>9}")
             for w in workers:
