@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from cachefs.auth import token_metadata
+from cachefs.errors import parse_detail
 from cachefs.tls import TLSConfig, explain
 
 from cachefs.progress import human_bytes
@@ -73,6 +74,11 @@ def _run(args: argparse.Namespace, action) -> int:
         return action(master)
     except grpc.RpcError as err:
         code = err.code()
+        if code == grpc.StatusCode.UNAVAILABLE and parse_detail(err):
+            # A master answered, but the control plane cannot act (no leader, etcd unreachable).
+            print(f"cachefs: the master at {master.masters.current} cannot do this now: {err.details()}",
+                  file=sys.stderr)
+            return EXIT_UNREACHABLE
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             hint = explain(err.details(), master.tls)
             print(f"cachefs: cannot reach the master at {master.address}: {err.details()}"
