@@ -126,7 +126,9 @@ class Master:
         version, mounts = self.state.mounts()
         return MasterFigures(self.membership.stats(), self.versions.value, len(mounts), version,
                              jobs=self.jobs.counts(), worker_stats=[m.stats for m in self.membership.live()],
-                             active_jobs=self.jobs.list(active_only=True))
+                             active_jobs=self.jobs.list(active_only=True),
+                             leading=self.control is None or self.control.is_leader(),
+                             leader_epoch=int(self.control.leader().get("epoch", 0)) if self.control else 0)
 
     def _job_finished(self, record: JobRecord, progress: LoadProgress | None) -> None:
         if progress is not None:
@@ -206,8 +208,12 @@ class Master:
         live, why = self._live()
         if not live:
             return False, why
+        if self.control is not None:
+            # On etcd: ready once the state was loaded. A standby, or every master while etcd is
+            # down, still serves the last view (the point of several masters): not a reason to drop it.
+            return (True, "ok") if self.control.state.revision > 0 else (False, "state not loaded from etcd yet")
         try:
-            self.state.jobs()  # a real query: a closed or broken SQLite (or unreachable etcd) state fails it
+            self.state.jobs()  # a real query: a closed or broken SQLite state fails the probe
         except Exception as exc:
             return False, f"state unreadable: {type(exc).__name__}: {exc}"
         return True, "ok"
