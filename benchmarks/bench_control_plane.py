@@ -252,16 +252,17 @@ def cold_caches(masters: Masters, store: Path, objects: int, tmp: Path) -> dict:
             stub = masters.stub(i)
             out = {}
             for label in ("first", "again"):
+                # Lookups first: a listing fills the metadata cache, so they would never be cold after it.
+                t0 = time.perf_counter()
+                for s in range(0, objects, 1000):
+                    stub.GetInfos(master_pb2.GetInfosRequest(paths=paths[s:s + 1000]), timeout=60)
+                out[f"lookups_per_s_{label}"] = round(objects / (time.perf_counter() - t0))
                 t0 = time.perf_counter()
                 n = sum(len(b.entries) for b in stub.List(worker_pb2.ListRequest(path="data/d", recursive=True), timeout=60))
                 out[f"ls_{label}_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
                 t0 = time.perf_counter()
                 stub.Stat(master_pb2.StatRequest(path="data/d"), timeout=60)
                 out[f"stat_{label}_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-                t0 = time.perf_counter()
-                for s in range(0, objects, 1000):
-                    stub.GetInfos(master_pb2.GetInfosRequest(paths=paths[s:s + 1000]), timeout=60)
-                out[f"lookups_per_s_{label}"] = round(objects / (time.perf_counter() - t0))
             out["entries"] = n
             return out
 

@@ -252,7 +252,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def add_master_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--master", help="master HOST:PORT (default: $CACHEFS_MASTER or 127.0.0.1:19998)")
+    parser.add_argument("--master", help="master HOST:PORT, or several m1:PORT,m2:PORT (default: $CACHEFS_MASTER or 127.0.0.1:19998)")
     parser.add_argument("--cluster-token", help="cluster token (default: $CACHEFS_CLUSTER_TOKEN)")
     parser.add_argument("--token", help="access token, if the cluster wants one (default: $CACHEFS_TOKEN)")
     parser.add_argument("--tls-ca-file", help="CA bundle (PEM) to verify the master: use TLS "

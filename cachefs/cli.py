@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cat", help="write objects' bytes to stdout, in order (e.g. webdataset's pipe: URLs)")
     c.add_argument("urls", nargs="+", metavar="URL", help="cachefs://MOUNT/KEY (or any fsspec URL)")
-    c.add_argument("--master", help="master HOST:PORT (default: CACHEFS_MASTER)")
+    c.add_argument("--master", help="master HOST:PORT, or several m1:PORT,m2:PORT (default: CACHEFS_MASTER)")
     c.add_argument("--workers", help="worker addresses, comma-separated (default: CACHEFS_WORKERS)")
     c.set_defaults(func=cmd_cat)
 
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fuse", help="mount the cluster read-only at MOUNTPOINT (FUSE), until SIGTERM or Ctrl-C")
     f.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory; each mount is a folder in it")
     f.add_argument("--config", help="TOML file: [client] (master, workers, token, tls_*...) and [fuse] tables")
-    f.add_argument("--master", help="master HOST:PORT (or CACHEFS_MASTER)")
+    f.add_argument("--master", help="master HOST:PORT, or several m1:PORT,m2:PORT (or CACHEFS_MASTER)")
     f.add_argument("--workers", help="worker addresses HOST:PORT,... without a master (or CACHEFS_WORKERS)")
     f.add_argument("--token", help="access token, if the cluster wants one (or CACHEFS_TOKEN)")
     f.add_argument("--tls-ca-file", help="CA bundle (PEM): use TLS and verify the cluster with it")
