@@ -63,7 +63,7 @@ class Masters:
     def _spawn(self, i: int, port: int = 0) -> DaemonProcess:
         daemon = master_process(str(self.tmp / f"m{i}"), [
             "--etcd", ",".join(self.etcd.endpoints), "--election-lease-seconds", str(self.lease),
-            "--mount", f"data={self.store}", "--lease-seconds", "6"], log_path=str(self.tmp / f"m{i}.log"))
+            "--mount", f"data={self.store}"], log_path=str(self.tmp / f"m{i}.log"))
         if port:
             daemon.args[daemon.args.index("--port") + 1] = str(port)
         return daemon.start()
@@ -244,7 +244,7 @@ def cold_caches(masters: Masters, store: Path, objects: int, tmp: Path) -> dict:
     worker = worker_process({}, str(tmp / "cache"), extra=["--master", masters.addresses],
                             log_path=str(tmp / "worker.log")).start()
     try:
-        # Only the real worker: the simulated ones' leases have run out (6 s after their last beat).
+        # Only the real worker: the simulated ones' leases have run out (10 s after their last beat).
         wait(lambda: [w.address for w in masters.view().workers] == [worker.address], 60, interval=0.1)
         paths = [f"data/d/o{i:05d}.bin" for i in range(objects)]
 

@@ -264,6 +264,13 @@ class MasterConfig:
                 raise ValueError(f"etcd_prefix must start and end with '/', got {self.etcd_prefix!r}")
             if not 2 <= self.election_lease_seconds <= 60:
                 raise ValueError(f"election_lease_seconds must be in [2, 60], got {self.election_lease_seconds}")
+            # A failover takes up to about one election lease; workers cannot renew their own
+            # leases meanwhile, so theirs must outlast it and one heartbeat more.
+            if self.lease_seconds < self.election_lease_seconds + 2 * self.heartbeat_seconds:
+                raise ValueError(f"with etcd, lease_seconds ({self.lease_seconds}) must be at least "
+                                 f"election_lease_seconds + 2 x heartbeat_seconds "
+                                 f"({self.election_lease_seconds + 2 * self.heartbeat_seconds}): workers' "
+                                 "leases must outlast a failover")
         if self.advertise_address:
             _check_address(self.advertise_address, "advertise_address")
         if not self.state_dir:

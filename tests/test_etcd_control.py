@@ -146,5 +146,7 @@ def test_master_config_etcd_settings(tmp_path):
         MasterConfig(etcd="127.0.0.1:2379", etcd_ca_file=str(tmp_path / "missing.pem"), state_dir=str(tmp_path))
     with pytest.raises(ValueError, match="election_lease_seconds"):
         MasterConfig(etcd="127.0.0.1:2379", election_lease_seconds=1, state_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="outlast a failover"):
+        MasterConfig(etcd="127.0.0.1:2379", election_lease_seconds=8, lease_seconds=10, state_dir=str(tmp_path))
     assert "hunter2" not in repr(MasterConfig(etcd="127.0.0.1:2379", etcd_user="u", etcd_password="hunter2",
                                               state_dir=str(tmp_path)))
