@@ -3,7 +3,8 @@
 A job's record lives in memory and in the master's SQLite state (written when the state
 changes, about once a second while it makes progress, and at the end), so ``cachefs jobs``
 survives a restart. A job that was PENDING or RUNNING when the master stopped (or died) is
-run again from the start when it comes back: a load re-lists and re-plans, and workers skip
+run again from the start when it comes back (with several masters on etcd: by the next leader,
+from the record the last one kept there): a load re-lists and re-plans, and workers skip
 what they already hold, so running it twice is safe and cheap. Resumed jobs first wait for
 the workers to re-register (the live set to stop changing), or they would be planned on a
 partial ring and fill the wrong workers.
@@ -151,6 +152,9 @@ class JobManager:
                 log.warning("ignoring an unreadable job record %.80r", data)
                 continue
             if record.state in ACTIVE:
+                log.info("job %s was %s with %d of %d objects done (%d failed); the plan is made again and "
+                         "workers skip what they already hold", record.job_id, master_pb2.JobState.Name(record.state),
+                         record.objects_done, record.objects_total, record.objects_failed)
                 record = dataclasses.replace(
                     record, state=master_pb2.PENDING, objects_total=0, objects_done=0, objects_failed=0,
                     bytes_total=0, bytes_done=0, bytes_skipped=0, error="", updated_at=self._clock())
