@@ -59,6 +59,7 @@ class Masters:
         self.tmp, self.etcd, self.lease, self.store = tmp, etcd, lease, store
         self.procs: list[DaemonProcess] = []
         self.ports: list[int] = []
+        self._one: dict[int, MasterList] = {}
 
     def _spawn(self, i: int, port: int = 0) -> DaemonProcess:
         daemon = master_process(str(self.tmp / f"m{i}"), [
@@ -84,7 +85,9 @@ class Masters:
         return f"127.0.0.1:{self.ports[i]}"
 
     def stub(self, i: int) -> master_pb2_grpc.MasterServiceStub:
-        return MasterList(self.address(i)).stub()
+        if i not in self._one:
+            self._one[i] = MasterList(self.address(i))
+        return self._one[i].stub()
 
     def view(self, i: int | None = None) -> master_pb2.ClusterView:
         try:

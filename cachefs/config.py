@@ -249,7 +249,7 @@ class MasterConfig:
     etcd_key_file: str = ""
     etcd_user: str = ""  # etcd's user auth
     etcd_password: str = field(default="", repr=False)
-    etcd_timeout: float = 2.0  # seconds for one etcd call over all endpoints (admin commands fail fast)
+    etcd_timeout: float = 3.0  # seconds for one etcd call over all endpoints (admin commands fail within it)
     election_lease_seconds: float = 5.0  # the leader's lease: a dead leader is replaced within ~2x this
     advertise_address: str = ""  # what workers and the other masters dial; default host:port
 

@@ -58,12 +58,14 @@ class HA:
         return ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def view(self, address: str | None = None) -> master_pb2.ClusterView:
+        one = MasterList(address) if address else None
         try:
-            if address:
-                return MasterList(address).call("GetView", master_pb2.GetViewRequest(), timeout=3)
-            return self.list.call("GetView", master_pb2.GetViewRequest(), timeout=3)
+            return (one or self.list).call("GetView", master_pb2.GetViewRequest(), timeout=3)
         except grpc.RpcError:
             return master_pb2.ClusterView()
+        finally:
+            if one is not None:
+                one.close()  # no channel left for the garbage collector to close during a later test
 
     def leader_index(self) -> int:
         leader = self.view().leader_id
@@ -204,7 +206,7 @@ def test_etcd_down_reads_go_on_admin_fails_fast_and_all_recovers(tmp_path, etcd_
             out = subprocess.run(cli + ["more", str(tmp_path)], capture_output=True, text=True, timeout=60)
             took = time.monotonic() - t0
             assert out.returncode == 3, (out.stdout, out.stderr)
-            assert "etcd" in out.stderr or "leader" in out.stderr, out.stderr
+            assert "etcd" in out.stderr or "lead" in out.stderr, out.stderr
             assert took < 10, f"the admin command took {took:.1f}s with etcd down"
             for i in range(3):
                 etcd_cluster.restart(i)

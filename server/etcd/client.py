@@ -48,7 +48,7 @@ class EtcdSettings:
     key_file: str = ""
     user: str = ""  # etcd user auth (etcd auth enable): name and password
     password: str = field(default="", repr=False)
-    timeout: float = 2.0  # seconds for one call over every endpoint: admin commands fail fast
+    timeout: float = 3.0  # seconds for one call over every endpoint (rides out an etcd leader election)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -150,41 +150,53 @@ class EtcdClient:
         path, req_cls, resp_cls = api.METHODS[method]
         budget = self.settings.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        errors = []
-        order = self._order()
-        for n, index in enumerate(order):
+        errors: list[str] = []
+        n = len(self._targets)
+        attempt = 0
+        # Round after round over the endpoints until the deadline: a member that lives but has no
+        # raft leader for a moment (the leader was the member that died) answers again ~1 s later.
+        while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            # Each endpoint gets its share of what is left, so a hung one leaves time for the others.
-            share = left if n == len(order) - 1 else max(left / (len(order) - n), min(left, 0.5))
+            index = self._order()[0] if attempt % n == 0 else (self._order()[0] + attempt) % n
+            if attempt and attempt % n == 0:
+                time.sleep(min(0.1, left / 4))  # a full round failed: a breath before the next
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+            attempt += 1
+            # One endpoint's share of what is left, so a hung one leaves time for the others.
+            share = max(min(left, 0.5), left / n)
             target = self._targets[index]
             channel = self._channel(target)
             call = channel.unary_unary(path, request_serializer=req_cls.SerializeToString,
                                        response_deserializer=resp_cls.FromString)
-            for attempt in (0, 1):
-                try:
-                    if self.settings.user and not self._token:
-                        self._authenticate(channel, share)
-                    resp = call(request, timeout=share, metadata=self._metadata())
-                except grpc.RpcError as err:
-                    code = err.code()
-                    if code == grpc.StatusCode.UNAUTHENTICATED and self.settings.user and attempt == 0:
-                        self._token = ""  # expired token: authenticate again, once
-                        continue
-                    if code in _RETRY_ELSEWHERE:
-                        errors.append(f"{target}: {code.name}")
-                        break
-                    raise EtcdError(f"etcd {method} at {target}: {code.name}: {err.details()}") from None
-                with self._lock:
-                    self._current = index
-                return resp
-        raise EtcdUnavailableError(f"etcd unreachable within {budget:.1f}s ({'; '.join(errors) or 'no time left'})")
+            try:
+                if self.settings.user and not self._token:
+                    self._authenticate(channel, share)
+                resp = call(request, timeout=share, metadata=self._metadata())
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED and self.settings.user and self._token:
+                    self._token = ""  # an expired token: authenticate again on the next try
+                    errors.append(f"{target}: token expired")
+                    continue
+                if code in _RETRY_ELSEWHERE:
+                    errors.append(f"{target}: {code.name}")
+                    continue
+                raise EtcdError(f"etcd {method} at {target}: {code.name}: {err.details()}") from None
+            with self._lock:
+                self._current = index
+            return resp
+        raise EtcdUnavailableError(f"etcd unreachable within {budget:.1f}s ({'; '.join(errors[-n:]) or 'no time left'})")
 
     # -- KV --
 
-    def get_prefix(self, prefix: bytes, timeout: float | None = None) -> Any:
-        return self.unary("Range", api.RangeRequest(key=prefix, range_end=api.prefix_end(prefix)), timeout)
+    def get_prefix(self, prefix: bytes, timeout: float | None = None, revision: int = 0) -> Any:
+        """Every key under ``prefix`` (at ``revision``, or the latest)."""
+        return self.unary("Range", api.RangeRequest(key=prefix, range_end=api.prefix_end(prefix), revision=revision),
+                          timeout)
 
     def get(self, key: bytes, timeout: float | None = None) -> Any:
         """The key's KeyValue, or None."""
@@ -221,8 +233,17 @@ class EtcdClient:
         path, req_cls, resp_cls = api.METHODS["LeaseKeepAlive"]
         budget = self.settings.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        errors = []
-        for index in self._order():
+        errors: list[str] = []
+        n = len(self._targets)
+        attempt = 0
+        while True:  # rounds over the endpoints until the deadline, as unary calls do
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if attempt and attempt % n == 0:
+                time.sleep(min(0.1, left / 4))
+            index = (self._order()[0] + attempt) % n
+            attempt += 1
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -230,7 +251,8 @@ class EtcdClient:
             call = self._channel(target).stream_stream(path, request_serializer=req_cls.SerializeToString,
                                                        response_deserializer=resp_cls.FromString)
             try:
-                stream = call(iter([req_cls(ID=lease)]), timeout=left, metadata=self._metadata())
+                stream = call(iter([req_cls(ID=lease)]), timeout=max(min(left, 0.5), left / n),
+                              metadata=self._metadata())
                 resp = next(stream, None)
                 stream.cancel()
             except grpc.RpcError as err:
@@ -244,7 +266,7 @@ class EtcdClient:
             with self._lock:
                 self._current = index
             return int(resp.TTL)
-        raise EtcdUnavailableError(f"etcd unreachable for a lease keep-alive ({'; '.join(errors) or 'no time left'})")
+        raise EtcdUnavailableError(f"etcd unreachable for a lease keep-alive ({'; '.join(errors[-n:]) or 'no time left'})")
 
     # -- watches --
 

@@ -191,6 +191,8 @@ class Master:
             self._server.stop(grace).wait(grace + 1)
         self.jobs.stop(timeout=grace + 2)
         self.worker_stubs.close()
+        if self.servicer.forwarder is not None:
+            self.servicer.forwarder.close()
         self.membership.stop()
         if self.control is not None:
             self.control.stop()

@@ -199,11 +199,7 @@ class Election:
 
     def _renew(self) -> float:
         sent = self._clock()
-        try:
-            ttl = self.client.keepalive(self._lease, timeout=max(0.5, self.ttl / 3))
-        except EtcdUnavailableError:
-            self._lose_if_expired()
-            return min(0.5, self.poll_seconds)
+        ttl = self.client.keepalive(self._lease, timeout=max(0.5, self.ttl / 3))  # unreachable: raised, retried
         if ttl <= 0:
             self._lose("its lease is gone")
             return 0.0

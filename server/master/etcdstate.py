@@ -98,36 +98,38 @@ class EtcdState:
 
     def start(self) -> "EtcdState":
         revision = self._reload()
-        for kind in ("mounts", "members", "masters"):
-            self._watches.append(self.client.watch_prefix(
-                self.key(kind), revision + 1, self._apply, self._reload, name=f"cachefs-etcd-{kind}"))
+        # One watch over the whole prefix: events come in revision order, so "applied up to R"
+        # means every change up to R (job and leader events are only counted, not kept).
+        self._watches.append(self.client.watch_prefix(self.prefix, revision + 1, self._apply, self._reload,
+                                                      name="cachefs-etcd-watch"))
         return self
 
     def resync(self) -> int:
         """Read everything again, at etcd's current revision: a new leader starts from all that was
-        written before its election (the watch alone cannot say it has delivered all of that)."""
+        written before its election."""
         return self._reload()
 
     def _reload(self) -> int:
-        """Read mounts and members whole (start, a new leader, or a watch that fell behind a compaction)."""
+        """Read mounts, members and masters whole, all at one revision (start, a new leader, or a
+        watch that fell behind a compaction); returns the revision the copy is at."""
         mounts_resp = self.client.get_prefix(self.key("mounts"))
-        members_resp = self.client.get_prefix(self.key("members"), timeout=None)
-        masters_resp = self.client.get_prefix(self.key("masters"))
-        revision = max(mounts_resp.header.revision, members_resp.header.revision, masters_resp.header.revision)
+        at = mounts_resp.header.revision
+        members_resp = self.client.get_prefix(self.key("members"), timeout=None, revision=at)
+        masters_resp = self.client.get_prefix(self.key("masters"), revision=at)
         with self._lock:
+            if at <= self.revision:
+                return self.revision  # the watch has applied everything up to here already
             self._masters = {bytes(kv.key)[len(self.key("masters")):].decode(): kv.value.decode("utf-8", "replace")
                              for kv in masters_resp.kvs}
             self._mounts = dict(filter(None, (self._mount_of(kv) for kv in mounts_resp.kvs)))
             self._members = dict(filter(None, (self._member_of(kv) for kv in members_resp.kvs)))
-            if revision <= self.revision:
-                return self.revision  # a watch batch got further meanwhile: keep what it applied
-            self._mounts_version = self._members_version = revision
-            self.revision = revision
+            self._mounts_version = self._members_version = at
+            self.revision = at
             self._caught_up.notify_all()
-        self.versions.advance(revision)
+        self.versions.advance(at)
         for listener in self.member_listeners:
             listener()
-        return revision
+        return at
 
     def _apply(self, revision: int, events: list[Any]) -> None:
         mounts_changed = members_changed = False
