@@ -137,6 +137,43 @@ def test_a_leader_whose_lease_ended_is_fenced_in_etcd(etcd_cluster):
         cb.close()
 
 
+def test_mutual_tls_to_etcd_and_a_master_on_it(tmp_path):
+    """etcd serving TLS and requiring client certificates: the client with its certificate works
+    (and a master elects itself and writes a mount); without one it is refused, fast."""
+    from cachefs.server.etcd.localcluster import EtcdCluster, etcd_binary
+    from cachefs.server.master.daemon import Master
+    from tlscerts import make_pki
+
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (Debian's etcd-server; .ci/setup installs it as root)")
+    pki = make_pki(tmp_path / "pki")
+    settings = EtcdSettings(("https://127.0.0.1:1",), ca_file=pki.ca, cert_file=pki.client_cert,
+                            key_file=pki.client_key)
+    with EtcdCluster(1, base_dir=tmp_path / "etcd", tls=settings, server_cert=(pki.server_cert, pki.server_key)) as etcd:
+        good = EtcdClient(EtcdSettings(tuple(etcd.endpoints), ca_file=pki.ca, cert_file=pki.client_cert,
+                                       key_file=pki.client_key))
+        bad = EtcdClient(EtcdSettings(tuple(etcd.endpoints), ca_file=pki.ca, timeout=1.0))
+        try:
+            good.put(PREFIX + b"k", b"v")
+            t0 = time.monotonic()
+            with pytest.raises(EtcdUnavailableError):
+                bad.get(PREFIX + b"k")
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            good.close()
+            bad.close()
+        config = MasterConfig(port=0, state_dir=str(tmp_path / "m"), etcd=tuple(etcd.endpoints),
+                              etcd_ca_file=pki.ca, etcd_cert_file=pki.client_cert, etcd_key_file=pki.client_key,
+                              election_lease_seconds=2, lease_seconds=6, heartbeat_seconds=1)
+        master = Master(config).start()
+        try:
+            assert wait_for(master.control.is_leader, timeout=15) and master.control.serving_epoch() > 0
+            master.state.add_mount(MountSpec("tls", "file:///tmp"))
+            assert [m.name for m in master.state.mounts()[1]] == ["tls"]
+        finally:
+            master.stop()
+
+
 def test_master_config_etcd_settings(tmp_path):
     config = MasterConfig(etcd="http://127.0.0.1:2379, 127.0.0.2:2379", state_dir=str(tmp_path))
     assert config.etcd == ("http://127.0.0.1:2379", "127.0.0.2:2379")

@@ -47,16 +47,21 @@ class _Member:
     data_dir: Path
     proc: subprocess.Popen | None = None
 
+    tls: bool = False
+
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
 
 class EtcdCluster:
     """``with EtcdCluster(3) as cluster: cluster.endpoints``; removed (processes and dirs) on exit."""
 
     def __init__(self, size: int = 3, base_dir: str | os.PathLike[str] | None = None,
-                 start_timeout: float = 60.0) -> None:
+                 start_timeout: float = 60.0, tls: EtcdSettings | None = None,
+                 server_cert: tuple[str, str] | None = None) -> None:
+        """``tls``: the client side of mutual TLS (CA, client cert and key); ``server_cert``: the
+        members' (cert, key) for 127.0.0.1. With both, clients must present a certificate."""
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -66,6 +71,8 @@ class EtcdCluster:
         self.base_dir = Path(tempfile.mkdtemp(prefix="cachefs-etcd-") if base_dir is None else base_dir)
         self.start_timeout = start_timeout
         self.members: list[_Member] = []
+        self.tls = tls
+        self.server_cert = server_cert
 
     @property
     def endpoints(self) -> list[str]:
@@ -77,6 +84,10 @@ class EtcdCluster:
     def _spawn(self, member: _Member, state: str) -> None:
         member.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.base_dir / f"{member.name}.log", "ab")
+        tls_args: list[str] = []
+        if self.tls is not None and self.server_cert is not None:
+            tls_args = ["--cert-file", self.server_cert[0], "--key-file", self.server_cert[1],
+                        "--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
         try:
             member.proc = subprocess.Popen(
                 [self.binary, "--name", member.name, "--data-dir", str(member.data_dir),
@@ -86,7 +97,7 @@ class EtcdCluster:
                  "--initial-cluster", self._initial_cluster(), "--initial-cluster-state", state,
                  "--initial-cluster-token", self.base_dir.name,
                  "--heartbeat-interval", "100", "--election-timeout", "1000",
-                 "--logger", "zap", "--log-level", "warn"],
+                 "--logger", "zap", "--log-level", "warn", *tls_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         finally:
             log.close()
@@ -94,8 +105,8 @@ class EtcdCluster:
     def start(self) -> "EtcdCluster":
         for attempt in range(3):
             ports = _free_ports(2 * self.size)
-            self.members = [_Member(f"m{i}", ports[2 * i], ports[2 * i + 1], self.base_dir / f"m{i}")
-                            for i in range(self.size)]
+            self.members = [_Member(f"m{i}", ports[2 * i], ports[2 * i + 1], self.base_dir / f"m{i}",
+                                    tls=self.tls is not None) for i in range(self.size)]
             for member in self.members:
                 self._spawn(member, "new")
             try:
@@ -118,7 +129,11 @@ class EtcdCluster:
             if any(m.proc is not None and m.proc.poll() is not None for m in self.members):
                 raise RuntimeError(f"etcd member(s) {dead} exited; see {self.base_dir}")
         for member in live:
-            client = EtcdClient(EtcdSettings((member.endpoint,), timeout=2.0))
+            settings = EtcdSettings((member.endpoint,), timeout=2.0)
+            if self.tls is not None:
+                settings = EtcdSettings((member.endpoint,), ca_file=self.tls.ca_file, cert_file=self.tls.cert_file,
+                                        key_file=self.tls.key_file, timeout=2.0)
+            client = EtcdClient(settings)
             try:
                 while True:
                     try:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cachefs.errors import ControlPlaneUnavailableError
 from cachefs.server.etcd import api
 from cachefs.server.etcd.client import EtcdClient
 from cachefs.server.master.etcdstate import EtcdState, MemberKey
@@ -77,7 +78,7 @@ class EtcdMembership:
         if not resp.succeeded:
             self.client.revoke(lease, timeout=0.5)
             self._fence()
-            raise ConnectionError("registration not written: this master's term ended")
+            raise ControlPlaneUnavailableError("registration not written: this master's term as leader ended")
         if old is not None and old.lease and old.lease != lease:
             self.client.revoke(old.lease, timeout=0.5)  # its key is on the new lease now
         self.state.wait_revision(resp.header.revision, self.client.settings.timeout)

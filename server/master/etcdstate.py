@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachefs.errors import UnknownMountError
+from cachefs.errors import ControlPlaneUnavailableError, UnknownMountError
 from cachefs.mounts import MountSpec
 from cachefs.server.etcd import api
 from cachefs.server.etcd.client import EtcdClient
@@ -275,7 +275,7 @@ class EtcdState:
         resp = self._write([], [api.RequestOp(request_put=api.PutRequest(key=self.key("jobs", job_id), value=value))])
         if not resp.succeeded:
             self._fence()
-            raise ConnectionError("job record not saved: this master's term ended")
+            raise ControlPlaneUnavailableError("job record not saved: this master's term as leader ended")
 
     def jobs(self) -> list[dict[str, Any]]:
         resp = self.client.get_prefix(self.key("jobs"))
