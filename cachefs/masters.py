@@ -16,8 +16,13 @@ from typing import Any
 from cachefs.addresses import split_addresses
 from cachefs.tls import PLAINTEXT, TLSConfig, open_channel
 
-# Codes after which another master may do better: this one is down, stopping, or has no leader.
-MOVE_ON = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN")
+# After UNAVAILABLE (down, stopping, no leader: the call was not carried out) any call moves on.
+# After a deadline or a broken call it may have been carried out, so only calls that can be
+# repeated safely move on then (a SubmitJob repeated elsewhere would make a second job).
+MOVE_ON = ("UNAVAILABLE",)
+MOVE_ON_IF_REPEATABLE = ("DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN")
+REPEATABLE = frozenset({"GetView", "GetMounts", "GetInfo", "GetInfos", "Stat", "GetJob", "ListJobs",
+                        "RegisterWorker", "Heartbeat", "CancelJob"})
 
 
 class MasterList:
@@ -81,7 +86,9 @@ class MasterList:
             try:
                 return getattr(self.stub(address), name)(request, **kwargs)
             except grpc.RpcError as err:
-                if err.code().name not in MOVE_ON or len(self.addresses) == 1:
+                code = err.code().name
+                if len(self.addresses) == 1 or not (
+                        code in MOVE_ON or (code in MOVE_ON_IF_REPEATABLE and name in REPEATABLE)):
                     raise
                 last = err
                 self.move_on(address)

@@ -140,6 +140,7 @@ class Worker:
             max_rpc_seconds=max(self.config.store_timeout * 4, 60.0),
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+        self.servicer = servicer
         token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
         cached = CachedPages(self.objects.cached_info_until, self.reader._page_id, self.pages.open_page,
                              self.pages.page_size, token)
