@@ -16,7 +16,7 @@ two masters (``cachefs master --etcd``), one worker for the after-failover figur
 - right after a failover the new leader's metadata and listing caches are cold: ``ls`` (List),
   ``stat`` and batched lookups (GetInfos, 1,000 paths per call) on the new leader, first call and
   again, beside the same on the old leader before it was killed; a load job on the new leader.
-Writes benchmarks/baselines/control-plane-<date>.json.
+Writes benchmarks/baselines/control-plane-<date>.json and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -304,6 +304,42 @@ def cold_caches(masters: Masters, store: Path, objects: int, tmp: Path) -> dict:
         worker.stop()
 
 
+def plot(result: dict, path: Path) -> None:
+    """Failover per kill against 2x the lease; view propagation on leader and standby."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    f = result["failover"]
+    samples = f["samples_to_new_leader"]
+    a.bar(range(1, len(samples) + 1), samples, color="#4c72b0")
+    a.axhline(f["target_seconds"], color="#c44e52", linestyle="--", label=f"2x lease ({f['target_seconds']:g} s)")
+    a.axhline(f["lease_seconds"], color="#999999", linestyle=":", label=f"lease ({f['lease_seconds']:g} s)")
+    a.set_xlabel("leader kill (-9)")
+    a.set_ylabel("seconds until the standby leads")
+    a.set_title(f"failover: median {f['seconds_to_new_leader']['median']:.1f} s, p99 {f['seconds_to_new_leader']['p99']:.1f} s")
+    a.legend(loc="lower right", fontsize=8)
+    v = result["view_propagation"]
+    labels, medians, p99s = [], [], []
+    for what in ("worker_join_seconds", "mount_add_seconds"):
+        for where in ("leader", "standby"):
+            labels.append(f"{what.split('_')[0]}\n{where}")
+            medians.append(v[what][where]["median"] * 1e3)
+            p99s.append(v[what][where]["p99"] * 1e3)
+    x = range(len(labels))
+    b.bar([i - 0.2 for i in x], medians, width=0.4, label="median", color="#55a868")
+    b.bar([i + 0.2 for i in x], p99s, width=0.4, label="p99", color="#8172b2")
+    b.set_xticks(list(x), labels, fontsize=8)
+    b.set_ylabel("ms until a watcher has it")
+    b.set_title(f"view propagation, {v['workers_registered']} workers registered")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=10)
@@ -313,7 +349,11 @@ def main() -> int:
     parser.add_argument("--objects", type=int, default=5000)
     parser.add_argument("--quick", action="store_true", help="3 kills, 20 workers, 10 samples, 1,000 objects")
     parser.add_argument("--out", default="")
+    parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNG of an earlier result")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return 0
     if args.quick:
         args.kills, args.workers, args.samples, args.objects = 3, 20, 10, 1000
     result: dict = {"benchmark": "control-plane", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -341,6 +381,7 @@ def main() -> int:
     out = Path(args.out) if args.out else BASELINES / f"control-plane-{time.strftime('%Y-%m-%d')}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
     print(json.dumps(result, indent=2))
     print(f"wrote {out}", file=sys.stderr)
     return 0
