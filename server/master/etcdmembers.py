@@ -107,10 +107,12 @@ class EtcdMembership:
         return []  # etcd expires the leases
 
     def _member(self, key: MemberKey) -> Member:
+        # Heartbeats reach only the leader: a standby knows the worker is live (its key is) but not
+        # when it last beat, so it says 0 ("not known here") rather than a stale time.
         with self._lock:
-            stats, beat = self._stats.get(key.worker_id, (None, key.registered_at))
+            stats, beat = self._stats.get(key.worker_id, (None, 0.0))
         return Member(key.worker_id, key.address, key.version, stats, registered_at=key.registered_at,
-                      last_heartbeat=beat or key.registered_at)
+                      last_heartbeat=beat)
 
     def live(self) -> list[Member]:
         members = self.state.members()
