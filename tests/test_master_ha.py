@@ -126,6 +126,14 @@ def test_leader_killed_under_reads_and_during_a_load_job(tmp_path, etcd_cluster)
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])
             old = ha.leader_index()
             survivor = 1 - old
+            # The standby passes leader-only calls on (the caller's token with them), serves the view itself.
+            standby = MasterList(f"127.0.0.1:{ha.ports[survivor]}")
+            try:
+                standby.call("AddMount", master_pb2.AddMountRequest(name="via-standby", url=str(ha.root)), timeout=10)
+                assert wait_for(lambda: "via-standby" in [m.name for m in ha.view(standby.current).mounts], timeout=10)
+                assert standby.call("ListJobs", master_pb2.ListJobsRequest(), timeout=10).jobs == []
+            finally:
+                standby.close()
             job = ha.list.call("SubmitJob", master_pb2.SubmitJobRequest(kind=master_pb2.LOAD, path="data/d"),
                                timeout=10)
             ha.masters[old].kill()  # kill -9, the job just submitted (pending or running there)
@@ -143,7 +151,7 @@ def test_leader_killed_under_reads_and_during_a_load_job(tmp_path, etcd_cluster)
         assert done.objects_done == OBJECTS and done.objects_failed == 0
         jobs = ha.list.call("ListJobs", master_pb2.ListJobsRequest(), timeout=10).jobs
         assert [j.job_id for j in jobs] == [job.job_id]  # one job, finished once
-        assert [m.name for m in ha.view().mounts] == ["data"]
+        assert [m.name for m in ha.view().mounts] == ["data", "via-standby"]
         # `cachefs status` through the list, the dead master first in it.
         out = subprocess.run([sys.executable, "-m", "cachefs.cli", "status", "--master", ha.addresses],
                              capture_output=True, text=True, timeout=60)
