@@ -302,6 +302,7 @@ def test_load_and_free_from_an_older_leader_epoch_are_refused(local_store, make_
         stub.Free(worker_pb2.FreeRequest(prefix="data/e", leader_epoch=6), timeout=30)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert _cached(worker, "data/e/a.bin") == [5000]  # the refused Free freed nothing
+    assert worker.metrics.stale_leader_commands._value.get() == 2
     # Heard from a heartbeat answer (Registrar -> EpochGuard.observe): epoch 7 is now stale too.
     worker.servicer.epochs.observe(9)
     with pytest.raises(grpc.RpcError) as info:

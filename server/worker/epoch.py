@@ -10,15 +10,17 @@ a client's hint) is never refused.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from cachefs.errors import StaleLeaderError
 
 
 class EpochGuard:
-    def __init__(self) -> None:
+    def __init__(self, on_refused: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._epoch = 0
         self.refused = 0
+        self._on_refused = on_refused
 
     @property
     def epoch(self) -> int:
@@ -38,6 +40,8 @@ class EpochGuard:
         with self._lock:
             if epoch < self._epoch:
                 self.refused += 1
+                if self._on_refused is not None:
+                    self._on_refused()
                 raise StaleLeaderError(f"{what} from a master whose leadership ended (epoch {epoch}; "
                                        f"the current leader's is {self._epoch})")
             self._epoch = epoch

@@ -61,7 +61,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.short_circuit_socket = ""  # set by the daemon when it listens for short-circuit reads
         self.data_port = 0  # set by the daemon when its data port listens
         self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
-        self.epochs = EpochGuard()  # the leading master's epoch (several masters on etcd)
+        # The leading master's epoch (several masters on etcd): older Load/Free are refused.
+        self.epochs = EpochGuard(metrics.stale_leader_commands.inc)
 
     def _deadline(self, context: grpc.ServicerContext) -> float:
         """Every RPC has a deadline: the caller's, capped by the worker's own."""
