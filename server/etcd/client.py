@@ -325,15 +325,18 @@ class Watch:
         path, req_cls, resp_cls = api.METHODS["Watch"]
         failures = 0
         while not self._stop.is_set() and not self._client.closed:
-            index = self._client._order()[0] if failures == 0 else self._client._order()[failures % len(self._client._targets)]
+            # The endpoint that answered last, then the others in turn while reconnecting fails.
+            index = (self._client._order()[0] + failures) % len(self._client._targets)
             target = self._client._targets[index]
             done: queue.Queue[None] = queue.Queue()
             try:
                 call = self._client._channel(target).stream_stream(
                     path, request_serializer=req_cls.SerializeToString, response_deserializer=resp_cls.FromString)
-                self._call = call(self._requests(done), metadata=self._client._metadata())
+                # "hasleader": a member cut off from etcd's raft leader ends the watch (etcd's
+                # WithRequireLeader) instead of going silent, so it moves to another member.
+                self._call = call(self._requests(done), metadata=self._client._metadata() + [("hasleader", "true")])
                 for resp in self._call:
-                    if resp.compact_revision or (resp.canceled and resp.compact_revision):
+                    if resp.compact_revision:
                         log.warning("etcd watch of %r: history compacted at %d; reloading",
                                     self._prefix, resp.compact_revision)
                         self._next = self._on_reset() + 1
