@@ -512,3 +512,45 @@ def _status(port: int, path: str) -> int:
             return resp.status
     except urllib.error.HTTPError as err:
         return err.code
+
+
+def test_two_masters_and_a_worker_start_from_the_rendered_ha_configs(tmp_path: Path, etcd_cluster):
+    """master.replicas 2 on an existing etcd: the rendered master.toml starts two masters on a real
+    etcd (its endpoints rewritten to it), one leads; the rendered worker.toml (its master list
+    rewritten to their addresses) registers through them; the leader's metrics say so."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "a.bin").write_bytes(payload(1000, 3))
+    values = {"master": {"replicas": 2, "config": {"port": 19998, "metrics_port": 9465,
+                                                   "election_lease_seconds": 3}},
+              "etcd": {"endpoints": ["http://etcd-0.infra.svc:2379"], "prefix": "/cachefs/rendered/"},
+              "mounts": {"data": {"url": str(store), "read_only": True}},
+              "worker": {"pageStore": {"type": "emptyDir", "mountPath": "/cache", "quota": "64MiB"},
+                         "config": {"port": 29999, "metrics_port": 9464}}}
+    files = _config_files(_render(values))
+    assert tomllib.loads(files["master.toml"])["master"]["etcd_prefix"] == "/cachefs/rendered/"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+    masters = []
+    try:
+        for i in range(2):
+            path = tmp_path / f"master{i}.toml"
+            path.write_text(_rewrite(files["master.toml"], "master", {
+                "host": "127.0.0.1", "port": 0, "metrics_port": 0, "state_dir": str(tmp_path / f"state{i}"),
+                "etcd": etcd_cluster.endpoints}))
+            masters.append(DaemonProcess(["master", "--config", str(path)], env=env,
+                                         log_path=str(tmp_path / f"master{i}.log")).start())
+        worker_conf = tomllib.loads(files["worker.toml"])["worker"]
+        assert len(worker_conf["master"].split(",")) == 2  # the chart gave the worker both masters
+        worker_toml = tmp_path / "worker.toml"
+        worker_toml.write_text(_rewrite(files["worker.toml"], "worker", {
+            "host": "127.0.0.1", "port": 0, "metrics_port": 0, "master": ",".join(m.address for m in masters),
+            "cache_dirs": [f"{tmp_path / 'cache'}:64MiB"]}))
+        with DaemonProcess(["worker", "--config", str(worker_toml)], env=env, log_path=str(tmp_path / "worker.log")):
+            ports = [m.ready["metrics_port"] for m in masters]
+            assert wait_for(lambda: sum(scrape(p).get("cachefs_master_leader", 0) for p in ports) == 1, timeout=30)
+            assert wait_for(lambda: all(scrape(p).get("cachefs_master_workers_live") == 1 for p in ports), timeout=30)
+            assert all(scrape(p)["cachefs_master_mounts"] == 1 for p in ports)
+            assert all(_status(p, "/readyz") == 200 for p in ports)
+    finally:
+        for m in masters:
+            m.stop()
