@@ -151,6 +151,9 @@ def test_leader_killed_under_reads_and_during_a_load_job(tmp_path, etcd_cluster)
         assert done.objects_done == OBJECTS and done.objects_failed == 0
         jobs = ha.list.call("ListJobs", master_pb2.ListJobsRequest(), timeout=10).jobs
         assert [j.job_id for j in jobs] == [job.job_id]  # one job, finished once
+        # ... by the new leader, which resumed it from the record the dead one left in etcd.
+        survivor_log = (ha.tmp / f"m{survivor}.log").read_text()
+        assert f"job {job.job_id} resumes" in survivor_log and f"job {job.job_id} SUCCEEDED" in survivor_log
         assert [m.name for m in ha.view().mounts] == ["data", "via-standby"]
         # `cachefs status` through the list, the dead master first in it.
         out = subprocess.run([sys.executable, "-m", "cachefs.cli", "status", "--master", ha.addresses],
