@@ -15,3 +15,12 @@ def split_address(address: str, what: str = "address") -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
+
+
+def split_addresses(value: str | tuple[str, ...] | list[str], what: str = "address") -> tuple[str, ...]:
+    """``"m1:19998,m2:19998"`` -> both, each checked; a master address is always such a list."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = tuple(a.strip() for a in items if a and a.strip())
+    for address in out:
+        split_address(address, what)
+    return out

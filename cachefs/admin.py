@@ -21,7 +21,8 @@ from typing import Any
 import grpc
 
 from cachefs.auth import token_metadata
-from cachefs.tls import TLSConfig, explain, open_channel
+from cachefs.errors import parse_detail
+from cachefs.tls import TLSConfig, explain
 
 from cachefs.progress import human_bytes
 
@@ -33,8 +34,9 @@ _human = human_bytes
 
 class _Master:
     def __init__(self, args: argparse.Namespace) -> None:
-        from cachefs.proto import master_pb2_grpc
+        from cachefs.masters import MasterList
 
+        # One master or several (m1:19998,m2:19998): calls go to one that answers.
         address = args.master or os.environ.get("CACHEFS_MASTER", "127.0.0.1:19998")
         # The cluster token (changes, credentials) also passes the access check; else the access token.
         token = (args.cluster_token or os.environ.get("CACHEFS_CLUSTER_TOKEN", "")
@@ -43,11 +45,14 @@ class _Master:
         self.metadata = token_metadata(token)
         self.timeout = args.timeout
         self.tls = admin_tls(args)
-        self.channel = open_channel(address, self.tls)
-        self.stub = master_pb2_grpc.MasterServiceStub(self.channel)
+        self.masters = MasterList(address, self.tls)
+
+    @property
+    def stub(self) -> Any:
+        return self.masters.stub()
 
     def call(self, method: str, request: Any) -> Any:
-        return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+        return self.masters.call(method, request, timeout=self.timeout, metadata=self.metadata)
 
 
 def admin_tls(args: argparse.Namespace) -> TLSConfig:
@@ -62,13 +67,18 @@ def admin_tls(args: argparse.Namespace) -> TLSConfig:
 def _run(args: argparse.Namespace, action) -> int:
     try:
         master = _Master(args)
-    except ValueError as exc:  # unreadable TLS files
+    except ValueError as exc:  # unreadable TLS files, a bad master address
         print(f"cachefs: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return action(master)
     except grpc.RpcError as err:
         code = err.code()
+        if code == grpc.StatusCode.UNAVAILABLE and parse_detail(err):
+            # A master answered, but the control plane cannot act (no leader, etcd unreachable).
+            print(f"cachefs: the master at {master.masters.current} cannot do this now: {err.details()}",
+                  file=sys.stderr)
+            return EXIT_UNREACHABLE
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             hint = explain(err.details(), master.tls)
             print(f"cachefs: cannot reach the master at {master.address}: {err.details()}"
@@ -77,7 +87,7 @@ def _run(args: argparse.Namespace, action) -> int:
         print(f"cachefs: {code.name.lower().replace('_', ' ')}: {err.details()}", file=sys.stderr)
         return EXIT_REFUSED
     finally:
-        master.channel.close()
+        master.masters.close()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -97,12 +107,18 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "eviction": s.eviction_policy or "-", "plans": s.plans,
                 "heartbeat_age_s": round(max(0.0, now - w.last_heartbeat), 1) if w.last_heartbeat else None,
             })
+        answered = master.masters.current
+        leader = ({"leader_id": view.leader_id, "leader_address": view.leader_address,
+                   "leader_epoch": view.leader_epoch, "masters": list(view.masters)} if view.leader_epoch else {})
         if args.json:
-            print(json.dumps({"master": master.address, "view_version": view.version, "workers": workers,
-                              "mounts": [m.name for m in view.mounts]}, indent=2))
+            print(json.dumps({"master": answered, "view_version": view.version, "workers": workers,
+                              "mounts": [m.name for m in view.mounts], **leader}, indent=2))
             return EXIT_OK
-        print(f"master {master.address}  view {view.version}  {len(workers)} live worker(s)  "
+        print(f"master {answered}  view {view.version}  {len(workers)} live worker(s)  "
               f"{len(view.mounts)} mount(s)")
+        if leader:
+            print(f"leader {view.leader_address or '(none now)'}  epoch {view.leader_epoch}  "
+                  f"masters {', '.join(view.masters)}")
         if workers:
             print(f"{'worker':18} {'address':24} {'used':>11} {'capacity':>11} {'pages':>8} {'hit ratio':>9} "
                   f"{'eviction':>14} {'heartbeat':>9}")
@@ -239,7 +255,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def add_master_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--master", help="master HOST:PORT (default: $CACHEFS_MASTER or 127.0.0.1:19998)")
+    parser.add_argument("--master", help="master HOST:PORT, or several m1:PORT,m2:PORT (default: $CACHEFS_MASTER or 127.0.0.1:19998)")
     parser.add_argument("--cluster-token", help="cluster token (default: $CACHEFS_CLUSTER_TOKEN)")
     parser.add_argument("--token", help="access token, if the cluster wants one (default: $CACHEFS_TOKEN)")
     parser.add_argument("--tls-ca-file", help="CA bundle (PEM) to verify the master: use TLS "

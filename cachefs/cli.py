@@ -51,6 +51,9 @@ def cmd_master(args: argparse.Namespace) -> int:
         "lease_seconds": args.lease_seconds, "heartbeat_seconds": args.heartbeat_seconds,
         "cluster_token": args.cluster_token, "mounts": args.mount,
         "metadata_ttl": args.metadata_ttl, "list_ttl": args.list_ttl, "job_threads": args.job_threads,
+        "etcd": args.etcd, "etcd_prefix": args.etcd_prefix, "etcd_ca_file": args.etcd_ca_file,
+        "etcd_cert_file": args.etcd_cert_file, "etcd_key_file": args.etcd_key_file, "etcd_user": args.etcd_user,
+        "election_lease_seconds": args.election_lease_seconds, "advertise_address": args.advertise_address,
     }
     try:
         config = load_master_config(args.config, flags={k: v for k, v in flags.items() if v is not None})
@@ -154,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--page-size", help="page size, e.g. 1MiB")
     w.add_argument("--metadata-ttl", type=float, help="seconds an object's size/version is trusted")
     w.add_argument("--list-ttl", type=float, help="seconds a listing is trusted")
-    w.add_argument("--master", help="master HOST:PORT to register with")
+    w.add_argument("--master", help="master HOST:PORT to register with (several: m1:19998,m2:19998)")
     w.add_argument("--advertise-address", help="HOST:PORT clients dial, if not the bound one")
     w.add_argument("--cluster-token", help="shared secret for the master (or CACHEFS_WORKER_CLUSTER_TOKEN)")
     w.add_argument("--eviction", choices=("future", "lru"),
@@ -174,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metadata-ttl", type=float, help="seconds the master trusts an object's size/version")
     m.add_argument("--list-ttl", type=float, help="seconds the master trusts a listing")
     m.add_argument("--job-threads", type=int, help="cluster jobs (load, free) running at once")
+    m.add_argument("--etcd", metavar="URL[,URL...]",
+                   help="several masters, one leader: keep the state in etcd at these endpoints (default: SQLite)")
+    m.add_argument("--etcd-prefix", help="key prefix of this cluster in etcd (default /cachefs/default/)")
+    m.add_argument("--etcd-ca-file", help="CA bundle (PEM) to verify etcd: talk TLS to it")
+    m.add_argument("--etcd-cert-file", help="client certificate (PEM) for etcd")
+    m.add_argument("--etcd-key-file", help="client key (PEM) for etcd")
+    m.add_argument("--etcd-user", help="etcd user (password: CACHEFS_MASTER_ETCD_PASSWORD or the config file)")
+    m.add_argument("--election-lease-seconds", type=float, help="the leader's lease in etcd (default 5)")
+    m.add_argument("--advertise-address", help="HOST:PORT workers and other masters dial, if not the bound one")
     m.set_defaults(func=cmd_master)
 
     loc = sub.add_parser("local", help="a master and N workers on this machine, restarted if they exit, until Ctrl-C")
@@ -189,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cat", help="write objects' bytes to stdout, in order (e.g. webdataset's pipe: URLs)")
     c.add_argument("urls", nargs="+", metavar="URL", help="cachefs://MOUNT/KEY (or any fsspec URL)")
-    c.add_argument("--master", help="master HOST:PORT (default: CACHEFS_MASTER)")
+    c.add_argument("--master", help="master HOST:PORT, or several m1:PORT,m2:PORT (default: CACHEFS_MASTER)")
     c.add_argument("--workers", help="worker addresses, comma-separated (default: CACHEFS_WORKERS)")
     c.set_defaults(func=cmd_cat)
 
@@ -209,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fuse", help="mount the cluster at MOUNTPOINT (FUSE; read-only unless --writable), until SIGTERM or Ctrl-C")
     f.add_argument("mountpoint", metavar="MOUNTPOINT", help="an empty directory; each mount is a folder in it")
     f.add_argument("--config", help="TOML file: [client] (master, workers, token, tls_*...) and [fuse] tables")
-    f.add_argument("--master", help="master HOST:PORT (or CACHEFS_MASTER)")
+    f.add_argument("--master", help="master HOST:PORT, or several m1:PORT,m2:PORT (or CACHEFS_MASTER)")
     f.add_argument("--workers", help="worker addresses HOST:PORT,... without a master (or CACHEFS_WORKERS)")
     f.add_argument("--token", help="access token, if the cluster wants one (or CACHEFS_TOKEN)")
     f.add_argument("--tls-ca-file", help="CA bundle (PEM): use TLS and verify the cluster with it")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cachefs.addresses import split_address
+from cachefs.addresses import split_address, split_addresses
 from cachefs.mounts import MountSpec
 from cachefs.tls import TLSConfig
 
@@ -140,7 +140,9 @@ class WorkerConfig:
     readahead_pages: int = 8  # max read-ahead window for sequential readers
     store_timeout: float = 60.0  # seconds for one page fetch from the object store
     max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the cache disk, at most
-    master: str = ""  # master address (host:port); empty: a standalone worker with its own mounts
+    # master address (host:port), or several masters (m1:19998,m2:19998); empty: a standalone
+    # worker with its own mounts
+    master: str = ""
     advertise_address: str = ""  # what clients dial; default host:port (with the bound port)
     cluster_token: str = field(default="", repr=False)  # shared with the master: to register, to get credentials
     shutdown_grace: float = 5.0
@@ -208,6 +210,10 @@ class WorkerConfig:
 
 
 def _check_address(address: str, what: str) -> None:
+    if what == "master":
+        if not split_addresses(address, what):
+            raise ValueError("master is empty")
+        return
     split_address(address, what)
 
 
@@ -240,9 +246,39 @@ class MasterConfig:
     tls_key_file: str = ""
     tls_ca_file: str = ""  # PEM CA bundle: verify workers (and clients, with tls_require_client_cert)
     tls_require_client_cert: bool = False  # mutual TLS: callers must present a certificate from tls_ca_file
+    # Several masters, one leader: the state (mounts, jobs, live workers) in etcd at these
+    # endpoints (http[s]://HOST:PORT, comma-separated); empty: one master on SQLite in state_dir.
+    etcd: tuple[str, ...] = ()
+    etcd_prefix: str = "/cachefs/default/"  # every key of this cluster lives under it
+    etcd_ca_file: str = ""  # PEM CA: talk TLS to etcd and verify it (https:// endpoints imply TLS)
+    etcd_cert_file: str = ""  # client certificate for etcd (--client-cert-auth)
+    etcd_key_file: str = ""
+    etcd_user: str = ""  # etcd's user auth
+    etcd_password: str = field(default="", repr=False)
+    etcd_timeout: float = 3.0  # seconds for one etcd call over all endpoints (admin commands fail within it)
+    election_lease_seconds: float = 5.0  # the leader's lease: a dead leader is replaced within ~2x this
+    advertise_address: str = ""  # what workers and the other masters dial; default host:port
 
     def __post_init__(self) -> None:
         _check_listen(self.host, self.port, self.metrics_port)
+        object.__setattr__(self, "etcd", _split_addresses(self.etcd))
+        if self.etcd:
+            from cachefs.server.etcd.client import settings_of  # masters only: never in a client
+
+            settings_of(self)  # endpoints parse, cert and key go together
+            if not self.etcd_prefix.startswith("/") or not self.etcd_prefix.endswith("/"):
+                raise ValueError(f"etcd_prefix must start and end with '/', got {self.etcd_prefix!r}")
+            if not 2 <= self.election_lease_seconds <= 60:
+                raise ValueError(f"election_lease_seconds must be in [2, 60], got {self.election_lease_seconds}")
+            # A failover takes up to about one election lease; workers cannot renew their own
+            # leases meanwhile, so theirs must outlast it and one heartbeat more.
+            if self.lease_seconds < self.election_lease_seconds + 2 * self.heartbeat_seconds:
+                raise ValueError(f"with etcd, lease_seconds ({self.lease_seconds}) must be at least "
+                                 f"election_lease_seconds + 2 x heartbeat_seconds "
+                                 f"({self.election_lease_seconds + 2 * self.heartbeat_seconds}): workers' "
+                                 "leases must outlast a failover")
+        if self.advertise_address:
+            _check_address(self.advertise_address, "advertise_address")
         if not self.state_dir:
             raise ValueError("state_dir is empty")
         if self.heartbeat_seconds <= 0 or self.lease_seconds < 2 * self.heartbeat_seconds:
@@ -275,6 +311,7 @@ _COMPLEX_FIELDS = {
     ),
     "mounts": lambda v: tuple(MountSpec.parse_many(json.loads(v) if isinstance(v, str) else v)),
     "workers": lambda v: _split_addresses(v),
+    "etcd": lambda v: _split_addresses(v),
     "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
 }

@@ -122,6 +122,21 @@ class StaleObjectError(CacheFSError):
         super().__init__(errno.ESTALE, message)
 
 
+class ControlPlaneUnavailableError(CacheFSError, ConnectionError):
+    """The control plane cannot act now: no leading master (an election under way), or its etcd
+    cannot be reached. Reads go on from the last view; another master may answer."""
+
+    def __init__(self, message: str) -> None:
+        OSError.__init__(self, errno.EAGAIN, message)
+
+
+class StaleLeaderError(CacheFSError):
+    """A worker refused a command from a master whose leadership has ended (an older epoch)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EPERM, message)
+
+
 class InternalError(CacheFSError):
     """A server failed in a way it did not expect (a bug in it): what any exception outside the
     table below is sent as. The message says what; another server may not fail the same way."""
@@ -160,6 +175,8 @@ _TABLE: tuple[tuple[type[BaseException], str, str, int | None, bool], ...] = (
     (TimeoutError, "DEADLINE_EXCEEDED", STORE, errno.ETIMEDOUT, False),  # a store call that timed out
     (ValueError, "INVALID_ARGUMENT", REQUEST, None, False),
     (NotImplementedError, "UNIMPLEMENTED", REQUEST, None, True),
+    (ControlPlaneUnavailableError, "UNAVAILABLE", WORKER, errno.EAGAIN, False),
+    (StaleLeaderError, "FAILED_PRECONDITION", REQUEST, errno.EPERM, False),
     (InternalError, "INTERNAL", WORKER, errno.EIO, False),
     (OSError, "INTERNAL", WORKER, errno.EIO, False),  # not the store's: _store_errors wraps those
 )

@@ -19,6 +19,7 @@ import grpc
 from cachefs.client import forksafe
 from cachefs.client.transport import OWN_CONNECTIONS, SINGLE_THREADED_STREAMS
 from cachefs.proto import master_pb2, master_pb2_grpc
+from cachefs.addresses import split_addresses
 from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ class ViewWatcher(forksafe.ForkHook):
         it): the watch goes on from there with no first ``GetView``. The channel is opened on
         first use, not here: making a watcher costs no gRPC."""
         self.master = master
+        # One master or several (m1:19998,m2:19998): watch one, move on to the next when it fails.
+        self._addresses = split_addresses(master, "master")
+        self._index = 0
         # A weak reference: a filesystem that is dropped lets its watcher end.
         self._on_view = weakref.WeakMethod(on_view) if hasattr(on_view, "__self__") else (lambda: on_view)
         self._timeout = timeout
@@ -88,8 +92,9 @@ class ViewWatcher(forksafe.ForkHook):
         if callback is None:
             return False
         # Newer views only; but a different master (its state lost and rebuilt) starts its own
-        # numbering, so a new master_id is always taken.
-        if view.version > self.version or view.master_id != self.master_id:
+        # numbering, so a new master_id is always taken. Masters on etcd (leader_epoch set)
+        # number views alike (etcd revisions): there only a newer version is taken.
+        if view.version > self.version or (view.master_id != self.master_id and not view.leader_epoch):
             self.version, self.master_id = view.version, view.master_id
             callback(view)
         return True
@@ -99,22 +104,37 @@ class ViewWatcher(forksafe.ForkHook):
         """The master's stub, its channel opened on first use (by whichever thread needs it)."""
         with self._channel_lock:
             if self._stub_value is None:
-                self._channel = open_channel(self.master, self._tls, options=[OWN_CONNECTIONS, SINGLE_THREADED_STREAMS],
+                self._channel = open_channel(self._addresses[self._index], self._tls, options=[OWN_CONNECTIONS, SINGLE_THREADED_STREAMS],
                                              token=self._token)
                 self._stub_value = master_pb2_grpc.MasterServiceStub(self._channel)
             return self._stub_value
 
+    def _move_on(self) -> None:
+        """Watch the next master of the list (nothing to do with one master)."""
+        if len(self._addresses) < 2:
+            return
+        with self._channel_lock:
+            channel, self._channel, self._stub_value = self._channel, None, None
+            self._index = (self._index + 1) % len(self._addresses)
+        if channel is not None:
+            channel.close()
+
     def fetch(self) -> bool:
-        """One synchronous GetView; False if the master did not answer."""
-        try:
-            view = self._stub.GetView(master_pb2.GetViewRequest(), timeout=self._timeout)
-        except grpc.RpcError as err:
-            hint = explain(err.details(), self._tls)
-            log.warning("master %s: %s (%s)%s; routing with the workers known so far", self.master,
-                        err.code().name, err.details(), f"; {hint}" if hint else "")
-            return False
-        self._deliver(view)
-        return True
+        """One synchronous GetView (each master of the list once); False if none answered."""
+        for attempt in range(len(self._addresses)):
+            try:
+                view = self._stub.GetView(master_pb2.GetViewRequest(), timeout=self._timeout)
+            except grpc.RpcError as err:
+                if attempt + 1 < len(self._addresses):
+                    self._move_on()
+                    continue
+                hint = explain(err.details(), self._tls)
+                log.warning("master %s: %s (%s)%s; routing with the workers known so far", self.master,
+                            err.code().name, err.details(), f"; {hint}" if hint else "")
+                return False
+            self._deliver(view)
+            return True
+        return False
 
     def start(self) -> "ViewWatcher":
         self._thread = threading.Thread(target=self._run, name="cachefs-view", daemon=True)
@@ -149,6 +169,7 @@ class ViewWatcher(forksafe.ForkHook):
                     continue  # cancelled for a fork: reopened after it
                 if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # the stream's normal end
                     failures += 1
+                    self._move_on()
                     if failures == 1:
                         log.warning("master %s: %s; keeping view %d", self.master, err.code().name, self.version)
                     self._stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))

@@ -200,18 +200,26 @@ class RingSettings(_message.Message):
     def __init__(self, vnodes: _Optional[int] = ..., stripe_size: _Optional[int] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("version", "workers", "mounts", "ring", "master_id")
+    __slots__ = ("version", "workers", "mounts", "ring", "master_id", "leader_id", "leader_epoch", "leader_address", "masters")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MOUNTS_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     mounts: _containers.RepeatedCompositeFieldContainer[_common_pb2.MountInfo]
     ring: RingSettings
     master_id: str
-    def __init__(self, version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., mounts: _Optional[_Iterable[_Union[_common_pb2.MountInfo, _Mapping]]] = ..., ring: _Optional[_Union[RingSettings, _Mapping]] = ..., master_id: _Optional[str] = ...) -> None: ...
+    leader_id: str
+    leader_epoch: int
+    leader_address: str
+    masters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., mounts: _Optional[_Iterable[_Union[_common_pb2.MountInfo, _Mapping]]] = ..., ring: _Optional[_Union[RingSettings, _Mapping]] = ..., master_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., leader_address: _Optional[str] = ..., masters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -220,16 +228,18 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("lease_seconds", "heartbeat_seconds", "view_version", "mounts_version")
+    __slots__ = ("lease_seconds", "heartbeat_seconds", "view_version", "mounts_version", "leader_epoch")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     MOUNTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     heartbeat_seconds: float
     view_version: int
     mounts_version: int
-    def __init__(self, lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., view_version: _Optional[int] = ..., mounts_version: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., view_version: _Optional[int] = ..., mounts_version: _Optional[int] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "stats")
@@ -240,14 +250,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("registered", "view_version", "mounts_version")
+    __slots__ = ("registered", "view_version", "mounts_version", "leader_epoch")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     MOUNTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     registered: bool
     view_version: int
     mounts_version: int
-    def __init__(self, registered: _Optional[bool] = ..., view_version: _Optional[int] = ..., mounts_version: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, registered: _Optional[bool] = ..., view_version: _Optional[int] = ..., mounts_version: _Optional[int] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class GetViewRequest(_message.Message):
     __slots__ = ("known_version",)

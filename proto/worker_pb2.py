@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cachefs.proto import common_pb2 as cachefs_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/worker.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"L\n\x0bReadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\"x\n\tReadChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\x11\n\tpages_hit\x18\x14 \x01(\x05\x12\x14\n\x0cpages_missed\x18\x15 \x01(\x05\",\n\x0bInfoRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"?\n\x0bListRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\x12\x0f\n\x07refresh\x18\x03 \x01(\x08\"7\n\x0cListResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.ObjectInfo\"\x13\n\x11ListMountsRequest\";\n\x12ListMountsResponse\x12%\n\x06mounts\x18\x01 \x03(\x0b\x32\x15.cachefs.v1.MountInfo\"\x12\n\x10GetStatusRequest\"\x81\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x03\x12\r\n\x05pages\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x12\x0c\n\x04hits\x18\x07 \x01(\x03\x12\x0e\n\x06misses\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x18\n\x10\x62ytes_from_cache\x18\n \x01(\x03\x12\x18\n\x10\x62ytes_from_store\x18\x0b \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x0c \x01(\x08\x12\x13\n\x0b\x64isk_errors\x18\r \x01(\x03\x12\x15\n\rcorrupt_pages\x18\x0e \x01(\x03\x12\x1a\n\x12stores_unavailable\x18\x0f \x03(\t\x12\x1c\n\x14short_circuit_socket\x18\x14 \x01(\t\x12\x0f\n\x07host_id\x18\x15 \x01(\t\x12\x11\n\tdata_port\x18\x16 \x01(\x05\"*\n\x0bLoadRequest\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0c\n\x04hint\x18\x02 \x01(\x08\"c\n\x0cLoadResponse\x12\x16\n\x0eobjects_loaded\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_loaded\x18\x02 \x01(\x03\x12\x15\n\rbytes_skipped\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x03(\t\"\x1d\n\x0b\x46reeRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"#\n\x0c\x46reeResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"!\n\x10GetCachedRequest\x12\r\n\x05paths\x18\x01 \x03(\t\")\n\x11GetCachedResponse\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x01 \x03(\x03\"K\n\nWriteChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tsize_hint\x18\x03 \x01(\x03\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"0\n\rRemoveRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\"%\n\x0eRemoveResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"H\n\x0eMakeDirRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0e\x63reate_parents\x18\x02 \x01(\x08\x12\x10\n\x08\x65xist_ok\x18\x03 \x01(\x08\"\x11\n\x0fMakeDirResponse\"2\n\x0b\x43opyRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"J\n\x07PlanRun\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x11\n\tpositions\x18\x04 \x03(\x03\"\xa8\x01\n\x0bPlanRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07replace\x18\x02 \x01(\x08\x12!\n\x04runs\x18\x03 \x03(\x0b\x32\x13.cachefs.v1.PlanRun\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x10\n\x08position\x18\x05 \x01(\x03\x12\x0c\n\x04rate\x18\x06 \x01(\x01\x12\x15\n\rlease_seconds\x18\x07 \x01(\x01\x12\x13\n\x0bno_prefetch\x18\x08 \x01(\x08\"d\n\tPlanReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04jobs\x18\x03 \x01(\x05\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x12\n\nprefetches\x18\x05 \x01(\x08\x32\x82\x07\n\rWorkerService\x12\x38\n\x04Read\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk0\x01\x12;\n\tReadBlock\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk\x12:\n\x07GetInfo\x12\x17.cachefs.v1.InfoRequest\x1a\x16.cachefs.v1.ObjectInfo\x12;\n\x04List\x12\x17.cachefs.v1.ListRequest\x1a\x18.cachefs.v1.ListResponse0\x01\x12K\n\nListMounts\x12\x1d.cachefs.v1.ListMountsRequest\x1a\x1e.cachefs.v1.ListMountsResponse\x12\x43\n\tGetStatus\x12\x1c.cachefs.v1.GetStatusRequest\x1a\x18.cachefs.v1.WorkerStatus\x12\x39\n\x04Load\x12\x17.cachefs.v1.LoadRequest\x1a\x18.cachefs.v1.LoadResponse\x12\x39\n\x04\x46ree\x12\x17.cachefs.v1.FreeRequest\x1a\x18.cachefs.v1.FreeResponse\x12H\n\tGetCached\x12\x1c.cachefs.v1.GetCachedRequest\x1a\x1d.cachefs.v1.GetCachedResponse\x12\x39\n\x05Write\x12\x16.cachefs.v1.WriteChunk\x1a\x16.cachefs.v1.ObjectInfo(\x01\x12?\n\x06Remove\x12\x19.cachefs.v1.RemoveRequest\x1a\x1a.cachefs.v1.RemoveResponse\x12\x42\n\x07MakeDir\x12\x1a.cachefs.v1.MakeDirRequest\x1a\x1b.cachefs.v1.MakeDirResponse\x12\x37\n\x04\x43opy\x12\x17.cachefs.v1.CopyRequest\x1a\x16.cachefs.v1.ObjectInfo\x12\x36\n\x04Plan\x12\x17.cachefs.v1.PlanRequest\x1a\x15.cachefs.v1.PlanReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/worker.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"L\n\x0bReadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\"x\n\tReadChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\x11\n\tpages_hit\x18\x14 \x01(\x05\x12\x14\n\x0cpages_missed\x18\x15 \x01(\x05\",\n\x0bInfoRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07refresh\x18\x02 \x01(\x08\"?\n\x0bListRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\x12\x0f\n\x07refresh\x18\x03 \x01(\x08\"7\n\x0cListResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.cachefs.v1.ObjectInfo\"\x13\n\x11ListMountsRequest\";\n\x12ListMountsResponse\x12%\n\x06mounts\x18\x01 \x03(\x0b\x32\x15.cachefs.v1.MountInfo\"\x12\n\x10GetStatusRequest\"\x81\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x03\x12\r\n\x05pages\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x03\x12\x0c\n\x04hits\x18\x07 \x01(\x03\x12\x0e\n\x06misses\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x18\n\x10\x62ytes_from_cache\x18\n \x01(\x03\x12\x18\n\x10\x62ytes_from_store\x18\x0b \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x0c \x01(\x08\x12\x13\n\x0b\x64isk_errors\x18\r \x01(\x03\x12\x15\n\rcorrupt_pages\x18\x0e \x01(\x03\x12\x1a\n\x12stores_unavailable\x18\x0f \x03(\t\x12\x1c\n\x14short_circuit_socket\x18\x14 \x01(\t\x12\x0f\n\x07host_id\x18\x15 \x01(\t\x12\x11\n\tdata_port\x18\x16 \x01(\x05\"@\n\x0bLoadRequest\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x0c\n\x04hint\x18\x02 \x01(\x08\x12\x14\n\x0cleader_epoch\x18\x1e \x01(\x03\"c\n\x0cLoadResponse\x12\x16\n\x0eobjects_loaded\x18\x01 \x01(\x03\x12\x14\n\x0c\x62ytes_loaded\x18\x02 \x01(\x03\x12\x15\n\rbytes_skipped\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x03(\t\"3\n\x0b\x46reeRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x1e \x01(\x03\"#\n\x0c\x46reeResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"!\n\x10GetCachedRequest\x12\r\n\x05paths\x18\x01 \x03(\t\")\n\x11GetCachedResponse\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x01 \x03(\x03\"K\n\nWriteChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tsize_hint\x18\x03 \x01(\x03\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"0\n\rRemoveRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\trecursive\x18\x02 \x01(\x08\"%\n\x0eRemoveResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x03\"H\n\x0eMakeDirRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0e\x63reate_parents\x18\x02 \x01(\x08\x12\x10\n\x08\x65xist_ok\x18\x03 \x01(\x08\"\x11\n\x0fMakeDirResponse\"2\n\x0b\x43opyRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"J\n\x07PlanRun\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x11\n\tpositions\x18\x04 \x03(\x03\"\xa8\x01\n\x0bPlanRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07replace\x18\x02 \x01(\x08\x12!\n\x04runs\x18\x03 \x03(\x0b\x32\x13.cachefs.v1.PlanRun\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x10\n\x08position\x18\x05 \x01(\x03\x12\x0c\n\x04rate\x18\x06 \x01(\x01\x12\x15\n\rlease_seconds\x18\x07 \x01(\x01\x12\x13\n\x0bno_prefetch\x18\x08 \x01(\x08\"d\n\tPlanReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04jobs\x18\x03 \x01(\x05\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x12\n\nprefetches\x18\x05 \x01(\x08\x32\x82\x07\n\rWorkerService\x12\x38\n\x04Read\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk0\x01\x12;\n\tReadBlock\x12\x17.cachefs.v1.ReadRequest\x1a\x15.cachefs.v1.ReadChunk\x12:\n\x07GetInfo\x12\x17.cachefs.v1.InfoRequest\x1a\x16.cachefs.v1.ObjectInfo\x12;\n\x04List\x12\x17.cachefs.v1.ListRequest\x1a\x18.cachefs.v1.ListResponse0\x01\x12K\n\nListMounts\x12\x1d.cachefs.v1.ListMountsRequest\x1a\x1e.cachefs.v1.ListMountsResponse\x12\x43\n\tGetStatus\x12\x1c.cachefs.v1.GetStatusRequest\x1a\x18.cachefs.v1.WorkerStatus\x12\x39\n\x04Load\x12\x17.cachefs.v1.LoadRequest\x1a\x18.cachefs.v1.LoadResponse\x12\x39\n\x04\x46ree\x12\x17.cachefs.v1.FreeRequest\x1a\x18.cachefs.v1.FreeResponse\x12H\n\tGetCached\x12\x1c.cachefs.v1.GetCachedRequest\x1a\x1d.cachefs.v1.GetCachedResponse\x12\x39\n\x05Write\x12\x16.cachefs.v1.WriteChunk\x1a\x16.cachefs.v1.ObjectInfo(\x01\x12?\n\x06Remove\x12\x19.cachefs.v1.RemoveRequest\x1a\x1a.cachefs.v1.RemoveResponse\x12\x42\n\x07MakeDir\x12\x1a.cachefs.v1.MakeDirRequest\x1a\x1b.cachefs.v1.MakeDirResponse\x12\x37\n\x04\x43opy\x12\x17.cachefs.v1.CopyRequest\x1a\x16.cachefs.v1.ObjectInfo\x12\x36\n\x04Plan\x12\x17.cachefs.v1.PlanRequest\x1a\x15.cachefs.v1.PlanReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,35 +51,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATUS']._serialized_start=541
   _globals['_WORKERSTATUS']._serialized_end=926
   _globals['_LOADREQUEST']._serialized_start=928
-  _globals['_LOADREQUEST']._serialized_end=970
-  _globals['_LOADRESPONSE']._serialized_start=972
-  _globals['_LOADRESPONSE']._serialized_end=1071
-  _globals['_FREEREQUEST']._serialized_start=1073
-  _globals['_FREEREQUEST']._serialized_end=1102
-  _globals['_FREERESPONSE']._serialized_start=1104
-  _globals['_FREERESPONSE']._serialized_end=1139
-  _globals['_GETCACHEDREQUEST']._serialized_start=1141
-  _globals['_GETCACHEDREQUEST']._serialized_end=1174
-  _globals['_GETCACHEDRESPONSE']._serialized_start=1176
-  _globals['_GETCACHEDRESPONSE']._serialized_end=1217
-  _globals['_WRITECHUNK']._serialized_start=1219
-  _globals['_WRITECHUNK']._serialized_end=1294
-  _globals['_REMOVEREQUEST']._serialized_start=1296
-  _globals['_REMOVEREQUEST']._serialized_end=1344
-  _globals['_REMOVERESPONSE']._serialized_start=1346
-  _globals['_REMOVERESPONSE']._serialized_end=1383
-  _globals['_MAKEDIRREQUEST']._serialized_start=1385
-  _globals['_MAKEDIRREQUEST']._serialized_end=1457
-  _globals['_MAKEDIRRESPONSE']._serialized_start=1459
-  _globals['_MAKEDIRRESPONSE']._serialized_end=1476
-  _globals['_COPYREQUEST']._serialized_start=1478
-  _globals['_COPYREQUEST']._serialized_end=1528
-  _globals['_PLANRUN']._serialized_start=1530
-  _globals['_PLANRUN']._serialized_end=1604
-  _globals['_PLANREQUEST']._serialized_start=1607
-  _globals['_PLANREQUEST']._serialized_end=1775
-  _globals['_PLANREPLY']._serialized_start=1777
-  _globals['_PLANREPLY']._serialized_end=1877
-  _globals['_WORKERSERVICE']._serialized_start=1880
-  _globals['_WORKERSERVICE']._serialized_end=2778
+  _globals['_LOADREQUEST']._serialized_end=992
+  _globals['_LOADRESPONSE']._serialized_start=994
+  _globals['_LOADRESPONSE']._serialized_end=1093
+  _globals['_FREEREQUEST']._serialized_start=1095
+  _globals['_FREEREQUEST']._serialized_end=1146
+  _globals['_FREERESPONSE']._serialized_start=1148
+  _globals['_FREERESPONSE']._serialized_end=1183
+  _globals['_GETCACHEDREQUEST']._serialized_start=1185
+  _globals['_GETCACHEDREQUEST']._serialized_end=1218
+  _globals['_GETCACHEDRESPONSE']._serialized_start=1220
+  _globals['_GETCACHEDRESPONSE']._serialized_end=1261
+  _globals['_WRITECHUNK']._serialized_start=1263
+  _globals['_WRITECHUNK']._serialized_end=1338
+  _globals['_REMOVEREQUEST']._serialized_start=1340
+  _globals['_REMOVEREQUEST']._serialized_end=1388
+  _globals['_REMOVERESPONSE']._serialized_start=1390
+  _globals['_REMOVERESPONSE']._serialized_end=1427
+  _globals['_MAKEDIRREQUEST']._serialized_start=1429
+  _globals['_MAKEDIRREQUEST']._serialized_end=1501
+  _globals['_MAKEDIRRESPONSE']._serialized_start=1503
+  _globals['_MAKEDIRRESPONSE']._serialized_end=1520
+  _globals['_COPYREQUEST']._serialized_start=1522
+  _globals['_COPYREQUEST']._serialized_end=1572
+  _globals['_PLANRUN']._serialized_start=1574
+  _globals['_PLANRUN']._serialized_end=1648
+  _globals['_PLANREQUEST']._serialized_start=1651
+  _globals['_PLANREQUEST']._serialized_end=1819
+  _globals['_PLANREPLY']._serialized_start=1821
+  _globals['_PLANREPLY']._serialized_end=1921
+  _globals['_WORKERSERVICE']._serialized_start=1924
+  _globals['_WORKERSERVICE']._serialized_end=2822
 # @@protoc_insertion_point(module_scope)

@@ -112,12 +112,14 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., page_size: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ..., degraded: _Optional[bool] = ..., disk_errors: _Optional[int] = ..., corrupt_pages: _Optional[int] = ..., stores_unavailable: _Optional[_Iterable[str]] = ..., short_circuit_socket: _Optional[str] = ..., host_id: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("paths", "hint")
+    __slots__ = ("paths", "hint", "leader_epoch")
     PATHS_FIELD_NUMBER: _ClassVar[int]
     HINT_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     paths: _containers.RepeatedScalarFieldContainer[str]
     hint: bool
-    def __init__(self, paths: _Optional[_Iterable[str]] = ..., hint: _Optional[bool] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., hint: _Optional[bool] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("objects_loaded", "bytes_loaded", "bytes_skipped", "failed")
@@ -132,10 +134,12 @@ class LoadResponse(_message.Message):
     def __init__(self, objects_loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_skipped: _Optional[int] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("prefix",)
+    __slots__ = ("prefix", "leader_epoch")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     prefix: str
-    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, prefix: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("pages_freed",)

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc  # noqa: F401 - first: see below
 import pytest
@@ -21,6 +22,9 @@ from cachefs.mounts import MountSpec
 from cachefs.server.worker import Worker
 from cachefs.testing import FAKE_CREDENTIALS, MotoServer
 from helpers import refused_port
+
+if TYPE_CHECKING:
+    from cachefs.server.etcd.localcluster import EtcdCluster
 
 
 @pytest.fixture(autouse=True)
@@ -144,3 +148,17 @@ def make_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     yield make
     for worker in workers:
         worker.stop(grace=1.0)
+
+
+@pytest.fixture
+def etcd_cluster() -> Iterator["EtcdCluster"]:
+    """A real 3-member etcd on loopback (free ports, a temp dir), removed after the test.
+
+    Skips, saying why, only when the etcd binary is missing (.ci/setup installs Debian's etcd-server).
+    """
+    from cachefs.server.etcd.localcluster import EtcdCluster, etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (Debian's etcd-server; .ci/setup installs it as root)")
+    with EtcdCluster(3) as cluster:
+        yield cluster

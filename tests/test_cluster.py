@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-
 import grpc
 import pytest
 
 from cachefs.local import LocalCluster
 from cachefs.proto import master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
-from helpers import client, payload, wait_for
+from helpers import ReadLoop as _ReadLoop, client, payload, wait_for
 
 FAST = ["--lease-seconds", "3", "--heartbeat-seconds", "0.5"]  # short, with room for a loaded CI machine
 
@@ -43,48 +41,6 @@ def dataset(store):
 
 def _mounts(store) -> dict:
     return {"data": {"url": store.mount.url, "options": dict(store.mount.options)}}
-
-
-class _ReadLoop:
-    """Readers that check every byte, in threads, until stopped; errors are collected."""
-
-    def __init__(self, fs, objects: dict[str, bytes], threads: int = 4) -> None:
-        self.fs, self.objects, self.keys = fs, objects, sorted(objects)
-        self.errors: list[BaseException] = []
-        self.reads = 0
-        self._lock = threading.Lock()  # += from several threads could lose a count
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(s,)) for s in range(threads)]
-
-    def _run(self, seed: int) -> None:
-        i = seed
-        while not self._stop.is_set():
-            key = self.keys[i % len(self.keys)]
-            i += 7
-            try:
-                if self.fs.cat_file(f"data/{key}", 3, 15_000) != self.objects[key][3:15_000]:
-                    self.errors.append(AssertionError(f"wrong bytes for {key}"))
-                with self._lock:
-                    self.reads += 1
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                self.errors.append(exc)
-
-    def wait_reads(self, more: int = 8, timeout: float = 30) -> bool:
-        """Wait for ``more`` reads than now (more than the threads can have in flight: so at
-        least some started after this call); False at the timeout or at the first error."""
-        target = self.reads + more
-        wait_for(lambda: self.errors or self.reads >= target, timeout=timeout)
-        return not self.errors and self.reads >= target
-
-    def __enter__(self) -> "_ReadLoop":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=30)
 
 
 def test_reads_spread_over_workers_as_placement_says(dataset, tmp_path):

@@ -44,7 +44,11 @@ DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 
 # Config fields the chart sets itself (not user values), and those it takes from Secrets (env).
 MANAGED = {
-    "master": {"host", "state_dir", "mounts", "tls_cert_file", "tls_key_file", "tls_ca_file"},
+    # etcd's endpoints, prefix and TLS files from etcd.*; its user and password from etcd.auth's
+    # Secret (env); advertise_address is each master pod's IP (env).
+    "master": {"host", "state_dir", "mounts", "tls_cert_file", "tls_key_file", "tls_ca_file",
+               "etcd", "etcd_prefix", "etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_user",
+               "etcd_password", "advertise_address"},
     "worker": {"host", "cache_dirs", "master", "advertise_address", "mounts",
                "tls_cert_file", "tls_key_file", "tls_ca_file"},
 }
@@ -74,6 +78,21 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "accessToken": {"existingSecret": "cachefs-access", "key": "access"},
         "tls": {"existingSecret": "cachefs-tls"},
         "worker": {"config": {"port": 29999, "metrics_port": 9464, "metadata_ttl": 10}},
+    },
+    "ha-bundled-etcd": {
+        "master": {"replicas": 3, "config": {"port": 19998, "metrics_port": 9465, "election_lease_seconds": 5}},
+        "etcd": {"bundled": {"enabled": True, "persistence": {"storageClass": "fast", "size": "4Gi"}}},
+        "networkPolicy": {"enabled": True, "allowNamespaces": ["training", "monitoring"]},
+        "fuse": {"enabled": True, "hostPath": "/mnt/data"},
+    },
+    "ha-existing-etcd": {
+        "master": {"replicas": 2, "podDisruptionBudget": {"maxUnavailable": 1},
+                   "config": {"port": 19998, "metrics_port": 9465}},
+        "etcd": {"endpoints": ["https://etcd-0.infra.svc:2379", "https://etcd-1.infra.svc:2379"],
+                 "prefix": "/cachefs/prod/", "tls": {"existingSecret": "etcd-client-tls"},
+                 "auth": {"existingSecret": "etcd-auth"}},
+        "clusterToken": {"existingSecret": "cachefs-token", "key": "token"},
+        "networkPolicy": {"enabled": True},
     },
     "emptydir-no-persistence": {
         "master": {"persistence": {"enabled": False}, "config": {"port": 19998, "metrics_port": 9465}},
@@ -122,6 +141,69 @@ def test_lint_strict(name: str):
     assert report["errors"] == []
     serious = [m for m in report["messages"] if m["severity"] >= 2]
     assert serious == [], serious
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_manifests_pass_strict_kubernetes_validation(name: str):
+    """Every object against the Kubernetes API schemas (kubernetes-validate, offline, --strict:
+    unknown fields fail); CRDs (the ServiceMonitor) have no built-in schema and are left out."""
+    import kubernetes_validate
+
+    checked = 0
+    for kind, objects in _render(VALUE_SETS[name]).items():
+        for obj in objects:
+            try:
+                kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                assert obj["apiVersion"] == "monitoring.coreos.com/v1", f"no schema for {kind}"
+                continue
+            checked += 1
+    assert checked >= 6
+
+
+def test_several_masters_on_etcd_render_a_statefulset_pdb_and_master_list():
+    objects = _render(VALUE_SETS["ha-bundled-etcd"])
+    masters = [s for s in objects["StatefulSet"] if s["metadata"]["name"] == "rel-cachefs-master"][0]
+    assert masters["spec"]["replicas"] == 3
+    pdbs = {p["metadata"]["name"]: p for p in objects["PodDisruptionBudget"]}
+    assert pdbs["rel-cachefs-master"]["spec"]["maxUnavailable"] == 1 and "rel-cachefs-etcd" in pdbs
+    etcd = [s for s in objects["StatefulSet"] if s["metadata"]["name"] == "rel-cachefs-etcd"][0]
+    assert etcd["spec"]["replicas"] == 3
+    config = {name: tomllib.loads(text) for name, text in _config_files(objects).items()}
+    assert config["master.toml"]["master"]["etcd"] == [
+        f"http://rel-cachefs-etcd-{i}.rel-cachefs-etcd-headless.ml.svc:2379" for i in range(3)]
+    masters_list = [f"rel-cachefs-master-{i}.rel-cachefs-master-headless.ml.svc:19998" for i in range(3)]
+    assert config["worker.toml"]["worker"]["master"] == ",".join(masters_list)
+    assert config["fuse.toml"]["client"]["master"] == ",".join(masters_list)
+    env = _env(_container(masters))
+    assert env["CACHEFS_MASTER_ADVERTISE_ADDRESS"]["value"] == "$(POD_IP):19998"
+    # The masters' and workers' configs load as the daemons load them.
+    assert load_master_config(None, environ={}, flags=config["master.toml"]["master"]).etcd[0].startswith("http://")
+    policies = {p["metadata"]["name"]: p for p in objects["NetworkPolicy"]}
+    assert set(policies) == {"rel-cachefs-master", "rel-cachefs-worker", "rel-cachefs-etcd"}
+    sources = policies["rel-cachefs-worker"]["spec"]["ingress"][0]["from"]
+    assert {"kubernetes.io/metadata.name": "training"} in [s.get("namespaceSelector", {}).get("matchLabels") for s in sources]
+    ports = {p["port"] for p in policies["rel-cachefs-worker"]["spec"]["ingress"][0]["ports"]}
+    assert ports == {29999, 9464, 29998}  # gRPC, HTTP and the (plaintext) data port
+
+
+def test_existing_etcd_with_tls_and_auth():
+    objects = _render(VALUE_SETS["ha-existing-etcd"])
+    assert "rel-cachefs-etcd" not in {s["metadata"]["name"] for s in objects["StatefulSet"]}
+    master = tomllib.loads(_config_files(objects)["master.toml"])["master"]
+    assert master["etcd_prefix"] == "/cachefs/prod/" and master["etcd_ca_file"] == "/etc/cachefs/etcd-tls/ca.crt"
+    env = _env(_container([s for s in objects["StatefulSet"] if s["metadata"]["name"] == "rel-cachefs-master"][0]))
+    assert env["CACHEFS_MASTER_ETCD_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "etcd-auth", "key": "password"}
+    assert "etcd_password" not in _config_files(objects)["master.toml"]
+
+
+@pytest.mark.parametrize("values, why", [
+    ({"master": {"replicas": 2, "config": {"port": 19998, "metrics_port": 9465}}}, "needs etcd"),
+    ({"etcd": {"endpoints": ["http://e:2379"], "bundled": {"enabled": True}}}, "not both"),
+])
+def test_several_masters_without_etcd_do_not_render(values: dict, why: str):
+    with pytest.raises(Exception, match=why):
+        _render(values)
 
 
 @pytest.mark.parametrize("values, where", [
@@ -434,3 +516,45 @@ def _status(port: int, path: str) -> int:
             return resp.status
     except urllib.error.HTTPError as err:
         return err.code
+
+
+def test_two_masters_and_a_worker_start_from_the_rendered_ha_configs(tmp_path: Path, etcd_cluster):
+    """master.replicas 2 on an existing etcd: the rendered master.toml starts two masters on a real
+    etcd (its endpoints rewritten to it), one leads; the rendered worker.toml (its master list
+    rewritten to their addresses) registers through them; the leader's metrics say so."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "a.bin").write_bytes(payload(1000, 3))
+    values = {"master": {"replicas": 2, "config": {"port": 19998, "metrics_port": 9465,
+                                                   "election_lease_seconds": 3}},
+              "etcd": {"endpoints": ["http://etcd-0.infra.svc:2379"], "prefix": "/cachefs/rendered/"},
+              "mounts": {"data": {"url": str(store), "read_only": True}},
+              "worker": {"pageStore": {"type": "emptyDir", "mountPath": "/cache", "quota": "64MiB"},
+                         "config": {"port": 29999, "metrics_port": 9464}}}
+    files = _config_files(_render(values))
+    assert tomllib.loads(files["master.toml"])["master"]["etcd_prefix"] == "/cachefs/rendered/"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+    masters = []
+    try:
+        for i in range(2):
+            path = tmp_path / f"master{i}.toml"
+            path.write_text(_rewrite(files["master.toml"], "master", {
+                "host": "127.0.0.1", "port": 0, "metrics_port": 0, "state_dir": str(tmp_path / f"state{i}"),
+                "etcd": etcd_cluster.endpoints}))
+            masters.append(DaemonProcess(["master", "--config", str(path)], env=env,
+                                         log_path=str(tmp_path / f"master{i}.log")).start())
+        worker_conf = tomllib.loads(files["worker.toml"])["worker"]
+        assert len(worker_conf["master"].split(",")) == 2  # the chart gave the worker both masters
+        worker_toml = tmp_path / "worker.toml"
+        worker_toml.write_text(_rewrite(files["worker.toml"], "worker", {
+            "host": "127.0.0.1", "port": 0, "metrics_port": 0, "master": ",".join(m.address for m in masters),
+            "cache_dirs": [f"{tmp_path / 'cache'}:64MiB"]}))
+        with DaemonProcess(["worker", "--config", str(worker_toml)], env=env, log_path=str(tmp_path / "worker.log")):
+            ports = [m.ready["metrics_port"] for m in masters]
+            assert wait_for(lambda: sum(scrape(p).get("cachefs_master_leader", 0) for p in ports) == 1, timeout=30)
+            assert wait_for(lambda: all(scrape(p).get("cachefs_master_workers_live") == 1 for p in ports), timeout=30)
+            assert all(scrape(p)["cachefs_master_mounts"] == 1 for p in ports)
+            assert all(_status(p, "/readyz") == 200 for p in ports)
+    finally:
+        for m in masters:
+            m.stop()

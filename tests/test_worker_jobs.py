@@ -286,3 +286,27 @@ def test_a_hint_fetches_an_unknown_small_object_with_one_get(store, make_worker,
     assert (reply.objects_loaded, reply.bytes_loaded, reply.bytes_skipped) == (1, len(data), 0)
     assert calls == [] and _from_store(worker) == len(data)
     assert wait_for(lambda: _cached(worker, "data/small.bin") == [len(data)])
+
+
+def test_load_and_free_from_an_older_leader_epoch_are_refused(local_store, make_worker):
+    """Several masters: once a worker has heard of leader epoch N, a Load/Free stamped with an
+    older epoch (a master whose term ended) is refused; epoch 0 (one master, a client's hint) never is."""
+    local_store.add("e/a.bin", payload(5000, 1))
+    worker = make_worker(local_store.mount)
+    stub = _stub(worker)
+    assert not stub.Load(worker_pb2.LoadRequest(paths=["data/e/a.bin"], leader_epoch=7), timeout=30).failed
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Load(worker_pb2.LoadRequest(paths=["data/e/a.bin"], leader_epoch=5), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "leadership ended" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Free(worker_pb2.FreeRequest(prefix="data/e", leader_epoch=6), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert _cached(worker, "data/e/a.bin") == [5000]  # the refused Free freed nothing
+    assert worker.metrics.stale_leader_commands._value.get() == 2
+    # Heard from a heartbeat answer (Registrar -> EpochGuard.observe): epoch 7 is now stale too.
+    worker.servicer.epochs.observe(9)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Load(worker_pb2.LoadRequest(paths=["data/e/a.bin"], leader_epoch=7), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not stub.Load(worker_pb2.LoadRequest(paths=["data/e/a.bin"]), timeout=30).failed  # epoch 0
+    assert stub.Free(worker_pb2.FreeRequest(prefix="data/e", leader_epoch=9), timeout=30).pages_freed >= 1

@@ -58,37 +58,77 @@ class Master:
         self._server: grpc.Server | None = None
         self._metrics_http: HttpServer | None = None
         self._stopping = threading.Event()
-        self.state = MasterState(config.state_dir)
-        self.master_id = self.state.master_id
-        added = self.state.ensure_mounts(config.mounts)
-        if added:
-            log.info("added configured mounts %s", ", ".join(added))
-        self.versions = ViewVersion(base=self.state.boot << BOOT_SHIFT)
-        self.membership = Membership(config.lease_seconds, self.versions, clock=clock)
+        self.control = None  # several masters on etcd: the election and the state there
+        if config.etcd:
+            # Imported here: a master on SQLite (and every other process) never loads the etcd client.
+            from cachefs.server.master.ha import ControlPlane
+
+            self.versions = ViewVersion()
+            self.control = ControlPlane(config, self.versions, self._lead, self._follow)
+            self.state = self.control.state
+            self.membership = self.control.membership
+            self.master_id = self.control.master_id
+        else:
+            self.state = MasterState(config.state_dir)
+            self.master_id = self.state.master_id
+            added = self.state.ensure_mounts(config.mounts)
+            if added:
+                log.info("added configured mounts %s", ", ".join(added))
+            self.versions = ViewVersion(base=self.state.boot << BOOT_SHIFT)
+            self.membership = Membership(config.lease_seconds, self.versions, clock=clock)
         self.metrics = MasterMetrics()
         self._max_watchers = max_watchers
         self.catalog = Catalog(self.state, config.metadata_ttl, config.list_ttl)
         self.worker_stubs = WorkerStubs(outgoing_token(config.access_token, config.cluster_token), config.tls)
-        ring = RingConfig(vnodes=config.vnodes, stripe_size=config.stripe_size)
-        settle = 2 * config.heartbeat_seconds + 0.5  # every live worker has re-registered by then
-        self.jobs = JobManager(
-            self.state, self.catalog, self.membership.live, self.worker_stubs, lambda: ring,
-            JobSettings(threads=config.job_threads, settle_seconds=settle,
-                        settle_max_seconds=max(settle, 2 * config.lease_seconds, 15.0)),
-            on_finish=self._job_finished,
-        )
+        self._ring = RingConfig(vnodes=config.vnodes, stripe_size=config.stripe_size)
+        self.jobs = self._job_manager()
         self.metrics.watch(self._figures)
         self.servicer = MasterServicer(
             config, self.master_id, self.state, self.membership, self.versions, self.metrics, self._stopping,
             max_watchers=max_watchers, watch_poll_seconds=watch_poll_seconds,
             catalog=self.catalog, jobs=self.jobs, cache_stat=CacheStat(self.catalog, self.worker_stubs),
+            control=self.control,
         )
+
+    def _job_manager(self, epoch: int = 0) -> JobManager:
+        """The jobs of a single master, or of one term as leader (``epoch``) among several."""
+        config, ring = self.config, self._ring
+        settle = 2 * config.heartbeat_seconds + 0.5  # every live worker has re-registered by then
+        leading = None
+        if self.control is not None:
+            control = self.control
+            leading = lambda: epoch != 0 and control.epoch == epoch  # noqa: E731
+        return JobManager(
+            self.state, self.catalog, self.membership.live, self.worker_stubs, lambda: ring,
+            JobSettings(threads=config.job_threads, settle_seconds=settle,
+                        settle_max_seconds=max(settle, 2 * config.lease_seconds, 15.0)),
+            on_finish=self._job_finished, epoch=epoch, leading=leading,
+        )
+
+    def _lead(self, epoch: int) -> None:
+        """This master was elected (etcd): configured mounts, then the jobs the last leader left."""
+        try:
+            added = self.state.ensure_mounts(self.config.mounts)
+            if added:
+                log.info("added configured mounts %s", ", ".join(added))
+        except OSError as exc:
+            log.warning("could not add the configured mounts: %s", exc)
+        jobs = self._job_manager(epoch)
+        self.jobs = self.servicer.jobs = jobs
+        resumed = jobs.start()
+        log.info("master %s took over as leader (epoch %d); %d job(s) resumed", self.master_id, epoch, len(resumed))
+
+    def _follow(self, epoch: int) -> None:
+        """This master's term ended: stop dispatching at once; the records stay for the next leader."""
+        self.jobs.stop(timeout=0.0)
 
     def _figures(self) -> MasterFigures:
         version, mounts = self.state.mounts()
         return MasterFigures(self.membership.stats(), self.versions.value, len(mounts), version,
                              jobs=self.jobs.counts(), worker_stats=[m.stats for m in self.membership.live()],
-                             active_jobs=self.jobs.list(active_only=True))
+                             active_jobs=self.jobs.list(active_only=True),
+                             leading=self.control is None or self.control.is_leader(),
+                             leader_epoch=int(self.control.leader().get("epoch", 0)) if self.control else 0)
 
     def _job_finished(self, record: JobRecord, progress: LoadProgress | None) -> None:
         if progress is not None:
@@ -104,6 +144,11 @@ class Master:
         host = self.config.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
+    @property
+    def advertise(self) -> str:
+        """What workers and the other masters dial to reach this one."""
+        return self.config.advertise_address or self.address
+
     def start(self) -> "Master":
         threads = self.config.rpc_threads + self._max_watchers
         server = grpc.server(
@@ -117,10 +162,13 @@ class Master:
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
         server.start()
         self._server, self.port = server, port
+        if self.control is not None:
+            self.control.start(self.advertise)
         self.membership.start_reaper()
-        self.jobs.start()
+        if self.control is None:
+            self.jobs.start()  # on etcd, a master resumes jobs when it is elected
         if self.config.metrics_port >= 0:
-            page = StatusPage(self.master_id, self.membership, self.versions, self.state, self.jobs,
+            page = StatusPage(self.master_id, self.membership, self.versions, self.state, _CurrentJobs(self),
                               self.worker_stubs)
             self._metrics_http = HttpServer(self.config.host, self.config.metrics_port, HttpEndpoints(
                 self.metrics.registry, live=self._live, ready=self._ready,
@@ -143,7 +191,11 @@ class Master:
             self._server.stop(grace).wait(grace + 1)
         self.jobs.stop(timeout=grace + 2)
         self.worker_stubs.close()
+        if self.servicer.forwarder is not None:
+            self.servicer.forwarder.close()
         self.membership.stop()
+        if self.control is not None:
+            self.control.stop()
         if self._metrics_http is not None:
             self._metrics_http.stop()
         self.state.close()
@@ -158,6 +210,10 @@ class Master:
         live, why = self._live()
         if not live:
             return False, why
+        if self.control is not None:
+            # On etcd: ready once the state was loaded. A standby, or every master while etcd is
+            # down, still serves the last view (the point of several masters): not a reason to drop it.
+            return (True, "ok") if self.control.state.revision > 0 else (False, "state not loaded from etcd yet")
         try:
             self.state.jobs()  # a real query: a closed or broken SQLite state fails the probe
         except Exception as exc:
@@ -172,6 +228,16 @@ class Master:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _CurrentJobs:
+    """The jobs of the current term (each term as leader has its own manager)."""
+
+    def __init__(self, master: Master) -> None:
+        self._master = master
+
+    def list(self, active_only: bool = False) -> list:
+        return self._master.jobs.list(active_only=active_only)
 
 
 def serve(config: MasterConfig) -> int:

@@ -3,7 +3,8 @@
 A job's record lives in memory and in the master's SQLite state (written when the state
 changes, about once a second while it makes progress, and at the end), so ``cachefs jobs``
 survives a restart. A job that was PENDING or RUNNING when the master stopped (or died) is
-run again from the start when it comes back: a load re-lists and re-plans, and workers skip
+run again from the start when it comes back (with several masters on etcd: by the next leader,
+from the record the last one kept there): a load re-lists and re-plans, and workers skip
 what they already hold, so running it twice is safe and cheap. Resumed jobs first wait for
 the workers to re-register (the live set to stop changing), or they would be planned on a
 partial ring and fill the wrong workers.
@@ -117,7 +118,13 @@ class JobManager:
         settings: JobSettings = JobSettings(),
         on_finish: Callable[[JobRecord, LoadProgress | None], None] | None = None,
         clock: Callable[[], float] = time.time,
+        epoch: int = 0,
+        leading: Callable[[], bool] | None = None,
     ) -> None:
+        # With several masters: this manager lives for one term as leader (``epoch``, sent on
+        # every Load/Free) and stops acting the moment ``leading()`` turns false.
+        self.epoch = epoch
+        self._leading = leading
         self.state = state
         self.catalog = catalog
         self.live = live
@@ -145,6 +152,9 @@ class JobManager:
                 log.warning("ignoring an unreadable job record %.80r", data)
                 continue
             if record.state in ACTIVE:
+                log.info("job %s was %s with %d of %d objects done (%d failed); the plan is made again and "
+                         "workers skip what they already hold", record.job_id, master_pb2.JobState.Name(record.state),
+                         record.objects_done, record.objects_total, record.objects_failed)
                 record = dataclasses.replace(
                     record, state=master_pb2.PENDING, objects_total=0, objects_done=0, objects_failed=0,
                     bytes_total=0, bytes_done=0, bytes_skipped=0, error="", updated_at=self._clock())
@@ -230,6 +240,10 @@ class JobManager:
 
     # -- running --
 
+    def _halted(self) -> bool:
+        """Stopping, or this master's term as leader ended: dispatch nothing more, finish nothing."""
+        return self._shutdown.is_set() or (self._leading is not None and not self._leading())
+
     def _schedule(self, job_id: str, resumed: bool = False) -> None:
         with self._lock:
             self._cancel[job_id] = threading.Event()
@@ -243,12 +257,12 @@ class JobManager:
             with self._lock:
                 record = self._jobs[job_id]
                 cancel = self._cancel[job_id]
-                if record.state != master_pb2.PENDING or self._shutdown.is_set():
+                if record.state != master_pb2.PENDING or self._halted():
                     return
                 record.state = master_pb2.RUNNING
                 record.updated_at = self._clock()
             self._persist(job_id)
-            stop = lambda: cancel.is_set() or self._shutdown.is_set()  # noqa: E731
+            stop = lambda: cancel.is_set() or self._halted()  # noqa: E731
             progress: LoadProgress | None = None
             try:
                 members = self._settled_members(stop, record.planned_on) if resumed else list(self.live())
@@ -261,7 +275,7 @@ class JobManager:
                 else:
                     self._free(record, members)
             except Exception as exc:  # noqa: BLE001 - the job fails, the master does not
-                if self._shutdown.is_set() and not cancel.is_set():
+                if self._halted() and not cancel.is_set():
                     self._persist(job_id)  # failed because the master stops: resume it next time
                     return
                 if not isinstance(exc, OSError):
@@ -270,8 +284,8 @@ class JobManager:
                 return
             if cancel.is_set():
                 self._finish(job_id, master_pb2.CANCELLED, "cancelled", progress)
-            elif self._shutdown.is_set():
-                self._persist(job_id)  # still RUNNING on disk: the next start resumes it
+            elif self._halted():
+                self._persist(job_id)  # still RUNNING in the state: the next start (or leader) resumes it
             elif progress is not None and progress.objects_failed:
                 self._finish(job_id, master_pb2.FAILED, _failure_message(record, progress), progress)
             else:
@@ -326,7 +340,7 @@ class JobManager:
                 saved["at"], saved["figures"] = time.monotonic(), figures
                 self._persist(job_id)
 
-        run = LoadRun(plan, ring, self.stubs, s, stop, on_progress)
+        run = LoadRun(plan, ring, self.stubs, s, stop, on_progress, epoch=self.epoch)
         progress = run.run()
         self._apply(record, progress)
         return progress
@@ -334,7 +348,10 @@ class JobManager:
     def _free(self, record: JobRecord, members: list[Member]) -> None:
         def free(member: Member) -> str | None:
             try:
-                resp = self.stubs(member.address).Free(worker_pb2.FreeRequest(prefix=record.path),
+                if self._halted():
+                    return f"{member.address}: not sent (this master stopped leading)"
+                resp = self.stubs(member.address).Free(worker_pb2.FreeRequest(prefix=record.path,
+                                                                              leader_epoch=self.epoch),
                                                        timeout=self.settings.free_timeout)
             except grpc.RpcError as err:
                 return f"{member.address}: {err.code().name}: {err.details()}"

@@ -62,8 +62,10 @@ class LoadRun:
         settings: LoadSettings,
         stop: Callable[[], bool],
         on_progress: Callable[[LoadProgress], None],
+        epoch: int = 0,
     ) -> None:
         self.plan = plan
+        self.epoch = epoch  # the leader's epoch on every batch (0: a single master)
         self.ring = ring
         self.stubs = stubs
         self.settings = settings
@@ -108,7 +110,10 @@ class LoadRun:
 
     def _call(self, batch: Batch) -> worker_pb2.LoadResponse:
         timeout = self.settings.base_timeout + batch.nbytes / self.settings.min_throughput
-        return self.stubs(batch.worker).Load(worker_pb2.LoadRequest(paths=list(batch.paths)), timeout=timeout)
+        if self.stop():  # checked again on the sending thread: a term may have ended since dispatch
+            raise ConnectionError("the load stopped before this batch was sent")
+        return self.stubs(batch.worker).Load(worker_pb2.LoadRequest(paths=list(batch.paths), leader_epoch=self.epoch),
+                                             timeout=timeout)
 
     # -- bookkeeping (the loop's thread only) --
 

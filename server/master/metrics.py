@@ -31,6 +31,8 @@ class MasterFigures:
     worker_stats: Sequence[Any] = ()
     # Jobs pending or running (master_pb2.Job): their progress, summed.
     active_jobs: Sequence[Any] = ()
+    leading: bool = True  # a single master always; on etcd, while this master leads
+    leader_epoch: int = 0  # on etcd: the epoch of the leader this master knows (0: none, or SQLite)
 
 
 class _MasterCollector(Collector):
@@ -46,6 +48,11 @@ class _MasterCollector(Collector):
         yield GaugeMetricFamily(
             "cachefs_master_mounts_version", "Version of the durable mount table.", value=f.mounts_version
         )
+        yield GaugeMetricFamily("cachefs_master_leader", "1 while this master leads (always, for a single master).",
+                                value=int(f.leading))
+        yield GaugeMetricFamily("cachefs_master_leader_epoch",
+                                "Epoch of the leading master as this one knows it (0: single master, or none).",
+                                value=f.leader_epoch)
         yield CounterMetricFamily(
             "cachefs_master_registrations", "Worker registrations (joins and re-joins).", value=m.registrations
         )

@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 import grpc
@@ -30,6 +31,7 @@ from cachefs.server.rpc import info_message, rpc
 from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc, worker_pb2
 from cachefs.ring import RingConfig
 from cachefs.server.master.catalog import Catalog
+from cachefs.server.master.forward import LeaderForwarder
 from cachefs.server.master.jobs import JobManager
 from cachefs.server.master.metrics import MasterMetrics
 from cachefs.server.master.state import MasterState
@@ -116,8 +118,12 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         catalog: Catalog | None = None,
         jobs: JobManager | None = None,
         cache_stat: CacheStat | None = None,
+        control: Any = None,
     ) -> None:
         self.config = config
+        # Several masters (etcd): the election; a standby forwards leader-only calls to the leader.
+        self.control = control
+        self.forwarder = LeaderForwarder(master_id, config.tls) if control is not None else None
         self.master_id = master_id
         self.state = state
         self.membership = membership
@@ -146,19 +152,37 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         if not hmac.compare_digest(presented.encode(), token.encode()):
             raise UnauthenticatedError(f"{what} needs the cluster token (gRPC metadata {TOKEN_METADATA!r})")
 
+    def _elsewhere(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+        """None when this master serves ``method`` itself (a single master, or the leader once it has
+        taken over); else the leader's answer, the call passed on to it."""
+        if self.control is None or self.control.serving_epoch():
+            return None
+        return self.forwarder.forward(method, request, context, self.control.leader(), self.control.leader_hint())
+
+    @property
+    def leader_epoch(self) -> int:
+        return self.control.epoch if self.control is not None else 0
+
     def build_view(self) -> master_pb2.ClusterView:
         # The version is read first: the contents are then at least that new, so a watcher
         # may see a change twice but never misses one.
         version = self.versions.value
         workers = [worker_info(m) for m in self.membership.live()]
         _, mounts = self.state.mounts()
-        return master_pb2.ClusterView(
+        view = master_pb2.ClusterView(
             version=version,
             workers=workers,
             mounts=[mount_info(spec) for spec in mounts],
             ring=master_pb2.RingSettings(vnodes=self.config.vnodes, stripe_size=self.config.stripe_size),
             master_id=self.master_id,
         )
+        if self.control is not None:
+            leader = self.control.leader()
+            view.leader_id = leader.get("master_id", "")
+            view.leader_epoch = int(leader.get("epoch", 0))
+            view.leader_address = leader.get("address", "")
+            view.masters.extend(sorted(self.control.state.masters().values()))
+        return view
 
     @contextlib.contextmanager
     def _watch_slot(self) -> Iterator[None]:
@@ -181,6 +205,9 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
     def RegisterWorker(
         self, request: master_pb2.RegisterWorkerRequest, context: grpc.ServicerContext
     ) -> master_pb2.RegisterWorkerResponse:
+        forwarded = self._elsewhere("RegisterWorker", request, context)
+        if forwarded is not None:
+            return forwarded
         self._authorize(context, "RegisterWorker")
         info = request.worker
         check_worker_id(info.worker_id)
@@ -193,12 +220,16 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
             heartbeat_seconds=self.config.heartbeat_seconds,
             view_version=self.versions.value,
             mounts_version=self.state.mounts_version,
+            leader_epoch=self.leader_epoch,
         )
 
     @rpc("Heartbeat")
     def Heartbeat(
         self, request: master_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> master_pb2.HeartbeatResponse:
+        forwarded = self._elsewhere("Heartbeat", request, context)
+        if forwarded is not None:
+            return forwarded
         self._authorize(context, "Heartbeat")
         check_worker_id(request.worker_id)
         stats = None
@@ -207,7 +238,8 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
             stats.CopyFrom(request.stats)
         registered = self.membership.heartbeat(request.worker_id, stats)
         return master_pb2.HeartbeatResponse(
-            registered=registered, view_version=self.versions.value, mounts_version=self.state.mounts_version
+            registered=registered, view_version=self.versions.value, mounts_version=self.state.mounts_version,
+            leader_epoch=self.leader_epoch,
         )
 
     # -- the view --
@@ -238,10 +270,14 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
 
     @rpc("AddMount")
     def AddMount(self, request: master_pb2.AddMountRequest, context: grpc.ServicerContext) -> master_pb2.AddMountResponse:
+        forwarded = self._elsewhere("AddMount", request, context)
+        if forwarded is not None:
+            return forwarded
         self._authorize(context, "AddMount")
         spec = parse_mount(request)
         version = self.state.add_mount(spec, replace=request.replace)
-        self.versions.bump()
+        if self.control is None:
+            self.versions.bump()  # on etcd the watch moves the version (to the write's revision)
         log.info("mount %s %s (%s)", spec.name, "set" if request.replace else "added",
                  fsspec.core.split_protocol(spec.url)[0] or "file")
         return master_pb2.AddMountResponse(mounts_version=version)
@@ -250,10 +286,14 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
     def RemoveMount(
         self, request: master_pb2.RemoveMountRequest, context: grpc.ServicerContext
     ) -> master_pb2.RemoveMountResponse:
+        forwarded = self._elsewhere("RemoveMount", request, context)
+        if forwarded is not None:
+            return forwarded
         self._authorize(context, "RemoveMount")
         validate_mount_name(request.name)
         version = self.state.remove_mount(request.name)
-        self.versions.bump()
+        if self.control is None:
+            self.versions.bump()
         log.info("mount %s removed", request.name)
         return master_pb2.RemoveMountResponse(mounts_version=version)
 
@@ -327,19 +367,31 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
 
     @rpc("SubmitJob")
     def SubmitJob(self, request: master_pb2.SubmitJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
+        forwarded = self._elsewhere("SubmitJob", request, context)
+        if forwarded is not None:
+            return forwarded
         self._authorize(context, "SubmitJob")
         return self._jobs().submit(request.kind, request.path, request.replicas)
 
     @rpc("GetJob")
     def GetJob(self, request: master_pb2.GetJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
+        forwarded = self._elsewhere("GetJob", request, context)
+        if forwarded is not None:
+            return forwarded
         return self._jobs().get(check_job_id(request.job_id))
 
     @rpc("ListJobs")
     def ListJobs(self, request: master_pb2.ListJobsRequest, context: grpc.ServicerContext) -> master_pb2.ListJobsResponse:
+        forwarded = self._elsewhere("ListJobs", request, context)
+        if forwarded is not None:
+            return forwarded
         return master_pb2.ListJobsResponse(jobs=self._jobs().list(active_only=request.active_only))
 
     @rpc("CancelJob")
     def CancelJob(self, request: master_pb2.GetJobRequest, context: grpc.ServicerContext) -> master_pb2.Job:
+        forwarded = self._elsewhere("CancelJob", request, context)
+        if forwarded is not None:
+            return forwarded
         self._authorize(context, "CancelJob")
         return self._jobs().cancel(check_job_id(request.job_id))
 

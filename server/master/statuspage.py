@@ -30,7 +30,7 @@ class WorkerRow:
     version: str
     answered: bool
     health: str  # "ok", or why it did not answer (a gRPC status name)
-    heartbeat_age: float  # seconds since its last heartbeat reached the master
+    heartbeat_age: float | None  # seconds since its last heartbeat reached this master (None: not known here)
     capacity_bytes: int = 0
     used_bytes: int = 0
     pages: int = 0
@@ -79,7 +79,7 @@ class StatusPage:
 
     def _row(self, member: Any, now: float) -> WorkerRow:
         base = dict(worker_id=member.worker_id, address=member.address, version=member.version,
-                    heartbeat_age=max(0.0, now - member.last_heartbeat))
+                    heartbeat_age=max(0.0, now - member.last_heartbeat) if member.last_heartbeat else None)
         try:
             status: worker_pb2.WorkerStatus = self.stubs(member.address).GetStatus(
                 worker_pb2.GetStatusRequest(), timeout=self.deadline)
@@ -156,7 +156,7 @@ def _workers_table(rows: Sequence[WorkerRow]) -> str:
         out.append(
             f'<tr class="worker" data-worker-id="{_e(w.worker_id)}" data-health="{css}">'
             f'<td class="worker-id">{_e(w.worker_id)}</td><td>{_e(w.address)}</td>'
-            f'<td class="health {css}">{_e(w.health)}</td><td class="num">{w.heartbeat_age:.1f} s ago</td>'
+            f'<td class="health {css}">{_e(w.health)}</td><td class="num">{"at the leader" if w.heartbeat_age is None else f"{w.heartbeat_age:.1f} s ago"}</td>'
             f"<td>{_bar(w.used_bytes, w.capacity_bytes)}</td><td class=\"num\">{w.pages}</td>"
             f'<td class="num hit-ratio">{_e(_ratio(w.hit_ratio))}</td>'
             f'<td class="num">{_e(_size(w.bytes_from_cache))}</td><td class="num">{_e(_size(w.bytes_from_store))}</td>'

@@ -33,6 +33,15 @@ class ViewVersion:
             self._cond.notify_all()
             return self._value
 
+    def advance(self, to: int) -> int:
+        """Move up to ``to`` (no change if already there or past): versions that come from
+        elsewhere, etcd's revisions when the state is in etcd."""
+        with self._cond:
+            if to > self._value:
+                self._value = to
+                self._cond.notify_all()
+            return self._value
+
     def wait_change(self, known: int, timeout: float) -> int:
         """Block until the version differs from ``known``, :meth:`wake_all`, or ``timeout``.
 

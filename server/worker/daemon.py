@@ -149,6 +149,7 @@ class Worker:
             max_rpc_seconds=max(self.config.store_timeout * 4, 60.0), plans=self.plans,
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+        self.servicer = servicer
         token = token_checker([self.config.access_token, self.config.cluster_token]) if self.config.access_token else None
         cached = CachedPages(self.objects.cached_info_until, self.reader._page_id, self.pages.open_page,
                              self.pages.page_size, token)
@@ -175,6 +176,7 @@ class Worker:
                 stats=lambda: worker_stats(self.pages.stats(), self.metrics.totals(), len(self.plans)),
                 token=outgoing_token(self.config.access_token, self.config.cluster_token),
                 on_mounts_changed=self._on_mounts_changed, tls=self.config.tls,
+                on_epoch=servicer.epochs.observe,
             ).start()
         threading.Thread(target=self._expire_plans, name="cachefs-plans", daemon=True).start()
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)

@@ -213,6 +213,11 @@ class WorkerMetrics:
         self.pages_freed = Counter(
             "cachefs_worker_pages_freed", "Pages dropped from the page store by Free requests.", registry=r
         )
+        self.stale_leader_commands = Counter(
+            "cachefs_worker_stale_leader_commands",
+            "Load/Free commands refused because they came from a master whose leadership had ended.",
+            registry=r,
+        )
         self.held_page_reads = Counter(
             "cachefs_worker_held_page_reads",
             "Page reads local clients made through descriptors they held (reported afterwards; "

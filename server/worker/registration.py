@@ -16,10 +16,11 @@ import grpc
 
 from cachefs import __version__
 from cachefs.auth import token_metadata
+from cachefs.masters import MasterList
 from cachefs.mounts import MountSpec, MountTable
-from cachefs.proto import master_pb2, master_pb2_grpc
+from cachefs.proto import master_pb2
 from cachefs.server.pagestore import PageStoreStats
-from cachefs.tls import PLAINTEXT, TLSConfig, open_channel
+from cachefs.tls import PLAINTEXT, TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class Registrar:
         on_mounts_changed: Callable[[set[str]], None] | None = None,
         rpc_timeout: float = 5.0,
         tls: TLSConfig = PLAINTEXT,
+        on_epoch: Callable[[int], None] | None = None,
     ) -> None:
         self.master = master
         self.worker_id = worker_id
@@ -47,8 +49,9 @@ class Registrar:
         self._metadata = token_metadata(token)
         self._on_mounts_changed = on_mounts_changed
         self._rpc_timeout = rpc_timeout
-        self._channel = open_channel(master, tls)
-        self._stub = master_pb2_grpc.MasterServiceStub(self._channel)
+        # Several masters (etcd): any answers (a standby forwards to the leader); a dead one is passed over.
+        self._masters = MasterList(master, tls)
+        self._on_epoch = on_epoch
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registered = threading.Event()
@@ -65,7 +68,7 @@ class Registrar:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._channel.close()
+        self._masters.close()
 
     def _run(self) -> None:
         failures = 0
@@ -97,21 +100,28 @@ class Registrar:
         self._sync_mounts(None)
         info = master_pb2.WorkerInfo(worker_id=self.worker_id, address=self.address, stats=self._stats(),
                                      version=__version__)
-        resp = self._stub.RegisterWorker(master_pb2.RegisterWorkerRequest(worker=info),
-                                         timeout=self._rpc_timeout, metadata=self._metadata)
+        resp = self._masters.call("RegisterWorker", master_pb2.RegisterWorkerRequest(worker=info),
+                                  timeout=self._rpc_timeout, metadata=self._metadata)
+        self._epoch(resp.leader_epoch)
         self.heartbeat_seconds = max(0.05, resp.heartbeat_seconds or self.heartbeat_seconds)
         self._sync_mounts(resp.mounts_version)  # a mount may have changed in between
         self.registered.set()
         log.info("registered with master %s as %s (%s)", self.master, self.worker_id, self.address)
 
     def _heartbeat(self) -> None:
-        resp = self._stub.Heartbeat(master_pb2.HeartbeatRequest(worker_id=self.worker_id, stats=self._stats()),
-                                    timeout=self._rpc_timeout, metadata=self._metadata)
+        resp = self._masters.call("Heartbeat", master_pb2.HeartbeatRequest(worker_id=self.worker_id,
+                                                                          stats=self._stats()),
+                                  timeout=self._rpc_timeout, metadata=self._metadata)
+        self._epoch(resp.leader_epoch)
         if not resp.registered:
             self.registered.clear()
             self._register()
             return
         self._sync_mounts(resp.mounts_version)
+
+    def _epoch(self, epoch: int) -> None:
+        if epoch and self._on_epoch is not None:
+            self._on_epoch(epoch)
 
     def _sync_mounts(self, version: int | None) -> None:
         """Apply the master's mount table when its version moved (None: fetch it regardless).
@@ -120,8 +130,8 @@ class Registrar:
         """
         if version is not None and version == self._mounts_version:
             return
-        resp = self._stub.GetMounts(master_pb2.GetMountsRequest(with_credentials=True),
-                                    timeout=self._rpc_timeout, metadata=self._metadata)
+        resp = self._masters.call("GetMounts", master_pb2.GetMountsRequest(with_credentials=True),
+                                  timeout=self._rpc_timeout, metadata=self._metadata)
         wanted = {m.name: MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only)
                   for m in resp.mounts}
         current = {spec.name: spec for spec in self.mounts.specs()}

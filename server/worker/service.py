@@ -18,6 +18,7 @@ from cachefs.localhost import host_id
 from cachefs.paths import CachePath, parse_path
 from cachefs.server.rpc import info_message, rpc
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.server.worker.epoch import EpochGuard
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
@@ -67,6 +68,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.short_circuit_socket = ""  # set by the daemon when it listens for short-circuit reads
         self.data_port = 0  # set by the daemon when its data port listens
         self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
+        # The leading master's epoch (several masters on etcd): older Load/Free are refused.
+        self.epochs = EpochGuard(metrics.stale_leader_commands.inc)
 
     def _deadline(self, context: grpc.ServicerContext) -> float:
         """Every RPC has a deadline: the caller's, capped by the worker's own."""
@@ -188,6 +191,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @rpc("Load")
     def Load(self, request: worker_pb2.LoadRequest, context: grpc.ServicerContext) -> worker_pb2.LoadResponse:
         """Bring whole objects into this worker's page store; one bad object fails only itself."""
+        self.epochs.check(request.leader_epoch, "Load")
         self._check_job_paths(request.paths)
         return self.load_objects(list(request.paths), self._load_deadline(context), request.hint)
 
@@ -229,6 +233,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @rpc("Free")
     def Free(self, request: worker_pb2.FreeRequest, context: grpc.ServicerContext) -> worker_pb2.FreeResponse:
         """Drop every version's pages under a prefix, and what we know of those objects."""
+        self.epochs.check(request.leader_epoch, "Free")
         path = parse_path(request.prefix)
         # parse_path drops a trailing '/': keep it, so "data/dir/" does not also free "data/dir2/...".
         prefix = path.key + "/" if path.key and request.prefix.endswith("/") else path.key

@@ -44,9 +44,53 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* What workers dial to reach the master (the master's Service). */}}
+{{/* What workers and clients dial to reach the masters: the Service for one master; each master
+pod's stable DNS name for several (they follow whichever answers; standbys forward to the leader). */}}
 {{- define "cachefs.masterAddress" -}}
-{{- printf "%s-master.%s.svc:%v" (include "cachefs.fullname" .) .Release.Namespace (int .Values.master.config.port) -}}
+{{- $full := include "cachefs.fullname" . -}}
+{{- if gt (int .Values.master.replicas) 1 -}}
+{{- $addresses := list -}}
+{{- range $i := until (int .Values.master.replicas) -}}
+{{- $addresses = append $addresses (printf "%s-master-%d.%s-master-headless.%s.svc:%v" $full $i $full $.Release.Namespace (int $.Values.master.config.port)) -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- else -}}
+{{- printf "%s-master.%s.svc:%v" $full .Release.Namespace (int .Values.master.config.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* etcd for the masters: the endpoints given, or the bundled StatefulSet's members; "" for none.
+Several masters without etcd cannot elect a leader: refused here. */}}
+{{- define "cachefs.etcdEndpoints" -}}
+{{- $full := include "cachefs.fullname" . -}}
+{{- if and .Values.etcd.bundled.enabled .Values.etcd.endpoints -}}
+{{- fail "etcd: set either etcd.endpoints (an existing etcd) or etcd.bundled.enabled, not both" -}}
+{{- end -}}
+{{- $endpoints := .Values.etcd.endpoints -}}
+{{- if .Values.etcd.bundled.enabled -}}
+{{- $endpoints = list -}}
+{{- range $i := until (int .Values.etcd.bundled.replicas) -}}
+{{- $endpoints = append $endpoints (printf "http://%s-etcd-%d.%s-etcd-headless.%s.svc:2379" $full $i $full $.Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (gt (int .Values.master.replicas) 1) (not $endpoints) -}}
+{{- fail "master.replicas >= 2 needs etcd: set etcd.endpoints or etcd.bundled.enabled" -}}
+{{- end -}}
+{{- join "," $endpoints -}}
+{{- end -}}
+
+{{/* Config keys the chart sets for etcd (JSON; {} without etcd). */}}
+{{- define "cachefs.etcdConfig" -}}
+{{- $endpoints := include "cachefs.etcdEndpoints" . -}}
+{{- if $endpoints -}}
+{{- $config := dict "etcd" (splitList "," $endpoints) "etcd_prefix" .Values.etcd.prefix -}}
+{{- if .Values.etcd.tls.existingSecret -}}
+{{- $_ := set $config "etcd_ca_file" "/etc/cachefs/etcd-tls/ca.crt" -}}
+{{- end -}}
+{{- $config | toJson -}}
+{{- else -}}
+{}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -146,4 +190,28 @@ livenessProbe:
 readinessProbe:
   httpGet: {path: /readyz, port: http}
   {{- toYaml .readinessProbe | nindent 2 }}
+{{- end -}}
+
+{{/* A master on etcd: the address the others and the workers dial (its pod IP), etcd's user auth. */}}
+{{- define "cachefs.masterEtcdEnv" -}}
+{{- if include "cachefs.etcdEndpoints" . }}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: CACHEFS_MASTER_ADVERTISE_ADDRESS
+  value: "$(POD_IP):{{ .Values.master.config.port }}"
+{{- if .Values.etcd.auth.existingSecret }}
+- name: CACHEFS_MASTER_ETCD_USER
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.etcd.auth.existingSecret }}
+      key: {{ .Values.etcd.auth.userKey }}
+- name: CACHEFS_MASTER_ETCD_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.etcd.auth.existingSecret }}
+      key: {{ .Values.etcd.auth.passwordKey }}
+{{- end }}
+{{- end }}
 {{- end -}}
