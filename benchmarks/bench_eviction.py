@@ -181,11 +181,14 @@ def one_run(moto: MotoServer, bucket: str, paths: list[str], keys: list[str], ar
                    "--shuffle", "yes" if shuffle else "no", "--sync-dir", sync, "--hint-samples", str(args.hint_samples)]
             procs = [subprocess.Popen(cmd + ["--rank", str(r)]) for r in range(ranks)]
             epochs = []
+            # Each epoch counts from the end of the one before (the first from the workers' start):
+            # what the plan's prefetch fetches between epochs belongs to the next one.
+            before = {w.address: dict.fromkeys(("bytes_from_store", "hits", "misses", "evictions"), 0)
+                      for w in workers}
+            scraped: dict[str, dict[str, float]] = {w.address: {} for w in workers}
             try:
                 for e in range(args.epochs):
                     _wait_all(sync, f"start-{e}", ranks, procs)
-                    before = {w.address: worker_status(w.address) for w in workers}
-                    scraped = {w.address: _scrape(w.ready["metrics_port"]) for w in workers}
                     t0 = time.perf_counter()
                     open(os.path.join(sync, f"start-{e}.go"), "w").close()
                     _wait_all(sync, f"end-{e}", ranks, procs)
@@ -201,6 +204,7 @@ def one_run(moto: MotoServer, bucket: str, paths: list[str], keys: list[str], ar
                     epochs.append({"epoch": e, "seconds": round(seconds, 2),
                                    "store_bytes": sum(p["bytes_from_store"] for p in per.values()),
                                    "per_worker": per})
+                    before, scraped = after, rescraped
                 for p in procs:
                     if p.wait(timeout=300) != 0:
                         raise RuntimeError("a rank failed")
