@@ -81,7 +81,7 @@ class Worker:
         self.handle_table: HandleTable | None = None
         self.data_port_server: DataPortServer | None = None
         self.data_port: int | None = None  # bound data port (None: off)
-        self._servicer: WorkerServicer | None = None
+        self.servicer: WorkerServicer | None = None
         self._stopped = threading.Event()
         self._had_mounts = False  # readiness: the master's mounts arrived once (kept while it is away)
         self.metrics = WorkerMetrics()
@@ -160,7 +160,6 @@ class Worker:
                                   on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
         self.hint_loads = HintLoads(servicer.load_objects)
         servicer.prefetch = self.hint_loads.submit
-        self._servicer = servicer
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -186,7 +185,7 @@ class Worker:
         """A local reader's position in its plan (with its short-circuit requests): what it reads
         next is fetched ahead by the plan."""
         self.plans.progress(job, position)
-        servicer = self._servicer
+        servicer = self.servicer
         if servicer is not None:
             servicer.plan_ahead(job)
 
