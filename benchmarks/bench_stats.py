@@ -177,7 +177,7 @@ def stall(address: str, store: str, n: int, size: int, batch: int, epochs: int,
         run_epoch(loader)  # cold: fills the cache
         rate = max(run_epoch(loader) for _ in range(2))  # warm, no step: the read rate at workers 2
         step = 2 * batch / rate  # 2x a batch's read time
-        timer = StepTimer(threshold=0.05)
+        timer = StepTimer(threshold=0.05, window=100_000)  # every step kept: the waits' median and p90
         shares = []
         for e in range(epochs):
             before = (timer.wait_s, timer.compute_s)
@@ -186,10 +186,15 @@ def stall(address: str, store: str, n: int, size: int, batch: int, epochs: int,
             wait, compute = timer.wait_s - before[0], timer.compute_s - before[1]
             shares.append(round(wait / (wait + compute), 4))
         s = timer.summary()
+        waits = sorted(w for w, _ in timer.recent)
         row = {"dataset": name, "samples": n, "size": size, "batch": batch, "num_workers": 2,
                "warm_items_per_s": round(rate, 1), "step_s": round(step, 5), "epochs": epochs,
                "wait_share_after_first_batch": round(s.wait_share, 4), "per_epoch_wait_share": shares,
-               "startup_s": round(s.startup_s, 3), "report": timer.report(), "stats": ds.stats()}
+               "startup_s": round(s.startup_s, 3),
+               "median_wait_ms": round(1000 * statistics.median(waits), 2) if waits else None,
+               "p90_wait_ms": round(1000 * waits[int(0.9 * (len(waits) - 1))], 2) if waits else None,
+               "max_wait_ms": round(1000 * waits[-1], 2) if waits else None,
+               "report": timer.report(), "stats": ds.stats()}
         print(json.dumps({k: v for k, v in row.items() if k != "stats"}), flush=True)
         print(row["report"], flush=True)
         rows.append(row)
