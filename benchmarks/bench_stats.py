@@ -10,7 +10,8 @@ they never reach the store.
 1. **Overhead.** Two datasets over the same warm samples, one with ``stats=True`` (the default:
    counters published into the shared block after every call) and one with ``stats=False``.
    Warm epochs alternate on/off (pairs, the order flipped every pair), DataLoader workers 0 and
-   2, small samples (4 KiB, batch 64: the most calls per byte) and 256 KiB ones (batch 32). Per
+   2, small samples (4 KiB, batch 64: the most calls per byte; 3x the pairs) and 256 KiB ones
+   (batch 32). Per
    setting: the median of the pairs' on/off items/s ratios. Beside it, the cost of one publish
    (``values`` + ``publish``) timed alone, as a share of a warm batch's time: a figure the shared
    machine's noise cannot blur.
@@ -19,7 +20,8 @@ they never reach the store.
    epochs with a simulated step of 2x that (``time.sleep``, as a GPU step leaves the CPU free)
    are timed by ``StepTimer``: its data-wait share after each pass's first batch and its report.
 
-Writes benchmarks/results/stats-<timestamp>.json (and latest-stats.json).
+Writes benchmarks/results/stats-<timestamp>.json (and latest-stats.json) and a PNG beside it
+(``--plot RUN.json`` draws an earlier run's).
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def stall(address: str, store: str, n: int, size: int, batch: int, epochs: int,
         run_epoch(loader)  # cold: fills the cache
         rate = max(run_epoch(loader) for _ in range(2))  # warm, no step: the read rate at workers 2
         step = 2 * batch / rate  # 2x a batch's read time
-        timer = StepTimer(threshold=0.05)
+        timer = StepTimer(threshold=0.05, window=100_000)  # every step kept: the waits' median and p90
         shares = []
         for e in range(epochs):
             before = (timer.wait_s, timer.compute_s)
@@ -185,14 +187,61 @@ def stall(address: str, store: str, n: int, size: int, batch: int, epochs: int,
             wait, compute = timer.wait_s - before[0], timer.compute_s - before[1]
             shares.append(round(wait / (wait + compute), 4))
         s = timer.summary()
+        waits = sorted(w for w, _ in timer.recent)
         row = {"dataset": name, "samples": n, "size": size, "batch": batch, "num_workers": 2,
                "warm_items_per_s": round(rate, 1), "step_s": round(step, 5), "epochs": epochs,
                "wait_share_after_first_batch": round(s.wait_share, 4), "per_epoch_wait_share": shares,
-               "startup_s": round(s.startup_s, 3), "report": timer.report(), "stats": ds.stats()}
+               "startup_s": round(s.startup_s, 3),
+               "median_wait_ms": round(1000 * statistics.median(waits), 2) if waits else None,
+               "p90_wait_ms": round(1000 * waits[int(0.9 * (len(waits) - 1))], 2) if waits else None,
+               "max_wait_ms": round(1000 * waits[-1], 2) if waits else None,
+               "report": timer.report(), "stats": ds.stats()}
         print(json.dumps({k: v for k, v in row.items() if k != "stats"}), flush=True)
         print(row["report"], flush=True)
         rows.append(row)
     return rows
+
+
+def plot(doc: dict[str, Any], path: str) -> str | None:
+    """Overhead pairs (items/s on vs off) and the stall runs' per-epoch data-wait shares."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable: no plot"
+    over, stall_rows = doc.get("overhead", []), doc.get("stall", [])
+    panels = [p for p in (over and "overhead", stall_rows and "stall") if p]
+    if not panels:
+        return "nothing to plot"
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "overhead":
+            labels = [f"{r['size'] >> 10} KiB, w={r['num_workers']}" for r in over]
+            ratios = [r["median_pair_ratio_on_off"] for r in over]
+            ax.bar(range(len(over)), ratios, color="#4c72b0")
+            for i, r in enumerate(over):
+                pairs = [a / b for a, b in zip(r["items_per_s_on"], r["items_per_s_off"])]
+                ax.scatter([i] * len(pairs), pairs, s=8, color="black", zorder=3)
+            ax.axhline(0.98, color="red", linewidth=0.8, linestyle="--", label="0.98 (2% slower)")
+            ax.set_xticks(range(len(over)), labels, fontsize=8)
+            ax.set_ylabel("items/s, counters on / off (bar: median pair; dots: pairs)")
+            ax.set_title("Counter overhead, warm epochs")
+            ax.legend(fontsize=8)
+        else:
+            for r in stall_rows:
+                label = f"{r['dataset']} ({r.get('sharing_strategy', '')}): {100 * r['wait_share_after_first_batch']:.1f}%"
+                ax.plot(range(1, len(r["per_epoch_wait_share"]) + 1), [100 * v for v in r["per_epoch_wait_share"]],
+                        marker="o", label=label)
+            ax.axhline(5, color="red", linewidth=0.8, linestyle="--", label="target 5%")
+            ax.set_xlabel("epoch (warm, step = 2x a batch's read time, DataLoader workers 2)")
+            ax.set_ylabel("data-wait share after the first batch, %")
+            ax.set_title("Data stall by StepTimer")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sharing-strategies", default="file_descriptor,file_system",
                    help="torch.multiprocessing sharing strategies to run the stall part with (one run each)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (beside it)")
     args = p.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            note = plot(json.load(f), args.plot[:-5] + ".png")
+        print(note or f"wrote {args.plot[:-5]}.png")
+        return 0
     pairs = args.pairs or (5 if args.quick else 9)
     small_n, big_n = (2000, 400) if args.quick else (4000, 1000)
     parts = args.parts.split(",")
@@ -219,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         write_samples(store, "stall", big_n, 256 << 10)
         with worker(tmp, store) as address:
             if "overhead" in parts:
-                doc["overhead"] = (overhead(address, "small", 4 << 10, 64, [0, 2], pairs)
+                # small samples: short epochs, the most calls per byte: 3x the pairs
+                doc["overhead"] = (overhead(address, "small", 4 << 10, 64, [0, 2], 3 * pairs)
                                    + overhead(address, "stall", 256 << 10, 32, [0, 2], pairs))
             if "stall" in parts:
                 doc["stall"] = []
@@ -235,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     for target in (path, os.path.join(args.out, "latest-stats.json")):
         with open(target, "w") as f:
             json.dump(doc, f, indent=1, default=str)
-    print(f"wrote {path}")
+    note = plot(doc, path[:-5] + ".png")
+    print(f"wrote {path}" + (f" ({note})" if note else f" and {path[:-5]}.png"))
     return 0
 
 

@@ -63,8 +63,9 @@ def test_hits_misses_and_failovers_after_a_worker_is_killed(local_store, tmp_pat
     """Two worker processes, no short-circuit (the data port serves cached pages, gRPC the rest),
     DataLoader workers started by forkserver (gRPC in them is safe). Cold epoch: N misses through
     gRPC; warm: N data-port hits; then one worker is killed (-9): each DataLoader worker that has
-    a sample placed on it fails over once (its data port error too), and those samples are misses
-    on the other worker, the rest hits."""
+    a sample placed on it fails over once (its data port error too: then the dead worker's breaker
+    keeps it skipped for 0.5 s, longer than a DataLoader worker's 8 reads take), and those samples
+    are misses on the other worker, the rest hits."""
     sizes = _samples(local_store, N)
     extra = ["--page-size", str(PAGE)]
     workers = [worker_process({"data": local_store.mount.url}, str(tmp_path / f"cache{i}"), extra=extra,
