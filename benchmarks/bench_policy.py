@@ -40,7 +40,7 @@ def measure(n: int, ops: int, seed: int = 1) -> dict[str, float]:
     rng = random.Random(seed)
     clock = [0.0]
 
-    def next_use(pid: int, used: bool, read: bool = False) -> tuple[float, float]:
+    def next_use(pid: int, used: bool) -> tuple[float, float]:
         return clock[0] + rng.random() * 1000.0, math.inf
 
     out: dict[str, float] = {"pages": n}

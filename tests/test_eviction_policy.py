@@ -250,7 +250,7 @@ def test_passing_pages_are_bounded_and_expire(monkeypatch):
 def test_next_use_order_compacts_and_picks_furthest_first():
     """Per access a heap push and a dict update; stale heap items are compacted away (the cost at
     10 M pages is measured by benchmarks/bench_policy.py, not here)."""
-    order = NextUseOrder(lambda pid, used, read=False: (float(hash(pid) % 1000), math.inf))
+    order = NextUseOrder(lambda pid, used: (float(hash(pid) % 1000), math.inf))
 
     class E:
         __slots__ = ("pid", "digest", "next_use", "size", "held_until")

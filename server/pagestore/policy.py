@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 __all__ = ["EvictionOrder", "LruOrder", "NextUseOrder", "NextUse"]
 
-#: A page's next use: ``(pid, used, read)`` -> (estimated time of next use or math.inf, the time
-#: its planned use ends: after that it is stale and asked for again). The worker's plan table.
-NextUse = Callable[..., tuple[float, float]]
+#: A page's next use: (estimated time of next use or math.inf, the time its planned use ends:
+#: after that it is stale and asked for again). Given by the worker's plan table.
+NextUse = Callable[[Any, bool], tuple[float, float]]
 
 
 class EvictionOrder(Protocol):
@@ -132,7 +132,7 @@ class NextUseOrder:
 
     def _place(self, entry: Any, used: bool) -> None:
         digest = entry.digest
-        when, stale_at = self._next_use(entry.pid, used, used)
+        when, stale_at = self._next_use(entry.pid, used)
         entry.next_use = when
         if math.isinf(when):
             self._planned.pop(digest, None)

@@ -222,7 +222,7 @@ class PageStore:
         """Return the page's verified bytes, or None on a miss (a bad page is dropped first)."""
         entry = self._lookup(pid)
         if entry is None:
-            return self._take_passing(pid)
+            return self._passing.get(pid.digest())
         try:
             data = read_page(entry.path, entry.size, entry.checksum)
         except (CorruptPageError, OSError) as exc:
@@ -238,7 +238,7 @@ class PageStore:
         """
         entry = self._lookup(pid)
         if entry is None:
-            passing = self._take_passing(pid)
+            passing = self._passing.get(pid.digest())
             if passing is None:
                 return None
             if len(passing) > len(buf):
@@ -264,11 +264,8 @@ class PageStore:
         the open descriptor keeps the bytes readable until it is closed.
         """
         entry = self._lookup(pid)
-        if entry is None:  # served, not admitted (passing.py): read once
-            fd = self._passing.open(pid.digest())
-            if fd is not None:
-                self._read_passing(pid)
-            return fd
+        if entry is None:
+            return self._passing.open(pid.digest())  # served, not admitted (passing.py): read once
         try:
             fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:  # evicted or dropped under our feet: a miss
@@ -329,17 +326,6 @@ class PageStore:
 
     # ------------------------------------------------------- held descriptors
     # ------------------------------------------------------- plan-driven eviction
-    def _take_passing(self, pid: PageId) -> bytes | None:
-        data = self._passing.get(pid.digest())
-        if data is not None:
-            self._read_passing(pid)
-        return data
-
-    def _read_passing(self, pid: PageId) -> None:
-        """A page not admitted was read: its plans learn that use is over, as for a cached one."""
-        if self._next_use is not None:
-            self._next_use(pid, True, True)
-
     def _not_worth_room(self, target: DirHandle, pid: PageId, size: int) -> bool:  # caller holds the lock
         """True when making room for the page would push out only pages used sooner than it: it
         is then served from memory for a few seconds (passing.py) and not admitted."""

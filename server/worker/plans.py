@@ -39,7 +39,7 @@ MERGE_GAP = 0
 #: How far a job's reads may run ahead of its reported position (samples whose reads finished),
 #: in samples (client prefetch, DataLoader workers' batches in flight) at least, and in seconds of
 #: reading: a read that far ahead of the position is the use there, not an early one.
-SLACK_SAMPLES = 64
+SLACK_SAMPLES = 128
 SLACK_SECONDS = 1.0
 #: How long past its last report a job's position is moved on at its rate. 0: not at all. A
 #: guess ahead of the job counts unread pages as read (they leave before their use); a position
@@ -76,7 +76,6 @@ class _Job:
     reads: list[tuple[int, str]] = field(default_factory=list)  # (position, path), sorted when complete
     read_bytes: int = 0  # summed over reads: bytes a position reads on this worker, on average
     ahead_to: int = 0  # positions before this were handed to prefetch already
-    consumed: dict[PageKey, int] = field(default_factory=dict)  # a page's last use a read was seen for
     prefetch: bool = True  # the job wants what it reads next fetched ahead (not: no_prefetch)
 
     def estimate(self, now: float) -> float:
@@ -230,10 +229,9 @@ class PlanTable:
             self._on_change()
 
     # -- the page store's oracle ---------------------------------------------------------------------
-    def next_use(self, pid: Any, used: bool, read: bool = False) -> tuple[float, float]:
+    def next_use(self, pid: Any, used: bool) -> tuple[float, float]:
         """(when the page is used next, when to look again if it is not read by then); math.inf
-        when no complete plan uses it again. ``used``: count a use under way as over (a read, or
-        a decision about a page a reader waits for); ``read``: it is a read, remember it."""
+        when no complete plan uses it again. ``used``: it is being read now (that use is over)."""
         jobs = self._by_page.get((pid.mount, pid.key, pid.index))
         if not jobs:
             return math.inf, math.inf
@@ -245,17 +243,11 @@ class PlanTable:
             uses = job.pages.get((pid.mount, pid.key, pid.index))
             if uses is None:
                 continue
-            page = (pid.mount, pid.key, pid.index)
             starts, ends = uses
             here, slack = job.estimate(now), job.slack()
-            # The first use not over yet: readers of one job spread over `slack` positions around
-            # the one reported (DataLoader workers, read-ahead), so a use just behind it may still
-            # be coming; one a read was seen for is over.
-            i = max(bisect.bisect_left(ends, here - slack), job.consumed.get(page, -1) + 1)
+            i = bisect.bisect_left(ends, here)  # the first use not over yet (reads before `here` are done)
             if used and i < len(starts) and starts[i] <= here + slack:
-                if read:
-                    job.consumed[page] = i  # this read is that use
-                i += 1
+                i += 1  # this read is that use
             if i >= len(starts):
                 continue
             when = job.clock(starts[i])
