@@ -179,6 +179,7 @@ class ShortCircuitReader:
         progress = self._progress() if self._progress is not None else None
         if progress is not None:
             request.plan_job, request.plan_position = progress
+            request.plan_reader = os.getpid()
 
     def _note_not_cached(self, path: str) -> None:
         if len(self._not_cached) >= _NOT_CACHED_MAX:

@@ -181,10 +181,10 @@ class Worker:
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
 
-    def _plan_progress(self, job: str, position: int) -> None:
+    def _plan_progress(self, job: str, position: int, reader: int = 0) -> None:
         """A local reader's position in its plan (with its short-circuit requests): what it reads
         next is fetched ahead by the plan."""
-        self.plans.progress(job, position)
+        self.plans.progress(job, position, reader)
         servicer = self.servicer
         if servicer is not None:
             servicer.plan_ahead(job)

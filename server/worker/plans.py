@@ -46,6 +46,9 @@ SLACK_SECONDS = 1.0
 #: a second behind only keeps a read page a little longer, and a read ahead of the reported
 #: position is told apart by the slack above.
 EXTRAPOLATE_SECONDS = 0.0
+#: A reader (a process) of a job that has not read for this long no longer holds the job's position
+#: back (it finished, or its DataLoader worker exited).
+READER_SECONDS = 2.0
 #: A planned use that went by this long ago without a read is looked at again.
 STALE_GRACE_SECONDS = 2.0
 MAX_LEASE_SECONDS = 3600.0
@@ -77,9 +80,15 @@ class _Job:
     read_bytes: int = 0  # summed over reads: bytes a position reads on this worker, on average
     ahead_to: int = 0  # positions before this were handed to prefetch already
     prefetch: bool = True  # the job wants what it reads next fetched ahead (not: no_prefetch)
+    readers: dict[int, tuple[int, float]] = field(default_factory=dict)  # reader -> (position, when)
 
     def estimate(self, now: float) -> float:
-        """Where the job reads now: its last position, moved on at its rate for up to a few seconds."""
+        """Where the job reads now: its slowest reader that spoke lately (several processes read
+        for one job: DataLoader workers), else its last position, moved on at its rate for up to
+        EXTRAPOLATE_SECONDS."""
+        live = [p for p, t in self.readers.values() if now - t <= READER_SECONDS]
+        if live:
+            return min(live)
         return self.position + self.rate * min(max(0.0, now - self.reported_at), EXTRAPOLATE_SECONDS)
 
     def clock(self, position: int) -> float:
@@ -256,12 +265,20 @@ class PlanTable:
                 recheck = now + max(0.0, ends[i] + slack - here) / job.rate + STALE_GRACE_SECONDS
         return best, recheck
 
-    def progress(self, job_id: str, position: int) -> None:
-        """A read of the job at ``position`` now (it comes with reads: fresher than renewals)."""
+    def progress(self, job_id: str, position: int, reader: int = 0) -> None:
+        """Reader ``reader`` of the job reads at ``position`` now (it comes with reads: fresher than
+        renewals)."""
+        now = self._clock()
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is not None and position > job.position:
-                job.position, job.reported_at = position, self._clock()
+            if job is None:
+                return
+            if reader:
+                job.readers[reader] = (position, now)
+                if len(job.readers) > 1024:  # many short-lived processes: keep the live ones
+                    job.readers = {r: v for r, v in job.readers.items() if now - v[1] <= READER_SECONDS}
+            if position > job.position:
+                job.position, job.reported_at = position, now
 
     def due(self, job_id: str, window_bytes: int, window_seconds: float, at_least: int = 32) -> list[str]:
         """Objects the job reads next that were not handed to prefetch yet: from its position up

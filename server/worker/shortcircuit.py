@@ -56,7 +56,7 @@ class ShortCircuitServer(ConnectionServer):
                  on_handed_out: Callable[[int], None] | None = None,
                  on_load: Callable[[list[str]], int] | None = None,
                  passing: Callable[[str], bool] | None = None,
-                 on_progress: Callable[[str, int], None] | None = None, **limits: Any) -> None:
+                 on_progress: Callable[[str, int, int], None] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
         to the quota while clients may hold them (False: no room, hand them out for one read),
         and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
@@ -129,7 +129,7 @@ class ShortCircuitServer(ConnectionServer):
                 self._on_touched(touched, request.touched_bytes)
         reply = Reply(answered=True)
         if request.plan_job and self._on_progress is not None:
-            self._on_progress(request.plan_job, request.plan_position)
+            self._on_progress(request.plan_job, request.plan_position, request.plan_reader)
         if request.load and self._on_load is not None:
             reply.loading = self._on_load(list(request.load))
         if request.hello and self.table is not None:
