@@ -183,11 +183,20 @@ class PlanPublisher:
             self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.renew_seconds):
+        """Renew when the job moved on, or a third of the lease went by; back off while workers
+        fail. An idle dataset costs a call per worker every lease/3 seconds, and every call is one
+        more a fork of this process (DataLoader workers starting) must wait for."""
+        pause, sent_at, sent_position = self.renew_seconds, time.monotonic(), -1
+        while not self._stop.wait(pause):
             if os.getpid() != self._owner:
                 return
             try:
-                self.renew()
+                position = self._position() - self._base
+                if position == sent_position and time.monotonic() - sent_at < self.lease_seconds / 3:
+                    continue
+                report = self.renew()
+                sent_at, sent_position = time.monotonic(), position
+                pause = self.renew_seconds if not report.failed else min(self.lease_seconds / 3, pause * 2)
             except Exception:  # noqa: BLE001 - never let the renewer die
                 log.exception("renewing the read plan failed")
 
