@@ -108,7 +108,9 @@ def test_s3_store_that_refuses_connections_fails_fast_then_at_once(aws_env, dead
         with pytest.raises(StoreUnavailableError):
             store.info(CachePath("m", f"k{i}"))
         timings.append(time.monotonic() - t0)
-    assert max(timings) < 3.0, timings  # botocore's defaults took ~8.5 s here
+    # botocore's defaults took ~8.5 s here; the first call also makes the S3 client (imports, a
+    # session: seconds on a loaded machine), so it gets more room than the retries after it.
+    assert timings[0] < 6.0 and max(timings[1:]) < 3.0, timings
     assert timings[-1] < 0.05, timings  # the breaker answers without a store call
     assert store.breaker.open_mounts() == ["m"]
 
