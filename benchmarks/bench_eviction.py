@@ -104,6 +104,12 @@ def rank_main(args: argparse.Namespace) -> None:
     from cachefs.client.dataset import CacheDataset
 
     paths = json.loads(args.paths_json)
+    lockstep = args.ranks > 1
+    if lockstep:  # ranks advance batch by batch together, as DDP's gradient all-reduce makes them
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(args.sync_dir, 'pg')}",
+                                rank=args.rank, world_size=args.ranks)
     ds = CacheDataset(paths, sizes=[args.size] * len(paths), storage_options={"workers": args.workers},
                       seed=args.seed, shuffle=args.shuffle == "yes", rank=args.rank, world_size=args.ranks,
                       plan_ahead=args.policy == "future", hint_samples=args.hint_samples)
@@ -113,7 +119,11 @@ def rank_main(args: argparse.Namespace) -> None:
         _barrier(sync, f"start-{epoch}", args.rank, args.ranks)
         loader = DataLoader(ds, batch_size=16, sampler=ds.sampler(), num_workers=args.num_workers,
                             collate_fn=lambda items: len(items))
-        got = sum(loader)
+        got = 0
+        for n in loader:
+            got += n
+            if lockstep:
+                dist.barrier()
         assert got == len(ds), (got, len(ds))
         _barrier(sync, f"end-{epoch}", args.rank, args.ranks)
     del torch

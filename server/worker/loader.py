@@ -75,6 +75,10 @@ class _Claim:
     nbytes: int
 
 
+class NotAdmittedError(OSError):
+    """A hinted object the registered plans read later than everything cached: not fetched."""
+
+
 class _OutOfTime(Exception):
     """The load's deadline passed; what is unfinished is reported, not waited for."""
 

@@ -22,8 +22,8 @@ from cachefs.server.worker.epoch import EpochGuard
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
-from cachefs.server.pagestore import PageStore
-from cachefs.server.worker.loader import Loader, failure, resolve_for_load
+from cachefs.server.pagestore import PageId, PageStore
+from cachefs.server.worker.loader import Loader, NotAdmittedError, failure, resolve_for_load
 from cachefs.server.worker.plans import PlanTable
 from cachefs.server.worker.reader import PageReader
 from cachefs.server.worker.writer import WriteHandler
@@ -204,6 +204,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         def resolve(raw: str) -> tuple[str, CachePath | None, ObjectMeta | None, int, OSError | None]:
             try:
                 path = parse_path(raw)
+                if hint and not self.pages.worth_admitting(PageId(path.mount, path.key, "", 0)):
+                    # Not even resolved: a cold resolve is a GET that brings the first page, which
+                    # would then wait in memory for a reader that may come too late for it.
+                    self.metrics.load_not_admitted.inc()
+                    raise NotAdmittedError("not cached: the registered training plans read it later "
+                                           "than everything the cache holds")
                 meta, head = resolve_for_load(self.objects, path, self.reader if hint else None)
                 return raw, path, meta, head, None
             except OSError as exc:  # a bad path, unknown mount, missing object, directory, store error
