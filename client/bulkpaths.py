@@ -36,8 +36,11 @@ AWAY_RETRY = 2.0
 
 
 def _worker_away(exc: BaseException) -> bool:
-    """The worker is not there right now (restarting, stopped), as opposed to slow or broken."""
-    if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)):
+    """The worker is not there right now (restarting, stopped), as opposed to slow or broken. A
+    connection it reset or closed under a request is that too: a worker stopping closes its
+    sockets (seen: a reader cut off by a restart read through gRPC for a minute after it)."""
+    if isinstance(exc, (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BrokenPipeError,
+                        ConnectionAbortedError, EOFError)):
         return True
     code = getattr(exc, "code", None)
     return callable(code) and getattr(code(), "name", "") == "UNAVAILABLE"

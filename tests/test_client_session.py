@@ -91,6 +91,7 @@ def test_any_lean_path_failure_reads_through_grpc_counted_and_warned_once(local_
 
     monkeypatch.setattr(ShortCircuitReader, "read", fail)
     monkeypatch.setattr(bulkpaths, "PROBE_RETRY", 0.0)  # ask again at once, so every read meets the failure
+    monkeypatch.setattr(bulkpaths, "AWAY_RETRY", 0.0)  # also after a reset connection (a worker away)
     caplog.set_level(logging.DEBUG, logger="cachefs.client.bulkpaths")
     for _ in range(3):
         assert fs.cat_file("cachefs://data/obj") == data
