@@ -407,7 +407,7 @@ def test_slow_store_deadlines_fire_without_thread_leaks(make_worker):
     store = SlowMemoryFileSystem()
     for i in range(16):
         store.pipe_file(f"/slowfault/o{i}", payload(PAGE, 700 + i))
-    SlowMemoryFileSystem.delay = 2.0
+    SlowMemoryFileSystem.delay = 4.0  # far past the ~1.5 s deadline, so a late wake-up under load is no miss
     try:
         worker = make_worker(MountSpec("data", "slowmem://slowfault"), page_size=PAGE, metadata_ttl=3600)
         fs = client(worker.address, timeout=0.5)
@@ -434,11 +434,11 @@ def test_slow_store_deadlines_fire_without_thread_leaks(make_worker):
             return SlowMemoryFileSystem.active == 0 and worker.pages.stats().pages >= pages
 
         timings = burst(0)
-        assert len(timings) == 8 and max(timings) < 1.9, timings  # the deadline, not the store's 2 s
+        assert len(timings) == 8 and max(timings) < 3.5, timings  # the deadline, not the store's 4 s
         assert wait_for(lambda: settled(8), timeout=30)
         baseline = threading.active_count()
         timings = burst(8)
-        assert len(timings) == 8 and max(timings) < 1.9, timings
+        assert len(timings) == 8 and max(timings) < 3.5, timings
         assert wait_for(lambda: settled(16), timeout=30)
         # A leak would be a thread per timed-out call (+8) that never ends; allow a lazily
         # started helper or two, and a thread that is just ending its call.
@@ -446,7 +446,7 @@ def test_slow_store_deadlines_fire_without_thread_leaks(make_worker):
             (baseline, threading.active_count())
         assert SlowMemoryFileSystem.max_active <= 16  # the worker's fetch pool bounds store calls
         for i in range(16):  # what the slow store eventually returned was cached, and is right
-            assert fs.cat_file(f"data/o{i}") == payload(PAGE, 700 + i)  # (the slow store takes 2 s a read)
+            assert fs.cat_file(f"data/o{i}") == payload(PAGE, 700 + i)  # (the slow store takes 4 s a read)
     finally:
         SlowMemoryFileSystem.delay = 0.05
 
