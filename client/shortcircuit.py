@@ -64,6 +64,7 @@ class ShortCircuitReader:
         """``progress()``: the reading job's (plan job, position), sent with each request."""
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
         self._progress = progress
+        self._pid = os.getpid()  # a reader belongs to one process (forksafe.py): the plan's reader id
         # Pages read, as the worker knew them: hits, misses (fetched for this process's request),
         # and the part of those read through held handles (held_*). Shared with BulkPaths.stats.
         self.counts = counts if counts is not None else {}
@@ -179,7 +180,7 @@ class ShortCircuitReader:
         progress = self._progress() if self._progress is not None else None
         if progress is not None:
             request.plan_job, request.plan_position = progress
-            request.plan_reader = os.getpid()
+            request.plan_reader = self._pid
 
     def _note_not_cached(self, path: str) -> None:
         if len(self._not_cached) >= _NOT_CACHED_MAX:

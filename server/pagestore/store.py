@@ -324,7 +324,6 @@ class PageStore:
         finally:
             self._leave()
 
-    # ------------------------------------------------------- held descriptors
     # ------------------------------------------------------- plan-driven eviction
     def _not_worth_room(self, target: DirHandle, pid: PageId, size: int) -> bool:  # caller holds the lock
         """True when making room for the page would push out only pages used sooner than it: it
@@ -346,13 +345,8 @@ class PageStore:
             return True
         digest = pid.digest()
         target = max(self._dirs, key=lambda d: d.score(digest))
-        when = self._next_use(pid, True)[0]  # as put() will judge it: the use after a read under way
         with self._lock:
-            order = target.order
-            assert isinstance(order, NextUseOrder)
-            if target.used + self.page_size + TRAILER_SIZE <= target.quota or order.has_unknown():
-                return True
-            return when < order.furthest()
+            return not self._not_worth_room(target, pid, self.page_size + TRAILER_SIZE)
 
     def replan(self) -> int:
         """The registered plans changed: every cached page's next use is asked again. In slices,
@@ -386,6 +380,7 @@ class PageStore:
                     n += 1
         return n
 
+    # ------------------------------------------------------- held descriptors
     def set_unlink_listener(self, listener: Callable[[list[str]], None] | None) -> None:
         """``listener(digests)`` runs just before page files are unlinked (server/worker/handles.py
         invalidates held descriptors there). It must not call back into the store."""

@@ -41,11 +41,6 @@ MERGE_GAP = 0
 #: reading: a read that far ahead of the position is the use there, not an early one.
 SLACK_SAMPLES = 128
 SLACK_SECONDS = 1.0
-#: How long past its last report a job's position is moved on at its rate. 0: not at all. A
-#: guess ahead of the job counts unread pages as read (they leave before their use); a position
-#: a second behind only keeps a read page a little longer, and a read ahead of the reported
-#: position is told apart by the slack above.
-EXTRAPOLATE_SECONDS = 0.0
 #: A reader (a process) of a job that has not read for this long no longer holds the job's position
 #: back (it finished, or its DataLoader worker exited).
 READER_SECONDS = 2.0
@@ -73,7 +68,6 @@ class _Job:
     clock_rate: float  # fixed with the plan, so one job's pages keep their order
     rate: float  # the latest measured: where the job is now
     position: int = 0
-    reported_at: float = 0.0
     complete: bool = False
     pages: dict[PageKey, tuple[list[int], list[int]]] = field(default_factory=dict)  # starts, ends
     reads: list[tuple[int, str]] = field(default_factory=list)  # (position, path), sorted when complete
@@ -84,12 +78,11 @@ class _Job:
 
     def estimate(self, now: float) -> float:
         """Where the job reads now: its slowest reader that spoke lately (several processes read
-        for one job: DataLoader workers), else its last position, moved on at its rate for up to
-        EXTRAPOLATE_SECONDS."""
+        for one job: DataLoader workers), else its last reported position. Never a guess ahead of
+        that: it would count unread pages as read (they would leave before their use), while a
+        position a second behind only keeps a read page a little longer."""
         live = [p for p, t in self.readers.values() if now - t <= READER_SECONDS]
-        if live:
-            return min(live)
-        return self.position + self.rate * min(max(0.0, now - self.reported_at), EXTRAPOLATE_SECONDS)
+        return min(live) if live else self.position
 
     def clock(self, position: int) -> float:
         return self.start_time + (position - self.start_pos) / self.clock_rate
@@ -162,7 +155,7 @@ class PlanTable:
                 known = True
                 job.expires = now + lease
                 if request.replace or request.position >= job.position:  # reads may have told more
-                    job.position, job.reported_at = request.position, now
+                    job.position = request.position
                 if request.rate > 0:
                     job.rate = request.rate
                 if runs:
@@ -275,10 +268,10 @@ class PlanTable:
                 return
             if reader:
                 job.readers[reader] = (position, now)
-                if len(job.readers) > 1024:  # many short-lived processes: keep the live ones
+                if len(job.readers) > 64:  # new DataLoader workers every epoch: keep the live ones
                     job.readers = {r: v for r, v in job.readers.items() if now - v[1] <= READER_SECONDS}
             if position > job.position:
-                job.position, job.reported_at = position, now
+                job.position = position
 
     def due(self, job_id: str, window_bytes: int, window_seconds: float, at_least: int = 32) -> list[str]:
         """Objects the job reads next that were not handed to prefetch yet: from its position up
