@@ -158,6 +158,10 @@ class WorkerConfig:
     # Slots in the shared table of pages handed to local clients to keep open and read again
     # without asking (server/worker/handles.py); 0: clients read each descriptor once.
     short_circuit_handles: int = 1 << 16
+    # Publish which object versions this worker vouches for (a shared table with as many entries
+    # as short_circuit_handles), so local clients of this worker's user open cached page files by
+    # name with no message (server/worker/names.py). Needs short_circuit_handles > 0.
+    short_circuit_by_name: bool = True
     # Share of the quota that evicted or freed pages still held open by local clients may take
     # (their bytes stay counted until the hold ends); past it, descriptors are handed out for one read.
     max_held_fraction: float = 0.125
@@ -449,6 +453,10 @@ class ClientConfig:
     # descriptor limit; 0: one read each. 4096 pages of 1 MiB: a warm epoch of a few GiB per
     # process reads with no message at all.
     short_circuit_handles: int = 4096
+    # Open a local worker's cached page files by name, with the version its name index vouches
+    # for (client/namedpages.py), when the worker offers it (same user): no message per page,
+    # even for a process's first read of it. Off: descriptors over the socket only.
+    short_circuit_by_name: bool = True
     # Read cached pages of other hosts' workers through their data port (TCP, sendfile; see
     # server/worker/dataport.py), not through gRPC. Never with TLS (the port is plaintext).
     data_port: bool = True

@@ -25,6 +25,7 @@ import xxhash
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.client import forksafe, rawbytes
 from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView
+from cachefs.client.namedpages import NamedPages
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
@@ -60,21 +61,25 @@ class ShortCircuitReader:
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
                  handles: int = 4096, counts: dict[str, int] | None = None,
-                 progress: Callable[[], tuple[str, int] | None] | None = None) -> None:
-        """``progress()``: the reading job's (plan job, position), sent with each request."""
+                 progress: Callable[[], tuple[str, int] | None] | None = None, by_name: bool = True) -> None:
+        """``progress()``: the reading job's (plan job, position), sent with each request.
+        ``by_name``: open cached page files by name where the worker offers it (namedpages.py)."""
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
         self._progress = progress
         self._pid = os.getpid()  # a reader belongs to one process (forksafe.py): the plan's reader id
         # Pages read, as the worker knew them: hits, misses (fetched for this process's request),
         # and the part of those read through held handles (held_*). Shared with BulkPaths.stats.
         self.counts = counts if counts is not None else {}
-        for name in ("hits", "misses", "held_hits", "held_misses"):
+        for name in ("hits", "misses", "held_hits", "held_misses", "named_hits"):
             self.counts.setdefault(name, 0)
         self._pool = SocketPool(self._connect, max_idle)
         self.verified = VerifiedFiles()
         self.handles = HandleCache(handles)
         self._hello_lock = threading.Lock()
-        self._want_hello = handles > 0
+        self._holds = handles > 0  # descriptors handed out are kept and read again
+        self._want_hello = self._holds or by_name  # the handle table (and name index) wanted
+        self._by_name = by_name
+        self.named: NamedPages | None = None  # from the same hello as the handle table
         self._not_cached: dict[str, float] = {}  # path -> until when reads skip this socket
 
     def _connect(self) -> socket.socket:
@@ -131,6 +136,7 @@ class ShortCircuitReader:
             ranges=[shortcircuit_pb2.RangeRequest(path=p, offset=o, length=n, version=v, ahead=ahead, fill=fill)
                     for p, o, n, v in ranges],
             token=self.token, hello=hello, touched=touched, touched_bytes=touched_bytes)
+        self._add_named(request)
         self._add_progress(request)
         message, fds = self._exchange(request)
         try:
@@ -145,6 +151,9 @@ class ShortCircuitReader:
                     return [None] * len(ranges), 0
                 self._attach(fds[0], reply)
                 pos = 1
+                if reply.names_slots and len(fds) > 1:
+                    self._attach_names(fds[1], reply)
+                    pos = 2
             results: list[tuple[int, str, list[Page]] | None] = []
             for i, got in enumerate(reply.ranges):
                 if got.code == RangeReply.NOT_CACHED:
@@ -176,6 +185,11 @@ class ShortCircuitReader:
                 if fd >= 0:
                     os.close(fd)
 
+    def _add_named(self, request: Any) -> None:
+        named = self.named
+        if named is not None:
+            request.touched_pages[:], request.touched_pages_bytes = named.take_touched()
+
     def _add_progress(self, request: Any) -> None:
         progress = self._progress() if self._progress is not None else None
         if progress is not None:
@@ -204,6 +218,26 @@ class ShortCircuitReader:
             self._want_hello = False
             return
         self.handles.attach(table, reply.page_size)
+        old, self.named = self.named, None  # a new table: what an older hello gave is over
+        if old is not None:
+            old.close()
+
+    def _attach_names(self, fd: int, reply: Any) -> None:
+        if not self._by_name or self.handles.table is None:
+            return
+        try:
+            self.named = NamedPages(fd, reply.names_slots, list(zip(reply.page_dirs, reply.page_dir_quotas)),
+                                    reply.page_size)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map the worker's name index (%s): page files are not opened by name", exc)
+
+    def _named_range(self, path: str, offset: int, length: int,
+                     version: str) -> tuple[int, str, list[Page], list[str]] | None:
+        """The range's page files opened by name, or None (no index, not there: ask the worker)."""
+        named = self.named
+        if named is None or not named.enabled or not self.handles.usable():
+            return None
+        return named.open_range(path, offset, length, version)
 
     # -- reads ---------------------------------------------------------------------------------------------
     def read(self, path: str, offset: int, length: int, version: str,
@@ -215,6 +249,10 @@ class ShortCircuitReader:
         Python) and the filled part of ``out`` is returned as the data.
         """
         found = self.handles.lookup(path, offset, length, version)
+        if found is None and self.named is not None:
+            by_name = self._named_range(path, offset, length, version)
+            if by_name is not None:
+                return self._read_named(by_name, offset, length, out)
         if found is None:
             # A process whose gRPC could hang (forksafe.grpc_inherited) keeps to this socket: a
             # range the worker could not fill right now (busy, late) is asked for again.
@@ -236,6 +274,28 @@ class ShortCircuitReader:
             return got
         finally:
             self.handles.release(pages)
+
+    def _read_named(self, by_name: tuple[int, str, list[Page], list[str]], offset: int, length: int,
+                    out: memoryview | None) -> tuple[Any, int, str] | None:
+        size, version, pages, digests = by_name
+        try:
+            got = self._assemble(size, version, pages, offset, length, out)
+        finally:
+            self.handles.release(pages)
+        if got is not None:
+            self.counts["hits"] += len(pages)
+            self.counts["named_hits"] += len(pages)
+            self._note_named(digests, len(got[0]))
+        return got
+
+    def _note_named(self, digests: list[str], nbytes: int) -> None:
+        named = self.named
+        if named is None:
+            return
+        named.note_read(digests, nbytes)
+        if named.report_due():
+            with contextlib.suppress(OSError):
+                self.report()
 
     def _tally(self, pages: list[Page]) -> None:
         """Count the pages a read used (they cover its range exactly): a page the worker fetched
@@ -294,22 +354,51 @@ class ShortCircuitReader:
             if misses:
                 counts["misses"] += misses
                 counts["held_misses"] += misses
+        if self.named is not None and None in results:
+            self._read_named_into(reads, results)
         if self.handles.touched_pending() >= MAX_TOUCHED:
             self.report()
         return results
+
+    def _read_named_into(self, reads: list[tuple[str, int, memoryview]],
+                         results: list[tuple[int, int] | None]) -> None:
+        """The reads ``read_held_into`` found no held pages for, by name where the index allows."""
+        digests: list[str] = []
+        nbytes = pages_read = 0
+        for i, (path, offset, out) in enumerate(reads):
+            if results[i] is not None:
+                continue
+            by_name = self._named_range(path, offset, len(out), "")
+            if by_name is None:
+                continue
+            size, version, pages, names = by_name
+            try:
+                filled = self._assemble(size, version, pages, offset, len(out), out)
+            finally:
+                self.handles.release(pages)
+            if filled is not None:
+                results[i] = (len(filled[0]), size)
+                digests.extend(names)
+                nbytes += len(filled[0])
+                pages_read += len(pages)
+        if pages_read:
+            self.counts["hits"] += pages_read
+            self.counts["named_hits"] += pages_read
+            self._note_named(digests, nbytes)
 
     def prepare(self, ranges: list[tuple[str, int, int, str]], fill: bool = True) -> Prepared:
         """Fetch handles for the ranges not held yet, in as few messages as the descriptor bound
         allows, so that the reads after it find them held (``fill``: cold ranges are fetched into
         the worker's page store first); returns how many are now held, and how many were filled."""
         missing = []
+        named = self.named if self.named is not None and self.named.enabled and self.handles.usable() else None
         for r in ranges:
             found = self.handles.lookup(*r, read=False)
-            if found is None:
-                missing.append(r)
-            else:
+            if found is not None:
                 self.handles.release(found[2])
-        if not missing or not self._want_hello:
+            elif named is None or not named.covers(*r):
+                missing.append(r)
+        if not missing or not self._holds:
             return Prepared(len(ranges) - len(missing), 0)
         ready, filled = len(ranges) - len(missing), 0
         for i in range(0, len(missing), _BATCH_RANGES):
@@ -326,7 +415,9 @@ class ShortCircuitReader:
         with ``fetch`` > 0 and nothing known, ask for the handles of its first ``fetch`` bytes
         (a read is coming: one message brings the info and the pages for it)."""
         known = self.handles.object_info(path)
-        if known is None and fetch > 0 and self._want_hello:
+        if known is None and self.named is not None and self.named.enabled and self.handles.usable():
+            known = self.named.lookup(path)
+        if known is None and fetch > 0 and self._holds:
             got = self.request([(path, 0, fetch, "")], ahead=True)[0]
             if got is not None:
                 self.handles.release(got[2])
@@ -345,9 +436,10 @@ class ShortCircuitReader:
     def report(self) -> None:
         """Send the reads made through held handles that the worker has not heard of yet."""
         touched, touched_bytes = self.handles.take_touched()
-        if touched:
-            request = shortcircuit_pb2.ShortCircuitRequest(token=self.token, touched=touched,
-                                                           touched_bytes=touched_bytes)
+        request = shortcircuit_pb2.ShortCircuitRequest(token=self.token, touched=touched,
+                                                       touched_bytes=touched_bytes)
+        self._add_named(request)
+        if touched or request.touched_pages:
             self._add_progress(request)
             _message, fds = self._exchange(request)
             for fd in fds:
@@ -434,10 +526,14 @@ class ShortCircuitReader:
             self.report()
         self._pool.close()
         self.handles.close()
+        named, self.named = self.named, None
+        if named is not None:
+            named.close()
 
     def release_inherited(self) -> None:
         self._pool.release_inherited()
         self.handles.release_inherited()
+        self.named = None  # its mapping goes with the process; a child asks for its own
 
 
 class VerifiedFiles:

@@ -25,7 +25,7 @@ class RangeRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., ahead: _Optional[bool] = ..., fill: _Optional[bool] = ...) -> None: ...
 
 class ShortCircuitRequest(_message.Message):
-    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load", "plan_job", "plan_position", "plan_reader")
+    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load", "plan_job", "plan_position", "plan_reader", "touched_pages", "touched_pages_bytes")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class ShortCircuitRequest(_message.Message):
     PLAN_JOB_FIELD_NUMBER: _ClassVar[int]
     PLAN_POSITION_FIELD_NUMBER: _ClassVar[int]
     PLAN_READER_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_PAGES_BYTES_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[RangeRequest]
     token: str
     hello: bool
@@ -44,7 +46,9 @@ class ShortCircuitRequest(_message.Message):
     plan_job: str
     plan_position: int
     plan_reader: int
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ..., plan_reader: _Optional[int] = ...) -> None: ...
+    touched_pages: _containers.RepeatedScalarFieldContainer[bytes]
+    touched_pages_bytes: int
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ..., plan_reader: _Optional[int] = ..., touched_pages: _Optional[_Iterable[bytes]] = ..., touched_pages_bytes: _Optional[int] = ...) -> None: ...
 
 class RangeReply(_message.Message):
     __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "fetched", "once")
@@ -81,7 +85,7 @@ class RangeReply(_message.Message):
     def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ..., fetched: _Optional[_Iterable[bool]] = ..., once: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ShortCircuitReply(_message.Message):
-    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading")
+    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading", "names_slots", "page_dirs", "page_dir_quotas")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +94,9 @@ class ShortCircuitReply(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_FIELD_NUMBER: _ClassVar[int]
     LOADING_FIELD_NUMBER: _ClassVar[int]
+    NAMES_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_DIRS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_DIR_QUOTAS_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[RangeReply]
     message: str
     refused: bool
@@ -98,4 +105,7 @@ class ShortCircuitReply(_message.Message):
     page_size: int
     answered: bool
     loading: int
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., answered: _Optional[bool] = ..., loading: _Optional[int] = ...) -> None: ...
+    names_slots: int
+    page_dirs: _containers.RepeatedScalarFieldContainer[str]
+    page_dir_quotas: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., answered: _Optional[bool] = ..., loading: _Optional[int] = ..., names_slots: _Optional[int] = ..., page_dirs: _Optional[_Iterable[str]] = ..., page_dir_quotas: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -32,15 +32,14 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import math
 import os
 import shutil
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
 import diskcache
-import xxhash
 
+from cachefs.pagenames import PAGES_SUBDIR, dir_score, page_file
 from cachefs.server.pagestore.policy import EvictionOrder, LruOrder
 
 __all__ = ["INDEX_ERRORS", "CacheDirInUseError", "DirHandle", "remove_path"]
@@ -80,7 +79,7 @@ class DirHandle:
     def __init__(self, root: str, quota: int, page_size: int, order: EvictionOrder | None = None) -> None:
         self.root = root
         self.quota = quota
-        self.pages = os.path.join(root, "pages")
+        self.pages = os.path.join(root, PAGES_SUBDIR)
         self.tmp = os.path.join(root, "tmp")
         self.used = 0  # bytes of READY + WRITING + not-yet-released REMOVING pages
         self.order: EvictionOrder = order if order is not None else LruOrder()  # READY pages
@@ -111,13 +110,11 @@ class DirHandle:
             raise
 
     def page_path(self, digest: str) -> str:
-        return f"{self.pages}/{digest[:2]}/{digest}"  # os.path.join's generality costs ~5 us a page here
+        return page_file(self.root, digest)
 
     def score(self, digest: str) -> float:
-        """Weighted rendezvous score: the dir with the highest score holds the page."""
-        h = xxhash.xxh3_64_intdigest(f"{digest}\0{self.root}".encode("utf-8", "surrogatepass"))
-        u = ((h >> 11) + 0.5) / float(1 << 53)  # uniform in the open interval (0, 1)
-        return -self.quota / math.log(u)
+        """Weighted rendezvous score: the dir with the highest score holds the page (pagenames.py)."""
+        return dir_score(digest, self.root, self.quota)
 
     def _layout(self, page_size: int) -> tuple[str, dict[str, int]]:
         return os.path.join(self.root, "store.json"), {"format": 1, "page_size": page_size}

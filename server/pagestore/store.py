@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import functools
 import heapq
 import logging
 import math
@@ -41,8 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-import xxhash
-
+from cachefs.pagenames import page_digest
 from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
 from cachefs.server.pagestore.health import DiskHealth
 from cachefs.server.pagestore.passing import PassingPages
@@ -59,20 +57,8 @@ __all__ = ["CacheDir", "CacheDirInUseError", "PageId", "PageStore", "PageStoreSt
 
 log = logging.getLogger(__name__)
 
-_DIGEST_DOMAIN = b"cachefs-page-v1\0"
 _CLOSE_WAIT_S = 10.0
 _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EBADMSG, errno.EISDIR, errno.ENOTDIR})
-
-
-@functools.lru_cache(maxsize=4096)
-def _object_prefix(mount: str, key: str, version: str) -> bytes:
-    """The digest input common to an object's pages (an object's pages are looked up together)."""
-    return _DIGEST_DOMAIN + _lp(mount) + _lp(key) + _lp(version)
-
-
-def _lp(value: str) -> bytes:
-    raw = value.encode("utf-8", "surrogatepass")
-    return len(raw).to_bytes(4, "little") + raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +76,7 @@ class PageId:
 
     def digest(self) -> str:
         """Stable 32-hex-digit name: xxh3_128 over length-prefixed fields (never Python's hash())."""
-        return xxhash.xxh3_128_hexdigest(_object_prefix(self.mount, self.key, self.version)
-                                         + self.index.to_bytes(8, "little"))
+        return page_digest(self.mount, self.key, self.version, self.index)
 
 
 @dataclass(frozen=True)
@@ -381,6 +366,10 @@ class PageStore:
         return n
 
     # ------------------------------------------------------- held descriptors
+    def dirs(self) -> list[tuple[str, int]]:
+        """(root, quota) of each cache dir: with a page's digest, where its file is (pagenames.py)."""
+        return [(d.root, d.quota) for d in self._dirs]
+
     def set_unlink_listener(self, listener: Callable[[list[str]], None] | None) -> None:
         """``listener(digests)`` runs just before page files are unlinked (server/worker/handles.py
         invalidates held descriptors there). It must not call back into the store."""

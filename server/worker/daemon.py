@@ -33,6 +33,7 @@ from cachefs.server.worker.service import WorkerServicer
 from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
 from cachefs.server.worker.handles import HandleTable
+from cachefs.server.worker.names import NameIndex
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.hintloads import HintLoads
 from cachefs.server.worker.shortcircuit import ShortCircuitServer
@@ -79,6 +80,7 @@ class Worker:
         self.filler: RangeFiller | None = None
         self.hint_loads: HintLoads | None = None
         self.handle_table: HandleTable | None = None
+        self.name_index: NameIndex | None = None
         self.data_port_server: DataPortServer | None = None
         self.data_port: int | None = None  # bound data port (None: off)
         self.servicer: WorkerServicer | None = None
@@ -126,6 +128,8 @@ class Worker:
         """Fresh metadata from the store: handles local clients hold on pages of any other
         version must go. (The pages themselves stay until evicted: a read that began on the
         last version within the stale grace is still served from them.)"""
+        if self.name_index is not None:
+            self.name_index.forget_other(str(meta.path), meta.version)
         table = self.handle_table
         if table is not None:
             older = self.pages.other_versions(meta.path.mount, meta.path.key, meta.version)
@@ -244,11 +248,13 @@ class Worker:
             return ""
         try:
             table = self._handle_table()
+            names = self._name_index() if table is not None else None
             self.short_circuit = ShortCircuitServer(
                 path, cached, on_served=self.metrics.served_short_circuit, table=table, hold=self._hold,
                 still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held,
                 filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc,
-                on_load=self.hint_loads.submit, passing=self.pages.passing, on_progress=self._plan_progress).start()
+                on_load=self.hint_loads.submit, passing=self.pages.passing, on_progress=self._plan_progress,
+                names=names, page_dirs=self.pages.dirs(), on_named=self._read_by_name).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()
@@ -269,7 +275,26 @@ class Worker:
         self.metrics.watch_handles(table.in_use)
         return table
 
+    def _name_index(self) -> NameIndex | None:
+        """Which object versions this worker vouches for, for local clients to open page files by
+        name (server/worker/names.py), or None when off."""
+        if not self.config.short_circuit_by_name:
+            return None
+        try:
+            self.name_index = NameIndex(self.config.short_circuit_handles)
+        except OSError as exc:
+            log.warning("reads by name are off: %s", exc)
+            return None
+        return self.name_index
+
+    def _read_by_name(self, digests: list[str], nbytes: int) -> None:
+        """Pages local clients read by name: the store's recency and hits, and the metrics."""
+        self.pages.touch_digests(digests)
+        self.metrics.read_by_name(len(digests), nbytes)
+
     def _close_handle_table(self) -> None:
+        if self.name_index is not None:
+            self.name_index.close()
         if self.handle_table is not None:
             self.pages.set_unlink_listener(None)
             self.handle_table.close()

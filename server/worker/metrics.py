@@ -218,6 +218,10 @@ class WorkerMetrics:
             "Load/Free commands refused because they came from a master whose leadership had ended.",
             registry=r,
         )
+        self.named_page_reads = Counter(
+            "cachefs_worker_named_page_reads",
+            "Page reads local clients made by opening page files by name (reported afterwards; "
+            "also counted as page-store hits).", registry=r)
         self.held_page_reads = Counter(
             "cachefs_worker_held_page_reads",
             "Page reads local clients made through descriptors they held (reported afterwards; "
@@ -236,6 +240,11 @@ class WorkerMetrics:
 
     def served_short_circuit(self, pages: int, nbytes: int) -> None:
         """A short-circuit read (page file descriptors over the Unix socket)."""
+        self._served_bulk(self.short_circuit_bytes, pages, nbytes)
+
+    def read_by_name(self, pages: int, nbytes: int) -> None:
+        """Pages a local client read by opening the page files itself (server/worker/names.py)."""
+        self.named_page_reads.inc(pages)
         self._served_bulk(self.short_circuit_bytes, pages, nbytes)
 
     def read_through_held(self, pages: int, nbytes: int) -> None:

@@ -31,6 +31,7 @@ from cachefs.server.worker.bulkpath import OK, CachedPages, token_checker
 from cachefs.server.worker.connections import Connection, ConnectionServer
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.handles import HandleTable
+from cachefs.server.worker.names import NameIndex
 
 __all__ = ["ShortCircuitServer", "token_checker"]
 
@@ -56,12 +57,17 @@ class ShortCircuitServer(ConnectionServer):
                  on_handed_out: Callable[[int], None] | None = None,
                  on_load: Callable[[list[str]], int] | None = None,
                  passing: Callable[[str], bool] | None = None,
-                 on_progress: Callable[[str, int, int], None] | None = None, **limits: Any) -> None:
+                 on_progress: Callable[[str, int, int], None] | None = None,
+                 names: NameIndex | None = None, page_dirs: list[tuple[str, int]] | None = None,
+                 on_named: Callable[[list[str], int], None] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
         to the quota while clients may hold them (False: no room, hand them out for one read),
         and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
         ranges asked for with ``fill`` are fetched into the page store first (fill.py). ``limits``:
-        ConnectionServer's (max_connections, max_per_peer: per client process, threads, timeouts)."""
+        ConnectionServer's (max_connections, max_per_peer: per client process, threads, timeouts).
+        With ``names`` (names.py) and the page store's ``page_dirs`` (root, quota), clients of this
+        process's user may open cached page files by name; ``on_named(digests, bytes)`` hears
+        of the pages they read that way."""
         super().__init__(**limits)
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
         self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
@@ -69,6 +75,8 @@ class ShortCircuitServer(ConnectionServer):
         self._on_load = on_load  # hints: objects to load in the background (hintloads.py)
         self._passing = passing  # pages served but not admitted (pagestore/passing.py)
         self._on_progress = on_progress  # a reading job's position in its plan (worker/plans.py)
+        self.names, self._page_dirs, self._on_named = names, page_dirs or [], on_named
+        self._uid = os.getuid()
 
     def _listen(self) -> socket.socket:
         if len(os.fsencode(self.path)) >= 108:
@@ -107,15 +115,16 @@ class ShortCircuitServer(ConnectionServer):
     def _handle(self, conn: Connection, data: bytes) -> bool:
         fds: list[int] = []
         try:
-            reply = self._answer(data, fds)
+            reply = self._answer(data, fds, conn.peer)
             socket.send_fds(conn.sock, [reply.SerializeToString()], fds)
         finally:
             for fd in fds:
                 os.close(fd)
         return True
 
-    def _answer(self, data: bytes, fds: list[int]) -> Any:
-        """The reply to one request; the descriptors to send with it are appended to ``fds``."""
+    def _answer(self, data: bytes, fds: list[int], peer: Hashable = None) -> Any:
+        """The reply to one request; the descriptors to send with it are appended to ``fds``.
+        ``peer``: the client process, (uid, pid)."""
         request = shortcircuit_pb2.ShortCircuitRequest()
         try:
             request.ParseFromString(data)
@@ -127,6 +136,9 @@ class ShortCircuitServer(ConnectionServer):
             touched = self.table.touched(request.touched)
             if self._on_touched is not None:
                 self._on_touched(touched, request.touched_bytes)
+        if request.touched_pages and self._on_named is not None:
+            self._on_named([d.hex() for d in request.touched_pages if len(d) == 16],
+                           request.touched_pages_bytes)
         reply = Reply(answered=True)
         if request.plan_job and self._on_progress is not None:
             self._on_progress(request.plan_job, request.plan_position, request.plan_reader)
@@ -136,6 +148,11 @@ class ShortCircuitServer(ConnectionServer):
             fds.append(self.table.reader_fd())
             reply.instance, reply.table_slots = self.table.instance, self.table.slots
             reply.page_size = self.pages.page_size
+            if self.names is not None and self._page_dirs and self._by_name_allowed(peer):
+                fds.append(self.names.reader_fd())
+                reply.names_slots = self.names.slots
+                reply.page_dirs.extend(root for root, _quota in self._page_dirs)
+                reply.page_dir_quotas.extend(quota for _root, quota in self._page_dirs)
         # Each range's descriptors apart until the end: a filled range is opened again after the
         # others, and the reply's descriptors must come in the order of its ranges.
         answers: list[tuple[Any, list[int]]] = []
@@ -172,6 +189,9 @@ class ShortCircuitServer(ConnectionServer):
         if opened.code != OK:
             return RangeReply(code=opened.code, message=opened.message, info=info), []
         now = time.monotonic()
+        if self.names is not None and opened.fds and opened.meta is not None:
+            meta = opened.meta
+            self.names.publish(str(meta.path), meta.version, meta.size, meta.mtime, opened.valid_until)
         until = min(opened.valid_until, now + MAX_HOLD_SECONDS)
         slots, generations = self._slots(opened.pages, until)
         once = [slot == 0 and self._passing is not None and self._passing(pid.digest())
@@ -186,6 +206,11 @@ class ShortCircuitServer(ConnectionServer):
                           page_lengths=opened.page_lengths, slots=slots, generations=generations,
                           valid_ms=max(0, int((until - now) * 1000)), fetched=fetched,
                           once=once if any(once) else []), range_fds
+
+    def _by_name_allowed(self, peer: Hashable) -> bool:
+        """Only a client of this process's user (or root) could open the page files anyway."""
+        uid = peer[0] if isinstance(peer, tuple) and peer else -1
+        return uid in (self._uid, 0)
 
     def _slots(self, pages: list[Any], until: float) -> tuple[list[int], list[int]]:
         """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor."""

@@ -1,0 +1,89 @@
+"""Where a cached page lives, computed the same way by the worker and by a client on its host.
+
+The page store names a page file by a digest of (mount, key, version, page index) and puts it
+in the cache dir that wins weighted rendezvous hashing of that digest. A client on the worker's
+host that runs as the worker's user (the dirs are mode 0700) can compute the same path and open
+the page file itself, with no message to the worker (client/namedpages.py), once it knows which
+version of the object the worker vouches for. The worker publishes that in the *name index*, a
+memfd it hands each local client (server/worker/names.py writes it, clients map it read-only).
+
+Name index layout (little-endian): a 64-byte header (magic, slots, entry size), then ``slots``
+entries of 128 bytes, an object's entry at ``hash(path) % slots`` (a newer object with the
+same slot replaces it: this is a cache of the worker's knowledge, not the knowledge). Each entry
+is written under a sequence count (odd while the worker writes it), so a reader that sees the
+count change, or odd, treats the entry as absent. A torn read the count misses could only
+produce a page name that does not exist or a length the page's trailer refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+
+import xxhash
+
+__all__ = [
+    "ENTRY",
+    "NAMES_HEADER",
+    "NAMES_MAGIC",
+    "VERSION_BYTES",
+    "dir_score",
+    "name_hashes",
+    "page_digest",
+    "page_file",
+    "pick_dir",
+]
+
+DIGEST_DOMAIN = b"cachefs-page-v1\0"
+PAGES_SUBDIR = "pages"
+
+
+def _lp(value: str) -> bytes:
+    raw = value.encode("utf-8", "surrogatepass")
+    return len(raw).to_bytes(4, "little") + raw
+
+
+@functools.lru_cache(maxsize=4096)
+def object_prefix(mount: str, key: str, version: str) -> bytes:
+    """The digest input common to an object's pages (an object's pages are looked up together)."""
+    return DIGEST_DOMAIN + _lp(mount) + _lp(key) + _lp(version)
+
+
+def page_digest(mount: str, key: str, version: str, index: int) -> str:
+    """Stable 32-hex-digit name: xxh3_128 over length-prefixed fields (never Python's hash())."""
+    return xxhash.xxh3_128_hexdigest(object_prefix(mount, key, version) + index.to_bytes(8, "little"))
+
+
+def dir_score(digest: str, root: str, quota: int) -> float:
+    """Weighted rendezvous score: the dir with the highest score holds the page."""
+    h = xxhash.xxh3_64_intdigest(f"{digest}\0{root}".encode("utf-8", "surrogatepass"))
+    u = ((h >> 11) + 0.5) / float(1 << 53)  # uniform in the open interval (0, 1)
+    return -quota / math.log(u)
+
+
+def pick_dir(digest: str, dirs: list[tuple[str, int]]) -> str:
+    """The root, among ``(root, quota)``, that holds the page ``digest``."""
+    if len(dirs) == 1:
+        return dirs[0][0]
+    return max(dirs, key=lambda d: dir_score(digest, d[0], d[1]))[0]
+
+
+def page_file(root: str, digest: str) -> str:
+    return f"{root}/{PAGES_SUBDIR}/{digest[:2]}/{digest}"  # os.path.join's generality costs ~5 us a page
+
+
+# -- the name index -------------------------------------------------------------------------------
+NAMES_MAGIC = 0x31534D414E534643  # b"CFSNAMS1" little-endian
+NAMES_HEADER = struct.Struct("<QQQ40x")  # magic, slots, entry size; 64 bytes
+VERSION_BYTES = 72  # an object whose version is longer is not published (read through messages)
+# seq, path hash, path check, size, valid until (CLOCK_MONOTONIC ns), mtime, version length, version
+ENTRY = struct.Struct(f"<QQQQqdI4x{VERSION_BYTES}s")
+SEQ = struct.Struct("<Q")
+_CHECK_SEED = 0x9E3779B97F4A7C15
+
+
+def name_hashes(path: str) -> tuple[int, int]:
+    """(hash, check) of an object's path: the hash picks the slot, both must match."""
+    raw = path.encode("utf-8", "surrogatepass")
+    return xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(raw, seed=_CHECK_SEED)

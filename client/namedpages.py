@@ -1,0 +1,164 @@
+"""Reads by name: a local worker's cached page files opened here, with no message to the worker.
+
+The worker's side is server/worker/names.py: a shared table of the object versions it vouches for
+(and until when), handed over with the handle table to clients of its own user. With it this
+process computes a page file's path (cachefs/pagenames.py), opens it, reads it and closes it, as a
+local-files loader would: a DataLoader worker's first read of a page (every read of a warm epoch
+with non-persistent workers) costs an open and a pread, not a socket round trip and the worker's
+CPU. Checks: the worker's table is alive (its heartbeat, client/handles.py), the entry matches
+the path and has not run out, the version is the one asked for, and each page's trailer and
+checksum are verified as for a descriptor the worker hands out. A page that is not there
+(evicted, freed, never cached) makes the read ask the worker as before, so this path can make a
+read faster, never fail it. Reads are reported to the worker with its next message (digests),
+so its recency, plans and hit counters see them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+
+from cachefs.client.handles import Page
+from cachefs.pagenames import ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, name_hashes, page_digest, page_file, pick_dir
+from cachefs.paths import parse_path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NamedPages"]
+
+_OPEN = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+MAX_TOUCHED = 1024  # pages read by name remembered before a report goes on its own
+REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan's position stay current
+
+
+class NamedPages:
+    """One worker's name index, mapped read-only, and the page files opened through it."""
+
+    def __init__(self, fd: int, slots: int, dirs: list[tuple[str, int]], page_size: int) -> None:
+        size = NAMES_HEADER.size + slots * ENTRY.size
+        if slots < 1 or not dirs or page_size <= 0:
+            raise ValueError("a name index needs slots, cache dirs and a page size")
+        if os.fstat(fd).st_size < size:
+            raise ValueError("the name index is smaller than its slot count says")
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        magic, got_slots, entry_size = NAMES_HEADER.unpack_from(self._map, 0)
+        if (magic, got_slots, entry_size) != (NAMES_MAGIC, slots, ENTRY.size):
+            self._map.close()
+            raise ValueError("not a cachefs name index")
+        self.slots, self.dirs, self.page_size = slots, list(dirs), page_size
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._touched: list[bytes] = []
+        self._touched_bytes = 0
+        self._last_report = time.monotonic()
+        self.stats = {"named_reads": 0, "named_missing": 0}
+
+    # -- the index ----------------------------------------------------------------------------------
+    def lookup(self, path: str) -> tuple[int, str, float] | None:
+        """(size, version, mtime) the worker vouches for now, or None."""
+        h, check = name_hashes(path)
+        off = NAMES_HEADER.size + (h % self.slots) * ENTRY.size
+        try:
+            seq, kh, kc, size, until_ns, mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
+        except ValueError:  # closed under us
+            return None
+        if seq & 1 or kh != h or kc != check or until_ns <= time.monotonic_ns():
+            return None
+        version = vbytes[:vlen].decode("utf-8", "surrogatepass")
+        if SEQ.unpack_from(self._map, off)[0] != seq:  # rewritten while we read it
+            return None
+        return size, version, mtime
+
+    # -- page files ---------------------------------------------------------------------------------
+    def _names(self, path: str, offset: int, length: int,
+               version: str) -> tuple[int, str, list[tuple[str, int, int]]] | None:
+        """(size, version, [(digest, page start, payload length)]) of a range, or None."""
+        known = self.lookup(path) if self.enabled else None
+        if known is None:
+            return None
+        size, current, _mtime = known
+        if version and version != current:
+            return None
+        end = size if length < 0 else min(size, offset + length)
+        if end <= offset:
+            return size, current, []
+        cp = parse_path(path)
+        ps = self.page_size
+        names = []
+        for index in range(offset // ps, (end - 1) // ps + 1):
+            start = index * ps
+            names.append((page_digest(cp.mount, cp.key, current, index), start, min(size, start + ps) - start))
+        return size, current, names
+
+    def open_range(self, path: str, offset: int, length: int,
+                   version: str = "") -> tuple[int, str, list[Page], list[str]] | None:
+        """(size, version, pages opened here, their digests) covering the range, each page
+        referenced once and not held (``HandleCache.release`` closes it), or None: ask the worker."""
+        named = self._names(path, offset, length, version)
+        if named is None:
+            return None
+        size, current, names = named
+        pages: list[Page] = []
+        try:
+            for digest, start, plen in names:
+                fd = os.open(page_file(pick_dir(digest, self.dirs), digest), _OPEN)
+                pages.append(Page(fd, start, plen, refs=1))
+        except OSError as exc:
+            for page in pages:
+                os.close(page.fd)
+            self._failed(exc)
+            return None
+        return size, current, pages, [d for d, _s, _l in names]
+
+    def covers(self, path: str, offset: int, length: int, version: str = "") -> bool:
+        """True if every page of the range is there to be opened by name now (a prepare need not
+        ask the worker for it)."""
+        named = self._names(path, offset, length, version)
+        if named is None:
+            return False
+        try:
+            for digest, _start, _plen in named[2]:
+                os.stat(page_file(pick_dir(digest, self.dirs), digest))
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        return True
+
+    def _failed(self, exc: OSError) -> None:
+        if exc.errno == errno.ENOENT:  # evicted, freed, or not cached yet: the worker answers
+            self.stats["named_missing"] += 1
+            return
+        # The dirs are not ours to read (another user, another mount namespace): stop trying.
+        log.info("cannot open the worker's page files by name (%s): asking it for descriptors instead", exc)
+        self.enabled = False
+
+    # -- reports ------------------------------------------------------------------------------------
+    def note_read(self, digests: list[str], nbytes: int) -> None:
+        with self._lock:
+            if len(self._touched) < 4 * MAX_TOUCHED:
+                self._touched.extend(bytes.fromhex(d) for d in digests)
+            self._touched_bytes += nbytes
+            self.stats["named_reads"] += 1
+
+    def report_due(self) -> bool:
+        pending = self._touched
+        return bool(pending) and (len(pending) >= MAX_TOUCHED
+                                  or time.monotonic() - self._last_report >= REPORT_SECONDS)
+
+    def take_touched(self) -> tuple[list[bytes], int]:
+        with self._lock:
+            touched, self._touched = self._touched, []
+            nbytes, self._touched_bytes = self._touched_bytes, 0
+            self._last_report = time.monotonic()
+        return touched, nbytes
+
+    def close(self) -> None:
+        self.enabled = False
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass

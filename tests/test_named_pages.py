@@ -1,0 +1,305 @@
+"""Reads by name (#14): the worker's name index (server/worker/names.py), the client's page files
+opened by name (client/namedpages.py), and what a real in-process worker does with them: a
+process's first read of a cached page with no message, reported afterwards; nothing read by name
+after the page left the cache or the worker's knowledge of the version ran out.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import grpc
+import pytest
+
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.namedpages import NamedPages
+from cachefs.pagenames import ENTRY, NAMES_HEADER, VERSION_BYTES, name_hashes, page_digest
+from cachefs.proto import worker_pb2, worker_pb2_grpc
+from cachefs.server.pagestore.store import PageId
+from cachefs.server.worker.names import NameIndex
+from cachefs.server.worker.shortcircuit import ShortCircuitServer
+from helpers import payload, wait_for
+
+PAGE = 64 << 10
+
+
+def _client(index: NameIndex, dirs=(("/nonexistent", 1),), page_size: int = PAGE) -> NamedPages:
+    fd = index.reader_fd()
+    try:
+        return NamedPages(fd, index.slots, list(dirs), page_size)
+    finally:
+        os.close(fd)
+
+
+# -- the index ---------------------------------------------------------------------------------------
+def test_the_index_vouches_for_a_version_until_it_runs_out_and_forgets_on_request():
+    index = NameIndex(slots=8)
+    client = _client(index)
+    try:
+        far = time.monotonic() + 60
+        assert client.lookup("m/a") is None
+        assert index.publish("m/a", "v1", 123, 1.5, far)
+        assert client.lookup("m/a") == (123, "v1", 1.5)
+        assert client.lookup("m/b") is None  # another path, whatever its slot
+        assert index.publish("m/a", "v2", 124, 2.5, far)  # a new version replaces the old
+        assert client.lookup("m/a") == (124, "v2", 2.5)
+        index.forget_other("m/a", "v2")  # the store's version: kept
+        assert client.lookup("m/a") == (124, "v2", 2.5)
+        index.forget_other("m/a", "v3")  # the store has another one now: not vouched for
+        assert client.lookup("m/a") is None
+        assert index.publish("m/a", "v3", 1, 0.0, time.monotonic() - 0.001)  # already run out
+        assert client.lookup("m/a") is None
+        assert not index.publish("m/a", "x" * (VERSION_BYTES + 1), 1, 0.0, far)  # too long: not published
+        assert client.lookup("m/a") is None
+        index.publish("m/c", "v", 7, 0.0, far)
+        index.forget("m/c")
+        assert client.lookup("m/c") is None
+    finally:
+        client.close()
+        index.close()
+
+
+def test_a_collision_replaces_and_never_answers_for_another_path():
+    index = NameIndex(slots=1)  # every path in one slot
+    client = _client(index)
+    try:
+        far = time.monotonic() + 60
+        index.publish("m/a", "va", 1, 0.0, far)
+        index.publish("m/b", "vb", 2, 0.0, far)
+        assert client.lookup("m/a") is None and client.lookup("m/b") == (2, "vb", 0.0)
+    finally:
+        client.close()
+        index.close()
+
+
+def test_an_entry_being_written_reads_as_absent_and_clients_cannot_write():
+    index = NameIndex(slots=4)
+    client = _client(index)
+    try:
+        index.publish("m/a", "v", 1, 0.0, time.monotonic() + 60)
+        assert client.lookup("m/a") is not None
+        off = NAMES_HEADER.size + (name_hashes("m/a")[0] % 4) * ENTRY.size
+        seq = int.from_bytes(index._map[off:off + 8], "little")
+        index._map[off:off + 8] = (seq + 1).to_bytes(8, "little")  # as the worker does mid-write
+        assert client.lookup("m/a") is None
+        index._map[off:off + 8] = (seq + 2).to_bytes(8, "little")
+        assert client.lookup("m/a") is not None
+        fd = index.reader_fd()
+        try:
+            with pytest.raises((OSError, PermissionError)):
+                mmap.mmap(fd, index.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+    finally:
+        client.close()
+        index.close()
+
+
+def test_bad_tables_are_refused():
+    index = NameIndex(slots=4)
+    try:
+        fd = index.reader_fd()
+        try:
+            with pytest.raises(ValueError):
+                NamedPages(fd, 5, [("/x", 1)], PAGE)  # more slots than the table has
+            with pytest.raises(ValueError):
+                NamedPages(fd, 4, [], PAGE)
+        finally:
+            os.close(fd)
+    finally:
+        index.close()
+    with pytest.raises(ValueError):
+        NameIndex(slots=0)
+
+
+def test_the_client_computes_the_page_stores_names(tmp_path):
+    """Same digest and dir as the page store's own, for several dirs (rendezvous by quota)."""
+    from cachefs.server.pagestore import PageStore
+    from cachefs.server.pagestore.store import CacheDir
+
+    dirs = [CacheDir(str(tmp_path / f"d{i}"), (i + 1) << 20) for i in range(3)]
+    with PageStore(dirs, page_size=4096) as store:
+        index = NameIndex(slots=16)
+        client = _client(index, dirs=store.dirs(), page_size=4096)
+        try:
+            data = payload(5 * 4096 + 17, 9)
+            for i in range(6):
+                assert store.put(PageId("m", "dir/obj", "v9", i), data[i * 4096:(i + 1) * 4096])
+            assert PageId("m", "dir/obj", "v9", 2).digest() == page_digest("m", "dir/obj", "v9", 2)
+            index.publish("m/dir/obj", "v9", len(data), 0.0, time.monotonic() + 60)
+            got = client.open_range("m/dir/obj", 4000, 4096 * 3, "v9")
+            assert got is not None
+            size, version, pages, digests = got
+            assert (size, version, len(pages)) == (len(data), "v9", 4)  # pages 0-3 cover [4000, 16288)
+            for page in pages:
+                assert os.pread(page.fd, page.length, 0) == data[page.start:page.start + page.length]
+                os.close(page.fd)
+            assert client.covers("m/dir/obj", 0, -1) and not client.covers("m/dir/obj", 0, -1, "v8")
+            assert client.open_range("m/dir/obj", 0, 10, "v8") is None  # another version asked for
+            store.delete(PageId("m", "dir/obj", "v9", 5))
+            assert not client.covers("m/dir/obj", 0, -1) and client.open_range("m/dir/obj", 0, -1) is None
+            assert client.stats["named_missing"] == 2 and client.enabled  # missing is not a reason to stop
+        finally:
+            client.close()
+            index.close()
+
+
+def test_dirs_this_process_cannot_use_turn_reads_by_name_off(tmp_path):
+    index = NameIndex(slots=4)
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"x")
+    client = _client(index, dirs=[(str(not_a_dir), 1)])
+    try:
+        index.publish("m/a", "v", 10, 0.0, time.monotonic() + 60)
+        assert client.open_range("m/a", 0, -1) is None  # ENOTDIR: not a missing page, a wrong place
+        assert not client.enabled and client.lookup("m/a") is not None
+        assert client.open_range("m/a", 0, -1) is None
+    finally:
+        client.close()
+        index.close()
+
+
+def test_only_clients_of_the_workers_user_or_root_are_offered_the_index():
+    server = ShortCircuitServer("/nonexistent.sock", pages=None)  # nothing started
+    assert server._by_name_allowed((os.getuid(), 1)) and server._by_name_allowed((0, 1))
+    assert not server._by_name_allowed((os.getuid() + 12345, 1)) and not server._by_name_allowed(None)
+
+
+# -- a real worker -----------------------------------------------------------------------------------
+def _fs(worker, **kw) -> CacheFileSystem:
+    return CacheFileSystem(workers=worker.address, skip_instance_cache=True, **kw)
+
+
+def _served(worker) -> float:
+    return worker.metrics.short_circuit_bytes._value.get()
+
+
+def _named_reads(worker) -> float:
+    return worker.metrics.named_page_reads._value.get()
+
+
+def _settled(worker, paths: list[str], sizes: list[int]) -> None:
+    with grpc.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        assert wait_for(lambda: list(stub.GetCached(worker_pb2.GetCachedRequest(paths=paths), timeout=10)
+                                     .cached_bytes) == sizes, timeout=30)
+
+
+def _count_messages(reader, monkeypatch) -> list:
+    """The requests ``reader`` sends from now on (reports of reads by name held back)."""
+    sent: list = []
+    exchange = reader._exchange
+
+    def counted(request):
+        sent.append(request)
+        return exchange(request)
+
+    monkeypatch.setattr(reader, "_exchange", counted)
+    monkeypatch.setattr("cachefs.client.namedpages.REPORT_SECONDS", 1e9)
+    return sent
+
+
+def _reader(fs, worker):
+    return fs.session._state.get().bulk._readers[worker.address][0]
+
+
+def test_a_new_process_reads_cached_pages_by_name_with_no_message(local_store, make_worker, monkeypatch):
+    objects = {f"o{i}": payload(2 * PAGE + 100 * i, 20 + i) for i in range(4)}
+    for name, data in objects.items():
+        local_store.add(name, data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    first = _fs(worker)
+    for name, data in objects.items():
+        assert first.cat_file(f"cachefs://data/{name}") == data  # cold: filled, published
+    _settled(worker, [f"data/{n}" for n in objects], [len(d) for d in objects.values()])
+    hits = worker.pages.stats().hits
+
+    fresh = _fs(worker, short_circuit_handles=0)  # as a new process: no held handle helps it
+    assert fresh.cat_file("cachefs://data/o0") == objects["o0"]  # its hello brings the index
+    reader = _reader(fresh, worker)
+    assert reader.named is not None
+    messages = _count_messages(reader, monkeypatch)
+    assert fresh.cat_file("cachefs://data/o1") == objects["o1"]
+    assert fresh.cat_file("cachefs://data/o2", 5, PAGE + 9) == objects["o2"][5:PAGE + 9]
+    with fresh.open("cachefs://data/o3") as f:  # its info from the index too
+        assert f.read() == objects["o3"]
+    assert fresh.cat_ranges(["cachefs://data/o1", "cachefs://data/o3"], [0, PAGE], [10, None]) == \
+        [objects["o1"][:10], objects["o3"][PAGE:]]
+    assert messages == []  # nothing asked of the worker
+    named = reader.counts["named_hits"]
+    assert named == 3 + 2 + 3 + 1 + 2  # pages: o1, o2 in part, o3, then o1 in part and o3 in part
+    before = _named_reads(worker)
+    fresh.session.report_reads()
+    assert _named_reads(worker) == before + named  # reported: the worker's counters and recency see them
+    assert worker.pages.stats().hits >= hits + named
+
+
+def test_a_dataset_batch_in_a_new_process_reads_by_name(local_store, make_worker, monkeypatch):
+    from cachefs.client.dataset import CacheDataset
+
+    data = [payload(PAGE // 2, 40 + i) for i in range(24)]
+    for i, d in enumerate(data):
+        local_store.add(f"s/{i:03d}", d)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    warm = _fs(worker)
+    warm.cat([f"cachefs://data/s/{i:03d}" for i in range(24)])
+    _settled(worker, [f"data/s/{i:03d}" for i in range(24)], [len(d) for d in data])
+    ds = CacheDataset([f"cachefs://data/s/{i:03d}" for i in range(24)],
+                      storage_options={"workers": worker.address, "short_circuit_handles": 0},
+                      shuffle=False, rank=0, world_size=1, plan_ahead=False, hint_samples=0)
+    fs = ds._local.get().fs  # this process's: as a DataLoader worker's, new
+
+    def hello_done() -> bool:  # the socket is set up beside the first reads; its hello brings the index
+        fs.cat_file("cachefs://data/s/000")
+        readers = fs.session._state.get().bulk._readers
+        return worker.address in readers and readers[worker.address][0].named is not None
+
+    assert wait_for(hello_done, timeout=30)
+    reader = _reader(ds._local.get().fs, worker)
+    messages = _count_messages(reader, monkeypatch)
+    named = reader.counts["named_hits"]
+    batch = ds.__getitems__(list(range(24)))
+    assert [bytes(t.numpy()) for t in batch] == data
+    assert messages == []  # the batch took no message
+    assert reader.counts["named_hits"] == named + 24
+
+
+def test_nothing_is_read_by_name_after_a_free_or_once_the_version_is_not_vouched_for(local_store, make_worker):
+    local_store.add("obj", payload(2 * PAGE, 50))
+    local_store.add("other", payload(PAGE, 51))
+    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=1.0, metadata_stale_grace=0)
+    fs = _fs(worker, short_circuit_handles=0)
+    fs.cat_file("cachefs://data/other")
+    fs.cat_file("cachefs://data/obj")
+    _settled(worker, ["data/obj"], [2 * PAGE])
+    reader = _reader(fs, worker)
+    assert fs.cat_file("cachefs://data/obj") == payload(2 * PAGE, 50)
+    named = reader.counts["named_hits"]
+    assert named == 2
+    with grpc.insecure_channel(worker.address) as ch:
+        assert worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/obj"),
+                                                          timeout=10).pages_freed == 2
+    assert fs.cat_file("cachefs://data/obj") == payload(2 * PAGE, 50)  # the files are gone: asked the worker
+    assert reader.counts["named_hits"] == named
+    local_store.add("obj", payload(2 * PAGE, 52))  # a new version in the store
+    # What the worker vouched for runs out with its TTL: the new bytes show within it.
+    assert wait_for(lambda: fs.cat_file("cachefs://data/obj") == payload(2 * PAGE, 52), timeout=15)
+
+
+def test_reads_by_name_can_be_turned_off_on_either_side(local_store, make_worker):
+    local_store.add("a", payload(PAGE, 60))
+    local_store.add("b", payload(PAGE, 61))
+    on = make_worker(local_store.mount, page_size=PAGE)
+    off = make_worker(local_store.mount, page_size=PAGE, short_circuit_by_name=False)
+    assert off.name_index is None
+    for worker, client_on in ((on, False), (off, True)):
+        fs = _fs(worker, short_circuit_handles=0, short_circuit_by_name=client_on)
+        for name in ("a", "b"):
+            fs.cat_file(f"cachefs://data/{name}")
+        _settled(worker, ["data/a", "data/b"], [PAGE, PAGE])
+        served = _served(worker)
+        assert fs.cat_file("cachefs://data/b") == payload(PAGE, 61)
+        assert _served(worker) == served + PAGE  # asked the worker
+        assert _reader(fs, worker).named is None
