@@ -283,7 +283,7 @@ class Bench:
 
     # -- loaders: name -> (make a loader for num_workers, before a cold epoch) -----------------------------
     def loaders(self, address: str) -> dict[str, tuple[Callable[[int], DataLoader], Callable[[], None]]]:
-        b, so, args = self.batch, {"workers": address}, self.args
+        b, so, args = self.batch, {"workers": address, **dict(self.args.client_option)}, self.args
         kw = lambda w: dict(batch_size=b, num_workers=w, timeout=300 if w else 0)  # noqa: E731
         out: dict[str, tuple[Callable[[int], DataLoader], Callable[[], None]]] = {}
         nothing = lambda: None  # noqa: E731
@@ -425,6 +425,13 @@ def plot(results: list[dict[str, Any]], path: str) -> str | None:
     return None
 
 
+def _option(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="400 samples, 16 MiB shards")
@@ -436,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loaders", default="local,s3fs,streaming,s3torchconnector,cachefs-map,cachefs-tar")
     p.add_argument("--stall", default="cachefs-map,cachefs-tar,local",
                    help="loaders to measure the data-stall share for")
+    p.add_argument("--client-option", action="append", default=[], type=_option, metavar="NAME=VALUE",
+                   help="a cachefs client option for both cachefs loaders (e.g. short_circuit_by_name=false)")
     p.add_argument("--hint-samples", type=int, default=256, help="CacheDataset's hint_samples (0: no hints)")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="one-way delay to moto in each direction (RTT 2x; moto closes every connection, so"

@@ -35,13 +35,30 @@ MAX_TOUCHED = 1024  # pages read by name remembered before a report goes on its 
 REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan's position stay current
 
 
+def _check_dirs(roots: list[str], ids: list[str]) -> None:
+    if len(ids) != len(roots):
+        raise ValueError("the worker sent no identity for its cache dirs")
+    for root, wanted in zip(roots, ids):
+        try:
+            st = os.stat(root)
+        except OSError as exc:
+            raise ValueError(f"the worker's cache dir {root} is not visible here ({exc.strerror})") from None
+        if f"{st.st_dev}:{st.st_ino}" != wanted:
+            raise ValueError(f"{root} here is not the worker's cache dir (another mount namespace?)")
+
+
 class NamedPages:
     """One worker's name index, mapped read-only, and the page files opened through it."""
 
-    def __init__(self, fd: int, slots: int, dirs: list[tuple[str, int]], page_size: int) -> None:
+    def __init__(self, fd: int, slots: int, dirs: list[tuple[str, int]], page_size: int,
+                 dir_ids: list[str] | None = None) -> None:
+        """``dir_ids``: each dir's "device:inode" as the worker sees it; a dir this process sees
+        as another (another container's mounts) or not at all means no reads by name here."""
         size = NAMES_HEADER.size + slots * ENTRY.size
         if slots < 1 or not dirs or page_size <= 0:
             raise ValueError("a name index needs slots, cache dirs and a page size")
+        if dir_ids is not None:
+            _check_dirs([root for root, _quota in dirs], dir_ids)
         if os.fstat(fd).st_size < size:
             raise ValueError("the name index is smaller than its slot count says")
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -72,6 +89,15 @@ class NamedPages:
         if SEQ.unpack_from(self._map, off)[0] != seq:  # rewritten while we read it
             return None
         return size, version, mtime
+
+    def info(self, path: str) -> tuple[int, str, float] | None:
+        """(size, version, mtime) while the object's first page is still in the worker's cache (a
+        deleted or overwritten object's pages are gone at once, its entry only when it runs out);
+        None for an empty object (no page to vouch for it: ask the worker)."""
+        known = self.lookup(path) if self.enabled else None
+        if known is None or known[0] <= 0 or not self.covers(path, 0, 1, known[1]):
+            return None
+        return known
 
     # -- page files ---------------------------------------------------------------------------------
     def _names(self, path: str, offset: int, length: int,

@@ -227,9 +227,9 @@ class ShortCircuitReader:
             return
         try:
             self.named = NamedPages(fd, reply.names_slots, list(zip(reply.page_dirs, reply.page_dir_quotas)),
-                                    reply.page_size)
+                                    reply.page_size, list(reply.page_dir_ids))
         except (OSError, ValueError) as exc:
-            log.warning("cannot map the worker's name index (%s): page files are not opened by name", exc)
+            log.info("page files are not opened by name here: %s", exc)
 
     def _named_range(self, path: str, offset: int, length: int,
                      version: str) -> tuple[int, str, list[Page], list[str]] | None:
@@ -416,7 +416,7 @@ class ShortCircuitReader:
         (a read is coming: one message brings the info and the pages for it)."""
         known = self.handles.object_info(path)
         if known is None and self.named is not None and self.named.enabled and self.handles.usable():
-            known = self.named.lookup(path)
+            known = self.named.info(path)
         if known is None and fetch > 0 and self._holds:
             got = self.request([(path, 0, fetch, "")], ahead=True)[0]
             if got is not None:

@@ -85,7 +85,7 @@ class RangeReply(_message.Message):
     def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ..., fetched: _Optional[_Iterable[bool]] = ..., once: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ShortCircuitReply(_message.Message):
-    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading", "names_slots", "page_dirs", "page_dir_quotas")
+    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading", "names_slots", "page_dirs", "page_dir_quotas", "page_dir_ids")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class ShortCircuitReply(_message.Message):
     NAMES_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_DIRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_DIR_QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_DIR_IDS_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[RangeReply]
     message: str
     refused: bool
@@ -108,4 +109,5 @@ class ShortCircuitReply(_message.Message):
     names_slots: int
     page_dirs: _containers.RepeatedScalarFieldContainer[str]
     page_dir_quotas: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., answered: _Optional[bool] = ..., loading: _Optional[int] = ..., names_slots: _Optional[int] = ..., page_dirs: _Optional[_Iterable[str]] = ..., page_dir_quotas: _Optional[_Iterable[int]] = ...) -> None: ...
+    page_dir_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., answered: _Optional[bool] = ..., loading: _Optional[int] = ..., names_slots: _Optional[int] = ..., page_dirs: _Optional[_Iterable[str]] = ..., page_dir_quotas: _Optional[_Iterable[int]] = ..., page_dir_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -50,6 +50,7 @@ while time.monotonic() < end:
 reader = fs.session._state.get().bulk._readers.get(address, (None, 0))[0]
 held = reader.handles.held() if reader is not None and hasattr(reader, "handles") else 0
 stats = dict(reader.handles.stats) if reader is not None and hasattr(reader, "handles") else {}
+stats["named_hits"] = reader.counts.get("named_hits", 0) if reader is not None else 0
 fds_open = len(os.listdir("/proc/self/fd"))
 fs.session.close()
 print(json.dumps({"reads": reads, "wrong": wrong, "errors": errors, "held": held, "stats": stats,
@@ -126,6 +127,9 @@ def test_four_readers_over_more_than_the_quota_while_the_worker_evicts(tmp_path)
         assert m["cachefs_worker_cache_evictions_total"] > 0  # the set did not fit: it was evicted under the readers
         assert m["cachefs_worker_held_page_reads_total"] > 0  # and read through held handles meanwhile
         assert sum(r["stats"].get("held_reads", 0) for r in results) > 0
+        # and by name (page files opened here: the first read of a page in each process)
+        assert m["cachefs_worker_named_page_reads_total"] > 0
+        assert sum(r["stats"].get("named_hits", 0) for r in results) > 0
         assert peak_used <= quota, "unlinked pages still held open are within the quota"
         # Given back once the holds end (at most the metadata TTL) and the readers are gone.
         assert wait_for(lambda: scrape(port)["cachefs_worker_held_unlinked_bytes"] == 0, timeout=30)

@@ -161,6 +161,24 @@ def test_dirs_this_process_cannot_use_turn_reads_by_name_off(tmp_path):
         index.close()
 
 
+def test_cache_dirs_that_are_not_the_workers_here_are_refused(tmp_path):
+    """Another container's mounts: the same path, another dir (or none) -> no reads by name."""
+    index = NameIndex(slots=4)
+    here = tmp_path / "cache"
+    here.mkdir()
+    st = os.stat(here)
+    fd = index.reader_fd()
+    try:
+        NamedPages(fd, 4, [(str(here), 1)], PAGE, [f"{st.st_dev}:{st.st_ino}"]).close()
+        with pytest.raises(ValueError, match="not the worker's cache dir"):
+            NamedPages(fd, 4, [(str(here), 1)], PAGE, [f"{st.st_dev}:{st.st_ino + 1}"])
+        with pytest.raises(ValueError, match="not visible here"):
+            NamedPages(fd, 4, [(str(tmp_path / "absent"), 1)], PAGE, ["1:2"])
+    finally:
+        os.close(fd)
+        index.close()
+
+
 def test_only_clients_of_the_workers_user_or_root_are_offered_the_index():
     server = ShortCircuitServer("/nonexistent.sock", pages=None)  # nothing started
     assert server._by_name_allowed((os.getuid(), 1)) and server._by_name_allowed((0, 1))
@@ -278,9 +296,11 @@ def test_nothing_is_read_by_name_after_a_free_or_once_the_version_is_not_vouched
     assert fs.cat_file("cachefs://data/obj") == payload(2 * PAGE, 50)
     named = reader.counts["named_hits"]
     assert named == 2
+    assert reader.named.info("data/obj")[0] == 2 * PAGE  # what open() asks first
     with grpc.insecure_channel(worker.address) as ch:
         assert worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/obj"),
                                                           timeout=10).pages_freed == 2
+    assert reader.named.info("data/obj") is None  # its pages are gone: not vouched for, whatever the entry says
     assert fs.cat_file("cachefs://data/obj") == payload(2 * PAGE, 50)  # the files are gone: asked the worker
     assert reader.counts["named_hits"] == named
     local_store.add("obj", payload(2 * PAGE, 52))  # a new version in the store

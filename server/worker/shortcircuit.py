@@ -46,6 +46,15 @@ _PEERCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 LISTEN_BACKLOG = 512
 
 
+def _dir_id(path: str) -> str:
+    """A directory's identity, which a client in another mount namespace can compare with its own."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 class ShortCircuitServer(ConnectionServer):
     name = "shortcircuit"
 
@@ -153,6 +162,7 @@ class ShortCircuitServer(ConnectionServer):
                 reply.names_slots = self.names.slots
                 reply.page_dirs.extend(root for root, _quota in self._page_dirs)
                 reply.page_dir_quotas.extend(quota for _root, quota in self._page_dirs)
+                reply.page_dir_ids.extend(_dir_id(root) for root, _quota in self._page_dirs)
         # Each range's descriptors apart until the end: a filled range is opened again after the
         # others, and the reply's descriptors must come in the order of its ranges.
         answers: list[tuple[Any, list[int]]] = []
