@@ -220,15 +220,16 @@ class BulkPaths:
             if reader is None or not hasattr(reader, "prepare"):
                 continue
             by_reader.setdefault(id(reader), (reader, []))[1].append(r)
-        ready = filled = 0
+        ready = filled = asked = 0
         for reader, wanted in by_reader.values():
             try:
                 got = reader.prepare(wanted, fill)
             except Exception as exc:  # noqa: BLE001 - only a hint: the reads find their own way
                 log.debug("preparing %d ranges failed: %s", len(wanted), exc)
+                asked += len(wanted)
                 continue
-            ready, filled = ready + got.held, filled + got.filled
-        return Prepared(ready, filled)
+            ready, filled, asked = ready + got.held, filled + got.filled, asked + got.asked
+        return Prepared(ready, filled, asked + len(ranges) - sum(len(w) for _, w in by_reader.values()))
 
     def info(self, path: str, fetch: int = 0) -> tuple[int, str, float] | None:
         """(size, version, mtime) of a cached file as a worker on this host vouched for it (and,

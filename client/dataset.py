@@ -516,13 +516,15 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         parts = self._local.get()
         pending = parts.ahead.pop("next", None)
         uncached = False
+        quiet = True  # nothing for this batch needed a message: the next one likely needs none either
         if pending is not None:
             future, asked = pending
             try:
                 got = future.result(timeout=self.timeout)
                 uncached = got.held < asked or got.filled > 0
+                quiet = got.asked == 0
             except Exception:  # noqa: BLE001 - only a hint that the handles are there
-                uncached = True
+                uncached, quiet = True, False
         samples = [self.plan.sample(p) for p in positions]
         paths = [self._cache_path(parts, s) for s in samples]
         if any(cp is None for cp in paths):
@@ -543,7 +545,11 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             uncached = uncached or not_cached > 0 or prepared.filled > 0
             for i, g in zip(missing, session.read_held([(paths[i], outs[i].numpy()) for i in missing])):
                 got[i] = g
-        following = [self.plan.sample(p) for p in itertools.islice(upcoming, len(positions))]
+        # The next batch's handles are fetched meanwhile, unless this one took no message at all
+        # (held, or read by name: a warm epoch), where that would only cost this process CPU;
+        # should the next one miss, it asks then, and its following batch is prepared again.
+        following = [] if quiet and not missing else \
+            [self.plan.sample(p) for p in itertools.islice(upcoming, len(positions))]
         if following:
             parts.ahead["next"] = (parts.prefetcher.run(lambda: self._prepare(parts, following)), len(following))
         out = []

@@ -46,11 +46,13 @@ _NOT_CACHED_MAX = 4096
 
 
 class Prepared(NamedTuple):
-    """What a prepare got: ranges whose page handles are now held here, and how many of them the
-    worker had to fetch from the store first (cold: reads further ahead are worth a hint)."""
+    """What a prepare got: ranges whose page handles are now held here (or readable by name), how
+    many of them the worker had to fetch from the store first (cold: reads further ahead are
+    worth a hint), and how many ranges it had to ask the worker for at all."""
 
     held: int
     filled: int
+    asked: int = 0
 
 
 class ShortCircuitReader:
@@ -408,7 +410,7 @@ class ShortCircuitReader:
                 if got is not None:
                     ready += 1
                     self.handles.release(got[2])
-        return Prepared(ready, filled)
+        return Prepared(ready, filled, len(missing))
 
     def info(self, path: str, fetch: int = 0) -> tuple[int, str, float] | None:
         """(size, version, mtime) of a cached file from what the worker handed out with its pages;
