@@ -48,6 +48,12 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_of_task(tid: int) -> float:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _child(case: str, address: str, src: str, names: list[str], batch: int, worker_pid: int,
            out: Any) -> None:
     import torch
@@ -80,8 +86,17 @@ def _child(case: str, address: str, src: str, names: list[str], batch: int, work
         nbytes += sum(len(t) for t in read(b))
     seconds = time.perf_counter() - start
     own1, worker1 = resource.getrusage(resource.RUSAGE_SELF), _cpu_of(worker_pid)
+    import threading
+    threads = {}
+    for t in threading.enumerate():
+        try:
+            threads[t.name] = round(_cpu_of_task(t.native_id), 3)
+        except OSError:
+            pass
     items = len(names) - len(batches[0])
+    paths = {} if case == "local" else {k: dict(v) for k, v in ds._local.get().fs.session.bulk_stats.items()}
     out.put({"case": case, "items": items, "seconds": seconds, "items_per_s": items / seconds, "bytes": nbytes,
+             "paths": paths, "threads_cpu_s": threads,
              "cpu_us_per_item": {"reader": 1e6 * (own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime) / items,
                                  "worker": 1e6 * (worker1 - worker0) / items}})
 

@@ -92,6 +92,7 @@ class Page:
     key: tuple = field(default=())
     until: float = 0.0  # a ONCE page: read it before this (monotonic)
     fetched: bool = False  # the worker fetched it from the store for the request that brought it: its first read is a miss
+    identity: tuple = ()  # the file's identity (VerifiedFiles), once looked up through this descriptor
 
 
 @dataclass(slots=True)

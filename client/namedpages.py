@@ -61,7 +61,9 @@ class NamedPages:
             _check_dirs([root for root, _quota in dirs], dir_ids)
         if os.fstat(fd).st_size < size:
             raise ValueError("the name index is smaller than its slot count says")
-        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        # Populated at once: lookups touch entries all over the table, and a fault on each first
+        # touch cost more than the lookup itself (a new DataLoader worker process reads this way).
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
         magic, got_slots, entry_size = NAMES_HEADER.unpack_from(self._map, 0)
         if (magic, got_slots, entry_size) != (NAMES_MAGIC, slots, ENTRY.size):
             self._map.close()

@@ -474,14 +474,14 @@ class ShortCircuitReader:
         or this very file was checked before in this process)."""
         if page.verified:
             return True
-        identity = self.verified.identity(page.fd, page.length)
+        identity = page.identity = self.verified.identity(page.fd, page.length)
         if identity in self.verified:
             page.verified = True
         return page.verified
 
     def _verified(self, page: Page) -> None:
         page.verified = True
-        self.verified.add(self.verified.identity(page.fd, page.length))
+        self.verified.add(page.identity or self.verified.identity(page.fd, page.length))
 
     def _fill(self, pages: list[Page], offset: int, end: int, view: memoryview) -> bool:
         """The range [offset, end) into ``view``, each page checked once per descriptor."""
