@@ -87,3 +87,18 @@ def test_held_pages_stay_within_their_share_of_the_quota(local_store, make_worke
     stats = worker.pages.stats()
     assert stats.evictions > 0 and stats.put_failures == 0 and stats.used_bytes <= quota
     assert _fills(worker)["filled"] == 12
+
+
+def test_a_cold_range_of_many_pages_is_one_store_request(store, make_worker):
+    """Not runs of fetch_group_pages fetched in parallel: a store that reads the whole object for
+    each ranged GET (moto, and any store billing per request) would do that work once per run."""
+    data = payload(20 * PAGE + 5, 77)
+    store.add("big", data)
+    worker = make_worker(store.mount, page_size=PAGE, fetch_group_pages=4)
+    fs = _fs(worker)
+    assert fs.cat_file("cachefs://data/big") == data
+    requests = {sample.labels["kind"]: sample.value for family in worker.metrics.store_requests.collect()
+                for sample in family.samples if sample.name.endswith("_total")}
+    # the cold open's GET brings the metadata and the first pages, one more request the rest
+    assert sum(requests.values()) <= 2, requests
+    assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") == len(data)

@@ -102,7 +102,10 @@ class RangeFiller:
                 return
             page_size = self.reader.page_size
             last = (end - 1) // page_size
-            claimed = self.reader.claim(meta, wanted.offset // page_size, last)
+            # The range as one store request (streamed, page by page): parallel 8 MiB runs cost a
+            # store that reads the whole object for each ranged GET (moto) several times the work.
+            extent = max(1, EXTENT_BYTES // page_size) if self.reader.options.readahead_pages > 0 else 0
+            claimed = self.reader.claim(meta, wanted.offset // page_size, last, group=extent)
             if fetched is not None:
                 fetched.update(pid for pid, _ in claimed)
             self._read_ahead(meta, wanted.offset, end, last)
