@@ -24,15 +24,11 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from cachefs.paths import CachePath, parse_path
-from cachefs.server.worker.reader import PageReader
+from cachefs.server.worker.reader import EXTENT_BYTES, PageReader
 from cachefs.store.meta import ObjectMeta
 
 log = logging.getLogger(__name__)
 
-#: A sequential reader's next pages (a range from an object's start, or one continuing the last)
-#: are fetched as one store request of up to this much, not waited for: a tar or MDS shard of up
-#: to 64 MiB (MosaicML's default) costs one GET, as streaming's whole-shard downloads do.
-EXTENT_BYTES = 64 << 20
 
 #: How long one fill request may take on the worker: well under the client's socket timeout (5 s,
 #: client/bulkpaths.py). What is not cached by then is answered NOT_CACHED; the client's gRPC read
@@ -104,8 +100,7 @@ class RangeFiller:
             last = (end - 1) // page_size
             # The range as one store request (streamed, page by page): parallel 8 MiB runs cost a
             # store that reads the whole object for each ranged GET (moto) several times the work.
-            extent = max(1, EXTENT_BYTES // page_size) if self.reader.options.readahead_pages > 0 else 0
-            claimed = self.reader.claim(meta, wanted.offset // page_size, last, group=extent)
+            claimed = self.reader.claim(meta, wanted.offset // page_size, last, group=self.reader.extent_pages)
             if fetched is not None:
                 fetched.update(pid for pid, _ in claimed)
             self._read_ahead(meta, wanted.offset, end, last)

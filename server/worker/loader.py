@@ -35,7 +35,7 @@ from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.server.worker.metrics import WorkerMetrics
-from cachefs.server.worker.fill import EXTENT_BYTES
+from cachefs.server.worker.reader import EXTENT_BYTES
 from cachefs.server.worker.reader import PageReader
 
 log = logging.getLogger(__name__)

@@ -35,6 +35,13 @@ _WORKER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
 WRITE_WAIT_SECONDS = 10.0
 
 
+#: A range's missing pages (and a sequential reader's next ones) are fetched as one store request
+#: of up to this much: a tar or MDS shard of up to 64 MiB (MosaicML's default) costs one GET, as
+#: streaming's whole-shard downloads do, and a store that reads a whole object for every ranged
+#: GET (moto) does that work once, not once per 8 MiB run.
+EXTENT_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class ReaderOptions:
     """The reader's share of WorkerConfig: same names, defaults taken from it (defined once there)."""
@@ -80,7 +87,10 @@ class PageReader:
         self.objects = objects
         self.metrics = metrics
         self.options = options
+        # The missing pages of a range (and of its read-ahead) as one store request, streamed, up
+        # to an extent; fetch_group_pages when read-ahead is off.
         self.page_size = pages.page_size
+        self.extent_pages = max(1, EXTENT_BYTES // self.page_size) if options.readahead_pages > 0 else 0
         # Labelled children looked up once: labels() costs a lock and a dict walk per page otherwise.
         self._page_reads = {outcome: metrics.page_reads.labels(outcome)
                             for outcome in ("hit", "miss", "joined", "prefetch")}
@@ -318,7 +328,7 @@ class PageReader:
         # A reader that goes away mid-range leaves its fetches to finish and be cached.
         for index in range(first, last + 1):
             while next_index <= last and len(pending) < self.options.parallel_pages:
-                entries = self.page(meta, next_index, last=last)
+                entries = self.page(meta, next_index, last=last, group=self.extent_pages)
                 pending.extend(entries)
                 next_index += len(entries)
             if ahead and next_index > last:  # the whole range is claimed: what follows it next
@@ -366,7 +376,7 @@ class PageReader:
         return claimed
 
     def _readahead(self, meta: ObjectMeta, first: int, window: int) -> None:
-        self.claim(meta, first, min((meta.size - 1) // self.page_size, first + window - 1))
+        self.claim(meta, first, min((meta.size - 1) // self.page_size, first + window - 1), group=self.extent_pages)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop fetching; let writes of already fetched pages finish (bounded by ``timeout``)."""
