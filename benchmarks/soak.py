@@ -49,7 +49,18 @@ def proc_usage(pid: int) -> dict[str, int]:
         for line in f:
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1])
-    return {"rss_kb": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    return {"rss_kb": rss, "fds": _steady_fds(pid)}
+
+
+def _steady_fds(pid: int, looks: int = 5, apart: float = 0.02) -> int:
+    """Open descriptors, the fewest of a few looks: a reply in flight holds up to 128 page files
+    for a moment (a leaked descriptor stays in every look; those come and go)."""
+    counts = []
+    for i in range(looks):
+        if i:
+            time.sleep(apart)
+        counts.append(len(os.listdir(f"/proc/{pid}/fd")))
+    return min(counts)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
