@@ -265,3 +265,26 @@ def test_bad_queue_settings_are_refused(tmp_path):
         open_store(tmp_path, batch_rows=10, max_rows=5)
     with pytest.raises(ValueError):
         open_store(tmp_path / "b", row_delay=0)
+
+
+def test_a_page_read_before_its_row_is_written_costs_one_index_write(tmp_path):
+    """A cold page is read right after its put: its queued row carries the read's access time,
+    so the access flush does not write the row a second time. A read after the row was taken
+    is flushed as before."""
+    s = open_store(tmp_path, row_delay=NEVER)
+    try:
+        s.put(pid(0), payload(0))
+        s.put(pid(1), payload(1))
+        put_time = s._entries[pid(0).digest()].last_access
+        assert s.get(pid(0)) == payload(0)
+        touched = s._entries[pid(0).digest()].last_access
+        assert touched > put_time and not s._dirty  # nothing for the access flush
+        s._flush_rows()
+        idx = s._dirs[0].index
+        assert idx.get(pid(0).digest())[6] == touched > idx.get(pid(1).digest())[6]
+        assert s.get(pid(1)) == payload(1)  # row written: this read is an access update
+        assert list(s._dirty) == [pid(1).digest()]
+        s._flush_access()
+        assert idx.get(pid(1).digest())[6] == s._entries[pid(1).digest()].last_access > touched
+    finally:
+        s.close()

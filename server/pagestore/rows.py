@@ -68,6 +68,12 @@ class RowQueue:
             self._cv.notify()
         return n >= self.max_rows
 
+    def queued(self, digest: str, entry: object) -> bool:  # caller holds the lock
+        """True while the page's row is queued, not yet taken by a flush: it will be written
+        with the page's state as of then (its last access included)."""
+        op = self._ops.get(digest)
+        return op is not None and op[1] is entry
+
     def delete(self, digest: str, d: DirHandle) -> None:  # caller holds the lock
         """Queue the removal of the page's row (replacing its row if that is still queued)."""
         ops = self._ops

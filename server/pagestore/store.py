@@ -612,7 +612,8 @@ class PageStore:
     def _touch(self, entry: _Entry) -> None:  # caller holds the lock
         entry.dir.order.touch(entry)
         entry.last_access = time.time()
-        self._dirty[entry.digest] = entry
+        if not self._rows.queued(entry.digest, entry):  # a queued row carries it: no second write
+            self._dirty[entry.digest] = entry
 
     # ----------------------------------------------------------- write helpers
     def _pick_victims(self, target: DirHandle, size: int, now: float) -> list[_Entry] | None:
