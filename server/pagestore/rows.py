@@ -14,7 +14,6 @@ READY when its batch is taken, with the page's last access as of then.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,6 @@ from cachefs.server.pagestore.dirs import INDEX_ERRORS, DirHandle
 
 __all__ = ["RowQueue"]
 
-log = logging.getLogger(__name__)
 
 Record = Callable[[Any], "tuple | None"]  # entry -> its row, or None if it must not be written
 Failed = Callable[[DirHandle, list[Any], BaseException], None]
