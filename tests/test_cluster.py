@@ -8,7 +8,7 @@ import pytest
 from cachefs.local import LocalCluster
 from cachefs.proto import master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
-from helpers import ReadLoop as _ReadLoop, client, payload, wait_for
+from helpers import ReadLoop as _ReadLoop, client, payload, scrape, wait_for
 
 FAST = ["--lease-seconds", "3", "--heartbeat-seconds", "0.5"]  # short, with room for a loaded CI machine
 
@@ -72,6 +72,8 @@ def test_worker_killed_during_reads_then_rejoins(dataset, tmp_path):
         assert victim_keys
         with _ReadLoop(fs, dataset.objects) as loop:
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])
+            # its pages' index rows (written behind, within ~0.1 s) are committed: the kill loses none
+            assert wait_for(lambda: scrape(victim.ready["metrics_port"])["cachefs_worker_cache_index_pending"] == 0)
             victim.kill()  # kill -9 under load
             # It leaves the master's view after its lease, and the client's view follows.
             assert wait_for(lambda: _live(cluster.master_address) == 2, timeout=15)

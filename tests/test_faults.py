@@ -27,7 +27,7 @@ from cachefs.local import LocalCluster, worker_process
 from cachefs.mounts import MountSpec
 from cachefs.proto import worker_pb2, worker_pb2_grpc
 from cachefs.testing import MotoServer
-from helpers import SlowMemoryFileSystem, client, page_files, payload, wait_for
+from helpers import SlowMemoryFileSystem, client, page_files, payload, scrape, wait_for
 
 PAGE = 64 << 10
 FAST = ["--lease-seconds", "3", "--heartbeat-seconds", "0.5"]
@@ -203,6 +203,8 @@ def test_worker_restarted_under_load_keeps_hit_ratio_above_99_percent(local_stor
             assert fs.cat_file(f"data/{key}") == data
         assert wait_for(lambda: _status(first.address).pages == sum(-(-len(d) // PAGE)
                                                                     for d in local_store.objects.values()))
+        # and their index rows, written behind, are committed: a kill now loses no page
+        assert wait_for(lambda: scrape(first.ready["metrics_port"])["cachefs_worker_cache_index_pending"] == 0)
         with _Readers(fs, local_store.objects, threads=6) as readers:
             assert readers.wait_reads(12), (readers.reads, readers.errors[:3])
             first.kill()

@@ -51,8 +51,13 @@ def test_restarted_worker_serves_its_cached_pages(store, tmp_path, how):
         pages = sum(-(-len(d) // PAGE) for d in store.objects.values())
         if how == "sigkill":
             # The kill gives no warning: first every background page write has landed (a page
-            # counts in the store once its file and index entry are written).
-            assert wait_for(lambda: scrape(w1.ready["metrics_port"])["cachefs_worker_cache_pages"] == pages)
+            # counts in the store once its file is written), and the pages' index rows, written
+            # behind in batches, are committed (a page without its row is an orphan at restart).
+            def durable() -> bool:
+                m = scrape(w1.ready["metrics_port"])
+                return m["cachefs_worker_cache_pages"] == pages and m["cachefs_worker_cache_index_pending"] == 0
+
+            assert wait_for(durable)
             w1.kill()
     with worker_process({}, str(cache), extra=["--config", config], log_path=str(tmp_path / "w2.log")) as w2:
         assert w2.ready["worker_id"] == w1.ready["worker_id"], "a worker keeps its identity across restarts"

@@ -15,10 +15,13 @@ Why it is built this way (DESIGN.md s2-s4):
 * No global lock is held during file or sqlite I/O; the lock only guards the in-memory index.
 * A page's dir is chosen by weighted rendezvous hashing of its digest (weight = quota).
 * Durable index: one ``diskcache.Cache`` per dir (``<dir>/index``), digest ->
-  ``(mount, key, version, index, file_size, checksum, last_access)``. Inserted after the rename,
-  deleted before the unlink, so a crash leaves at worst an orphan file (removed at startup) or an
-  entry without a file (dropped at startup). ``last_access`` is batched: a flush thread writes it
-  every ``flush_interval`` seconds and on close.
+  ``(mount, key, version, index, file_size, checksum, last_access)``. Written behind
+  (:mod:`cachefs.server.pagestore.rows`): a page is READY once its file is renamed into place; its
+  row, or its deletion (queued before the unlink), reaches SQLite in a batch, one transaction per
+  dir, within ``row_delay`` seconds (a flush thread), sooner when ``batch_rows`` are queued, and
+  on close. A crash leaves at worst orphan files (removed at startup: their pages are lost) or
+  entries without files (dropped at startup). ``last_access`` is batched too: the same thread
+  writes it every ``flush_interval`` seconds and on close.
 
 Index settings (diskcache, WAL, synchronous=NORMAL, eviction_policy="none") and the measurements
 behind them are in :mod:`cachefs.server.pagestore.dirs`: a small index insert costs 25 us, ~1% of writing
@@ -45,6 +48,7 @@ from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirH
 from cachefs.server.pagestore.health import DiskHealth
 from cachefs.server.pagestore.passing import PassingPages
 from cachefs.server.pagestore.policy import NextUse, NextUseOrder
+from cachefs.server.pagestore.rows import RowQueue
 from cachefs.pagefile import (
     TRAILER_SIZE,
     CorruptPageError,
@@ -111,6 +115,7 @@ class PageStoreStats:
     bypassed: int = 0  # pages used later than every cached one: cached only until the next put
     policy: str = "lru"  # which page leaves first: "lru" or "future" (policy.py)
     passing_dropped: int = 0  # pages not admitted that left memory before their reader took them
+    index_pending: int = 0  # index rows and deletions not yet committed (rows.py): a crash loses those pages
 
 
 class _State(enum.Enum):
@@ -146,10 +151,13 @@ class PageStore:
 
     def __init__(
         self, dirs: Sequence[CacheDir], page_size: int = 1 << 20, *, flush_interval: float = 2.0,
-        next_use: NextUse | None = None,
+        next_use: NextUse | None = None, row_delay: float = 0.1, batch_rows: int = 512,
+        max_rows: int = 8192,
     ) -> None:
         """With ``next_use`` (the worker's plan table, server/worker/plans.py), pages leave by
-        furthest next use (policy.NextUseOrder); without, least recently used first."""
+        furthest next use (policy.NextUseOrder); without, least recently used first. Index rows
+        wait up to ``row_delay`` s for a batch of ``batch_rows``; a put that finds ``max_rows``
+        queued writes them itself (the flush thread fell behind)."""
         if not dirs or not all(isinstance(d, CacheDir) for d in dirs):
             raise ValueError("dirs must be a non-empty sequence of CacheDir")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -167,6 +175,7 @@ class PageStore:
         self._entries: dict[str, _Entry] = {}
         self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access changed since the last flush
+        self._rows = RowQueue(self._lock, batch_rows=batch_rows, max_rows=max_rows, delay=row_delay)
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
         self._bypassed = 0  # pages used later than every cached one: served from memory, not admitted
         quota = sum(d.quota_bytes for d in dirs)
@@ -510,10 +519,12 @@ class PageStore:
                 bypassed=self._bypassed,
                 policy=self.policy,
                 passing_dropped=self._passing.dropped,
+                index_pending=self._rows.pending,
             )
 
     def close(self) -> None:
-        """Wait (bounded) for in-flight writes, flush last_access, release the dirs. Idempotent."""
+        """Wait (bounded) for in-flight writes, write the queued index rows and last_access times,
+        release the dirs. Idempotent; a restart after it keeps every page."""
         with self._lock:
             if self._closed:
                 return
@@ -521,9 +532,15 @@ class PageStore:
             if not self._idle.wait_for(lambda: self._busy == 0, timeout=_CLOSE_WAIT_S):
                 log.warning("page store closing with %d operations still running", self._busy)
         self._stop.set()
+        with self._lock:
+            self._rows.wake()
         self._flusher.join(timeout=_CLOSE_WAIT_S)
-        self._flush_access()
-        self._release_dirs()
+        try:
+            self._flush_rows()
+            self._flush_rows()  # deletions queued by the first one's failures, if any
+            self._flush_access()
+        finally:
+            self._release_dirs()
 
     def __enter__(self) -> PageStore:
         return self
@@ -584,7 +601,8 @@ class PageStore:
     def _touch(self, entry: _Entry) -> None:  # caller holds the lock
         entry.dir.order.touch(entry)
         entry.last_access = time.time()
-        self._dirty[entry.digest] = entry
+        if not self._rows.queued(entry.digest, entry):  # a queued row carries it: no second write
+            self._dirty[entry.digest] = entry
 
     # ----------------------------------------------------------- write helpers
     def _pick_victims(self, target: DirHandle, size: int, now: float) -> list[_Entry] | None:
@@ -609,24 +627,21 @@ class PageStore:
         except OSError as exc:
             self.health.failed(d.root, exc, writing=True, what=f"cannot write page {entry.path}")
             return self._abort(entry, released=entry.size)
-        try:
-            if d.index is None:  # close() gave up waiting for this put
-                raise OSError(f"page store for {d.root} is closed")
-            d.index.set(entry.digest, entry.record())
-        except INDEX_ERRORS as exc:
-            self.health.failed(d.root, exc, writing=True, what=f"cannot index page {entry.path}")
-            if self._unlink([entry], index=False):
-                return self._abort(entry, released=0)  # file stuck on disk: keep its bytes counted
-            return self._abort(entry, released=entry.size)
         self.health.ok(d.root)
         with self._lock:
-            if not entry.cancelled:
+            cancelled = entry.cancelled
+            if not cancelled:
                 entry.state = _State.READY
                 d.order.add(entry)
-                return True
-            entry.state = _State.REMOVING
-        self._remove([entry])  # deleted while we wrote it
-        return False
+                full = self._rows.put(entry.digest, d, entry)
+            else:
+                entry.state = _State.REMOVING
+        if cancelled:
+            self._remove([entry])  # deleted while we wrote it
+            return False
+        if full:  # the flush thread fell behind: this put waits for the queue to be written
+            self._flush_rows()
+        return True
 
     def _abort(self, entry: _Entry, released: int) -> bool:
         with self._lock:
@@ -672,21 +687,23 @@ class PageStore:
                     entry.dir.used -= entry.size
             self._forget(entries)
 
-    def _unlink(self, entries: list[_Entry], index: bool = True) -> list[_Entry]:
-        """Delete index entries, then files; returns the entries whose file could not be removed."""
+    def _unlink(self, entries: list[_Entry]) -> list[_Entry]:
+        """Queue the index rows' deletion, then delete the files; returns the entries whose file
+        could not be removed. A crash before the deletions reach the index leaves rows without
+        files, which recovery drops."""
+        if not entries:
+            return []
         stuck = []
         listener = self._unlink_listener
-        if listener is not None and entries:
+        if listener is not None:
             try:
                 listener([entry.digest for entry in entries])
             except Exception:  # never let a listener keep a page on disk
                 log.exception("unlink listener failed")
+        with self._lock:
+            for entry in entries:
+                self._rows.delete(entry.digest, entry.dir)
         for entry in entries:
-            if index and entry.dir.index is not None:
-                try:
-                    entry.dir.index.delete(entry.digest)
-                except INDEX_ERRORS as exc:  # recovery drops an entry without a file
-                    log.warning("cannot unindex page %s: %s", entry.digest, exc)
             try:
                 os.unlink(entry.path)
             except FileNotFoundError:
@@ -723,12 +740,43 @@ class PageStore:
 
     # ------------------------------------------------------- persistence helpers
     def _flush_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        """Index rows as they gather (rows.py); last access times and stale plans every ``interval``."""
+        next_access = time.monotonic() + interval
+        while not self._stop.is_set():
             try:
-                self._flush_access()
-                self.refresh_stale()
+                if self._rows.wait(next_access - time.monotonic(), self._stop):
+                    self._flush_rows()
+                if time.monotonic() >= next_access:
+                    self._flush_access()
+                    self.refresh_stale()
+                    next_access = time.monotonic() + interval
             except Exception:  # never let the flusher die; the next round retries
-                log.exception("last_access flush failed")
+                log.exception("page index flush failed")
+                self._stop.wait(min(interval, 1.0))
+
+    def _flush_rows(self) -> int:
+        """Write the queued index rows and deletions; returns how many."""
+        return self._rows.flush(self._dirs, self._row_of, self._rows_failed)
+
+    def _row_of(self, entry: _Entry) -> tuple | None:  # caller holds the lock
+        """A page's row, if it is still the READY page of its digest (a removed page gets none)."""
+        if entry.state is _State.READY and self._entries.get(entry.digest) is entry:
+            return entry.record()
+        return None
+
+    def _rows_failed(self, d: DirHandle, entries: list[_Entry], exc: BaseException) -> None:
+        """A batch of rows did not reach the index (disk full, SQLite error): like a put whose
+        row failed, its pages are dropped (a crash now would orphan them) and counted as failed."""
+        self.health.failed(d.root, exc, writing=True, what=f"cannot write page index rows in {d.root}")
+        dropped = []
+        with self._lock:
+            for entry in entries:
+                if entry.state is _State.READY and self._entries.get(entry.digest) is entry:
+                    entry.state = _State.REMOVING
+                    d.order.remove(entry)
+                    dropped.append(entry)
+            self._put_failures += len(dropped)
+        self._remove(dropped)
 
     def _flush_access(self) -> None:
         """Write batched last_access updates, one transaction per dir, only for indexed pages."""

@@ -74,6 +74,12 @@ class _PageStoreCollector(Collector):
             "(a later read fetches them again).",
             value=s.passing_dropped,
         )
+        yield GaugeMetricFamily(
+            "cachefs_worker_cache_index_pending",
+            "Page index rows and deletions queued, not yet written (a crash now loses those pages; "
+            "written within 0.1 s).",
+            value=s.index_pending,
+        )
 
 
 class _RawServersCollector(Collector):
