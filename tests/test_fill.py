@@ -102,3 +102,17 @@ def test_a_cold_range_of_many_pages_is_one_store_request(store, make_worker):
     # the cold open's GET brings the metadata and the first pages, one more request the rest
     assert sum(requests.values()) <= 2, requests
     assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") == len(data)
+
+
+def test_a_cold_read_through_grpc_asks_the_store_for_the_rest_at_once(store, make_worker):
+    """A reader on another host (gRPC blocks): the first block's GET brings the metadata, the
+    rest of the read is one more request (the block's ``then``), not one per block or run."""
+    data = payload(100 * PAGE + 9, 78)  # more than one block (MAX_BLOCK, 4 MiB)
+    store.add("remote", data)
+    worker = make_worker(store.mount, page_size=PAGE, fetch_group_pages=4, parallel_pages=4)
+    fs = _fs(worker, short_circuit=False, data_port=False)
+    assert fs.cat_file("cachefs://data/remote") == data
+    requests = {sample.labels["kind"]: sample.value for family in worker.metrics.store_requests.collect()
+                for sample in family.samples if sample.name.endswith("_total")}
+    assert sum(requests.values()) <= 3, requests  # the open, the first block's run, the rest
+    assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") == len(data)

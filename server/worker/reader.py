@@ -311,7 +311,8 @@ class PageReader:
 
         ``deadline`` is a ``time.monotonic()`` instant; waits past it raise DeadlineExceededError.
         ``then``: bytes the caller will ask for right after this range (the rest of a read whose
-        first block this is); up to ``parallel_pages`` pages of them are fetched now, so the store
+        first block this is); up to an extent of them (``parallel_pages`` with read-ahead off) are
+        fetched now, in one store request, so the store
         works while this range travels to the caller and the next call arrives.
         ``tally``: ``[hits, misses]`` this read adds its pages to (a page is counted before its
         chunk is yielded): the hit or miss the reply tells the client.
@@ -322,7 +323,9 @@ class PageReader:
         first, last = offset // self.page_size, (end - 1) // self.page_size
         ahead = self._sequential.window(meta, offset, end, self.page_size, self.options.readahead_pages)
         if then > 0 and end < meta.size:
-            ahead = max(ahead, min(self.options.parallel_pages, -(-min(then, meta.size - end) // self.page_size)))
+            # The rest of the caller's read, up to an extent, as one more store request now.
+            rest = -(-min(then, meta.size - end) // self.page_size)
+            ahead = max(ahead, min(max(self.options.parallel_pages, self.extent_pages), rest))
         pending: deque[tuple[Future[bytes], bool]] = deque()
         next_index = first
         # A reader that goes away mid-range leaves its fetches to finish and be cached.
