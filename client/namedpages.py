@@ -74,6 +74,7 @@ class NamedPages:
         self._touched: list[bytes] = []
         self._touched_bytes = 0
         self._last_report = time.monotonic()
+        # reads noted (a batch counts once), and pages asked for by name but not there
         self.stats = {"named_reads": 0, "named_missing": 0}
 
     # -- the index ----------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class NamedPages:
     # -- reports ------------------------------------------------------------------------------------
     def note_read(self, digests: list[str], nbytes: int) -> None:
         with self._lock:
-            if len(self._touched) < 4 * MAX_TOUCHED:
+            if len(self._touched) < 2 * MAX_TOUCHED:  # 16 bytes each: a report stays well within MAX_MESSAGE
                 self._touched.extend(bytes.fromhex(d) for d in digests)
             self._touched_bytes += nbytes
             self.stats["named_reads"] += 1
