@@ -46,6 +46,8 @@ SLACK_SECONDS = 1.0
 READER_SECONDS = 2.0
 #: A planned use that went by this long ago without a read is looked at again.
 STALE_GRACE_SECONDS = 2.0
+#: How long an estimate of a job's position is reused (a batch of page touches asks it per page).
+ESTIMATE_SECONDS = 0.05
 MAX_LEASE_SECONDS = 3600.0
 MAX_RUNS_PER_REQUEST = 1_000_000
 MAX_PAGES_PER_RUN = 4096
@@ -75,14 +77,25 @@ class _Job:
     ahead_to: int = 0  # positions before this were handed to prefetch already
     prefetch: bool = True  # the job wants what it reads next fetched ahead (not: no_prefetch)
     readers: dict[int, tuple[int, float]] = field(default_factory=dict)  # reader -> (position, when)
+    # estimate() of the last few milliseconds: a report of a thousand reads asks it once per page
+    _estimated: tuple[float, float] = (-math.inf, 0.0)  # (when, position)
 
     def estimate(self, now: float) -> float:
         """Where the job reads now: its slowest reader that spoke lately (several processes read
         for one job: DataLoader workers), else its last reported position. Never a guess ahead of
         that: it would count unread pages as read (they would leave before their use), while a
         position a second behind only keeps a read page a little longer."""
+        at, position = self._estimated
+        if 0 <= now - at < ESTIMATE_SECONDS:
+            return position
         live = [p for p, t in self.readers.values() if now - t <= READER_SECONDS]
-        return min(live) if live else self.position
+        position = min(live) if live else self.position
+        self._estimated = (now, position)
+        return position
+
+    def moved(self) -> None:
+        """A reader or the position changed: the next estimate() looks again."""
+        self._estimated = (-math.inf, 0.0)
 
     def clock(self, position: int) -> float:
         return self.start_time + (position - self.start_pos) / self.clock_rate
@@ -156,6 +169,7 @@ class PlanTable:
                 job.expires = now + lease
                 if request.replace or request.position >= job.position:  # reads may have told more
                     job.position = request.position
+                    job.moved()
                 if request.rate > 0:
                     job.rate = request.rate
                 if runs:
@@ -272,6 +286,7 @@ class PlanTable:
                     job.readers = {r: v for r, v in job.readers.items() if now - v[1] <= READER_SECONDS}
             if position > job.position:
                 job.position = position
+            job.moved()
 
     def due(self, job_id: str, window_bytes: int, window_seconds: float, at_least: int = 32) -> list[str]:
         """Objects the job reads next that were not handed to prefetch yet: from its position up
