@@ -53,14 +53,30 @@ def proc_usage(pid: int) -> dict[str, int]:
 
 
 def _steady_fds(pid: int, looks: int = 5, apart: float = 0.02) -> int:
-    """Open descriptors, the fewest of a few looks: a reply in flight holds up to 128 page files
-    for a moment (a leaked descriptor stays in every look; those come and go)."""
+    """Open descriptors other than sockets, the fewest of a few looks: a reply in flight holds up
+    to 128 page files for a moment (a leaked descriptor stays in every look; those come and go),
+    and sockets follow the clients' connection pools (bounded by the raw servers' limits and closed
+    when idle), not a leak."""
     counts = []
     for i in range(looks):
         if i:
             time.sleep(apart)
-        counts.append(len(os.listdir(f"/proc/{pid}/fd")))
+        counts.append(sum(1 for fd in _listdir(f"/proc/{pid}/fd") if not _is_socket(pid, fd)))
     return min(counts)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _is_socket(pid: int, fd: str) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    except OSError:  # closed meanwhile
+        return True
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
