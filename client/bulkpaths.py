@@ -212,15 +212,15 @@ class BulkPaths:
         are now held here (their reads need no message at all) and how many were filled.
         Ranges whose first placed worker is not on this host are left to their reads."""
         by_reader: dict[int, tuple[Any, list[tuple[str, int, int, str]]]] = {}
+        asked = 0  # ranges left to their reads (no local worker) count as asked: they take a message
         for r in ranges:
             candidates = self.workers.candidates(r[0], r[1], include_broken=False)
-            if not candidates:
-                continue
-            reader = self._reader(candidates[0])
+            reader = self._reader(candidates[0]) if candidates else None
             if reader is None or not hasattr(reader, "prepare"):
+                asked += 1
                 continue
             by_reader.setdefault(id(reader), (reader, []))[1].append(r)
-        ready = filled = asked = 0
+        ready = filled = 0
         for reader, wanted in by_reader.values():
             try:
                 got = reader.prepare(wanted, fill)
@@ -229,7 +229,7 @@ class BulkPaths:
                 asked += len(wanted)
                 continue
             ready, filled, asked = ready + got.held, filled + got.filled, asked + got.asked
-        return Prepared(ready, filled, asked + len(ranges) - sum(len(w) for _, w in by_reader.values()))
+        return Prepared(ready, filled, asked)
 
     def info(self, path: str, fetch: int = 0) -> tuple[int, str, float] | None:
         """(size, version, mtime) of a cached file as a worker on this host vouched for it (and,

@@ -98,7 +98,13 @@ class NamedPages:
         deleted or overwritten object's pages are gone at once, its entry only when it runs out);
         None for an empty object (no page to vouch for it: ask the worker)."""
         known = self.lookup(path) if self.enabled else None
-        if known is None or known[0] <= 0 or not self.covers(path, 0, 1, known[1]):
+        if known is None or known[0] <= 0:
+            return None
+        cp = parse_path(path)
+        try:
+            os.stat(self._file(page_digest(cp.mount, cp.key, known[1], 0)))
+        except OSError as exc:
+            self._failed(exc)
             return None
         return known
 
@@ -134,7 +140,7 @@ class NamedPages:
         pages: list[Page] = []
         try:
             for digest, start, plen in names:
-                fd = os.open(page_file(pick_dir(digest, self.dirs), digest), _OPEN)
+                fd = os.open(self._file(digest), _OPEN)
                 pages.append(Page(fd, start, plen, refs=1))
         except OSError as exc:
             for page in pages:
@@ -151,11 +157,14 @@ class NamedPages:
             return False
         try:
             for digest, _start, _plen in named[2]:
-                os.stat(page_file(pick_dir(digest, self.dirs), digest))
+                os.stat(self._file(digest))
         except OSError as exc:
             self._failed(exc)
             return False
         return True
+
+    def _file(self, digest: str) -> str:
+        return page_file(pick_dir(digest, self.dirs), digest)
 
     def _failed(self, exc: OSError) -> None:
         if exc.errno == errno.ENOENT:  # evicted, freed, or not cached yet: the worker answers

@@ -234,13 +234,12 @@ class ShortCircuitReader:
         except (OSError, ValueError) as exc:
             log.info("page files are not opened by name here: %s", exc)
 
-    def _named_range(self, path: str, offset: int, length: int,
-                     version: str) -> tuple[int, str, list[Page], list[str]] | None:
-        """The range's page files opened by name, or None (no index, not there: ask the worker)."""
+    def _usable_named(self) -> NamedPages | None:
+        """The name index, while it may be used (the worker's table it came with is alive)."""
         named = self.named
         if named is None or not named.enabled or not self.handles.usable():
             return None
-        return named.open_range(path, offset, length, version)
+        return named
 
     # -- reads ---------------------------------------------------------------------------------------------
     def read(self, path: str, offset: int, length: int, version: str,
@@ -253,7 +252,8 @@ class ShortCircuitReader:
         """
         found = self.handles.lookup(path, offset, length, version)
         if found is None and self.named is not None:
-            by_name = self._named_range(path, offset, length, version)
+            named = self._usable_named()
+            by_name = named.open_range(path, offset, length, version) if named is not None else None
             if by_name is not None:
                 return self._read_named(by_name, offset, length, out)
         if found is None:
@@ -365,12 +365,15 @@ class ShortCircuitReader:
     def _read_named_into(self, reads: list[tuple[str, int, memoryview]],
                          results: list[tuple[int, int] | None]) -> None:
         """The reads ``read_held_into`` found no held pages for, by name where the index allows."""
+        named = self._usable_named()
+        if named is None:
+            return
         digests: list[str] = []
         nbytes = pages_read = 0
         for i, (path, offset, out) in enumerate(reads):
             if results[i] is not None:
                 continue
-            by_name = self._named_range(path, offset, len(out), "")
+            by_name = named.open_range(path, offset, len(out))
             if by_name is None:
                 continue
             size, version, pages, names = by_name
@@ -393,7 +396,7 @@ class ShortCircuitReader:
         allows, so that the reads after it find them held (``fill``: cold ranges are fetched into
         the worker's page store first); returns how many are now held, and how many were filled."""
         missing = []
-        named = self.named if self.named is not None and self.named.enabled and self.handles.usable() else None
+        named = self._usable_named()
         for r in ranges:
             found = self.handles.lookup(*r, read=False)
             if found is not None:
@@ -417,8 +420,9 @@ class ShortCircuitReader:
         with ``fetch`` > 0 and nothing known, ask for the handles of its first ``fetch`` bytes
         (a read is coming: one message brings the info and the pages for it)."""
         known = self.handles.object_info(path)
-        if known is None and self.named is not None and self.named.enabled and self.handles.usable():
-            known = self.named.info(path)
+        named = self._usable_named() if known is None else None
+        if named is not None:
+            known = named.info(path)
         if known is None and fetch > 0 and self._holds:
             got = self.request([(path, 0, fetch, "")], ahead=True)[0]
             if got is not None:
