@@ -30,3 +30,8 @@ TABLE_SERVING, TABLE_CLOSED = 1, 2
 #: belongs to a worker that died (or hangs): its clients stop trusting every handle from it.
 HEARTBEAT_SECONDS = 0.5
 TABLE_STALE_SECONDS = 5.0
+#: A client looks at its held descriptors' slots every HANDLE_SWEEP_SECONDS and closes those the
+#: worker invalidated; the worker counts an unlinked page that a client held for
+#: HELD_CLOSE_SECONDS after its eviction (server/pagestore/store.py), not for the whole hold.
+HANDLE_SWEEP_SECONDS = 1.0
+HELD_CLOSE_SECONDS = 5.0

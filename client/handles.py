@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from cachefs.localhost import (
+    HANDLE_SWEEP_SECONDS,
     TABLE_HEADER_WORDS,
     TABLE_MAGIC,
     TABLE_SERVING,
@@ -43,11 +44,16 @@ __all__ = ["HandleCache", "Page", "TableView"]
 
 _STALE_NS = int(TABLE_STALE_SECONDS * 1e9)
 MAX_TOUCHED = 1024  # reads through held handles remembered before a report is sent on its own
-#: The slot of a page the worker served but did not cache (RangeReply.once): no slot in the shared
-#: table (nothing to invalidate: an in-memory copy of one version), kept for one read, briefly.
+#: The slot of a page kept for one read, briefly: one the worker served but did not cache
+#: (RangeReply.once: an in-memory copy of one version, nothing to invalidate), or a page file it
+#: handed out unheld to a request made ahead of its read (a prepare). A page file never changes,
+#: so its bytes stay right; if it leaves the cache meanwhile, its space is back once that read is
+#: done (or ONCE_SECONDS have passed: the sweep), not counted by the worker.
 ONCE = -1
 ONCE_SECONDS = 5.0
-SWEEP_SECONDS = 1.0  # how often expired handles are closed while any are held
+#: How often expired and invalidated handles are closed while any are held: the worker counts an
+#: evicted page that a client held for HELD_CLOSE_SECONDS after its eviction, no longer.
+SWEEP_SECONDS = HANDLE_SWEEP_SECONDS
 
 
 class TableView:
@@ -267,8 +273,11 @@ class HandleCache:
                 return  # nothing held: the next add starts another
 
     def sweep(self, now: float | None = None) -> int:
-        """Close handles whose object's hold has run out; returns how many are still held."""
+        """Close handles whose object's hold has run out, and those the worker invalidated (it
+        evicted the page: the unlinked file's space is counted only for a few seconds after);
+        returns how many are still held."""
         now = time.monotonic() if now is None else now
+        self.usable()  # a dead worker's handles go at once
         with self._lock:
             expired = {path for path, obj in self._objects.items() if obj.until <= now}
             for path in expired:
@@ -277,6 +286,13 @@ class HandleCache:
                 for key in [k for k in self._pages if k[0] in expired]:
                     self.stats["dropped_expired"] += 1
                     self._drop_locked(self._pages[key])
+            table = self.table
+            if table is not None:
+                invalid = [page for page in self._pages.values()
+                           if not (table.valid(page.slot, page.generation) if page.slot != ONCE else page.until > now)]
+                for page in invalid:
+                    self.stats["dropped_invalid"] += 1
+                    self._drop_locked(page)
             return len(self._pages)
 
     def release(self, pages: list[Page]) -> None:

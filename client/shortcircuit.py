@@ -138,7 +138,8 @@ class ShortCircuitReader:
         request = shortcircuit_pb2.ShortCircuitRequest(
             ranges=[shortcircuit_pb2.RangeRequest(path=p, offset=o, length=n, version=v, ahead=ahead, fill=fill)
                     for p, o, n, v in ranges],
-            token=self.token, hello=hello, touched=touched, touched_bytes=touched_bytes)
+            token=self.token, hello=hello, touched=touched, touched_bytes=touched_bytes,
+            by_name=self._usable_named() is not None or (hello and self._by_name))
         self._add_named(request)
         self._add_progress(request)
         message, fds = self._exchange(request)
@@ -167,7 +168,9 @@ class ShortCircuitReader:
                     results.append(None)
                     continue
                 slots = list(got.slots) or [0] * n
-                if len(got.once) == n:  # served, not admitted: keep for one read (handles.ONCE)
+                if ahead:  # not to be held, but asked for ahead of its read: keep it for that read
+                    slots = [ONCE if slot == 0 else slot for slot in slots]
+                elif len(got.once) == n:  # served, not admitted: keep for one read (handles.ONCE)
                     slots = [ONCE if once and slot == 0 else slot for slot, once in zip(slots, got.once)]
                 generations = list(got.generations) or [0] * n
                 fetched = list(got.fetched) if len(got.fetched) == n else [False] * n

@@ -323,3 +323,41 @@ def test_reads_by_name_can_be_turned_off_on_either_side(local_store, make_worker
         assert fs.cat_file("cachefs://data/b") == payload(PAGE, 61)
         assert _served(worker) == served + PAGE  # asked the worker
         assert _reader(fs, worker).named is None
+
+
+def test_under_a_plan_a_client_reading_by_name_holds_nothing(local_store, make_worker, monkeypatch):
+    """A held page that leaves the cache stays charged to the quota until its holders must have
+    closed it; where plans read more than the cache holds, a client that can open pages by name
+    is handed what it asks for to read once (what it asks for ahead is kept for that read), then
+    reads the pages by name. One that cannot still holds them, and so does every client of a
+    cache that holds all the plans read."""
+    from cachefs.client.dataset import CacheDataset
+    from cachefs.pagefile import TRAILER_SIZE
+
+    data = [payload(PAGE // 2, 60 + i) for i in range(12)]
+    for i, d in enumerate(data):
+        local_store.add(f"p/{i:03d}", d)
+    urls = [f"cachefs://data/p/{i:03d}" for i in range(12)]
+    # 13 pages: all 12 fit, but the plans read more than 90% of it (the cache evicts by them)
+    small = make_worker(local_store.mount, page_size=PAGE, quota=13 * (PAGE + TRAILER_SIZE), max_held_fraction=0.5)
+    large = make_worker(local_store.mount, page_size=PAGE)
+
+    def dataset(worker, by_name: bool) -> CacheDataset:
+        return CacheDataset(urls, storage_options={"workers": worker.address, "short_circuit_by_name": by_name},
+                            shuffle=False, rank=0, world_size=1, hint_samples=0)
+
+    ds, other, roomy = dataset(small, True), dataset(small, False), dataset(large, True)
+    assert wait_for(lambda: len(small.plans) == 2 and len(large.plans) == 1, timeout=30)
+    assert [bytes(t.numpy()) for t in ds.__getitems__(list(range(12)))] == data  # cold: filled
+    reader = _reader(ds._local.get().fs, small)
+    assert reader.named is not None
+    # Read through the descriptors its prepare brought (the pages fetched for it), none kept.
+    assert reader.counts["misses"] == 12 and reader.counts["named_hits"] == 0
+    assert reader.handles.held() == 0
+    assert [bytes(t.numpy()) for t in other.__getitems__(list(range(12)))] == data
+    assert _reader(other._local.get().fs, small).handles.held() > 0  # as many as max_held_fraction allows
+    messages = _count_messages(reader, monkeypatch)
+    assert [bytes(t.numpy()) for t in ds.__getitems__(list(range(12)))] == data
+    assert messages == [] and reader.counts["named_hits"] == 12  # by name, no message
+    assert [bytes(t.numpy()) for t in roomy.__getitems__(list(range(12)))] == data
+    assert _reader(roomy._local.get().fs, large).handles.held() == 12

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
+from cachefs.localhost import HELD_CLOSE_SECONDS
 from cachefs.pagenames import page_digest
 from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
 from cachefs.server.pagestore.health import DiskHealth
@@ -190,9 +191,11 @@ class PageStore:
         self._held: list[tuple[float, int, DirHandle, int]] = []
         self._held_seq = 0
         self._held_bytes = 0
-        # Every hold handed out, cached or not, as (until, bytes): an upper bound of what clients
-        # hold now (an extended hold counts twice until its first record ends; never less).
-        self._holds: list[tuple[float, int]] = []
+        # Holds on cached pages: digest -> (until, bytes), and a heap of (until, digest) to end
+        # them (an item whose until is no longer the digest's is skipped). With ``_held`` (the
+        # unlinked ones) an upper bound of what clients may hold open now.
+        self._holds: list[tuple[float, str]] = []
+        self._hold_records: dict[str, tuple[float, int]] = {}
         self._holds_bytes = 0
         self._unlink_listener: Callable[[list[str]], None] | None = None
         self.health = DiskHealth()
@@ -386,14 +389,43 @@ class PageStore:
 
     def hold(self, digests: Iterable[str], until: float) -> None:
         """Local clients may read these pages through held descriptors until ``until`` (monotonic):
-        if a page leaves the cache before then, its bytes stay charged to the quota until then."""
+        eviction passes them over until then, and a page freed or deleted meanwhile stays charged
+        to the quota until its holders must have closed it (_charge_held)."""
         with self._lock:
             for digest in digests:
                 entry = self._entries.get(digest)
                 if entry is not None and entry.state is _State.READY and until > entry.held_until:
                     entry.held_until = until
-                    heapq.heappush(self._holds, (until, entry.size))
-                    self._holds_bytes += entry.size
+                    if self._hold_records.pop(digest, None) is None:
+                        self._holds_bytes += entry.size
+                    self._hold_records[digest] = (until, entry.size)
+                    heapq.heappush(self._holds, (until, digest))
+            if len(self._holds) > 2 * len(self._hold_records) + 64:  # extended holds leave stale items
+                self._holds = [(u, d) for u, d in self._holds if self._hold_records.get(d, (None,))[0] == u]
+                heapq.heapify(self._holds)
+
+    def worth_holding(self, digests: list[str]) -> list[bool]:
+        """Per page, whether a client that can open it by name should also hold its descriptor.
+
+        A held page that leaves the cache stays charged to the quota until its holders must
+        have closed it, so under plan-driven eviction (a dir with pages that registered plans
+        read), where pages leave by the plans' order and are read again an epoch later, a hold
+        buys a few microseconds a read (the page is opened by name instead) at the cost of cache
+        room: not worth it. Without plans (plain reads by recency) holds keep their place."""
+        if self._next_use is None:
+            return [True] * len(digests)
+        out = []
+        with self._lock:
+            for digest in digests:
+                entry = self._entries.get(digest)
+                if entry is None or entry.state is not _State.READY:
+                    out.append(False)
+                    continue
+                order = entry.dir.order
+                planned = isinstance(order, NextUseOrder) and (
+                    order.key(entry) != math.inf or order.furthest() != -math.inf)
+                out.append(not planned)
+        return out
 
     def held_unlinked_bytes(self) -> int:
         """Bytes of unlinked page files that clients may still hold open (charged to the quota)."""
@@ -404,14 +436,22 @@ class PageStore:
     def held_bytes(self) -> int:
         """Bytes of pages, cached or unlinked, that local clients may hold open now (at most).
 
-        Held pages can be evicted but free nothing until their hold ends, so a worker bounds
+        Held pages are not evicted, and freed ones free nothing for a while, so a worker bounds
         this, not only the unlinked part: were every cached page held, no page could be added."""
         now = time.monotonic()
         with self._lock:
-            holds = self._holds
-            while holds and holds[0][0] <= now:
-                self._holds_bytes -= heapq.heappop(holds)[1]
-            return self._holds_bytes
+            self._end_holds(now)
+            self._release_held(now)
+            return self._holds_bytes + self._held_bytes
+
+    def _end_holds(self, now: float) -> None:  # caller holds the lock
+        holds, records = self._holds, self._hold_records
+        while holds and holds[0][0] <= now:
+            until, digest = heapq.heappop(holds)
+            record = records.get(digest)
+            if record is not None and record[0] == until:
+                del records[digest]
+                self._holds_bytes -= record[1]
 
     def touch_digests(self, digests: Iterable[str]) -> int:
         """Reads made through held descriptors: count them as hits and as uses for eviction."""
@@ -433,9 +473,18 @@ class PageStore:
             self._held_bytes -= size
 
     def _charge_held(self, entry: _Entry, now: float) -> bool:  # caller holds the lock
-        """Keep an unlinked page's bytes counted while a client may hold it; True if so."""
+        """Keep an unlinked page's bytes counted while a client may hold it; True if so.
+
+        Its slot is invalidated before the unlink, and clients close invalidated descriptors
+        within HELD_CLOSE_SECONDS (client/handles.py sweeps), so the charge ends then at the
+        latest, not when the hold would have: evicted held pages do not shrink the cache for
+        minutes."""
+        record = self._hold_records.pop(entry.digest, None)
+        if record is not None:
+            self._holds_bytes -= record[1]  # now counted as unlinked (``_held``)
         if entry.held_until <= now:
             return False
+        entry.held_until = min(entry.held_until, now + HELD_CLOSE_SECONDS)
         self._held_seq += 1
         heapq.heappush(self._held, (entry.held_until, self._held_seq, entry.dir, entry.size))
         self._held_bytes += entry.size
@@ -607,8 +656,8 @@ class PageStore:
     # ----------------------------------------------------------- write helpers
     def _pick_victims(self, target: DirHandle, size: int, now: float) -> list[_Entry] | None:
         """READY pages to evict so ``size`` fits, in the dir's eviction order (caller holds the
-        lock); None if impossible. A page a local client may still hold open is evicted too (its
-        holders are told) but frees nothing until its hold ends (policy.py)."""
+        lock); None if impossible. A page a local client may still hold open is passed over: it
+        would free nothing until its holders close it (policy.py)."""
         need = target.used + size - target.quota
         if need <= 0:
             return []

@@ -12,8 +12,10 @@ dead or restarted worker without a message.
 
 The table is bounded (``slots``): when every slot is taken the least recently handed-out one is
 reassigned, which invalidates its page's holders (they simply ask again). The space of unlinked
-pages that clients may still hold open is charged to the page store's quota until the clients'
-permission to hold them runs out (:meth:`PageStore.hold`), so the quota still bounds the disk.
+pages that clients may still hold open is charged to the page store's quota until the clients
+must have closed them (they look at their slots every second and close invalidated handles;
+HELD_CLOSE_SECONDS) or their permission to hold them runs out if sooner (:meth:`PageStore.hold`),
+so the quota still bounds the disk.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class _PageStoreCollector(Collector):
         yield GaugeMetricFamily(
             "cachefs_worker_held_unlinked_bytes",
             "Bytes of evicted or freed page files that local clients may still read through held "
-            "descriptors (counted in used bytes, so within the quota, until their hold ends).",
+            "descriptors (counted in used bytes, so within the quota, for 5 s after they leave or "
+            "until their hold ends if sooner).",
             value=s.held_unlinked_bytes,
         )
         policy = GaugeMetricFamily(

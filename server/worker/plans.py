@@ -135,6 +135,11 @@ class PlanTable:
         with self._lock:
             return len(self._jobs)
 
+    def planned_pages(self) -> int:
+        """Distinct pages of this worker that registered plans read (what the jobs need cached)."""
+        with self._lock:
+            return len(self._by_page)
+
     # -- requests ------------------------------------------------------------------------------------
     def update(self, request: Any) -> bool:
         """Take one Plan request; False when it renews a plan this worker does not have."""

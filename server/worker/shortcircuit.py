@@ -60,7 +60,7 @@ class ShortCircuitServer(ConnectionServer):
 
     def __init__(self, path: str, pages: CachedPages, mode: int = 0o660,
                  on_served: Callable[[int, int], None] | None = None, table: HandleTable | None = None,
-                 hold: Callable[[list[str], float], bool] | None = None,
+                 hold: Callable[[list[str], float, bool], float] | None = None,
                  still_cached: Callable[[str], bool] | None = None,
                  on_touched: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
                  on_handed_out: Callable[[int], None] | None = None,
@@ -69,8 +69,9 @@ class ShortCircuitServer(ConnectionServer):
                  on_progress: Callable[[str, int, int], None] | None = None,
                  names: NameIndex | None = None, page_dirs: list[tuple[str, int]] | None = None,
                  on_named: Callable[[list[str], int], None] | None = None, **limits: Any) -> None:
-        """With a ``table``, pages are handed out to be held: ``hold(digests, until)`` charges them
-        to the quota while clients may hold them (False: no room, hand them out for one read),
+        """With a ``table``, pages are handed out to be held: ``hold(digests, until, by_name)``
+        charges them to the quota while clients may hold them and answers until when (0: no
+        room, hand them out for one read; ``by_name``: the client can open them by name later),
         and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
         ranges asked for with ``fill`` are fetched into the page store first (fill.py). ``limits``:
         ConnectionServer's (max_connections, max_per_peer: per client process, threads, timeouts).
@@ -149,6 +150,7 @@ class ShortCircuitServer(ConnectionServer):
             self._on_named([d.hex() for d in request.touched_pages if len(d) == 16],
                            request.touched_pages_bytes)
         reply = Reply(answered=True)
+        by_name = request.by_name and self._names_for(peer)
         if request.plan_job and self._on_progress is not None:
             self._on_progress(request.plan_job, request.plan_position, request.plan_reader)
         if request.load and self._on_load is not None:
@@ -157,7 +159,7 @@ class ShortCircuitServer(ConnectionServer):
             fds.append(self.table.reader_fd())
             reply.instance, reply.table_slots = self.table.instance, self.table.slots
             reply.page_size = self.pages.page_size
-            if self.names is not None and self._page_dirs and self._by_name_allowed(peer):
+            if self._names_for(peer):
                 fds.append(self.names.reader_fd())
                 reply.names_slots = self.names.slots
                 reply.page_dirs.extend(root for root, _quota in self._page_dirs)
@@ -169,14 +171,14 @@ class ShortCircuitServer(ConnectionServer):
         budget = MAX_PAGES - len(fds)  # descriptors left for this reply
         try:
             for wanted in request.ranges:
-                answers.append(self._range(wanted, budget))
+                answers.append(self._range(wanted, budget, by_name=by_name))
                 budget -= len(answers[-1][1])
             cold = [i for i, (wanted, (got, _)) in enumerate(zip(request.ranges, answers))
                     if wanted.fill and got.code == RangeReply.NOT_CACHED]
             fetched: list[set[Any]] = [set() for _ in cold]  # per cold range: pages not cached (misses)
             if cold and self.filler is not None and self.filler.fill([request.ranges[i] for i in cold], fetched):
                 for i, missed in zip(cold, fetched):
-                    answers[i] = self._range(request.ranges[i], budget, missed)
+                    answers[i] = self._range(request.ranges[i], budget, missed, by_name)
                     budget -= len(answers[i][1])
                     answers[i][0].filled = True
         except BaseException:
@@ -189,9 +191,11 @@ class ShortCircuitServer(ConnectionServer):
             fds.extend(range_fds)
         return reply
 
-    def _range(self, wanted: Any, budget: int, missed: set[Any] | None = None) -> tuple[Any, list[int]]:
+    def _range(self, wanted: Any, budget: int, missed: set[Any] | None = None,
+               by_name: bool = False) -> tuple[Any, list[int]]:
         """The reply for one range and the descriptors to send with it (at most ``budget``);
-        ``missed``: ids of its pages fetched for this request (flagged ``fetched``)."""
+        ``missed``: ids of its pages fetched for this request (flagged ``fetched``); ``by_name``:
+        the client opens cached pages by name (it holds fewer)."""
         if budget <= 0:
             return RangeReply(code=RangeReply.REFUSED, message=f"more than {MAX_PAGES} pages in one reply"), []
         opened = self.pages.open(wanted, max_pages=budget)
@@ -203,7 +207,7 @@ class ShortCircuitServer(ConnectionServer):
             meta = opened.meta
             self.names.publish(str(meta.path), meta.version, meta.size, meta.mtime, opened.valid_until)
         until = min(opened.valid_until, now + MAX_HOLD_SECONDS)
-        slots, generations = self._slots(opened.pages, until)
+        slots, generations, until = self._slots(opened.pages, until, by_name)
         once = [slot == 0 and self._passing is not None and self._passing(pid.digest())
                 for slot, pid in zip(slots, opened.pages)]
         if self._on_served is not None and opened.fds and not wanted.ahead:
@@ -217,18 +221,24 @@ class ShortCircuitServer(ConnectionServer):
                           valid_ms=max(0, int((until - now) * 1000)), fetched=fetched,
                           once=once if any(once) else []), range_fds
 
+    def _names_for(self, peer: Hashable) -> bool:
+        """True if this client is offered the name index (reads by name are on here, for its user)."""
+        return self.names is not None and bool(self._page_dirs) and self._by_name_allowed(peer)
+
     def _by_name_allowed(self, peer: Hashable) -> bool:
         """Only a client of this process's user (or root) could open the page files anyway."""
         uid = peer[0] if isinstance(peer, tuple) and peer else -1
         return uid in (self._uid, 0)
 
-    def _slots(self, pages: list[Any], until: float) -> tuple[list[int], list[int]]:
-        """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor."""
+    def _slots(self, pages: list[Any], until: float, by_name: bool = False) -> tuple[list[int], list[int], float]:
+        """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor;
+        and until when they may be held (``until``, or sooner)."""
         if self.table is None or self._hold is None or not pages or until <= time.monotonic():
-            return [0] * len(pages), [0] * len(pages)
+            return [0] * len(pages), [0] * len(pages), until
         digests = [pid.digest() for pid in pages]
-        if not self._hold(digests, until):
-            return [0] * len(pages), [0] * len(pages)
+        held = self._hold(digests, until, by_name)
+        if not held:
+            return [0] * len(pages), [0] * len(pages), until
         slots, generations = [], []
         for digest in digests:
             slot, generation = self.table.assign(digest)
@@ -238,4 +248,4 @@ class ShortCircuitServer(ConnectionServer):
                 slot = generation = 0
             slots.append(slot)
             generations.append(generation)
-        return slots, generations
+        return slots, generations, held
