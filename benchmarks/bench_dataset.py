@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import sys
+import subprocess
 import tempfile
 import time
 import types
@@ -452,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-samples", type=int,
                    help="samples s3fs and s3torchconnector read per epoch (default all; 64 with --quick and a delay)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--tmp-dir", default=None,
+                   help="where the local copies, streaming's cache and the cachefs worker's page store live "
+                        "(default: the system's temp dir); one file system for all, e.g. a journaled ext4 or XFS "
+                        "mount as an NVMe cache would be")
     args = p.parse_args(argv)
     args.samples = args.samples or (400 if args.quick else 2000)
     args.shard_bytes = args.shard_bytes or ((16 if args.quick else 64) << 20)
@@ -461,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     args.loaders = args.loaders.split(",")
     args.stall = [s for s in args.stall.split(",") if s]
     os.makedirs(args.out, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="bench-dataset-")
+    tmp = tempfile.mkdtemp(prefix="bench-dataset-", dir=args.tmp_dir)
+    tmp_fs = _file_system(tmp)
     started = dt.datetime.now(dt.timezone.utc)
     try:
         with moto_endpoint(args.delay_ms, env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(512 << 20)}) as moto:
@@ -478,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     doc = {"benchmark": "dataset", "started": started.isoformat(), "args": {k: v for k, v in vars(args).items()},
-           "machine": machine_info(), "endpoint": endpoint.as_dict(), "results": bench.results,
+           "machine": machine_info(), "endpoint": endpoint.as_dict(), "tmp_file_system": tmp_fs,
+           "results": bench.results,
            "ratios": ratios(bench.results)}
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     path = os.path.join(args.out, f"dataset-{stamp}.json")
@@ -490,6 +497,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"object store: {endpoint.note}")
     print(f"wrote {path}" + (f" ({note})" if note else f" and {path[:-5]}.png"))
     return 0
+
+
+def _file_system(path: str) -> str:
+    """The file system the benchmark's files are on (type, options, source), for the record: on
+    ext4 without a journal creating files after mass deletes costs ~1 ms each (docs/performance.md)."""
+    try:
+        out = subprocess.run(["findmnt", "-no", "FSTYPE,OPTIONS,SOURCE", "--target", path],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 if __name__ == "__main__":
