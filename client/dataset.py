@@ -264,8 +264,12 @@ class ConsumptionTracking:
                              "not a custom batch_sampler; call advance(n) yourself instead")
         per_batch = 1 if batch_sampler is None else int(batch_size)  # type: ignore[arg-type]
         for batch in loader:
-            self.samples_seen += min(per_batch, len(self.plan) - self.samples_seen)
+            self._consumed(per_batch)
             yield batch
+
+    def _consumed(self, n: int) -> None:
+        """A batch of ``n`` samples (fewer at the end of the epoch) was handed out."""
+        self.samples_seen += min(n, len(self.plan) - self.samples_seen)
 
 
 class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):

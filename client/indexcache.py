@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 
@@ -49,6 +50,14 @@ class IndexCache:
 
     def _file(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.json")
+
+    def parts_dir(self, key: str) -> str:
+        """Where a scan under way writes each shard's index for other processes (shardscan.py)."""
+        return os.path.join(self.directory, f"{key}.parts")
+
+    def drop_parts(self, key: str) -> None:
+        """The whole index is kept: a scan's per-shard files are no longer needed."""
+        shutil.rmtree(self.parts_dir(key), ignore_errors=True)
 
     def load(self, key: str) -> list[ShardIndex] | None:
         try:

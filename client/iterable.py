@@ -41,7 +41,8 @@ from cachefs.client.hints import Hinter
 from cachefs.client.indexcache import IndexCache, default_dir
 from cachefs.client.jobstats import CounterBlock
 from cachefs.client.prefetch import Prefetcher
-from cachefs.client.sampling import BlockPlan
+from cachefs.client.sampling import BlockPlan, known_block
+from cachefs.client.shardscan import ShardScan
 from cachefs.client.shards import FORMATS, ShardIndex, index_from_json, index_to_json
 
 log = logging.getLogger(__name__)
@@ -52,14 +53,23 @@ MERGE_GAP = 64 << 10
 
 
 class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset):
-    def __init__(self, shards: Sequence[ShardIndex], *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, shards: Sequence[ShardIndex] | ShardScan, *, storage_options: dict[str, Any] | None = None,
                  batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
                  prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0,
-                 plan_ahead: bool = True, stats: bool = True) -> None:
-        self.shards = list(shards)
-        if not self.shards:
+                 plan_ahead: bool = True, stats: bool = True, first_epoch_in_order: bool | None = None) -> None:
+        """``first_epoch_in_order``: epoch 0 reads the shards in file order (blocks shuffled within),
+        as it must while they are indexed on the way; the default for shards without an index file
+        (``from_prefix``), so that every rank deals the same order whether its host kept an index."""
+        # Shards still being indexed (from_prefix without an index: shardscan.py): the first epoch
+        # reads them in file order as they become known; what needs all of them waits.
+        self._scan = shards if isinstance(shards, ShardScan) else None
+        self._shards = [] if self._scan is not None else list(shards)  # type: ignore[arg-type]
+        self._first_in_order = self._scan is not None if first_epoch_in_order is None else bool(first_epoch_in_order)
+        if self._scan is not None and not self._first_in_order:
+            raise ValueError("shards indexed on the way are read in file order in the first epoch")
+        if self._scan is None and not self._shards:
             raise ValueError("a CacheIterableDataset needs at least one shard")
         self.storage_options = dict(storage_options or {})
         self.transform = transform
@@ -71,10 +81,13 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self.block, self.seed, self.shuffle, self.drop_last = int(batch_size), int(seed), bool(shuffle), bool(drop_last)
         self.prefetch_bytes, self.prefetch_blocks = int(prefetch_bytes), int(prefetch_blocks)
         self.prefetch_threads, self.hint_shards, self.timeout = int(prefetch_threads), int(hint_shards), float(timeout)
-        self.counts = tuple(len(s) for s in self.shards)
-        self._starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
-        self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, 0, self.shuffle,
-                              self.drop_last)
+        self._epoch = 0
+        self._plan: BlockPlan | None = None
+        if self._scan is None:
+            self._set_shards(self._shards, ordered=self._first_in_order)
+        else:
+            self.counts, self._starts = (), np.zeros(1, dtype=np.int64)
+            self._index = (self._shards, self._starts)
         self.samples_seen = 0
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
@@ -83,7 +96,61 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self._counters = CounterBlock() if stats else CounterBlock("")
         self.learn_cluster()
         self.plan_ahead, self._owner_pid = bool(plan_ahead), os.getpid()
-        self.publish_plan()
+        if self._scan is None:
+            self.publish_plan()
+
+    # -- shards, and the plan over them ---------------------------------------------------------------
+    def _set_shards(self, shards: Sequence[ShardIndex], ordered: bool) -> None:
+        self._shards = list(shards)
+        self.counts = tuple(len(s) for s in self._shards)
+        self._starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
+        self._index = (self._shards, self._starts)
+        self._plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, self._epoch,
+                               self.shuffle, self.drop_last, ordered=ordered)
+
+    @property
+    def shards(self) -> list[ShardIndex]:
+        """Every shard's index; while shards are still being indexed, this waits for all of them."""
+        if self._scan is not None:
+            self._scan_complete()
+        return self._shards
+
+    @property
+    def plan(self) -> BlockPlan:
+        """The epoch's BlockPlan; while shards are still being indexed, this waits for all of them."""
+        if self._scan is not None:
+            self._scan_complete()
+        return self._plan  # type: ignore[return-value]
+
+    @plan.setter
+    def plan(self, plan: BlockPlan) -> None:
+        self._plan = plan
+
+    def _scan_complete(self) -> None:
+        scan = self._scan
+        if scan is None:
+            return
+        shards = scan.wait_all(self.timeout)
+        if self._scan is scan:  # another thread may have got here first: the same result
+            self._set_shards(shards, ordered=self._epoch == 0)  # the order the epoch started in
+            self._scan = None
+            self.publish_plan()
+
+    def _scanned_block(self, j: int, wait: bool) -> np.ndarray | None:
+        """Block ``j``'s sample ids from the shards indexed so far (``wait``: until they cover it),
+        or None when only the whole plan can tell (its last round, past the end, or all known)."""
+        scan = self._scan
+        if scan is None:
+            return None
+        need = (j + 1) * self.world_size * self.block
+        known = scan.wait_samples(need, self.timeout) if wait else scan.known()[1]
+        if known < need or scan.done:
+            return None
+        return known_block(j, self.block, self.rank, self.world_size, self.seed, self._epoch, self.shuffle)
+
+    def _block_ids(self, j: int) -> np.ndarray:
+        ids = self._scanned_block(j, wait=False) if self._scan is not None else None
+        return ids if ids is not None else self.plan.block_samples(j)
 
     def _cache_prefetch(self) -> bool:
         return self.hint_shards > 0
@@ -137,11 +204,23 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         kept = IndexCache(default_dir() if index_cache is None else index_cache)
         key = IndexCache.key(base, format, listed) if kept.directory else None
         shards = kept.load(key) if key else None
-        if shards is None:
-            shards = scan_shards([(path, size) for path, size, _ in listed], storage_options, format)
-            if key:
-                kept.save(key, shards, format)
-        return cls(shards, storage_options=storage_options, **kwargs)
+        # Whether each host scans, kept an index or scans on the way, every rank reads the first
+        # epoch in the same (file) order: the one a scan on the way needs.
+        kwargs.setdefault("first_epoch_in_order", True)
+        if shards is not None:
+            kept.drop_parts(key)  # type: ignore[arg-type]
+            return cls(shards, storage_options=storage_options, **kwargs)
+        paths = [(path, size) for path, size, _ in listed]
+        if key is None:  # nowhere to share shards' indexes with DataLoader workers: all of them first
+            return cls(scan_shards(paths, storage_options, format), storage_options=storage_options, **kwargs)
+        # Indexed on the way (shardscan.py): the first batch after about the first shard's fetch.
+        indexer = _ShardIndexer(storage_options, format)
+
+        def done(shards: list[ShardIndex]) -> None:
+            kept.save(key, shards, format)
+            indexer.close()
+        scan = ShardScan(paths, indexer, kept.parts_dir(key), on_done=done)
+        return cls(scan.start(), storage_options=storage_options, **kwargs)
 
     def index_json(self, base: str = "") -> str:
         """This dataset's index, to save (e.g. beside the shards) so the next start needs no scan."""
@@ -166,28 +245,47 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         return self._process()[2]
 
     # -- reading -------------------------------------------------------------------------------------
+    def _index_covering(self, ids: Sequence[int]) -> tuple[list[ShardIndex], np.ndarray]:
+        """(shards, their start ids) covering ``ids``: one consistent view, whatever other threads
+        learn meanwhile; while shards are being indexed, taken anew from the scan when short."""
+        index = self._index
+        scan = self._scan
+        if scan is not None and len(ids) and max(ids) >= index[1][-1]:
+            shards = scan.known_shards()  # grows only; holds every id a known block has
+            index = (shards, np.concatenate([[0], np.cumsum([len(s) for s in shards], dtype=np.int64)]))
+            if len(shards) > len(self._index[0]):
+                self._index = index  # a cache for the next block; never needed to be right
+        return index
+
+    @staticmethod
+    def _locate_in(starts: np.ndarray, sample: int) -> tuple[int, int]:
+        shard = bisect.bisect_right(starts, sample) - 1  # type: ignore[arg-type]
+        return shard, sample - int(starts[shard])
+
     def _locate(self, sample: int) -> tuple[int, int]:
-        shard = bisect.bisect_right(self._starts, sample) - 1  # type: ignore[arg-type]
-        return shard, sample - int(self._starts[shard])
+        return self._locate_in(self._index_covering([sample])[1], sample)
 
     def _block_bytes(self, j: int) -> int:
         total = 0
-        for sample in self.plan.block_samples(j):
-            shard, i = self._locate(int(sample))
-            span = self.shards[shard].samples[i]
+        ids = [int(s) for s in self._block_ids(j)]
+        shards, starts = self._index_covering(ids)
+        for sample in ids:
+            shard, i = self._locate_in(starts, sample)
+            span = shards[shard].samples[i]
             total += span.end - span.start
         return total
 
     def _read_block(self, j: int) -> list[dict[str, Any]]:
         """Block ``j``'s samples: each run of nearby samples of a shard in one range read."""
         fs = self._process()[0]
-        ids = [int(s) for s in self.plan.block_samples(j)]
-        where = [self._locate(s) for s in ids]
+        ids = [int(s) for s in self._block_ids(j)]
+        shards, starts = self._index_covering(ids)
+        where = [self._locate_in(starts, s) for s in ids]
         spans = sorted({(shard, i) for shard, i in where},
-                       key=lambda si: (si[0], self.shards[si[0]].samples[si[1]].start))
+                       key=lambda si: (si[0], shards[si[0]].samples[si[1]].start))
         runs: list[tuple[int, int, int]] = []  # (shard, start, end)
         for shard, i in spans:
-            span = self.shards[shard].samples[i]
+            span = shards[shard].samples[i]
             if runs and runs[-1][0] == shard and span.start - runs[-1][2] <= MERGE_GAP:
                 runs[-1] = (shard, runs[-1][1], max(runs[-1][2], span.end))
             else:
@@ -199,18 +297,18 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             run = torch.empty(end - start, dtype=torch.uint8)
             try:
                 with profiled("cachefs.read_into"):
-                    got, _ = fs.read_into(self.shards[shard].path, run.numpy(), offset=start)
+                    got, _ = fs.read_into(shards[shard].path, run.numpy(), offset=start)
             except Exception as exc:
-                raise SampleReadError(f"cannot read bytes {start}-{end} of shard {self.shards[shard].path!r} "
-                                      f"(block {j} of rank {self.rank}, epoch {self.plan.epoch}): "
+                raise SampleReadError(f"cannot read bytes {start}-{end} of shard {shards[shard].path!r} "
+                                      f"(block {j} of rank {self.rank}, epoch {self._epoch}): "
                                       f"{type(exc).__name__}: {exc}") from exc
             if got != end - start:
-                raise SampleReadError(f"shard {self.shards[shard].path!r} is shorter than its index says: "
+                raise SampleReadError(f"shard {shards[shard].path!r} is shorter than its index says: "
                                       f"{got} of {end - start} bytes at {start}")
             buffers.setdefault(shard, []).append((start, run))
         out = []
         for sample, (shard, i) in zip(ids, where):
-            span = self.shards[shard].samples[i]
+            span = shards[shard].samples[i]
             base, run = next((s, t) for s, t in buffers[shard] if s <= span.start and span.end <= s + len(t))
             item: dict[str, Any] = {"__key__": span.key, "__index__": sample}
             for name, offset, size in span.fields:
@@ -227,7 +325,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         shards: list[str] = []
         for j in blocks[k + self.prefetch_blocks:]:
             for sample in (self.plan.block_span(j)[0], self.plan.block_span(j)[1] - 1):
-                shard = self.shards[self._locate(int(self.plan.order[sample]))[0]]
+                shard = self._shards[self._locate(int(self.plan.order[sample]))[0]]
                 # Load brings a whole object to one worker: only worth it within one stripe.
                 if shard.path not in shards and shard.size <= stripe:
                     shards.append(shard.path)
@@ -235,7 +333,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                 break
         limit = self.hint_shards
         if self._hint_budget >= 0 and shards:  # never hint more than the workers can keep for this job
-            biggest = max(s.size for s in self.shards if s.path in shards)
+            biggest = max(s.size for s in self._shards if s.path in shards)
             limit = min(limit, int(self._hint_budget // max(1, biggest)))
         if shards and limit > 0:
             hinter.hint(shards[:limit])
@@ -243,6 +341,9 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if self._scan is not None and self.samples_seen == 0 and self._worker_resume is None:
+            yield from self._iter_scanning(worker, workers)
+            return
         first, skip = divmod(self.samples_seen, self.block)
         blocks = self.plan.worker_blocks(worker, workers, first)
         # Resumed from a DataLoader worker's own state (StatefulDataLoader): skip what it yielded.
@@ -250,7 +351,6 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         skip_own = own[2] if own is not None and own[:2] == (worker, workers) else 0
         self._iter_from, self._yielded = self.samples_seen, 0
         parts = self._local.get()
-        prefetcher = parts.prefetcher
         k0 = 0
         while skip_own and k0 < len(blocks):
             start, end = self.plan.block_span(blocks[k0])
@@ -265,15 +365,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             if (k - k0) % max(1, self.prefetch_blocks // 2) == 0:
                 self._hint_after(blocks, k)
             t0 = time.perf_counter_ns()
-            self._note_progress(parts, j * self.block)  # block j starts there in this rank's order
-            try:
-                with profiled("cachefs.read_block"):
-                    samples = prefetcher.get(j, iter(blocks[k + 1:]))
-            except SampleReadError:
-                raise
-            except Exception as exc:
-                raise SampleReadError(f"cannot read block {j} of rank {self.rank}, epoch {self.plan.epoch}: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+            samples = self._get_block(parts, j, iter(blocks[k + 1:]))
             if j == first and skip:  # resumed inside this block (same world size only)
                 samples = samples[skip:]
             if k == k0 and skip_own:
@@ -283,6 +375,48 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             for sample in samples:
                 self._yielded += 1
                 yield self.transform(sample) if self.transform is not None else sample
+
+    def _get_block(self, parts: ProcessParts, j: int, upcoming: Iterator[int]) -> list[dict[str, Any]]:
+        self._note_progress(parts, j * self.block)  # block j starts there in this rank's order
+        try:
+            with profiled("cachefs.read_block"):
+                return parts.prefetcher.get(j, upcoming)
+        except SampleReadError:
+            raise
+        except Exception as exc:
+            raise SampleReadError(f"cannot read block {j} of rank {self.rank}, epoch {self._epoch}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+
+    def _iter_scanning(self, worker: int, workers: int) -> Iterator[Any]:
+        """The first epoch while its shards are still being indexed: each block as soon as the
+        shards before it are known (in file order), then, once all are, the rest of the plan."""
+        self._iter_from, self._yielded = 0, 0
+        parts = self._local.get()
+        j = worker
+        while self._scanned_block(j, wait=True) is not None:
+            t0 = time.perf_counter_ns()
+            samples = self._get_block(parts, j, self._known_after(j, workers))
+            self._account(parts, len(samples), t0)
+            for sample in samples:
+                self._yielded += 1
+                yield self.transform(sample) if self.transform is not None else sample
+            j += workers
+        blocks = range(j, self.plan.n_blocks, max(1, workers))  # all shards known: the whole plan
+        for k, j in enumerate(blocks):
+            t0 = time.perf_counter_ns()
+            samples = self._get_block(parts, j, iter(blocks[k + 1:]))
+            self._account(parts, len(samples), t0)
+            for sample in samples:
+                self._yielded += 1
+                yield self.transform(sample) if self.transform is not None else sample
+
+    def _known_after(self, j: int, workers: int) -> Iterator[int]:
+        """This worker's blocks after ``j`` that are known now (prefetch them; never waits)."""
+        while True:
+            j += max(1, workers)
+            if self._scanned_block(j, wait=False) is None:
+                return
+            yield j
 
     def __len__(self) -> int:
         """Samples this rank yields from where it stands (the whole epoch unless resumed)."""
@@ -302,18 +436,33 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         first = self.samples_seen // self.block
         j = first
         for batch in loader:
-            start, end = self.plan.block_span(j)
+            start, end = self._block_span(j)
             done = (self.samples_seen % self.block) if j == first else 0
             self.samples_seen += end - start - done
             j += 1
             yield batch
 
+    def _block_span(self, j: int) -> tuple[int, int]:
+        if self._scanned_block(j, wait=False) is not None:  # a full round: no need to wait for all shards
+            start = (j * self.world_size + self.rank) * self.block
+            return start, start + self.block
+        return self.plan.block_span(j)
+
+    def _consumed(self, n: int) -> None:
+        scan = self._scan
+        if scan is not None and self.samples_seen + n <= scan.known()[1] // self.world_size:
+            self.samples_seen += n  # within what this rank reads for sure: no need to wait for all shards
+            return
+        super()._consumed(n)
+
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order; progress resets only when the epoch changes."""
-        if int(epoch) == self.plan.epoch:
+        if int(epoch) == self._epoch:
             return
+        self._scan_complete()
+        self._epoch = int(epoch)
         self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, int(epoch),
-                              self.shuffle, self.drop_last)
+                              self.shuffle, self.drop_last, ordered=self._epoch == 0 and self._first_in_order)
         self.samples_seen = self._iter_from = self._yielded = 0
         self._worker_resume = None
         self._reset()
@@ -321,7 +470,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
 
     @property
     def epoch(self) -> int:
-        return self.plan.epoch
+        return self._epoch
 
     def _reset(self) -> None:
         parts = self._local.peek()
@@ -341,15 +490,31 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (a rank's: any worker count or world size, see BlockPlan; a
         worker's, from StatefulDataLoader: the same worker count, as torchdata requires)."""
+        self._scan_complete()
         self.plan, self.samples_seen = BlockPlan.resume(
             state, counts=self.counts, block=self.block, rank=self.rank, world_size=self.world_size,
             shuffle=self.shuffle, drop_last=self.drop_last)
-        self.seed = int(state["seed"])
+        self.seed, self._epoch = int(state["seed"]), self.plan.epoch
         self._worker_resume = ((int(state["worker"]), int(state["num_workers"]), int(state["worker_yielded"]))
                                if "worker" in state else None)
         self._iter_from, self._yielded = self.samples_seen, 0
         self._reset()
         self.publish_plan()
+
+
+class _ShardIndexer:
+    """Indexes one shard at a time by reading it through the cache (bringing it into the cache)."""
+
+    def __init__(self, storage_options: dict[str, Any] | None, format: str) -> None:
+        self.format = FORMATS[format]
+        self.fs = CacheFileSystem(skip_instance_cache=True, **dict(storage_options or {}))
+
+    def __call__(self, path: str, size: int) -> ShardIndex:
+        samples = self.format.scan(lambda off, n: self.fs.cat_file(path, off, off + n), size)
+        return ShardIndex(path, size, tuple(samples))
+
+    def close(self) -> None:
+        self.fs.close()
 
 
 def scan_shards(paths: Sequence[tuple[str, int]], storage_options: dict[str, Any] | None = None,

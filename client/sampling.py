@@ -145,6 +145,20 @@ class EpochPlan:
         return plan, seen
 
 
+def known_block(j: int, block: int, rank: int, world_size: int, seed: int, epoch: int,
+                shuffle: bool) -> np.ndarray:
+    """Block ``j`` of ``rank`` in an ordered BlockPlan (shards in file order, offset 0), for a
+    caller that knows the data set holds at least ``(j + 1) * world_size * block`` samples: the
+    block is then one of the full rounds, which padding and the last round never touch, and its
+    ids are its positions. Equal to ``BlockPlan(..., ordered=True).block_samples(j)``."""
+    start = (j * world_size + rank) * block
+    ids = np.arange(start, start + block, dtype=np.int64)
+    if not shuffle or block < 2:
+        return ids
+    rng = np.random.Generator(np.random.PCG64([seed, epoch, 2, start]))
+    return ids[rng.permutation(block)]
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """The epoch order of a sharded dataset, dealt in **blocks** of consecutive samples.
@@ -175,6 +189,9 @@ class BlockPlan:
     shuffle: bool = True
     drop_last: bool = False
     offset: int = 0
+    #: Shards in file order (blocks still shuffled within): the first epoch over shards that are
+    #: being indexed on the way (shardscan.py), whose sample ids are then known shard by shard.
+    ordered: bool = False
 
     def __post_init__(self) -> None:
         if any(c < 0 for c in self.counts):
@@ -190,7 +207,7 @@ class BlockPlan:
 
     def _make_rest(self) -> np.ndarray:
         starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
-        shards = _permutation(len(self.counts), self.seed, self.epoch, self.shuffle)
+        shards = _permutation(len(self.counts), self.seed, self.epoch, self.shuffle and not self.ordered)
         parts = [np.arange(starts[s], starts[s + 1], dtype=np.int64) for s in shards]
         order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return _to_rank_multiple(order[self.offset:], self.world_size, self.drop_last)
@@ -244,7 +261,7 @@ class BlockPlan:
         return {"version": STATE_VERSION, "kind": "blocks", "epoch": self.epoch, "seed": self.seed,
                 "samples_seen": int(samples_seen), "offset": self.offset, "world_size": self.world_size,
                 "n_samples": self.n_samples, "n_shards": len(self.counts), "block": self.block,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "ordered": self.ordered}
 
     @classmethod
     def resume(cls, state: dict[str, Any], *, counts: tuple[int, ...], block: int, rank: int, world_size: int,
@@ -259,8 +276,9 @@ class BlockPlan:
         if bool(state["shuffle"]) != shuffle:
             raise ValueError(f"the state was saved with shuffle={state['shuffle']}; this dataset has {shuffle}")
         seen, offset, old_ws = int(state["samples_seen"]), int(state["offset"]), int(state["world_size"])
+        ordered = bool(state.get("ordered", False))
         old = cls(counts, int(state["block"]), 0, old_ws, int(state["seed"]), int(state["epoch"]), shuffle,
-                  bool(state["drop_last"]), offset)
+                  bool(state["drop_last"]), offset, ordered)
         if not 0 <= seen <= len(old):
             raise ValueError(f"samples_seen {seen} is outside the {len(old)} samples of a rank")
         same_deal = old_ws == world_size and old.block == block and old.drop_last == drop_last
@@ -270,5 +288,5 @@ class BlockPlan:
                                  "size, block or drop_last: resume at a batch boundary (batch_size == block)")
             offset, seen = min(old.n_samples, offset + seen * old_ws), 0
         plan = cls(counts, block, rank, world_size, int(state["seed"]), int(state["epoch"]), shuffle, drop_last,
-                   offset)
+                   offset, ordered)
         return plan, seen

@@ -320,13 +320,19 @@ def test_a_scanned_index_is_kept_and_used_until_a_shard_changes(sharded, local_s
 
     shards, opts = sharded(30)
     os.remove(os.path.join(local_store.mount.url, "shards", "index.json"))
-    scans: list[int] = []
+    scans: list[str] = []  # shards indexed, one by one
+    real_index = iterable_module._ShardIndexer.__call__
     real_scan = iterable_module.scan_shards
 
+    def counting_index(self, path, size):
+        scans.append(path)
+        return real_index(self, path, size)
+
     def counting_scan(paths, *args, **kwargs):
-        scans.append(len(paths))
+        scans.extend(p for p, _ in paths)
         return real_scan(paths, *args, **kwargs)
 
+    monkeypatch.setattr(iterable_module._ShardIndexer, "__call__", counting_index)
     monkeypatch.setattr(iterable_module, "scan_shards", counting_scan)
     kept = str(tmp_path / "kept")
 
@@ -334,10 +340,15 @@ def test_a_scanned_index_is_kept_and_used_until_a_shard_changes(sharded, local_s
         return CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=options, batch_size=4,
                                                 rank=0, world_size=1, index_cache=kept)
 
+    def kept_indexes() -> list[str]:
+        return [f for f in os.listdir(kept) if f.endswith(".json")]
+
     first = make()
-    assert scans == [len(shards)] and len(os.listdir(kept)) == 1
+    assert len(first.shards) == len(shards)  # waits for the scan under way
+    assert len(scans) == len(shards) and wait_for(lambda: len(kept_indexes()) == 1, timeout=30)
     again = make()
-    assert scans == [len(shards)]  # no second scan
+    assert len(scans) == len(shards)  # no second scan
+    assert os.listdir(kept) == kept_indexes()  # the first scan's per-shard files are gone
     assert [s.samples for s in again.shards] == [s.samples for s in first.shards]
     assert sorted(int(bytes(s["cls"].numpy())) for s in again) == list(range(30))
     # One shard rewritten with other samples: a new version, so a new key and a new scan.
@@ -347,8 +358,8 @@ def test_a_scanned_index_is_kept_and_used_until_a_shard_changes(sharded, local_s
     os.replace(str(tmp_path / "other" / "shard-000000.tar"), last)
     fresh = {"workers": make_worker(local_store.mount, page_size=PAGE).address}  # no metadata cached yet
     assert len(make(fresh).shards[-1].samples) == n_last + 2
-    assert len(scans) == 2 and len(os.listdir(kept)) == 2
-    # Keeping can be turned off.
+    assert len(scans) == 2 * len(shards) and wait_for(lambda: len(kept_indexes()) == 2, timeout=30)
+    # Keeping can be turned off (and then every shard is indexed before the dataset is made).
     make_off = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
                                                 rank=0, world_size=1, index_cache="")
     assert len(make_off.shards) == len(shards)
