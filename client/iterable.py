@@ -483,9 +483,20 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         worker), where that worker is: what it yielded of its own blocks since the loader started."""
         info = get_worker_info()
         if info is not None:
-            return {**self.plan.state(self._iter_from), "worker": info.id, "num_workers": info.num_workers,
+            return {**self._state(self._iter_from), "worker": info.id, "num_workers": info.num_workers,
                     "worker_yielded": self._yielded}
-        return self.plan.state(max(self.samples_seen, self._iter_from + self._yielded))
+        return self._state(max(self.samples_seen, self._iter_from + self._yielded))
+
+    def _state(self, samples_seen: int) -> dict[str, Any]:
+        """The plan's state; while shards are being indexed, the same without the sample count
+        (-1: not known yet), so a checkpoint (or StatefulDataLoader's snapshot of each worker)
+        does not wait for every shard."""
+        scan = self._scan
+        if scan is None:
+            return self.plan.state(samples_seen)
+        return {**BlockPlan((), self.block, 0, self.world_size, self.seed, self._epoch, self.shuffle,
+                            self.drop_last, ordered=True).state(samples_seen),
+                "n_samples": -1, "n_shards": len(scan.listed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (a rank's: any worker count or world size, see BlockPlan; a

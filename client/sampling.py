@@ -270,7 +270,8 @@ class BlockPlan:
         if state.get("version") != STATE_VERSION or state.get("kind") != "blocks":
             raise ValueError("not a CacheIterableDataset state (version {}, kind {})".format(
                 state.get("version"), state.get("kind")))
-        if state["n_samples"] != sum(counts) or state["n_shards"] != len(counts):
+        # n_samples -1: saved while the shards were still being indexed (shardscan.py)
+        if state["n_samples"] not in (sum(counts), -1) or state["n_shards"] != len(counts):
             raise ValueError(f"the state is for {state['n_samples']} samples in {state['n_shards']} shards; "
                              f"this dataset has {sum(counts)} in {len(counts)}")
         if bool(state["shuffle"]) != shuffle:

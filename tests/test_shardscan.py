@@ -139,10 +139,11 @@ def test_a_state_saved_in_the_first_epoch_resumes_exactly(unindexed, gate, tmp_p
         seen += [_id(s) for s in batch]
         if len(seen) == 10:
             assert ds._scan is not None  # still indexing: counted without waiting
+            state = ds.state_dict()  # nor does the state wait for every shard
+            assert ds._scan is not None and state["n_samples"] == -1
             gate.set()
-            state = ds.state_dict()  # waits for the index
             break
-    assert state["ordered"] and state["samples_seen"] == 10
+    assert state["ordered"] and state["samples_seen"] == 10 and state["n_shards"] == len(shards)
     assert wait_for(lambda: any(f.endswith(".json") for f in os.listdir(kept)), timeout=30)
     again = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=5,
                                              rank=0, world_size=1, index_cache=kept)
@@ -150,3 +151,34 @@ def test_a_state_saved_in_the_first_epoch_resumes_exactly(unindexed, gate, tmp_p
     again.load_state_dict(state)
     rest = [_id(s) for s in again]
     assert sorted(seen + rest) == list(range(50))
+
+
+def test_a_stateful_dataloader_snapshots_workers_while_indexing(unindexed, gate, tmp_path):
+    """torchdata's StatefulDataLoader asks every worker for its state each step: that must not
+    wait for every shard, and what it saved resumes exactly."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    shards, opts = unindexed(60, shard_bytes=40_000)
+    assert len(shards[0].samples) >= 8
+    kept = str(tmp_path / "kept")
+    ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
+                                          rank=0, world_size=1, index_cache=kept)
+    loader = stateful.StatefulDataLoader(ds, batch_size=4, num_workers=2, collate_fn=lambda b: b, timeout=120,
+                                         multiprocessing_context="fork")
+    first, state = [], None
+    for k, batch in enumerate(loader):
+        first += [_id(s) for s in batch]
+        if k == 0:
+            assert ds._scan is not None and not ds._scan.done  # the first batch while indexing
+            gate.set()
+        if k == 3:
+            state = loader.state_dict()
+            break
+    del loader
+    assert wait_for(lambda: any(f.endswith(".json") for f in os.listdir(kept)), timeout=30)
+    again = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
+                                             rank=0, world_size=1, index_cache=kept)
+    loader = stateful.StatefulDataLoader(again, batch_size=4, num_workers=2, collate_fn=lambda b: b, timeout=120,
+                                         multiprocessing_context="fork")
+    loader.load_state_dict(state)
+    rest = [_id(s) for batch in loader for s in batch]
+    assert len(first) == 16 and sorted(first + rest) == list(range(60))
