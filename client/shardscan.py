@@ -16,6 +16,7 @@ be indexed is an error every waiter sees (``ShardScanError``), in every process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -82,6 +83,10 @@ class ShardScan:
     def start(self) -> "ShardScan":
         """Index every shard in file order, ``threads`` at a time, in the background."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        for name in os.listdir(self.directory):  # an earlier run's failure is not this one's
+            if name.endswith(".error"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.directory, name))
         self._owner, self._pid = True, os.getpid()
         threading.Thread(target=self._run, name="cachefs-shard-scan", daemon=True).start()
         return self

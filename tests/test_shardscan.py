@@ -182,3 +182,31 @@ def test_a_stateful_dataloader_snapshots_workers_while_indexing(unindexed, gate,
     loader.load_state_dict(state)
     rest = [_id(s) for batch in loader for s in batch]
     assert len(first) == 16 and sorted(first + rest) == list(range(60))
+
+
+def test_a_shard_that_cannot_be_indexed_is_an_error_in_every_process(unindexed, tmp_path, monkeypatch):
+    shards, opts = unindexed(40)
+    real = iterable_module._ShardIndexer.__call__
+
+    def broken(self, path, size):
+        if path.endswith("shard-000001.tar"):
+            raise ValueError("not a tar file")
+        return real(self, path, size)
+
+    monkeypatch.setattr(iterable_module._ShardIndexer, "__call__", broken)
+    kept = str(tmp_path / "kept")
+    ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
+                                          rank=0, world_size=1, index_cache=kept)
+    with pytest.raises(OSError, match="shard-000001.tar.*not a tar file"):
+        list(ds)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=lambda b: b, timeout=120,
+                        multiprocessing_context="fork")
+    with pytest.raises(Exception, match="not a tar file"):
+        list(loader)
+    # The next start scans again and does not take the earlier failure for its own.
+    monkeypatch.setattr(iterable_module._ShardIndexer, "__call__", real)
+    again = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
+                                             rank=0, world_size=1, index_cache=kept)
+    loader = DataLoader(again, batch_size=4, num_workers=2, collate_fn=lambda b: b, timeout=120,
+                        multiprocessing_context="fork")
+    assert sorted(_id(s) for batch in loader for s in batch) == list(range(40))
