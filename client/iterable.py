@@ -388,32 +388,32 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                                   f"{type(exc).__name__}: {exc}") from exc
 
     def _iter_scanning(self, worker: int, workers: int) -> Iterator[Any]:
-        """The first epoch while its shards are still being indexed: each block as soon as the
-        shards before it are known (in file order), then, once all are, the rest of the plan."""
+        """The first epoch while its shards are still being indexed (see _scanning_blocks)."""
         self._iter_from, self._yielded = 0, 0
         parts = self._local.get()
-        j = worker
-        while self._scanned_block(j, wait=True) is not None:
+        for j, upcoming in self._scanning_blocks(worker, max(1, workers)):
             t0 = time.perf_counter_ns()
-            samples = self._get_block(parts, j, self._known_after(j, workers))
-            self._account(parts, len(samples), t0)
-            for sample in samples:
-                self._yielded += 1
-                yield self.transform(sample) if self.transform is not None else sample
-            j += workers
-        blocks = range(j, self.plan.n_blocks, max(1, workers))  # all shards known: the whole plan
-        for k, j in enumerate(blocks):
-            t0 = time.perf_counter_ns()
-            samples = self._get_block(parts, j, iter(blocks[k + 1:]))
+            samples = self._get_block(parts, j, upcoming)
             self._account(parts, len(samples), t0)
             for sample in samples:
                 self._yielded += 1
                 yield self.transform(sample) if self.transform is not None else sample
 
-    def _known_after(self, j: int, workers: int) -> Iterator[int]:
-        """This worker's blocks after ``j`` that are known now (prefetch them; never waits)."""
+    def _scanning_blocks(self, worker: int, step: int) -> Iterator[tuple[int, Iterator[int]]]:
+        """This worker's blocks with those to prefetch after each: a block as soon as the shards
+        before it are known (in file order), and once all are, the rest of the whole plan."""
+        j = worker
+        while self._scanned_block(j, wait=True) is not None:
+            yield j, self._known_after(j, step)
+            j += step
+        blocks = range(j, self.plan.n_blocks, step)
+        for k, j in enumerate(blocks):
+            yield j, iter(blocks[k + 1:])
+
+    def _known_after(self, j: int, step: int) -> Iterator[int]:
+        """Blocks after ``j`` (every ``step``-th) that are known now: prefetch them; never waits."""
         while True:
-            j += max(1, workers)
+            j += step
             if self._scanned_block(j, wait=False) is None:
                 return
             yield j
@@ -531,16 +531,9 @@ class _ShardIndexer:
 def scan_shards(paths: Sequence[tuple[str, int]], storage_options: dict[str, Any] | None = None,
                 format: str = "tar", threads: int = 8) -> list[ShardIndex]:
     """Index shards by reading each once through the cache (which also brings it into the cache)."""
-    shard_format = FORMATS[format]
-    fs = CacheFileSystem(skip_instance_cache=True, **dict(storage_options or {}))
-
-    def one(item: tuple[str, int]) -> ShardIndex:
-        path, size = item
-        samples = shard_format.scan(lambda off, n: fs.cat_file(path, off, off + n), size)
-        return ShardIndex(path, size, tuple(samples))
-
+    indexer = _ShardIndexer(storage_options, format)
     try:
         with ThreadPoolExecutor(threads) as pool:
-            return list(pool.map(one, paths))
+            return list(pool.map(lambda item: indexer(*item), paths))
     finally:
-        fs.close()
+        indexer.close()

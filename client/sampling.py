@@ -152,11 +152,15 @@ def known_block(j: int, block: int, rank: int, world_size: int, seed: int, epoch
     block is then one of the full rounds, which padding and the last round never touch, and its
     ids are its positions. Equal to ``BlockPlan(..., ordered=True).block_samples(j)``."""
     start = (j * world_size + rank) * block
-    ids = np.arange(start, start + block, dtype=np.int64)
-    if not shuffle or block < 2:
+    return _within_block(np.arange(start, start + block, dtype=np.int64), seed, epoch, start, shuffle)
+
+
+def _within_block(ids: np.ndarray, seed: int, epoch: int, start: int, shuffle: bool) -> np.ndarray:
+    """A block's ids in the order they are yielded: shuffled by (seed, epoch, its start)."""
+    if not shuffle or len(ids) < 2:
         return ids
     rng = np.random.Generator(np.random.PCG64([seed, epoch, 2, start]))
-    return ids[rng.permutation(block)]
+    return ids[rng.permutation(len(ids))]
 
 
 @dataclass(frozen=True)
@@ -240,11 +244,7 @@ class BlockPlan:
     def block_samples(self, j: int) -> np.ndarray:
         """Global sample ids of this rank's block ``j``, in the order they are yielded."""
         start, end = self.block_span(j)
-        ids = self.order[start:end]
-        if not self.shuffle or len(ids) < 2:
-            return ids
-        rng = np.random.Generator(np.random.PCG64([self.seed, self.epoch, 2, start]))
-        return ids[rng.permutation(len(ids))]
+        return _within_block(self.order[start:end], self.seed, self.epoch, start, self.shuffle)
 
     def rank_order(self) -> np.ndarray:
         """Global sample ids of this rank, in the order its blocks yield them."""

@@ -181,7 +181,7 @@ class ShardScan:
     def known_shards(self) -> list[ShardIndex]:
         self._here()
         with self._changed:
-            return [s for s in self._known[:self._prefix]]  # type: ignore[misc]
+            return list(self._known[:self._prefix])  # type: ignore[arg-type]
 
     def wait_samples(self, n: int, timeout: float) -> int:
         """Samples known once the shards in order hold at least ``n`` (or all are known)."""

@@ -239,15 +239,21 @@ def test_an_evicted_held_page_is_charged_only_until_its_holders_must_have_closed
         assert store.stats().used_bytes == 3 * size
 
 
+def _one_held(tmp_path, table: HandleTable, cache: HandleCache, digest: str, path: str) -> Page:
+    """A 4-byte page of ``path`` held by ``cache`` (slot from ``table``), not referenced."""
+    cache.attach(_view(table), page_size=4)
+    slot, generation = table.assign(digest)
+    page = _page(tmp_path, digest, 0, b"abcd", slot, generation)
+    cache.add(path, 4, "v1", 60_000, [page])
+    cache.release([page])
+    return page
+
+
 def test_the_sweep_closes_handles_the_worker_invalidated_without_a_read(tmp_path):
     table = HandleTable(slots=16)
     cache = HandleCache(capacity=8)
-    cache.attach(_view(table), page_size=4)
     try:
-        slot, gen = table.assign("s0")
-        page = _page(tmp_path, "s0", 0, b"abcd", slot, gen)
-        cache.add("m/s", 4, "v1", 60_000, [page])
-        cache.release([page])
+        page = _one_held(tmp_path, table, cache, "s0", "m/s")
         assert cache.sweep() == 1 and page.fd >= 0  # valid: kept
         table.invalidate(["s0"])
         assert cache.sweep() == 0 and page.fd == -1  # closed with no read of it
@@ -411,12 +417,8 @@ def test_held_batch_lookups_reference_and_release_every_page(tmp_path):
     one lookup per read (a page dropped mid-batch closes only after its last reader)."""
     table = HandleTable(slots=16)
     cache = HandleCache(capacity=3)
-    cache.attach(_view(table), page_size=4)
     try:
-        slot, generation = table.assign("b0")
-        page = _page(tmp_path, "b0", 0, b"abcd", slot, generation)
-        cache.add("m/b", 4, "v1", 60_000, [page])
-        cache.release([page])
+        page = _one_held(tmp_path, table, cache, "b0", "m/b")
         found = cache.lookup_many([("m/b", 0, 4), ("m/missing", 0, 5), ("m/b", 1, 2)])
         assert found[1] is None and found[0][2] == [page] and found[2][2] == [page]
         assert page.refs == 2 and cache.stats["held_reads"] == 2

@@ -320,20 +320,14 @@ def test_a_scanned_index_is_kept_and_used_until_a_shard_changes(sharded, local_s
 
     shards, opts = sharded(30)
     os.remove(os.path.join(local_store.mount.url, "shards", "index.json"))
-    scans: list[str] = []  # shards indexed, one by one
+    scans: list[str] = []  # shards indexed, one by one (on the way or all first: the same indexer)
     real_index = iterable_module._ShardIndexer.__call__
-    real_scan = iterable_module.scan_shards
 
     def counting_index(self, path, size):
         scans.append(path)
         return real_index(self, path, size)
 
-    def counting_scan(paths, *args, **kwargs):
-        scans.extend(p for p, _ in paths)
-        return real_scan(paths, *args, **kwargs)
-
     monkeypatch.setattr(iterable_module._ShardIndexer, "__call__", counting_index)
-    monkeypatch.setattr(iterable_module, "scan_shards", counting_scan)
     kept = str(tmp_path / "kept")
 
     def make(options=opts):

@@ -389,8 +389,8 @@ class PageStore:
 
     def hold(self, digests: Iterable[str], until: float) -> None:
         """Local clients may read these pages through held descriptors until ``until`` (monotonic):
-        eviction passes them over until then, and a page freed or deleted meanwhile stays charged
-        to the quota until its holders must have closed it (_charge_held)."""
+        a page that leaves the cache before then stays charged to the quota until its holders
+        must have closed it (_charge_held)."""
         with self._lock:
             for digest in digests:
                 entry = self._entries.get(digest)
@@ -404,8 +404,8 @@ class PageStore:
                 self._holds = [(u, d) for u, d in self._holds if self._hold_records.get(d, (None,))[0] == u]
                 heapq.heapify(self._holds)
 
-    def worth_holding(self, digests: list[str]) -> list[bool]:
-        """Per page, whether a client that can open it by name should also hold its descriptor.
+    def worth_holding(self, digests: list[str]) -> bool:
+        """Whether a client that can open these pages by name should also hold their descriptors.
 
         A held page that leaves the cache stays charged to the quota until its holders must
         have closed it, so under plan-driven eviction (a dir with pages that registered plans
@@ -413,19 +413,16 @@ class PageStore:
         buys a few microseconds a read (the page is opened by name instead) at the cost of cache
         room: not worth it. Without plans (plain reads by recency) holds keep their place."""
         if self._next_use is None:
-            return [True] * len(digests)
-        out = []
+            return True
         with self._lock:
             for digest in digests:
                 entry = self._entries.get(digest)
                 if entry is None or entry.state is not _State.READY:
-                    out.append(False)
-                    continue
+                    return False
                 order = entry.dir.order
-                planned = isinstance(order, NextUseOrder) and (
-                    order.key(entry) != math.inf or order.furthest() != -math.inf)
-                out.append(not planned)
-        return out
+                if isinstance(order, NextUseOrder) and (order.key(entry) != math.inf or order.furthest() != -math.inf):
+                    return False
+        return True
 
     def held_unlinked_bytes(self) -> int:
         """Bytes of unlinked page files that clients may still hold open (charged to the quota)."""
@@ -436,8 +433,8 @@ class PageStore:
     def held_bytes(self) -> int:
         """Bytes of pages, cached or unlinked, that local clients may hold open now (at most).
 
-        Held pages are not evicted, and freed ones free nothing for a while, so a worker bounds
-        this, not only the unlinked part: were every cached page held, no page could be added."""
+        Held pages can be evicted but free nothing for a while, so a worker bounds this, not only
+        the unlinked part: were every cached page held, no page could be added."""
         now = time.monotonic()
         with self._lock:
             self._end_holds(now)
@@ -656,8 +653,8 @@ class PageStore:
     # ----------------------------------------------------------- write helpers
     def _pick_victims(self, target: DirHandle, size: int, now: float) -> list[_Entry] | None:
         """READY pages to evict so ``size`` fits, in the dir's eviction order (caller holds the
-        lock); None if impossible. A page a local client may still hold open is passed over: it
-        would free nothing until its holders close it (policy.py)."""
+        lock); None if impossible. A page a local client may still hold open is evicted too (its
+        holders are told) but frees nothing until its charge ends (policy.py, _charge_held)."""
         need = target.used + size - target.quota
         if need <= 0:
             return []

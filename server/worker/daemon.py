@@ -302,22 +302,22 @@ class Worker:
             self.pages.set_unlink_listener(None)
             self.handle_table.close()
 
-    def _hold(self, digests: list[str], until: float, by_name: bool = False) -> float:
-        """Let local clients hold these pages open until the time returned (0: not at all, hand
-        them out for one read). Pages held (cached or unlinked) stay within ``max_held_fraction``
-        of the quota, so the rest of the cache can always be evicted for new pages. A client that
-        opens pages by name holds none that the plans order when they read more than the cache
-        holds (PageStore.worth_holding): it opens them by name later, and an evicted page is not
+    def _hold(self, digests: list[str], until: float, by_name: bool = False) -> bool:
+        """Let local clients hold these pages open until ``until`` (False: hand them out for one
+        read). Pages held (cached or unlinked) stay within ``max_held_fraction`` of the quota, so
+        the rest of the cache can always be evicted for new pages. A client that opens pages by
+        name holds none that the plans order when they read more than the cache holds
+        (PageStore.worth_holding): it opens them by name later, and an evicted page is not
         charged to the quota for its sake."""
         capacity = sum(d.quota_bytes for d in self.config.cache_dirs)
         if by_name and self.plans.planned_pages() * self.pages.page_size > HOLD_PRESSURE * capacity \
-                and not all(self.pages.worth_holding(digests)):
-            return 0.0
+                and not self.pages.worth_holding(digests):
+            return False
         asked = len(digests) * (self.pages.page_size + TRAILER_SIZE)  # at most
         if self.pages.held_bytes() + asked > capacity * self.config.max_held_fraction:
-            return 0.0
+            return False
         self.pages.hold(digests, until)
-        return until
+        return True
 
     def _start_data_port(self, cached: CachedPages) -> int:
         """The data port (server/worker/dataport.py); 0 when off: disabled, or TLS (it is plaintext)."""

@@ -60,7 +60,7 @@ class ShortCircuitServer(ConnectionServer):
 
     def __init__(self, path: str, pages: CachedPages, mode: int = 0o660,
                  on_served: Callable[[int, int], None] | None = None, table: HandleTable | None = None,
-                 hold: Callable[[list[str], float, bool], float] | None = None,
+                 hold: Callable[[list[str], float, bool], bool] | None = None,
                  still_cached: Callable[[str], bool] | None = None,
                  on_touched: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
                  on_handed_out: Callable[[int], None] | None = None,
@@ -70,8 +70,8 @@ class ShortCircuitServer(ConnectionServer):
                  names: NameIndex | None = None, page_dirs: list[tuple[str, int]] | None = None,
                  on_named: Callable[[list[str], int], None] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until, by_name)``
-        charges them to the quota while clients may hold them and answers until when (0: no
-        room, hand them out for one read; ``by_name``: the client can open them by name later),
+        charges them to the quota while clients may hold them (False: hand them out for one read;
+        ``by_name``: the client can open them by name later),
         and ``still_cached(digest)`` closes the race with an eviction in between. With a ``filler``,
         ranges asked for with ``fill`` are fetched into the page store first (fill.py). ``limits``:
         ConnectionServer's (max_connections, max_per_peer: per client process, threads, timeouts).
@@ -207,7 +207,7 @@ class ShortCircuitServer(ConnectionServer):
             meta = opened.meta
             self.names.publish(str(meta.path), meta.version, meta.size, meta.mtime, opened.valid_until)
         until = min(opened.valid_until, now + MAX_HOLD_SECONDS)
-        slots, generations, until = self._slots(opened.pages, until, by_name)
+        slots, generations = self._slots(opened.pages, until, by_name)
         once = [slot == 0 and self._passing is not None and self._passing(pid.digest())
                 for slot, pid in zip(slots, opened.pages)]
         if self._on_served is not None and opened.fds and not wanted.ahead:
@@ -230,15 +230,13 @@ class ShortCircuitServer(ConnectionServer):
         uid = peer[0] if isinstance(peer, tuple) and peer else -1
         return uid in (self._uid, 0)
 
-    def _slots(self, pages: list[Any], until: float, by_name: bool = False) -> tuple[list[int], list[int], float]:
-        """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor;
-        and until when they may be held (``until``, or sooner)."""
+    def _slots(self, pages: list[Any], until: float, by_name: bool = False) -> tuple[list[int], list[int]]:
+        """Per page, its (slot, generation), or (0, 0): read it now, do not keep the descriptor."""
         if self.table is None or self._hold is None or not pages or until <= time.monotonic():
-            return [0] * len(pages), [0] * len(pages), until
+            return [0] * len(pages), [0] * len(pages)
         digests = [pid.digest() for pid in pages]
-        held = self._hold(digests, until, by_name)
-        if not held:
-            return [0] * len(pages), [0] * len(pages), until
+        if not self._hold(digests, until, by_name):
+            return [0] * len(pages), [0] * len(pages)
         slots, generations = [], []
         for digest in digests:
             slot, generation = self.table.assign(digest)
@@ -248,4 +246,4 @@ class ShortCircuitServer(ConnectionServer):
                 slot = generation = 0
             slots.append(slot)
             generations.append(generation)
-        return slots, generations, held
+        return slots, generations
