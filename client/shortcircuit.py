@@ -25,7 +25,7 @@ import xxhash
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.client import forksafe, rawbytes
 from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView
-from cachefs.client.namedpages import NamedPages
+from cachefs.client.namedpages import PARTIAL, NamedPages
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
@@ -375,6 +375,16 @@ class ShortCircuitReader:
         nbytes = pages_read = 0
         for i, (path, offset, out) in enumerate(reads):
             if results[i] is not None:
+                continue
+            lean = named.read_into(path, offset, memoryview(out).cast("B"))
+            if lean is None:
+                continue
+            if lean is not PARTIAL:
+                n, size, names = lean
+                results[i] = (n, size)
+                digests.extend(names)
+                nbytes += n
+                pages_read += len(names)
                 continue
             by_name = named.open_range(path, offset, len(out))
             if by_name is None:

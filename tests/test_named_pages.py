@@ -186,6 +186,49 @@ def test_only_clients_of_the_workers_user_or_root_are_offered_the_index():
 
 
 # -- a real worker -----------------------------------------------------------------------------------
+def test_whole_pages_are_read_into_a_buffer_checked_and_anything_else_left_to_the_general_path(tmp_path):
+    """read_into: the lean path of a new process's batch (open, one preadv of payload and trailer,
+    close): right bytes and digests for whole pages; PARTIAL for a range that wants part of a
+    page; None for a page that is gone, torn or whose bytes do not match its checksum."""
+    from cachefs.client.namedpages import PARTIAL
+    from cachefs.server.pagestore import PageStore
+    from cachefs.server.pagestore.store import CacheDir
+
+    with PageStore([CacheDir(str(tmp_path / "d"), 1 << 20)], page_size=4096) as store:
+        index = NameIndex(slots=16)
+        client = _client(index, dirs=store.dirs(), page_size=4096)
+        try:
+            data = payload(2 * 4096 + 100, 11)
+            for i in range(3):
+                assert store.put(PageId("m", "obj", "v1", i), data[i * 4096:(i + 1) * 4096])
+            index.publish("m/obj", "v1", len(data), 0.0, time.monotonic() + 60)
+            out = bytearray(len(data) + 50)  # room to spare: the read stops at the object's end
+            n, size, digests = client.read_into("m/obj", 0, memoryview(out))
+            assert (n, size) == (len(data), len(data)) and bytes(out[:n]) == data
+            assert digests == [page_digest("m", "obj", "v1", i) for i in range(3)]
+            n, _size, digests = client.read_into("m/obj", 4096, memoryview(bytearray(4096)))
+            assert (n, digests) == (4096, [page_digest("m", "obj", "v1", 1)])
+            assert client.read_into("m/obj", 10, memoryview(bytearray(4096))) is PARTIAL
+            assert client.read_into("m/obj", 0, memoryview(bytearray(100))) is PARTIAL
+            assert client.read_into("m/other", 0, memoryview(bytearray(10))) is None  # not vouched for
+
+            path = client._file(page_digest("m", "obj", "v1", 1))
+            with open(path, "r+b") as f:  # one payload byte flipped: the checksum refuses it
+                f.seek(7)
+                byte = f.read(1)
+                f.seek(7)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+            os.truncate(path, 4096)  # torn: no trailer
+            assert client.read_into("m/obj", 4096, memoryview(bytearray(4096))) is None
+            os.unlink(path)  # gone (evicted): counted as missing, and reads by name stay on
+            assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+            assert client.stats["named_missing"] == 1 and client.enabled
+        finally:
+            client.close()
+            index.close()
+
+
 def _fs(worker, **kw) -> CacheFileSystem:
     return CacheFileSystem(workers=worker.address, skip_instance_cache=True, **kw)
 
