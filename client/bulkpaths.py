@@ -117,10 +117,11 @@ class BulkPaths:
                 and os.path.exists(status.short_circuit_socket):
             return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout,
                                       handles=config.short_circuit_handles, counts=self.stats["short_circuit"],
-                                      progress=lambda: self.plan_progress, by_name=config.short_circuit_by_name)
+                                      progress=lambda: self.plan_progress, by_name=config.short_circuit_by_name,
+                                      huge_pages=config.huge_pages)
         if config.data_port and status.data_port and not config.tls.enabled:
             return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout,
-                                  counts=self.stats["data_port"])
+                                  counts=self.stats["data_port"], huge_pages=config.huge_pages)
         return None
 
     def _reader(self, handle: Any) -> Reader | None:

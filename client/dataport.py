@@ -16,6 +16,7 @@ from typing import Any
 
 import xxhash
 
+from cachefs.client import rawbytes
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import dataport_pb2
 
@@ -67,8 +68,9 @@ class DataPortReader:
     kind = "data_port"
 
     def __init__(self, host: str, port: int, token: str = "", timeout: float = 30.0, max_idle: int = 8,
-                 counts: dict[str, int] | None = None) -> None:
+                 counts: dict[str, int] | None = None, huge_pages: bool = True) -> None:
         self.host, self.port, self.token, self.timeout, self.max_idle = host, port, token, timeout, max_idle
+        self.huge_pages = huge_pages  # large results in transparent huge pages (rawbytes.py)
         # Pages read (hits: the data port serves only cached pages; a range with a missing page
         # is NOT_CACHED and read through gRPC, which counts its misses). Shared with BulkPaths.stats.
         self.counts = counts if counts is not None else {}
@@ -114,7 +116,7 @@ class DataPortReader:
                 if size > MAX_REPLY:
                     raise ConnectionError(f"data port reply header of {size} bytes")
                 reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
-                result = self._receive(sock, reply, offset, length, out) if reply.code == Reply.OK else None
+                result = self._receive(sock, reply, offset, length, out, self.huge_pages) if reply.code == Reply.OK else None
             except BaseException:
                 sock.close()  # out of step with the stream, or gone: never reused
                 raise
@@ -126,14 +128,24 @@ class DataPortReader:
 
     @staticmethod
     def _receive(sock: socket.socket, reply: Any, offset: int, length: int,
-                 into: memoryview | None) -> tuple[Any, int, str] | None:
-        """Take every segment off the socket (so the connection stays usable) into the output."""
+                 into: memoryview | None, huge: bool = False) -> tuple[Any, int, str] | None:
+        """Take every segment off the socket (so the connection stays usable) into the output
+        (a caller's buffer, or a new ``bytes`` filled in place: no copy out of a bytearray)."""
         size = reply.info.size
         end = size if length < 0 else min(size, offset + length)
         want = max(0, end - offset)
         usable = into is None or len(into) >= want
-        out = (into[:want] if into is not None else bytearray(want)) if usable else bytearray(0)
-        view = memoryview(out).cast("B")
+        if not usable:
+            out: Any = bytearray(0)
+            view = memoryview(out)
+        elif into is not None:
+            out = into[:want]
+            view = memoryview(out).cast("B")
+        elif rawbytes.SUPPORTED:
+            out, view = rawbytes.fillable_bytes(want, huge=huge)
+        else:
+            out = bytearray(want)
+            view = memoryview(out)
         good, covered = usable, offset
         for seg in reply.segments:
             seg_end = seg.offset + seg.length
@@ -149,9 +161,10 @@ class DataPortReader:
                 if not direct:
                     view[lo - offset:hi - offset] = target[lo - seg.offset:hi - seg.offset]
                 covered = max(covered, hi)
+        view.release()
         if not good or covered < end:
             return None
-        return (out if into is not None else bytes(out)), size, reply.info.version
+        return (out if into is not None or isinstance(out, bytes) else bytes(out)), size, reply.info.version
 
     def close(self) -> None:
         self._pool.close()

@@ -25,7 +25,7 @@ import grpc
 
 from cachefs.client.bulkpaths import BulkPaths
 from cachefs.client.shortcircuit import Prepared
-from cachefs.client import forksafe
+from cachefs.client import forksafe, rawbytes
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
 from cachefs.client.view import ViewWatcher
@@ -335,7 +335,7 @@ class ClientSession:
             end = size if end is None else min(end, size)
             if len(data) < want or pos >= end:
                 break
-        return (parts[0] if len(parts) == 1 else b"".join(parts)), size
+        return rawbytes.join(parts, self.config.huge_pages), size
 
     def read_into(self, cp: CachePath, out: Any, offset: int = 0, version: str = "") -> tuple[int, int]:
         """Fill ``out`` (a writable buffer) with the object's bytes from ``offset`` (of ``version``,
@@ -394,7 +394,7 @@ class ClientSession:
             for chunk in stub.Read(rest, timeout=timeout):
                 parts.append(chunk.data)
                 hits, misses = hits + chunk.pages_hit, misses + chunk.pages_missed
-            return b"".join(parts), info.size, info.version, hits, misses
+            return rawbytes.join(parts, self.config.huge_pages), info.size, info.version, hits, misses
 
         counts = state.counts
         try:

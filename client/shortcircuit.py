@@ -63,10 +63,13 @@ class ShortCircuitReader:
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
                  handles: int = 4096, counts: dict[str, int] | None = None,
-                 progress: Callable[[], tuple[str, int] | None] | None = None, by_name: bool = True) -> None:
+                 progress: Callable[[], tuple[str, int] | None] | None = None, by_name: bool = True,
+                 huge_pages: bool = True) -> None:
         """``progress()``: the reading job's (plan job, position), sent with each request.
-        ``by_name``: open cached page files by name where the worker offers it (namedpages.py)."""
+        ``by_name``: open cached page files by name where the worker offers it (namedpages.py).
+        ``huge_pages``: large results in transparent huge pages (rawbytes.py)."""
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
+        self.huge_pages = huge_pages
         self._progress = progress
         self._pid = os.getpid()  # a reader belongs to one process (forksafe.py): the plan's reader id
         # Pages read, as the worker knew them: hits, misses (fetched for this process's request),
@@ -494,7 +497,7 @@ class ShortCircuitReader:
         if into is None:
             if len(pages) > 1 and rawbytes.SUPPORTED:
                 # Several pages: read them into one new bytes object (no join of the pieces).
-                result, view = rawbytes.fillable_bytes(want)
+                result, view = rawbytes.fillable_bytes(want, huge=self.huge_pages)
                 with view:
                     filled = self._fill(pages, offset, end, view)
                 return (result, size, version) if filled else None

@@ -29,6 +29,77 @@ def test_fillable_bytes_is_a_real_bytes_object_filled_in_place():
     assert empty == b""
 
 
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address`` (from /proc/self/smaps), in KiB."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = lo <= address < hi
+            elif found and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _thp_fallbacks() -> int:
+    with open("/proc/vmstat") as f:
+        return sum(int(v) for k, v in (line.split() for line in f) if k == "thp_fault_fallback")
+
+
+def test_large_results_are_filled_in_huge_pages_where_the_kernel_allows():
+    import ctypes
+    import os
+
+    assert not rawbytes.advise_huge(0, rawbytes.HUGE_MIN - 1)  # too small to be worth a call
+    n = 8 << 20
+    data, view = rawbytes.fillable_bytes(n, huge=True)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    fallbacks = _thp_fallbacks() if os.path.exists("/proc/vmstat") else 0
+    pattern = payload(1 << 20, 3)
+    for i in range(8):
+        view[i << 20:(i + 1) << 20] = pattern
+    view.release()
+    assert data == pattern * 8
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages here (not Linux, or THP not built)")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this host: results stay in 4 KiB pages")
+    if _thp_fallbacks() > fallbacks:
+        pytest.skip("the kernel had no huge page at hand (thp_fault_fallback rose): 4 KiB pages, as designed")
+    assert _anon_huge_kib(address + (4 << 20)) >= 2048  # at least one 2 MiB page under the result
+
+
+def test_join_is_one_copy_and_keeps_a_single_part():
+    big = [payload(3 << 20, 4), payload(2 << 20, 5)]
+    assert rawbytes.join(big, huge=True) == b"".join(big)
+    assert rawbytes.join(big, huge=False) == b"".join(big)
+    assert rawbytes.join([b"ab", b"c"], huge=True) == b"abc"
+    assert rawbytes.join(big[:1], huge=True) is big[0]
+
+
+@pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "small-pages"])
+@pytest.mark.parametrize("path", ["short-circuit", "data-port", "grpc"])
+def test_a_large_object_reads_whole_on_every_path(local_store, make_worker, path, huge):
+    data = payload(5 * (1 << 20) + 123, 6)  # over HUGE_MIN: the result is advised when huge
+    local_store.add("large.bin", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = client(worker.address, short_circuit=path == "short-circuit", data_port=path == "data-port",
+                huge_pages=huge)
+    for _ in range(2):  # cold (filled through gRPC), then warm (its path)
+        got = fs.cat_file("cachefs://data/large.bin")
+        assert type(got) is bytes and got == data
+        with fs.open("cachefs://data/large.bin") as f:
+            assert f.read() == data
+    if path != "grpc":
+        kind = path.replace("-", "_")
+        assert fs.session.bulk_stats[kind]["reads"] > 0
+
+
 @pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "grpc"])
 def test_whole_reads_cat_and_open_return_the_object(served, lean):
     objects, worker = served
