@@ -36,6 +36,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, ProcessParts, SampleReadError,
                                     _default_rank_world, profiled)
+from cachefs.client import rawbytes
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.indexcache import IndexCache, default_dir
@@ -295,6 +296,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         buffers: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for shard, start, end in runs:
             run = torch.empty(end - start, dtype=torch.uint8)
+            if fs.session.config.huge_pages:  # new memory each block: faults in 2 MiB, not 4 KiB (rawbytes.py)
+                rawbytes.advise_huge(run.data_ptr(), end - start)
             try:
                 with profiled("cachefs.read_into"):
                     got, _ = fs.read_into(shards[shard].path, run.numpy(), offset=start)
