@@ -394,7 +394,8 @@ class ClientSession:
             for chunk in stub.Read(rest, timeout=timeout):
                 parts.append(chunk.data)
                 hits, misses = hits + chunk.pages_hit, misses + chunk.pages_missed
-            return rawbytes.join(parts, self.config.huge_pages), info.size, info.version, hits, misses
+            huge = self.config.huge_pages and misses == 0  # as for short-circuit results: cached pages only
+            return rawbytes.join(parts, huge), info.size, info.version, hits, misses
 
         counts = state.counts
         try:

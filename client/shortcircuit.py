@@ -497,7 +497,11 @@ class ShortCircuitReader:
         if into is None:
             if len(pages) > 1 and rawbytes.SUPPORTED:
                 # Several pages: read them into one new bytes object (no join of the pieces).
-                result, view = rawbytes.fillable_bytes(want, huge=self.huge_pages)
+                # Huge pages only for a result of cached pages: a cold read waits on the store anyway,
+                # and there fresh 2 MiB blocks cost more than they save on a VM whose host reclaims
+                # free memory (docs/performance.md).
+                huge = self.huge_pages and not any(page.fetched for page in pages)
+                result, view = rawbytes.fillable_bytes(want, huge=huge)
                 with view:
                     filled = self._fill(pages, offset, end, view)
                 return (result, size, version) if filled else None

@@ -100,6 +100,27 @@ def test_a_large_object_reads_whole_on_every_path(local_store, make_worker, path
         assert fs.session.bulk_stats[kind]["reads"] > 0
 
 
+def test_only_results_of_cached_pages_are_advised_into_huge_pages(local_store, make_worker, monkeypatch):
+    """A cold read waits on the store and its fresh 2 MiB blocks can cost more than they save
+    (rawbytes.py): its result stays in small pages; the same read warm is advised."""
+    data = payload(5 * (1 << 20), 7)
+    local_store.add("large.bin", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    asked: list[bool] = []
+    fillable = rawbytes.fillable_bytes
+
+    def recorded(n, huge=False):
+        if n >= rawbytes.HUGE_MIN:
+            asked.append(huge)
+        return fillable(n, huge)
+
+    monkeypatch.setattr(rawbytes, "fillable_bytes", recorded)
+    fs = client(worker.address, short_circuit=True, data_port=False)
+    assert fs.cat_file("cachefs://data/large.bin") == data  # cold: filled for this request
+    assert fs.cat_file("cachefs://data/large.bin") == data  # warm
+    assert asked and asked[0] is False and asked[-1] is True
+
+
 @pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "grpc"])
 def test_whole_reads_cat_and_open_return_the_object(served, lean):
     objects, worker = served
