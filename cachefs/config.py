@@ -457,7 +457,7 @@ class ClientConfig:
     # for (client/namedpages.py), when the worker offers it (same user): no message per page,
     # even for a process's first read of it. Off: descriptors over the socket only.
     short_circuit_by_name: bool = True
-    # Large results of cached pages (cat_file, open().read(): 4 MiB and more; tar blocks) in
+    # Large results of cached pages (cat_file, open().read(): 4 MiB and more) in
     # transparent huge pages where the kernel allows it: a new 64 MiB result costs 16,384 page
     # faults in 4 KiB pages (2.6 GB/s here) and 32 in 2 MiB ones (11 GB/s). Off for hosts where
     # THP compaction stalls matter.

@@ -36,7 +36,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, ProcessParts, SampleReadError,
                                     _default_rank_world, profiled)
-from cachefs.client import rawbytes
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.hints import Hinter
 from cachefs.client.indexcache import IndexCache, default_dir
@@ -54,8 +53,6 @@ MERGE_GAP = 64 << 10
 
 
 class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset):
-    _reads_cached = False  # this process's last block found every page cached (huge pages: _read_block)
-
     def __init__(self, shards: Sequence[ShardIndex] | ShardScan, *, storage_options: dict[str, Any] | None = None,
                  batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
@@ -296,14 +293,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         # One aligned tensor per run; fields are views of it (tar data starts on 512-byte
         # boundaries, so every view is 64-byte aligned too): one copy per run, not per field.
         buffers: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        # New memory each block: in huge pages its faults are 2 MiB, not 4 KiB (rawbytes.py); only
-        # while this process's reads find their pages cached (a cold block waits on the store).
-        huge = self._reads_cached and fs.session.config.huge_pages
-        misses = fs.session.misses()
         for shard, start, end in runs:
             run = torch.empty(end - start, dtype=torch.uint8)
-            if huge:
-                rawbytes.advise_huge(run.data_ptr(), end - start)
             try:
                 with profiled("cachefs.read_into"):
                     got, _ = fs.read_into(shards[shard].path, run.numpy(), offset=start)
@@ -315,7 +306,6 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                 raise SampleReadError(f"shard {shards[shard].path!r} is shorter than its index says: "
                                       f"{got} of {end - start} bytes at {start}")
             buffers.setdefault(shard, []).append((start, run))
-        self._reads_cached = fs.session.misses() == misses  # per process (prefetch threads: a hint)
         out = []
         for sample, (shard, i) in zip(ids, where):
             span = shards[shard].samples[i]

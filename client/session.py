@@ -472,13 +472,6 @@ class ClientSession:
         """Reads, bytes and fallbacks to gRPC per lean path, in this process."""
         return self._state.get().bulk.stats
 
-    def misses(self) -> int:
-        """Pages this process has read that were not cached (any path), and store reads: a
-        cheap running total to tell a cold read from a warm one after the fact."""
-        state = self._state.get()
-        return (sum(stats.get("misses", 0) for stats in state.bulk.stats.values())
-                + state.counts["grpc_misses"] + state.counts["store_reads"])
-
     def counters(self) -> dict[str, int]:
         """This process's read counters by path taken, flat: ``short_circuit_reads``/``_bytes``
         (of which ``held_reads``/``_bytes`` through held page handles), ``data_port_*``,

@@ -121,17 +121,6 @@ def test_only_results_of_cached_pages_are_advised_into_huge_pages(local_store, m
     assert asked and asked[0] is False and asked[-1] is True
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "grpc"])
-def test_misses_count_cold_reads_and_not_warm_ones(served, lean):
-    objects, worker = served
-    fs = client(worker.address, short_circuit=lean, data_port=False)
-    assert fs.session.misses() == 0
-    fs.cat_file("cachefs://data/multi.bin")  # cold: its 8 pages fetched for this read
-    cold = fs.session.misses()
-    assert cold >= 1
-    fs.cat_file("cachefs://data/multi.bin")
-    assert fs.session.misses() == cold
-
 
 @pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "grpc"])
 def test_whole_reads_cat_and_open_return_the_object(served, lean):
