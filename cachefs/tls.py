@@ -54,6 +54,8 @@ class TLSConfig:
         if self.require_client_cert and not (self.ca_file and self.cert_file):
             raise ValueError("tls_require_client_cert needs tls_ca_file (to verify clients) "
                              "and tls_cert_file/tls_key_file (the server's own certificate)")
+        if not (self.ca_file or self.cert_file):
+            return  # plaintext: nothing to parse (and no SSL context to build in every new process)
         # Parse eagerly: a bad file fails at start-up with its field's name, not at the first call.
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         if self.ca_file:
