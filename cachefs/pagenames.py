@@ -8,8 +8,12 @@ version of the object the worker vouches for. The worker publishes that in the *
 memfd it hands each local client (server/worker/names.py writes it, clients map it read-only).
 
 Name index layout (little-endian): a 64-byte header (magic, slots, entry size), then ``slots``
-entries of 128 bytes, an object's entry at ``hash(path) % slots`` (a newer object with the
-same slot replaces it: this is a cache of the worker's knowledge, not the knowledge). Each entry
+entries of 128 bytes, an object's entry in one of ``PROBES`` slots (``probe_slots``: double
+hashing from ``hash(path) % slots``, so that crowded slots do not make crowded windows; when all
+of them are taken, a newer object replaces the one that runs
+out first: this is a cache of the worker's knowledge, not the knowledge; with one slot per path,
+2,000 objects in 65,536 slots left ~1.5% of them out, and each batch that met one asked the
+worker for the next batch's descriptors). Each entry
 is written under a sequence count (odd while the worker writes it), so a reader that sees the
 count change, or odd, treats the entry as absent. A torn read the count misses could only
 produce a page name that does not exist or a length the page's trailer refuses.
@@ -27,12 +31,14 @@ __all__ = [
     "ENTRY",
     "NAMES_HEADER",
     "NAMES_MAGIC",
+    "PROBES",
     "VERSION_BYTES",
     "dir_score",
     "name_hashes",
     "page_digest",
     "page_file",
     "pick_dir",
+    "probe_slots",
 ]
 
 DIGEST_DOMAIN = b"cachefs-page-v1\0"
@@ -77,6 +83,7 @@ def page_file(root: str, digest: str) -> str:
 NAMES_MAGIC = 0x31534D414E534643  # b"CFSNAMS1" little-endian
 NAMES_HEADER = struct.Struct("<QQQ40x")  # magic, slots, entry size; 64 bytes
 VERSION_BYTES = 72  # an object whose version is longer is not published (read through messages)
+PROBES = 4  # slots a path's entry may be in (probe_slots; readers look at all of them)
 # seq, path hash, path check, size, valid until (CLOCK_MONOTONIC ns), mtime, version length, version
 ENTRY = struct.Struct(f"<QQQQqdI4x{VERSION_BYTES}s")
 SEQ = struct.Struct("<Q")
@@ -87,3 +94,11 @@ def name_hashes(path: str) -> tuple[int, int]:
     """(hash, check) of an object's path: the hash picks the slot, both must match."""
     raw = path.encode("utf-8", "surrogatepass")
     return xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(raw, seed=_CHECK_SEED)
+
+
+def probe_slots(h: int, check: int, slots: int) -> list[int]:
+    """The slots ``path``'s entry may be in (``h, check = name_hashes(path)``), in the order both
+    sides look: ``h % slots``, then steps of an odd stride taken from ``check``."""
+    first = h % slots
+    step = (check % slots) | 1 if slots > 1 else 0
+    return [(first + i * step) % slots for i in range(min(PROBES, slots))]

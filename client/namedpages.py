@@ -26,7 +26,8 @@ import xxhash
 
 from cachefs.client.handles import Page
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
-from cachefs.pagenames import ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, name_hashes, page_digest, page_file, pick_dir
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, name_hashes, page_digest, page_file, pick_dir,
+                               probe_slots)
 from cachefs.paths import parse_path
 
 log = logging.getLogger(__name__)
@@ -87,17 +88,21 @@ class NamedPages:
     def lookup(self, path: str) -> tuple[int, str, float] | None:
         """(size, version, mtime) the worker vouches for now, or None."""
         h, check = name_hashes(path)
-        off = NAMES_HEADER.size + (h % self.slots) * ENTRY.size
-        try:
-            seq, kh, kc, size, until_ns, mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
-        except ValueError:  # closed under us
-            return None
-        if seq & 1 or kh != h or kc != check or until_ns <= time.monotonic_ns():
-            return None
-        version = vbytes[:vlen].decode("utf-8", "surrogatepass")
-        if SEQ.unpack_from(self._map, off)[0] != seq:  # rewritten while we read it
-            return None
-        return size, version, mtime
+        for slot in probe_slots(h, check, self.slots):  # the entry is in one of these (pagenames.py)
+            off = NAMES_HEADER.size + slot * ENTRY.size
+            try:
+                seq, kh, kc, size, until_ns, mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
+            except ValueError:  # closed under us
+                return None
+            if kh != h or kc != check:
+                continue
+            if seq & 1 or until_ns <= time.monotonic_ns():
+                return None
+            version = vbytes[:vlen].decode("utf-8", "surrogatepass")
+            if SEQ.unpack_from(self._map, off)[0] != seq:  # rewritten while we read it
+                return None
+            return size, version, mtime
+        return None
 
     def info(self, path: str) -> tuple[int, str, float] | None:
         """(size, version, mtime) while the object's first page is still in the worker's cache (a

@@ -74,6 +74,44 @@ def test_a_collision_replaces_and_never_answers_for_another_path():
         index.close()
 
 
+def test_paths_that_share_a_slot_are_all_found_within_the_probe_window():
+    index = NameIndex(slots=64)
+    client = _client(index)
+    try:
+        far = time.monotonic() + 60
+        paths = [f"m/objs/{i:05d}" for i in range(24)]
+        firsts = [name_hashes(p)[0] % 64 for p in paths]
+        assert len(set(firsts)) < len(paths)  # these names do share first slots
+        for i, p in enumerate(paths):
+            assert index.publish(p, f"v{i}", i + 1, 0.0, far)
+        assert [client.lookup(p) for p in paths] == [(i + 1, f"v{i}", 0.0) for i in range(len(paths))]
+    finally:
+        client.close()
+        index.close()
+
+
+def test_a_full_window_replaces_the_entry_that_runs_out_first_and_forget_frees_a_slot():
+    index = NameIndex(slots=2)  # one window of both slots for every path
+    client = _client(index)
+    try:
+        now = time.monotonic()
+        index.publish("m/a", "va", 1, 0.0, now + 30)
+        index.publish("m/b", "vb", 2, 0.0, now + 60)
+        assert client.lookup("m/a") == (1, "va", 0.0) and client.lookup("m/b") == (2, "vb", 0.0)
+        index.publish("m/c", "vc", 3, 0.0, now + 90)  # full: "m/a" runs out first, it goes
+        assert client.lookup("m/a") is None
+        assert client.lookup("m/b") == (2, "vb", 0.0) and client.lookup("m/c") == (3, "vc", 0.0)
+        index.forget("m/b")
+        assert client.lookup("m/b") is None and client.lookup("m/c") == (3, "vc", 0.0)
+        index.publish("m/d", "vd", 4, 0.0, now + 10)  # into the freed slot, nothing replaced
+        assert client.lookup("m/c") == (3, "vc", 0.0) and client.lookup("m/d") == (4, "vd", 0.0)
+        index.forget_other("m/c", "vc2")
+        assert client.lookup("m/c") is None and client.lookup("m/d") == (4, "vd", 0.0)
+    finally:
+        client.close()
+        index.close()
+
+
 def test_an_entry_being_written_reads_as_absent_and_clients_cannot_write():
     index = NameIndex(slots=4)
     client = _client(index)

@@ -21,13 +21,16 @@ import mmap
 import os
 import threading
 
-from cachefs.pagenames import ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, VERSION_BYTES, name_hashes
+import time
+
+from cachefs.pagenames import ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, VERSION_BYTES, name_hashes, probe_slots
 
 __all__ = ["NameIndex"]
 
 
 class NameIndex:
-    """Direct-mapped table of (path -> version, size, mtime, valid until), in a memfd."""
+    """Table of (path -> version, size, mtime, valid until), in a memfd: a path's entry is in one
+    of its ``probe_slots`` (cachefs/pagenames.py)."""
 
     def __init__(self, slots: int = 1 << 16) -> None:
         if slots < 1:
@@ -50,8 +53,29 @@ class NameIndex:
         """A new read-only descriptor of the table, to send to a client (the caller closes it)."""
         return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
 
-    def _offset(self, h: int) -> int:
-        return NAMES_HEADER.size + (h % self.slots) * ENTRY.size
+    def _offsets(self, h: int, check: int) -> list[int]:
+        return [NAMES_HEADER.size + slot * ENTRY.size for slot in probe_slots(h, check, self.slots)]
+
+    def _find(self, h: int, check: int) -> int | None:  # caller holds the lock
+        """The offset of ``path``'s entry, if it has one."""
+        for off in self._offsets(h, check):
+            kh, kc = ENTRY.unpack_from(self._map, off)[1:3]
+            if (kh, kc) == (h, check):
+                return off
+        return None
+
+    def _room(self, h: int, check: int) -> int:  # caller holds the lock
+        """Where a new entry goes: a free or run-out slot of its window, else the one that runs out
+        first (a cache of the worker's knowledge: the entry it replaces is asked of the worker)."""
+        now_ns = time.monotonic_ns()
+        best, best_until = 0, None
+        for off in self._offsets(h, check):
+            kh, kc, _size, until = ENTRY.unpack_from(self._map, off)[1:5]
+            if (kh, kc) == (0, 0) or until <= now_ns:
+                return off
+            if best_until is None or until < best_until:
+                best, best_until = off, until
+        return best
 
     def publish(self, path: str, version: str, size: int, mtime: float, valid_until: float) -> bool:
         """Vouch for ``path`` at ``version`` until ``valid_until`` (monotonic seconds); False if
@@ -62,10 +86,12 @@ class NameIndex:
             return False
         h, check = name_hashes(path)
         until_ns = int(valid_until * 1e9)
-        off = self._offset(h)
         with self._lock:
             if self._closed:
                 return False
+            off = self._find(h, check)
+            if off is None:
+                off = self._room(h, check)
             seq, kh, kc, old_size, old_until, old_mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
             if (kh, kc, old_size, old_mtime) == (h, check, size, mtime) and vbytes[:vlen] == raw \
                     and until_ns - old_until < 1_000_000_000:
@@ -79,13 +105,12 @@ class NameIndex:
     def forget(self, path: str) -> None:
         """Stop vouching for ``path`` (freed, deleted, or a version the table cannot hold)."""
         h, check = name_hashes(path)
-        off = self._offset(h)
         with self._lock:
             if self._closed:
                 return
-            seq, kh, kc = ENTRY.unpack_from(self._map, off)[:3]
-            if (kh, kc) == (h, check):
-                self._clear(off, seq)
+            off = self._find(h, check)
+            if off is not None:
+                self._clear(off, SEQ.unpack_from(self._map, off)[0])
 
     def _clear(self, off: int, seq: int) -> None:  # caller holds the lock
         SEQ.pack_into(self._map, off, seq + 1)
@@ -96,12 +121,14 @@ class NameIndex:
         """The store has ``version`` of ``path`` now: stop vouching for any other (a client would
         read pages of the old version by name until the entry ran out)."""
         h, check = name_hashes(path)
-        off = self._offset(h)
         with self._lock:
             if self._closed:
                 return
-            seq, kh, kc, _size, _until, _mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
-            if (kh, kc) == (h, check) and vbytes[:vlen] != version.encode("utf-8", "surrogatepass"):
+            off = self._find(h, check)
+            if off is None:
+                return
+            seq, _kh, _kc, _size, _until, _mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
+            if vbytes[:vlen] != version.encode("utf-8", "surrogatepass"):
                 self._clear(off, seq)
 
     def close(self) -> None:
