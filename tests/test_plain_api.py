@@ -48,30 +48,55 @@ def _thp_fallbacks() -> int:
         return sum(int(v) for k, v in (line.split() for line in f) if k == "thp_fault_fallback")
 
 
-def test_large_results_are_filled_in_huge_pages_where_the_kernel_allows():
+def test_advised_fresh_memory_is_faulted_in_huge_pages_where_the_kernel_allows():
+    """The mechanism, on memory that is surely fresh (a new anonymous mapping): a result's own
+    memory may come from a heap already touched, where the advice changes nothing."""
     import ctypes
+    import mmap
     import os
 
     assert not rawbytes.advise_huge(0, rawbytes.HUGE_MIN - 1)  # too small to be worth a call
     n = 8 << 20
+    region = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+                mode = f.read()
+        except OSError:
+            pytest.skip("no transparent huge pages here (not Linux, or THP not built)")
+        if "[never]" in mode:
+            pytest.skip("transparent huge pages are off on this host: results stay in 4 KiB pages")
+        assert rawbytes.advise_huge(address, n)
+        fallbacks = _thp_fallbacks() if os.path.exists("/proc/vmstat") else 0
+        region[:] = payload(1 << 20, 3) * 8
+        if _thp_fallbacks() > fallbacks:
+            pytest.skip("the kernel had no huge page at hand (thp_fault_fallback rose): 4 KiB pages, as designed")
+        assert _anon_huge_kib(address + (4 << 20)) >= 2048  # at least one 2 MiB page under the region
+    finally:
+        region.close()
+
+
+def test_a_large_result_is_advised_before_it_is_filled(monkeypatch):
+    advised: list[tuple[int, int]] = []
+    advise = rawbytes.advise_huge
+
+    def recorded(address: int, n: int) -> bool:
+        advised.append((address, n))
+        return advise(address, n)
+
+    monkeypatch.setattr(rawbytes, "advise_huge", recorded)
+    n = 8 << 20
     data, view = rawbytes.fillable_bytes(n, huge=True)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    fallbacks = _thp_fallbacks() if os.path.exists("/proc/vmstat") else 0
     pattern = payload(1 << 20, 3)
     for i in range(8):
         view[i << 20:(i + 1) << 20] = pattern
     view.release()
-    assert data == pattern * 8
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read()
-    except OSError:
-        pytest.skip("no transparent huge pages here (not Linux, or THP not built)")
-    if "[never]" in mode:
-        pytest.skip("transparent huge pages are off on this host: results stay in 4 KiB pages")
-    if _thp_fallbacks() > fallbacks:
-        pytest.skip("the kernel had no huge page at hand (thp_fault_fallback rose): 4 KiB pages, as designed")
-    assert _anon_huge_kib(address + (4 << 20)) >= 2048  # at least one 2 MiB page under the result
+    assert data == pattern * 8 and type(data) is bytes
+    assert advised == [(id(data) + bytes.__basicsize__ - 1, n)]  # the payload, all of it
+    small, small_view = rawbytes.fillable_bytes(1 << 20, huge=True)
+    small_view.release()
+    assert len(advised) == 2 and advised[1][1] == 1 << 20  # asked; advise_huge declines small ones
 
 
 def test_join_is_one_copy_and_keeps_a_single_part():
