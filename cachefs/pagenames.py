@@ -9,13 +9,12 @@ memfd it hands each local client (server/worker/names.py writes it, clients map 
 
 Name index layout (little-endian): a 64-byte header (magic, slots, entry size), then ``slots``
 entries of 128 bytes, an object's entry in one of ``PROBES`` slots (``probe_slots``: double
-hashing from ``hash(path) % slots``, so that crowded slots do not make crowded windows; when all
-of them are taken, a newer object replaces the one that runs
-out first: this is a cache of the worker's knowledge, not the knowledge; with one slot per path,
-2,000 objects in 65,536 slots left ~1.5% of them out, and each batch that met one asked the
-worker for the next batch's descriptors). Each entry
-is written under a sequence count (odd while the worker writes it), so a reader that sees the
-count change, or odd, treats the entry as absent. A torn read the count misses could only
+hashing from ``hash(path) % slots``, so that crowded slots do not make crowded windows). When all
+of them are taken, a newer object replaces the one that runs out first: this is a cache of the
+worker's knowledge, not the knowledge. (With one slot per path, 2,000 objects in 65,536 slots
+left ~1.5% of them out, and each batch that met one asked the worker for the next batch's
+descriptors.) Each entry is written under a sequence count (odd while the worker writes it),
+so a reader that sees the count change, or odd, treats the entry as absent. A torn read the count misses could only
 produce a page name that does not exist or a length the page's trailer refuses.
 """
 

@@ -6,9 +6,11 @@ after the page left the cache or the worker's knowledge of the version ran out.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -31,6 +33,23 @@ def _client(index: NameIndex, dirs=(("/nonexistent", 1),), page_size: int = PAGE
         return NamedPages(fd, index.slots, list(dirs), page_size)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _store_with_names(tmp_path, quotas: tuple[int, ...], page_size: int = 4096) -> Iterator[tuple]:
+    """A real page store over one dir per quota, a name index, and a client of both."""
+    from cachefs.server.pagestore import PageStore
+    from cachefs.server.pagestore.store import CacheDir
+
+    dirs = [CacheDir(str(tmp_path / f"d{i}"), quota) for i, quota in enumerate(quotas)]
+    with PageStore(dirs, page_size=page_size) as store:
+        index = NameIndex(slots=16)
+        client = _client(index, dirs=store.dirs(), page_size=page_size)
+        try:
+            yield store, index, client
+        finally:
+            client.close()
+            index.close()
 
 
 # -- the index ---------------------------------------------------------------------------------------
@@ -154,34 +173,24 @@ def test_bad_tables_are_refused():
 
 def test_the_client_computes_the_page_stores_names(tmp_path):
     """Same digest and dir as the page store's own, for several dirs (rendezvous by quota)."""
-    from cachefs.server.pagestore import PageStore
-    from cachefs.server.pagestore.store import CacheDir
-
-    dirs = [CacheDir(str(tmp_path / f"d{i}"), (i + 1) << 20) for i in range(3)]
-    with PageStore(dirs, page_size=4096) as store:
-        index = NameIndex(slots=16)
-        client = _client(index, dirs=store.dirs(), page_size=4096)
-        try:
-            data = payload(5 * 4096 + 17, 9)
-            for i in range(6):
-                assert store.put(PageId("m", "dir/obj", "v9", i), data[i * 4096:(i + 1) * 4096])
-            assert PageId("m", "dir/obj", "v9", 2).digest() == page_digest("m", "dir/obj", "v9", 2)
-            index.publish("m/dir/obj", "v9", len(data), 0.0, time.monotonic() + 60)
-            got = client.open_range("m/dir/obj", 4000, 4096 * 3, "v9")
-            assert got is not None
-            size, version, pages, digests = got
-            assert (size, version, len(pages)) == (len(data), "v9", 4)  # pages 0-3 cover [4000, 16288)
-            for page in pages:
-                assert os.pread(page.fd, page.length, 0) == data[page.start:page.start + page.length]
-                os.close(page.fd)
-            assert client.covers("m/dir/obj", 0, -1) and not client.covers("m/dir/obj", 0, -1, "v8")
-            assert client.open_range("m/dir/obj", 0, 10, "v8") is None  # another version asked for
-            store.delete(PageId("m", "dir/obj", "v9", 5))
-            assert not client.covers("m/dir/obj", 0, -1) and client.open_range("m/dir/obj", 0, -1) is None
-            assert client.stats["named_missing"] == 2 and client.enabled  # missing is not a reason to stop
-        finally:
-            client.close()
-            index.close()
+    with _store_with_names(tmp_path, (1 << 20, 2 << 20, 3 << 20)) as (store, index, client):
+        data = payload(5 * 4096 + 17, 9)
+        for i in range(6):
+            assert store.put(PageId("m", "dir/obj", "v9", i), data[i * 4096:(i + 1) * 4096])
+        assert PageId("m", "dir/obj", "v9", 2).digest() == page_digest("m", "dir/obj", "v9", 2)
+        index.publish("m/dir/obj", "v9", len(data), 0.0, time.monotonic() + 60)
+        got = client.open_range("m/dir/obj", 4000, 4096 * 3, "v9")
+        assert got is not None
+        size, version, pages, digests = got
+        assert (size, version, len(pages)) == (len(data), "v9", 4)  # pages 0-3 cover [4000, 16288)
+        for page in pages:
+            assert os.pread(page.fd, page.length, 0) == data[page.start:page.start + page.length]
+            os.close(page.fd)
+        assert client.covers("m/dir/obj", 0, -1) and not client.covers("m/dir/obj", 0, -1, "v8")
+        assert client.open_range("m/dir/obj", 0, 10, "v8") is None  # another version asked for
+        store.delete(PageId("m", "dir/obj", "v9", 5))
+        assert not client.covers("m/dir/obj", 0, -1) and client.open_range("m/dir/obj", 0, -1) is None
+        assert client.stats["named_missing"] == 2 and client.enabled  # missing is not a reason to stop
 
 
 def test_dirs_this_process_cannot_use_turn_reads_by_name_off(tmp_path):
@@ -223,50 +232,42 @@ def test_only_clients_of_the_workers_user_or_root_are_offered_the_index():
     assert not server._by_name_allowed((os.getuid() + 12345, 1)) and not server._by_name_allowed(None)
 
 
-# -- a real worker -----------------------------------------------------------------------------------
 def test_whole_pages_are_read_into_a_buffer_checked_and_anything_else_left_to_the_general_path(tmp_path):
     """read_into: the lean path of a new process's batch (open, one preadv of payload and trailer,
     close): right bytes and digests for whole pages; PARTIAL for a range that wants part of a
     page; None for a page that is gone, torn or whose bytes do not match its checksum."""
     from cachefs.client.namedpages import PARTIAL
-    from cachefs.server.pagestore import PageStore
-    from cachefs.server.pagestore.store import CacheDir
 
-    with PageStore([CacheDir(str(tmp_path / "d"), 1 << 20)], page_size=4096) as store:
-        index = NameIndex(slots=16)
-        client = _client(index, dirs=store.dirs(), page_size=4096)
-        try:
-            data = payload(2 * 4096 + 100, 11)
-            for i in range(3):
-                assert store.put(PageId("m", "obj", "v1", i), data[i * 4096:(i + 1) * 4096])
-            index.publish("m/obj", "v1", len(data), 0.0, time.monotonic() + 60)
-            out = bytearray(len(data) + 50)  # room to spare: the read stops at the object's end
-            n, size, digests = client.read_into("m/obj", 0, memoryview(out))
-            assert (n, size) == (len(data), len(data)) and bytes(out[:n]) == data
-            assert digests == [page_digest("m", "obj", "v1", i) for i in range(3)]
-            n, _size, digests = client.read_into("m/obj", 4096, memoryview(bytearray(4096)))
-            assert (n, digests) == (4096, [page_digest("m", "obj", "v1", 1)])
-            assert client.read_into("m/obj", 10, memoryview(bytearray(4096))) is PARTIAL
-            assert client.read_into("m/obj", 0, memoryview(bytearray(100))) is PARTIAL
-            assert client.read_into("m/other", 0, memoryview(bytearray(10))) is None  # not vouched for
+    with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
+        data = payload(2 * 4096 + 100, 11)
+        for i in range(3):
+            assert store.put(PageId("m", "obj", "v1", i), data[i * 4096:(i + 1) * 4096])
+        index.publish("m/obj", "v1", len(data), 0.0, time.monotonic() + 60)
+        out = bytearray(len(data) + 50)  # room to spare: the read stops at the object's end
+        n, size, digests = client.read_into("m/obj", 0, memoryview(out))
+        assert (n, size) == (len(data), len(data)) and bytes(out[:n]) == data
+        assert digests == [page_digest("m", "obj", "v1", i) for i in range(3)]
+        n, _size, digests = client.read_into("m/obj", 4096, memoryview(bytearray(4096)))
+        assert (n, digests) == (4096, [page_digest("m", "obj", "v1", 1)])
+        assert client.read_into("m/obj", 10, memoryview(bytearray(4096))) is PARTIAL
+        assert client.read_into("m/obj", 0, memoryview(bytearray(100))) is PARTIAL
+        assert client.read_into("m/other", 0, memoryview(bytearray(10))) is None  # not vouched for
 
-            path = client._file(page_digest("m", "obj", "v1", 1))
-            with open(path, "r+b") as f:  # one payload byte flipped: the checksum refuses it
-                f.seek(7)
-                byte = f.read(1)
-                f.seek(7)
-                f.write(bytes([byte[0] ^ 0xFF]))
-            assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
-            os.truncate(path, 4096)  # torn: no trailer
-            assert client.read_into("m/obj", 4096, memoryview(bytearray(4096))) is None
-            os.unlink(path)  # gone (evicted): counted as missing, and reads by name stay on
-            assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
-            assert client.stats["named_missing"] == 1 and client.enabled
-        finally:
-            client.close()
-            index.close()
+        path = client._file(page_digest("m", "obj", "v1", 1))
+        with open(path, "r+b") as f:  # one payload byte flipped: the checksum refuses it
+            f.seek(7)
+            byte = f.read(1)
+            f.seek(7)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+        os.truncate(path, 4096)  # torn: no trailer
+        assert client.read_into("m/obj", 4096, memoryview(bytearray(4096))) is None
+        os.unlink(path)  # gone (evicted): counted as missing, and reads by name stay on
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+        assert client.stats["named_missing"] == 1 and client.enabled
 
 
+# -- a real worker -----------------------------------------------------------------------------------
 def _fs(worker, **kw) -> CacheFileSystem:
     return CacheFileSystem(workers=worker.address, skip_instance_cache=True, **kw)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-
 import time
 
 from cachefs.pagenames import ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, VERSION_BYTES, name_hashes, probe_slots
