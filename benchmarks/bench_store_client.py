@@ -71,7 +71,19 @@ def obstore_reader(endpoint: Any, bucket: str) -> Callable[[str, int, str], byte
     return read
 
 
-CLIENTS = {"s3fs": s3fs_reader, "obstore": obstore_reader}
+def http_reader(endpoint: Any, bucket: str) -> Callable[[str, int, str], bytes]:
+    from cachefs.store.s3http import S3HttpClient, S3Settings
+
+    client = S3HttpClient(S3Settings(endpoint=endpoint.url, key="testing", secret="testing", region="us-east-1"))
+
+    def read(key: str, size: int, etag: str) -> bytes:
+        out: list[bytes] = []
+        client.get(bucket, key, 0, [size], etag, lambda i, piece: out.append(piece))
+        return out[0]
+    return read
+
+
+CLIENTS = {"s3fs": s3fs_reader, "obstore": obstore_reader, "http": http_reader}
 
 
 def one_pass(read: Callable[[str, int, str], bytes], keys: list[str], size: int, etags: dict[str, str],
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """obstore against s3fs per case: client CPU per GB (lower is better) and throughput."""
+    """Each client against s3fs per case: client CPU per GB (lower is better) and throughput."""
     by = {(r["client"], r["size"], r["readers"]): r for r in results}
     out = {}
     for (client, size, n), r in by.items():

@@ -22,6 +22,7 @@ def _worker_flags(args: argparse.Namespace) -> dict:
         "advertise_address": args.advertise_address,
         "cluster_token": args.cluster_token,
         "eviction": args.eviction,
+        "s3_client": args.s3_client,
     }
     if args.cache_dir:
         flags["cache_dirs"] = args.cache_dir
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cluster-token", help="shared secret for the master (or CACHEFS_WORKER_CLUSTER_TOKEN)")
     w.add_argument("--eviction", choices=("future", "lru"),
                    help="evict the page training plans read furthest ahead (future, default) or the least recently used")
+    w.add_argument("--s3-client", choices=("auto", "http", "obstore", "s3fs"),
+                   help="client for S3 data reads (auto: http where the mount's options allow, then obstore, then s3fs)")
     w.set_defaults(func=cmd_worker)
 
     m = sub.add_parser("master", help="run the master (gRPC): membership, view, mounts, metadata cache, jobs")

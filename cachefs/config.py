@@ -173,11 +173,17 @@ class WorkerConfig:
     # plans read furthest ahead; pages no plan reads, least recently used, go before any;
     # server/worker/plans.py) or "lru" (least recently used).
     eviction: str = "future"
+    # Which client S3 data reads take: "http" (cachefs/store/s3http.py: signed GETs on plain
+    # sockets, the least CPU), "obstore" (its Rust client, if installed), "s3fs"; "auto" takes
+    # the first that a mount's options allow. Metadata, listings and writes are always s3fs's.
+    s3_client: str = "auto"
 
     def __post_init__(self) -> None:
         _check_listen(self.host, self.port, self.metrics_port)
         if self.eviction not in ("future", "lru"):
             raise ValueError(f"eviction must be 'future' or 'lru', got {self.eviction!r}")
+        if self.s3_client not in ("auto", "http", "obstore", "s3fs"):
+            raise ValueError(f"s3_client must be auto, http, obstore or s3fs, got {self.s3_client!r}")
         if not -1 <= self.data_port < 65536:
             raise ValueError(f"data_port must be -1 (off), 0 (any free port) or a port number, got {self.data_port}")
         if not self.cache_dirs:

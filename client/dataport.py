@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from cachefs.client import rawbytes
+from cachefs import rawbytes
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import dataport_pb2
 

@@ -23,9 +23,10 @@ from typing import Any, TypeVar
 
 import grpc
 
+from cachefs import rawbytes
 from cachefs.client.bulkpaths import BulkPaths
 from cachefs.client.shortcircuit import Prepared
-from cachefs.client import forksafe, rawbytes
+from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
 from cachefs.client.view import ViewWatcher

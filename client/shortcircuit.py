@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from cachefs import rawbytes
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
-from cachefs.client import forksafe, rawbytes
+from cachefs.client import forksafe
 from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView
 from cachefs.client.namedpages import PARTIAL, NamedPages
 from cachefs.client.socketpool import SocketPool

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefs.client import rawbytes
+from cachefs import rawbytes
 from helpers import client, payload
 
 PAGE = 64 << 10

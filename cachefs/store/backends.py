@@ -226,11 +226,26 @@ def _precondition_failed(exc: BaseException | None) -> bool:
     return False
 
 
-def _backend_for(fs: fsspec.AbstractFileSystem) -> _Backend:
+S3_CLIENTS = ("auto", "http", "obstore", "s3fs")
+
+
+def _backend_for(fs: fsspec.AbstractFileSystem, s3_client: str = "auto") -> _Backend:
+    """The backend for a mount's filesystem. S3 data reads: ``s3_client`` "http" (s3http.py),
+    "obstore" (native.py) or "s3fs"; "auto" takes the first of them that the mount's options allow."""
     if isinstance(fs, LocalFileSystem):
         return _LocalBackend()
     if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        from cachefs.store.native import native_backend_for  # here: it builds on this module
+        # Imported here: both build on this module.
+        from cachefs.store.native import native_backend_for
+        from cachefs.store.s3http import http_backend_for
 
-        return native_backend_for(fs) or _S3Backend()
+        if s3_client in ("auto", "http"):
+            backend: _Backend | None = http_backend_for(fs)
+            if backend is not None:
+                return backend
+        if s3_client in ("auto", "obstore"):
+            backend = native_backend_for(fs)
+            if backend is not None:
+                return backend
+        return _S3Backend()
     return _Backend()

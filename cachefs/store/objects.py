@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 from cachefs.errors import CacheFSError, InvalidPathError, StaleObjectError, StoreError, StoreUnavailableError
 from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
-from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
+from cachefs.store.backends import S3_CLIENTS, PieceSink, _Backend, _backend_for, _mtime_of, version_of
 from cachefs.store.health import StoreBreaker
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.metatable import MetadataTable
@@ -112,8 +112,12 @@ class ObjectStore:
     """Metadata, listings and versioned ranged reads over every mount."""
 
     def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0,
-                 max_objects: int = 1_000_000, breaker: StoreBreaker | None = None, stale_grace: float = 0.0):
+                 max_objects: int = 1_000_000, breaker: StoreBreaker | None = None, stale_grace: float = 0.0,
+                 s3_client: str = "auto"):
+        if s3_client not in S3_CLIENTS:
+            raise ValueError(f"s3_client must be one of {', '.join(S3_CLIENTS)}, got {s3_client!r}")
         self.mounts = mounts
+        self.s3_client = s3_client  # which client S3 data reads take (backends.py)
         # Per mount: after a few connection failures in a row, fail at once (see health.py).
         self.breaker = breaker or StoreBreaker()
         self._meta = MetadataTable(metadata_ttl, max_entries=max_objects, grace=stale_grace)
@@ -165,7 +169,7 @@ class ObjectStore:
     def _backend(self, resolved: ResolvedPath) -> _Backend:
         backend = self._backends.get(id(resolved.fs))
         if backend is None:
-            backend = self._backends.setdefault(id(resolved.fs), _backend_for(resolved.fs))
+            backend = self._backends.setdefault(id(resolved.fs), _backend_for(resolved.fs, self.s3_client))
         return backend
 
     def _revalidate(self, path: CachePath) -> None:

@@ -1,6 +1,7 @@
-"""S3 data reads through obstore (cachefs/store/native.py) against a real S3 endpoint (moto):
-the same contract as the s3fs backend (pinned to the version, errors as the worker expects),
-and the mounts it must leave to s3fs."""
+"""S3 data reads through the worker's own HTTP client (cachefs/store/s3http.py) and obstore
+(cachefs/store/native.py) against a real S3 endpoint (moto): the same contract as the s3fs
+backend (pinned to the version, errors as the worker expects), and the mounts they must leave
+to s3fs. The HTTP client's protocol cases (retries, broken streams, ...) are in test_s3http.py."""
 
 from __future__ import annotations
 
@@ -12,29 +13,37 @@ import pytest
 from cachefs.errors import StaleObjectError, StoreUnavailableError
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import CachePath
-from cachefs.store import native
+from cachefs.store import native, s3http
 from cachefs.store.backends import _S3Backend
 from cachefs.store.health import StoreBreaker
 from cachefs.store.objects import ObjectStore
 from helpers import payload
 
-pytestmark = pytest.mark.skipif(native.obstore is None, reason="obstore is not installed (cachefs[native])")
+BACKENDS = {"http": s3http.HttpS3Backend, "obstore": native.NativeS3Backend}
+CLIENTS = [pytest.param("http"),
+           pytest.param("obstore", marks=pytest.mark.skipif(native.obstore is None,
+                                                            reason="obstore is not installed (cachefs[native])"))]
 
 
-def _objects(s3_store) -> ObjectStore:
-    return ObjectStore(MountTable([s3_store.mount]), metadata_ttl=60)
+@pytest.fixture(params=CLIENTS)
+def client(request) -> str:
+    return request.param
+
+
+def _objects(s3_store, client: str = "auto") -> ObjectStore:
+    return ObjectStore(MountTable([s3_store.mount]), metadata_ttl=60, s3_client=client)
 
 
 def _backend(objects: ObjectStore, path: CachePath):
     return objects._backend(objects.mounts.resolve(path))
 
 
-def test_s3_mounts_read_natively_pinned_to_the_version(s3_store):
+def test_s3_data_reads_are_pinned_to_the_version(s3_store, client):
     data = payload(3 * (1 << 20) + 5, 1)
     s3_store.add("big.bin", data)
-    objects = _objects(s3_store)
+    objects = _objects(s3_store, client)
     path = CachePath("data", "big.bin")
-    assert isinstance(_backend(objects, path), native.NativeS3Backend)
+    assert isinstance(_backend(objects, path), BACKENDS[client])
     meta, head = objects.open(path, 1 << 20)  # one GET: metadata and the first page
     assert (meta.size, head) == (len(data), data[:1 << 20])
     assert meta.version == objects.info(path, refresh=True).version  # the same ETag s3fs sees
@@ -51,10 +60,10 @@ def test_s3_mounts_read_natively_pinned_to_the_version(s3_store):
         objects.read_pieces(meta, 0, [10], pieces.__setitem__)
 
 
-def test_what_a_get_cannot_tell_is_left_to_s3fs(s3_store):
+def test_what_a_get_cannot_tell_is_left_to_s3fs(s3_store, client):
     s3_store.add("d/empty.bin", b"")
     s3_store.add("d/x.bin", b"x")
-    objects = _objects(s3_store)
+    objects = _objects(s3_store, client)
     meta, head = objects.open(CachePath("data", "d/empty.bin"), 1 << 20)
     assert (meta.size, meta.is_dir, head) == (0, False, None)
     meta, head = objects.open(CachePath("data", "d"), 1 << 20)
@@ -67,11 +76,11 @@ def test_what_a_get_cannot_tell_is_left_to_s3fs(s3_store):
         objects.read(meta, 0, 1)
 
 
-def test_an_unreachable_store_trips_the_breaker_quickly(aws_env, dead_port):
+def test_an_unreachable_store_trips_the_breaker_quickly(aws_env, dead_port, client):
     mounts = MountTable([MountSpec("m", "s3://bucket/root", {"endpoint_url": f"http://127.0.0.1:{dead_port}",
                                                             "key": "k", "secret": "s"})])
-    objects = ObjectStore(mounts, breaker=StoreBreaker(threshold=2, cooldown=30.0))
-    assert isinstance(_backend(objects, CachePath("m", "k")), native.NativeS3Backend)
+    objects = ObjectStore(mounts, breaker=StoreBreaker(threshold=2, cooldown=30.0), s3_client=client)
+    assert isinstance(_backend(objects, CachePath("m", "k")), BACKENDS[client])
     timings = []
     for i in range(3):
         t0 = time.monotonic()
@@ -99,13 +108,21 @@ def test_an_unreachable_store_trips_the_breaker_quickly(aws_env, dead_port):
     ({"client_kwargs": {"region_name": "x", "verify": False}}, None),
     ({"requester_pays": True}, None),
 ])
-def test_mount_options_translate_or_keep_s3fs(options, expected):
+def test_obstore_options_translate_or_keep_s3fs(options, expected):
     assert native.store_options(options) == expected
 
 
 def test_a_mount_whose_options_do_not_translate_reads_through_s3fs(aws_env):
-    mounts = MountTable([MountSpec("m", "s3://bucket", {"key": "k", "secret": "s", "profile": "nope",
+    mounts = MountTable([MountSpec("m", "s3://bucket", {"key": "k", "secret": "s",
+                                                        "config_kwargs": {"max_pool_connections": 50},
                                                         "endpoint_url": "http://127.0.0.1:1"})])
-    objects = ObjectStore(mounts)
-    backend = _backend(objects, CachePath("m", "k"))
-    assert type(backend) is _S3Backend
+    for client in ("auto", "http", "obstore", "s3fs"):
+        backend = _backend(ObjectStore(mounts, s3_client=client), CachePath("m", "k"))
+        assert type(backend) is _S3Backend
+
+
+def test_the_worker_config_chooses_the_client(s3_store):
+    assert type(_backend(_objects(s3_store, "auto"), CachePath("data", "k"))) is s3http.HttpS3Backend
+    assert type(_backend(_objects(s3_store, "s3fs"), CachePath("data", "k"))) is _S3Backend
+    with pytest.raises(ValueError, match="s3_client"):
+        _objects(s3_store, "boto")
