@@ -92,7 +92,7 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.mounts = MountTable(config.mounts)
         self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl,
-                                   stale_grace=config.metadata_stale_grace)
+                                   stale_grace=config.metadata_stale_grace, s3_client=config.s3_client)
         # Training jobs' read plans (plans.py): with eviction "future" the page store evicts by them.
         # A plan changed (completed, replaced, expired): the sweeper thread asks every cached page's
         # next use again, off the RPC thread (at millions of pages that takes seconds).
