@@ -162,6 +162,10 @@ class WorkerConfig:
     # as short_circuit_handles), so local clients of this worker's user open cached page files by
     # name with no message (server/worker/names.py). Needs short_circuit_handles > 0.
     short_circuit_by_name: bool = True
+    # The name index starts with short_circuit_handles slots and, when full, grows 4x at a time
+    # up to this many (128 bytes each, memory used as entries are written): a data set of more
+    # objects than the first table holds is still read by name.
+    name_index_max_slots: int = 1 << 22
     # Share of the quota that evicted or freed pages still held open by local clients may take
     # (their bytes stay counted until the hold ends); past it, descriptors are handed out for one read.
     max_held_fraction: float = 0.125
@@ -210,6 +214,8 @@ class WorkerConfig:
         if self.short_circuit_handles != 0 and not 2 <= self.short_circuit_handles <= 1 << 24:
             raise ValueError(f"short_circuit_handles must be 0 (off) or in [2, 16777216], "
                              f"got {self.short_circuit_handles}")
+        if not 2 <= self.name_index_max_slots <= 1 << 26:
+            raise ValueError(f"name_index_max_slots must be in [2, 67108864], got {self.name_index_max_slots}")
         if not 0.0 <= self.max_held_fraction <= 0.5:
             raise ValueError(f"max_held_fraction must be in [0, 0.5], got {self.max_held_fraction}")
         _check_daemon_tls(self)
@@ -463,6 +469,10 @@ class ClientConfig:
     # for (client/namedpages.py), when the worker offers it (same user): no message per page,
     # even for a process's first read of it. Off: descriptors over the socket only.
     short_circuit_by_name: bool = True
+    # The name index starts with short_circuit_handles slots and, when full, grows 4x at a time
+    # up to this many (128 bytes each, memory used as entries are written): a data set of more
+    # objects than the first table holds is still read by name.
+    name_index_max_slots: int = 1 << 22
     # Large results of cached pages (cat_file, open().read(): 4 MiB and more) in
     # transparent huge pages where the kernel allows it: a new 64 MiB result costs 16,384 page
     # faults in 4 KiB pages (2.6 GB/s here) and 32 in 2 MiB ones (11 GB/s). Off for hosts where

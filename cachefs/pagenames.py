@@ -15,7 +15,11 @@ worker's knowledge, not the knowledge. (With one slot per path, 2,000 objects in
 left ~1.5% of them out, and each batch that met one asked the worker for the next batch's
 descriptors.) Each entry is written under a sequence count (odd while the worker writes it),
 so a reader that sees the count change, or odd, treats the entry as absent. A torn read the count misses could only
-produce a page name that does not exist or a length the page's trailer refuses.
+produce a page name that does not exist or a length the page's trailer refuses. A table that
+fills up (a new entry would push out one still valid) is replaced by one four times larger, up
+to the worker's ``name_index_max_slots``: the live entries are copied over and the old table's
+header marked superseded, which readers check before each lookup (they then ask for the new
+one with their next message).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ __all__ = [
     "NAMES_HEADER",
     "NAMES_MAGIC",
     "PROBES",
+    "SUPERSEDED",
+    "SUPERSEDED_AT",
     "VERSION_BYTES",
     "dir_score",
     "name_hashes",
@@ -80,7 +86,9 @@ def page_file(root: str, digest: str) -> str:
 
 # -- the name index -------------------------------------------------------------------------------
 NAMES_MAGIC = 0x31534D414E534643  # b"CFSNAMS1" little-endian
-NAMES_HEADER = struct.Struct("<QQQ40x")  # magic, slots, entry size; 64 bytes
+NAMES_HEADER = struct.Struct("<QQQQ32x")  # magic, slots, entry size, superseded; 64 bytes
+SUPERSEDED = struct.Struct("<Q")  # at SUPERSEDED_AT: nonzero once the worker moved to a larger table
+SUPERSEDED_AT = 24
 VERSION_BYTES = 72  # an object whose version is longer is not published (read through messages)
 PROBES = 4  # slots a path's entry may be in (probe_slots; readers look at all of them)
 # seq, path hash, path check, size, valid until (CLOCK_MONOTONIC ns), mtime, version length, version

@@ -26,8 +26,8 @@ import xxhash
 
 from cachefs.client.handles import Page
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, name_hashes, page_digest, page_file, pick_dir,
-                               probe_slots)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, SUPERSEDED, SUPERSEDED_AT, name_hashes,
+                               page_digest, page_file, pick_dir, probe_slots)
 from cachefs.paths import parse_path
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ PARTIAL = "partial"
 _OPEN = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 MAX_TOUCHED = 1024  # pages read by name remembered before a report goes on its own
 REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan's position stay current
+POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
 
 
 def _check_dirs(roots: list[str], ids: list[str]) -> None:
@@ -68,15 +69,19 @@ class NamedPages:
             _check_dirs([root for root, _quota in dirs], dir_ids)
         if os.fstat(fd).st_size < size:
             raise ValueError("the name index is smaller than its slot count says")
-        # Populated at once: lookups touch entries all over the table, and a fault on each first
-        # touch cost more than the lookup itself (a new DataLoader worker process reads this way).
-        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
-        magic, got_slots, entry_size = NAMES_HEADER.unpack_from(self._map, 0)
+        # Populated at once where it is small: lookups touch entries all over the table, and a
+        # fault on each first touch cost more than the lookup itself (a new DataLoader worker
+        # process reads this way); a table grown large is faulted in as it is used.
+        populate = getattr(mmap, "MAP_POPULATE", 0) if size <= POPULATE_MAX else 0
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | populate, mmap.PROT_READ)
+        magic, got_slots, entry_size, superseded = NAMES_HEADER.unpack_from(self._map, 0)
         if (magic, got_slots, entry_size) != (NAMES_MAGIC, slots, ENTRY.size):
             self._map.close()
             raise ValueError("not a cachefs name index")
         self.slots, self.dirs, self.page_size = slots, list(dirs), page_size
         self.enabled = True
+        # The worker moved to a larger table (its header says so): this one is no longer kept up.
+        self.superseded = bool(superseded)
         self._lock = threading.Lock()
         self._touched: list[bytes] = []
         self._touched_bytes = 0
@@ -87,6 +92,12 @@ class NamedPages:
     # -- the index ----------------------------------------------------------------------------------
     def lookup(self, path: str) -> tuple[int, str, float] | None:
         """(size, version, mtime) the worker vouches for now, or None."""
+        try:
+            if SUPERSEDED.unpack_from(self._map, SUPERSEDED_AT)[0]:
+                self.superseded = True  # the next message to the worker asks for the new table
+                return None
+        except ValueError:  # closed under us
+            return None
         h, check = name_hashes(path)
         for slot in probe_slots(h, check, self.slots):  # the entry is in one of these (pagenames.py)
             off = NAMES_HEADER.size + slot * ENTRY.size

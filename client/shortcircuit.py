@@ -137,7 +137,9 @@ class ShortCircuitReader:
                  fill: bool) -> tuple[list[tuple[int, str, list[Page]] | None], int]:
         """``request``'s results, and how many ranges the worker filled from the store for it."""
         filled = 0
-        hello = self._want_hello and not self.handles.usable()
+        named = self.named
+        # A hello: for the worker's tables, or for its name index where that grew (a new table).
+        hello = self._want_hello and (not self.handles.usable() or (named is not None and named.superseded))
         touched, touched_bytes = self.handles.take_touched()
         request = shortcircuit_pb2.ShortCircuitRequest(
             ranges=[shortcircuit_pb2.RangeRequest(path=p, offset=o, length=n, version=v, ahead=ahead, fill=fill)

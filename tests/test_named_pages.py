@@ -131,6 +131,47 @@ def test_a_full_window_replaces_the_entry_that_runs_out_first_and_forget_frees_a
         index.close()
 
 
+def test_a_full_table_grows_keeping_its_entries_and_the_old_one_says_so():
+    index = NameIndex(slots=16, max_slots=4096)
+    old = _client(index)
+    try:
+        far = time.monotonic() + 60
+        paths = [f"m/objs/{i:05d}" for i in range(150)]
+        index.publish("m/gone", "v", 1, 0.0, time.monotonic() - 1)  # run out: not carried over
+        for i, p in enumerate(paths):
+            assert index.publish(p, f"v{i}", i + 1, 0.0, far)
+        assert index.slots in (256, 1024) and index.grown >= 2  # 16 -> 64 -> 256 (-> 1024)
+        assert old.lookup(paths[0]) is None and old.superseded  # readers of a replaced table stop
+        new = _client(index)
+        try:
+            assert not new.superseded and new.slots == index.slots
+            assert [new.lookup(p) for p in paths] == [(i + 1, f"v{i}", 0.0) for i in range(len(paths))]
+            assert new.lookup("m/gone") is None
+        finally:
+            new.close()
+    finally:
+        old.close()
+        index.close()
+
+
+def test_at_its_largest_a_full_table_replaces_entries_instead():
+    index = NameIndex(slots=4, max_slots=16)
+    try:
+        far = time.monotonic() + 60
+        paths = [f"m/p{i}" for i in range(100)]
+        for p in paths:
+            assert index.publish(p, "v", 5, 0.0, far)
+        assert index.slots == 16 and index.grown == 1
+        client = _client(index)
+        try:
+            found = [p for p in paths if client.lookup(p) == (5, "v", 0.0)]
+            assert 4 <= len(found) <= 16 and paths[-1] in found  # the newest always goes in
+        finally:
+            client.close()
+    finally:
+        index.close()
+
+
 def test_an_entry_being_written_reads_as_absent_and_clients_cannot_write():
     index = NameIndex(slots=4)
     client = _client(index)
@@ -138,15 +179,15 @@ def test_an_entry_being_written_reads_as_absent_and_clients_cannot_write():
         index.publish("m/a", "v", 1, 0.0, time.monotonic() + 60)
         assert client.lookup("m/a") is not None
         off = NAMES_HEADER.size + (name_hashes("m/a")[0] % 4) * ENTRY.size
-        seq = int.from_bytes(index._map[off:off + 8], "little")
-        index._map[off:off + 8] = (seq + 1).to_bytes(8, "little")  # as the worker does mid-write
+        seq = int.from_bytes(index._table.map[off:off + 8], "little")
+        index._table.map[off:off + 8] = (seq + 1).to_bytes(8, "little")  # as the worker does mid-write
         assert client.lookup("m/a") is None
-        index._map[off:off + 8] = (seq + 2).to_bytes(8, "little")
+        index._table.map[off:off + 8] = (seq + 2).to_bytes(8, "little")
         assert client.lookup("m/a") is not None
         fd = index.reader_fd()
         try:
             with pytest.raises((OSError, PermissionError)):
-                mmap.mmap(fd, index.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                mmap.mmap(fd, index._table.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
     finally:
@@ -334,6 +375,38 @@ def test_a_new_process_reads_cached_pages_by_name_with_no_message(local_store, m
     fresh.session.report_reads()
     assert _named_reads(worker) == before + named  # reported: the worker's counters and recency see them
     assert worker.pages.stats().hits >= hits + named
+
+
+def test_more_objects_than_the_first_table_holds_are_all_read_by_name(local_store, make_worker, monkeypatch):
+    """The index grows: a client holding the first table switches with its next message, and a
+    new process's reads of every cached object need no message."""
+    objects = {f"o{i:03d}": payload(PAGE // 4 + i, 300 + i) for i in range(120)}
+    for name, data in objects.items():
+        local_store.add(name, data)
+    worker = make_worker(local_store.mount, page_size=PAGE, short_circuit_handles=16, name_index_max_slots=1024)
+    first = _fs(worker)
+    names = list(objects)
+    assert first.cat_file(f"cachefs://data/{names[0]}") == objects[names[0]]
+    reader = _reader(first, worker)
+    assert reader.named is not None and reader.named.slots == 16
+    for name in names[1:]:
+        assert first.cat_file(f"cachefs://data/{name}") == objects[name]
+    _settled(worker, [f"data/{n}" for n in names], [len(d) for d in objects.values()])
+    slots = worker.name_index.slots
+    assert worker.name_index.grown >= 2 and slots >= 256
+    assert reader.named.superseded or reader.named.slots == slots
+    assert first.cat_file(f"cachefs://data/{names[0]}") == objects[names[0]]  # its next message: a hello
+    assert reader.named is not None and reader.named.slots == slots and not reader.named.superseded
+
+    fresh = _fs(worker, short_circuit_handles=0)  # as a new process
+    assert fresh.cat_file(f"cachefs://data/{names[0]}") == objects[names[0]]
+    fresh_reader = _reader(fresh, worker)
+    assert fresh_reader.named is not None and fresh_reader.named.slots == slots
+    messages = _count_messages(fresh_reader, monkeypatch)
+    for name in names[1:]:
+        assert fresh.cat_file(f"cachefs://data/{name}") == objects[name]
+    assert messages == []  # every object by name
+    assert fresh_reader.counts["named_hits"] >= len(names) - 1
 
 
 def test_a_dataset_batch_in_a_new_process_reads_by_name(local_store, make_worker, monkeypatch):

@@ -284,7 +284,7 @@ class Worker:
         if not self.config.short_circuit_by_name:
             return None
         try:
-            self.name_index = NameIndex(self.config.short_circuit_handles)
+            self.name_index = NameIndex(self.config.short_circuit_handles, self.config.name_index_max_slots)
         except OSError as exc:
             log.warning("reads by name are off: %s", exc)
             return None

@@ -17,64 +17,117 @@ whole path off.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
 import time
 
-from cachefs.pagenames import ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, VERSION_BYTES, name_hashes, probe_slots
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, SUPERSEDED, SUPERSEDED_AT, VERSION_BYTES,
+                               name_hashes, probe_slots)
 
 __all__ = ["NameIndex"]
 
+log = logging.getLogger(__name__)
 
-class NameIndex:
-    """Table of (path -> version, size, mtime, valid until), in a memfd: a path's entry is in one
-    of its ``probe_slots`` (cachefs/pagenames.py)."""
+GROWTH = 4  # a full table is replaced by one this many times larger
 
-    def __init__(self, slots: int = 1 << 16) -> None:
-        if slots < 1:
-            raise ValueError(f"a name index needs at least 1 slot, got {slots}")
+
+class _Table:
+    """One memfd of ``slots`` entries, mapped read-write."""
+
+    def __init__(self, slots: int) -> None:
         self.slots = slots
         self.size = NAMES_HEADER.size + slots * ENTRY.size
-        self._fd = os.memfd_create("cachefs-names", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("cachefs-names", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self._fd, self.size)
-            self._map = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(self.fd, self.size)
+            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(self._fd)
+            os.close(self.fd)
             raise
-        NAMES_HEADER.pack_into(self._map, 0, NAMES_MAGIC, slots, ENTRY.size)
-        self._lock = threading.Lock()
-        self._closed = False
-        self.published = 0
+        NAMES_HEADER.pack_into(self.map, 0, NAMES_MAGIC, slots, ENTRY.size, 0)
 
-    def reader_fd(self) -> int:
-        """A new read-only descriptor of the table, to send to a client (the caller closes it)."""
-        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
-
-    def _offsets(self, h: int, check: int) -> list[int]:
+    def offsets(self, h: int, check: int) -> list[int]:
         return [NAMES_HEADER.size + slot * ENTRY.size for slot in probe_slots(h, check, self.slots)]
 
-    def _find(self, h: int, check: int) -> int | None:  # caller holds the lock
-        """The offset of ``path``'s entry, if it has one."""
-        for off in self._offsets(h, check):
-            kh, kc = ENTRY.unpack_from(self._map, off)[1:3]
+    def find(self, h: int, check: int) -> int | None:
+        """The offset of the entry of (h, check), if it has one."""
+        for off in self.offsets(h, check):
+            kh, kc = ENTRY.unpack_from(self.map, off)[1:3]
             if (kh, kc) == (h, check):
                 return off
         return None
 
-    def _room(self, h: int, check: int) -> int:  # caller holds the lock
-        """Where a new entry goes: a free or run-out slot of its window, else the one that runs out
-        first (a cache of the worker's knowledge: the entry it replaces is asked of the worker)."""
-        now_ns = time.monotonic_ns()
+    def room(self, h: int, check: int, now_ns: int) -> tuple[int, bool]:
+        """Where a new entry goes, and whether it pushes out a valid one: a free or run-out slot
+        of its window, else the entry that runs out first."""
         best, best_until = 0, None
-        for off in self._offsets(h, check):
-            kh, kc, _size, until = ENTRY.unpack_from(self._map, off)[1:5]
+        for off in self.offsets(h, check):
+            kh, kc, _size, until = ENTRY.unpack_from(self.map, off)[1:5]
             if (kh, kc) == (0, 0) or until <= now_ns:
-                return off
+                return off, False
             if best_until is None or until < best_until:
                 best, best_until = off, until
-        return best
+        return best, True
+
+    def live(self, now_ns: int) -> list[tuple]:
+        """Every entry still valid (fields as ENTRY packs them)."""
+        view = memoryview(self.map)[NAMES_HEADER.size:self.size]
+        try:
+            return [e for e in ENTRY.iter_unpack(view) if not e[0] & 1 and (e[1], e[2]) != (0, 0) and e[4] > now_ns]
+        finally:
+            view.release()
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+class NameIndex:
+    """Table of (path -> version, size, mtime, valid until), in a memfd: a path's entry is in one
+    of its ``probe_slots`` (cachefs/pagenames.py). Grows by GROWTH up to ``max_slots`` when full."""
+
+    def __init__(self, slots: int = 1 << 16, max_slots: int | None = None) -> None:
+        if slots < 1:
+            raise ValueError(f"a name index needs at least 1 slot, got {slots}")
+        self.max_slots = max(slots, max_slots or slots)
+        self._table = _Table(slots)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.published = 0
+        self.grown = 0  # times the table was replaced by a larger one
+
+    @property
+    def slots(self) -> int:
+        return self._table.slots
+
+    def reader(self) -> tuple[int, int]:
+        """(a new read-only descriptor of the current table, its slots), to send to a client
+        (the caller closes the descriptor)."""
+        with self._lock:
+            table = self._table
+            return os.open(f"/proc/self/fd/{table.fd}", os.O_RDONLY | os.O_CLOEXEC), table.slots
+
+    def reader_fd(self) -> int:
+        return self.reader()[0]
+
+    def _grow(self, now_ns: int) -> None:  # caller holds the lock
+        """Copy the live entries into a table GROWTH times larger, then mark the old one superseded."""
+        old = self._table
+        new = _Table(min(self.max_slots, old.slots * GROWTH))
+        try:
+            for seq, h, check, size, until, mtime, vlen, vbytes in old.live(now_ns):
+                off, _ = new.room(h, check, now_ns)
+                ENTRY.pack_into(new.map, off, 2, h, check, size, until, mtime, vlen, vbytes)
+        except BaseException:
+            new.close()
+            raise
+        self._table = new
+        SUPERSEDED.pack_into(old.map, SUPERSEDED_AT, new.slots)  # readers stop using it, and ask
+        old.close()  # clients' mappings keep the memory until they drop them
+        self.grown += 1
+        log.info("name index full at %d slots: now %d", old.slots, new.slots)
 
     def publish(self, path: str, version: str, size: int, mtime: float, valid_until: float) -> bool:
         """Vouch for ``path`` at ``version`` until ``valid_until`` (monotonic seconds); False if
@@ -88,16 +141,22 @@ class NameIndex:
         with self._lock:
             if self._closed:
                 return False
-            off = self._find(h, check)
+            table = self._table
+            off = table.find(h, check)
             if off is None:
-                off = self._room(h, check)
-            seq, kh, kc, old_size, old_until, old_mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
+                now_ns = time.monotonic_ns()
+                off, pushes_out = table.room(h, check, now_ns)
+                if pushes_out and table.slots < self.max_slots:
+                    self._grow(now_ns)
+                    table = self._table
+                    off, _ = table.room(h, check, now_ns)
+            seq, kh, kc, old_size, old_until, old_mtime, vlen, vbytes = ENTRY.unpack_from(table.map, off)
             if (kh, kc, old_size, old_mtime) == (h, check, size, mtime) and vbytes[:vlen] == raw \
                     and until_ns - old_until < 1_000_000_000:
                 return True  # already there, as good as new (a warm epoch republishes every range)
-            SEQ.pack_into(self._map, off, seq + 1)  # odd: being written
-            ENTRY.pack_into(self._map, off, seq + 1, h, check, size, until_ns, mtime, len(raw), raw)
-            SEQ.pack_into(self._map, off, seq + 2)
+            SEQ.pack_into(table.map, off, seq + 1)  # odd: being written
+            ENTRY.pack_into(table.map, off, seq + 1, h, check, size, until_ns, mtime, len(raw), raw)
+            SEQ.pack_into(table.map, off, seq + 2)
             self.published += 1
         return True
 
@@ -107,14 +166,15 @@ class NameIndex:
         with self._lock:
             if self._closed:
                 return
-            off = self._find(h, check)
+            off = self._table.find(h, check)
             if off is not None:
-                self._clear(off, SEQ.unpack_from(self._map, off)[0])
+                self._clear(off, SEQ.unpack_from(self._table.map, off)[0])
 
     def _clear(self, off: int, seq: int) -> None:  # caller holds the lock
-        SEQ.pack_into(self._map, off, seq + 1)
-        ENTRY.pack_into(self._map, off, seq + 1, 0, 0, 0, 0, 0.0, 0, b"")
-        SEQ.pack_into(self._map, off, seq + 2)
+        table = self._table
+        SEQ.pack_into(table.map, off, seq + 1)
+        ENTRY.pack_into(table.map, off, seq + 1, 0, 0, 0, 0, 0.0, 0, b"")
+        SEQ.pack_into(table.map, off, seq + 2)
 
     def forget_other(self, path: str, version: str) -> None:
         """The store has ``version`` of ``path`` now: stop vouching for any other (a client would
@@ -123,10 +183,10 @@ class NameIndex:
         with self._lock:
             if self._closed:
                 return
-            off = self._find(h, check)
+            off = self._table.find(h, check)
             if off is None:
                 return
-            seq, _kh, _kc, _size, _until, _mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
+            seq, _kh, _kc, _size, _until, _mtime, vlen, vbytes = ENTRY.unpack_from(self._table.map, off)
             if vbytes[:vlen] != version.encode("utf-8", "surrogatepass"):
                 self._clear(off, seq)
 
@@ -137,5 +197,4 @@ class NameIndex:
             if self._closed:
                 return
             self._closed = True
-            self._map.close()
-            os.close(self._fd)
+            self._table.close()

@@ -160,8 +160,8 @@ class ShortCircuitServer(ConnectionServer):
             reply.instance, reply.table_slots = self.table.instance, self.table.slots
             reply.page_size = self.pages.page_size
             if self._names_for(peer):
-                fds.append(self.names.reader_fd())
-                reply.names_slots = self.names.slots
+                names_fd, reply.names_slots = self.names.reader()
+                fds.append(names_fd)
                 reply.page_dirs.extend(root for root, _quota in self._page_dirs)
                 reply.page_dir_quotas.extend(quota for _root, quota in self._page_dirs)
                 reply.page_dir_ids.extend(_dir_id(root) for root, _quota in self._page_dirs)
