@@ -469,10 +469,6 @@ class ClientConfig:
     # for (client/namedpages.py), when the worker offers it (same user): no message per page,
     # even for a process's first read of it. Off: descriptors over the socket only.
     short_circuit_by_name: bool = True
-    # The name index starts with short_circuit_handles slots and, when full, grows 4x at a time
-    # up to this many (128 bytes each, memory used as entries are written): a data set of more
-    # objects than the first table holds is still read by name.
-    name_index_max_slots: int = 1 << 22
     # Large results of cached pages (cat_file, open().read(): 4 MiB and more) in
     # transparent huge pages where the kernel allows it: a new 64 MiB result costs 16,384 page
     # faults in 4 KiB pages (2.6 GB/s here) and 32 in 2 MiB ones (11 GB/s). Off for hosts where
