@@ -297,3 +297,21 @@ def test_credentials_and_region_of_a_named_profile(tmp_path, monkeypatch):
     with scripted_server(Script([])) as url:
         anonymous = S3HttpClient(S3Settings(endpoint=url, anon=True))
         assert anonymous._credentials.get() is None
+
+
+def test_a_forked_child_never_uses_its_parents_connections():
+    import os
+
+    script = Script([_ranged(BODY)] * 3)
+    with scripted_server(script) as url:
+        client = _client(url)
+        assert _get(client, 0, [10]) == [(0, BODY[:10])]  # one idle connection kept
+        pid = os.fork()
+        if pid == 0:
+            ok = _get(client, 10, [10]) == [(0, BODY[10:20])]
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _get(client, 20, [10]) == [(0, BODY[20:30])]  # the parent's connection is still good
+    assert script.connections == 2
+    assert [r.connection for r in script.requests] == [0, 1, 0]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+import os
 import random
 import re
 import socket
@@ -312,6 +313,7 @@ class _Pool:
         self._idle: dict[tuple[str, str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
         self._tls: ssl.SSLContext | None = None
+        self._pid = os.getpid()  # a forked child must not share its parent's connections
 
     def _context(self) -> ssl.SSLContext:
         with self._lock:
@@ -327,6 +329,8 @@ class _Pool:
     def take(self, scheme: str, host: str, port: int) -> tuple[socket.socket, bool]:
         """A connection and whether it was idle (a reused one may have been closed by the server)."""
         with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._pid = {}, os.getpid()  # the parent's: never read or closed here
             idle = self._idle.get((scheme, host, port))
             if idle:
                 return idle.pop(), True
@@ -348,6 +352,9 @@ class _Pool:
 
     def give(self, scheme: str, host: str, port: int, sock: socket.socket) -> None:
         with self._lock:
+            if self._pid != os.getpid():
+                sock.close()
+                return
             idle = self._idle.setdefault((scheme, host, port), [])
             if len(idle) < _MAX_IDLE:
                 idle.append(sock)
