@@ -33,6 +33,7 @@ SOCKET_TIMEOUT = 5.0
 _HOST_ID = host_id()
 #: Seconds before asking again a worker that was away (refused, socket gone, gRPC unavailable).
 AWAY_RETRY = 2.0
+_UNSET = object()  # not looked up yet
 
 
 def _worker_away(exc: BaseException) -> bool:
@@ -186,9 +187,14 @@ class BulkPaths:
         not held there, read it another way."""
         results: list[tuple[int, int] | None] = [None] * len(reads)
         by_reader: dict[int, tuple[Any, list[int]]] = {}
-        for i, (path, offset, _out) in enumerate(reads):
-            candidates = self.workers.candidates(path, offset, include_broken=False)
-            reader = self._reader(candidates[0]) if candidates else None
+        readers: dict[int, Any] = {}  # per worker handle, for this batch
+        firsts = self.workers.first_healthy([(path, offset) for path, offset, _out in reads])
+        for i, handle in enumerate(firsts):
+            if handle is None:
+                continue
+            reader = readers.get(id(handle), _UNSET)
+            if reader is _UNSET:
+                reader = readers[id(handle)] = self._reader(handle)
             if reader is not None and hasattr(reader, "read_held_into"):
                 by_reader.setdefault(id(reader), (reader, []))[1].append(i)
         for reader, indices in by_reader.values():

@@ -529,12 +529,12 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                 quiet = got.asked == 0
             except Exception:  # noqa: BLE001 - only a hint that the handles are there
                 uncached, quiet = True, False
-        samples = [self.plan.sample(p) for p in positions]
+        samples = self.plan.order[positions].tolist()  # one call for the batch
         paths = [self._cache_path(parts, s) for s in samples]
         if any(cp is None for cp in paths):
             return None
         session = parts.fs.session
-        outs = [torch.empty(int(self.sizes[s]), dtype=torch.uint8) for s in samples]
+        outs = [torch.empty(size, dtype=torch.uint8) for size in self.sizes[samples].tolist()]
         with profiled("cachefs.held_reads"):  # page handles held here: no message
             got = session.read_held([(cp, out.numpy()) for cp, out in zip(paths, outs)])
         missing = [i for i, g in enumerate(got) if g is None]

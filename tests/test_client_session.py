@@ -3,6 +3,8 @@ once; no network I/O until first use; lean-path failures that never fail a read.
 
 from __future__ import annotations
 
+import time
+
 import logging
 import socket
 
@@ -146,3 +148,25 @@ def test_remembered_placement_follows_the_ring_and_its_changes():
         assert gone not in ranked and ranked == workers.ring.nodes_for_offset(key, 0, 2)
     workers.update([workers.addresses[0]], config)
     assert [h.address for h in workers.candidates(keys[3], 7 << 20)] == workers.addresses
+
+
+def test_first_healthy_answers_a_batch_as_candidates_does_one_read_at_a_time():
+    from cachefs.client.transport import WorkerSet
+    from cachefs.ring import RingConfig
+
+    config = RingConfig(stripe_size=1 << 20)
+    workers = WorkerSet([f"127.0.0.1:{p}" for p in (1001, 1002, 1003)], config, connect=lambda address: None)
+    reads = [(f"m/obj{i}", offset) for i in range(40) for offset in (0, 3 << 20)]
+
+    def expected():
+        return [(workers.candidates(k, o, include_broken=False) or [None])[0] for k, o in reads]
+
+    assert workers.first_healthy(reads) == expected()
+    broken = workers.candidates("m/obj0")[0]
+    for _ in range(10):
+        broken.breaker.record_failure()
+    assert not broken.breaker.available(time.monotonic())
+    got = workers.first_healthy(reads)
+    assert got == expected() and broken not in got and None not in got
+    workers.update([broken.address], config)  # the only worker left is the broken one
+    assert workers.first_healthy(reads[:3]) == [None, None, None]
