@@ -151,9 +151,14 @@ def test_leader_killed_under_reads_and_during_a_load_job(tmp_path, etcd_cluster)
         assert done.objects_done == OBJECTS and done.objects_failed == 0
         jobs = ha.list.call("ListJobs", master_pb2.ListJobsRequest(), timeout=10).jobs
         assert [j.job_id for j in jobs] == [job.job_id]  # one job, finished once
-        # ... by the new leader, which resumed it from the record the dead one left in etcd.
+        # ... by the new leader, which resumed it from the record the dead one left in etcd; or,
+        # where the dead one finished it in the moment between the submit and the kill (its
+        # objects are cached by the read loop: a job of milliseconds), by the dead one, once.
         survivor_log = (ha.tmp / f"m{survivor}.log").read_text()
-        assert f"job {job.job_id} resumes" in survivor_log and f"job {job.job_id} SUCCEEDED" in survivor_log
+        if f"job {job.job_id} resumes" not in survivor_log:
+            assert f"job {job.job_id} SUCCEEDED" in (ha.tmp / f"m{old}.log").read_text(), survivor_log[-2000:]
+        else:
+            assert f"job {job.job_id} SUCCEEDED" in survivor_log
         assert [m.name for m in ha.view().mounts] == ["data", "via-standby"]
         # `cachefs status` through the list, the dead master first in it.
         out = subprocess.run([sys.executable, "-m", "cachefs.cli", "status", "--master", ha.addresses],
