@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,8 +49,9 @@ def _read_head(conn: socket.socket) -> bytes | None:
 
 
 @contextmanager
-def scripted_server(script: Script) -> Iterator[str]:
-    """An HTTP/1.1 server on a free loopback port, answering from ``script``; yields its URL."""
+def scripted_server(script: Script, tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """An HTTP/1.1 server on a free loopback port, answering from ``script`` (over TLS with
+    ``tls``); yields its URL."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
     stop = threading.Event()
@@ -88,6 +90,13 @@ def scripted_server(script: Script) -> Iterator[str]:
                 continue
             except OSError:
                 return
+            if tls is not None:
+                try:
+                    conn.settimeout(10)
+                    conn = tls.wrap_socket(conn, server_side=True)
+                except (OSError, ssl.SSLError):  # a client that does not trust us: its loss
+                    conn.close()
+                    continue
             t = threading.Thread(target=serve, args=(conn, script.connections), daemon=True)
             script.connections += 1
             threads.append(t)
@@ -96,7 +105,7 @@ def scripted_server(script: Script) -> Iterator[str]:
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{listener.getsockname()[1]}"
     finally:
         stop.set()
         listener.close()
@@ -315,3 +324,19 @@ def test_a_forked_child_never_uses_its_parents_connections():
         assert _get(client, 20, [10]) == [(0, BODY[20:30])]  # the parent's connection is still good
     assert script.connections == 2
     assert [r.connection for r in script.requests] == [0, 1, 0]
+
+
+def test_https_endpoints_are_verified_against_the_ca_given(tmp_path):
+    from tlscerts import make_pki
+
+    pki = make_pki(tmp_path)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(pki.server_cert, pki.server_key)
+    script = Script([_ranged(BODY)] * 3)
+    with scripted_server(script, tls=server) as url:
+        assert url.startswith("https://")
+        assert _get(_client(url, verify=pki.ca), 0, [100, 28]) == [(0, BODY[:100]), (1, BODY[100:128])]
+        with pytest.raises(ConnectionError, match="TLS"):
+            _get(_client(url, verify=pki.other_ca, attempts=1), 0, [10])  # not our CA: refused
+        assert _get(_client(url, verify=False), 5, [5]) == [(0, BODY[5:10])]
+    assert len(script.requests) == 2
