@@ -229,6 +229,31 @@ def test_a_chunked_body_is_read_whole():
     assert script.connections == 1
 
 
+def test_many_small_chunks_split_anywhere_are_read_whole():
+    import random
+
+    data = BODY[:20_000]
+    rnd = random.Random(5)
+    cuts, at = [], 0
+    while at < len(data):
+        step = rnd.randint(1, 700)
+        cuts.append(data[at:at + step])
+        at += step
+    raw = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in cuts) + b"0\r\n\r\n"
+
+    def chunked(request: Request) -> bytes:
+        return (b"HTTP/1.1 206 Partial Content\r\nETag: \"e1\"\r\nTransfer-Encoding: chunked\r\n"
+                b"Content-Range: bytes 0-19999/102400\r\n\r\n" + raw)
+    script = Script([chunked, _ranged(BODY)])
+    with scripted_server(script) as url:
+        client = _client(url)
+        sizes = [4096, 4096, 4096, 4096, 3616]
+        got = _get(client, 0, sizes)
+        assert b"".join(piece for _, piece in got) == data and [i for i, _ in got] == [0, 1, 2, 3, 4]
+        assert _get(client, 7, [3]) == [(0, BODY[7:10])]  # the chunked reply was read to its end
+    assert script.connections == 1
+
+
 def test_a_wrong_region_is_learnt_from_the_reply():
     script = Script([_status(301, "Moved Permanently", "PermanentRedirect", "x-amz-bucket-region: eu-west-1\r\n"),
                      _ranged(BODY), _ranged(BODY)])

@@ -226,15 +226,26 @@ class _Reply:
         return self.sock.recv_into(view)
 
     def _line(self) -> bytes:
+        """A chunk-size or trailer line; read in blocks, what follows it is kept for the body."""
         line = bytearray()
-        one = bytearray(1)
-        while not line.endswith(b"\r\n"):
-            if self._raw_into(memoryview(one)) != 1:
-                raise ConnectionResetError("reply ended inside a chunk header")
-            line += one
+        while True:
+            if not self._rest:
+                block = bytearray(4096)
+                n = self.sock.recv_into(block)
+                if n == 0:
+                    raise ConnectionResetError("reply ended inside a chunk header")
+                self._rest = memoryview(block)[:n]
+            end = bytes(self._rest[:1026]).find(b"\n")
+            if end < 0:
+                line += self._rest
+                self._rest = self._rest[len(self._rest):]
+            else:
+                line += self._rest[:end + 1]
+                self._rest = self._rest[end + 1:]
+                if line.endswith(b"\r\n"):
+                    return bytes(line[:-2])
             if len(line) > 1024:
                 raise OSError("malformed chunked reply")
-        return bytes(line[:-2])
 
     def readinto(self, view: memoryview) -> int:
         """Up to len(view) body bytes; 0 at the body's end."""
