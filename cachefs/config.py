@@ -23,6 +23,8 @@ from cachefs.addresses import split_address, split_addresses
 from cachefs.mounts import MountSpec
 from cachefs.tls import TLSConfig
 
+#: The worker's choices of client for S3 data reads (WorkerConfig.s3_client; cachefs/store/backends.py).
+S3_CLIENTS = ("auto", "http", "obstore", "s3fs")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 
 
@@ -186,8 +188,8 @@ class WorkerConfig:
         _check_listen(self.host, self.port, self.metrics_port)
         if self.eviction not in ("future", "lru"):
             raise ValueError(f"eviction must be 'future' or 'lru', got {self.eviction!r}")
-        if self.s3_client not in ("auto", "http", "obstore", "s3fs"):
-            raise ValueError(f"s3_client must be auto, http, obstore or s3fs, got {self.s3_client!r}")
+        if self.s3_client not in S3_CLIENTS:
+            raise ValueError(f"s3_client must be one of {', '.join(S3_CLIENTS)}, got {self.s3_client!r}")
         if not -1 <= self.data_port < 65536:
             raise ValueError(f"data_port must be -1 (off), 0 (any free port) or a port number, got {self.data_port}")
         if not self.cache_dirs:

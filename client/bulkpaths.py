@@ -33,7 +33,6 @@ SOCKET_TIMEOUT = 5.0
 _HOST_ID = host_id()
 #: Seconds before asking again a worker that was away (refused, socket gone, gRPC unavailable).
 AWAY_RETRY = 2.0
-_UNSET = object()  # not looked up yet
 
 
 def _worker_away(exc: BaseException) -> bool:
@@ -186,18 +185,14 @@ class BulkPaths:
         (their placed worker's), no message sent; per read (bytes read, object size) or None:
         not held there, read it another way."""
         results: list[tuple[int, int] | None] = [None] * len(reads)
-        by_reader: dict[int, tuple[Any, list[int]]] = {}
-        readers: dict[int, Any] = {}  # per worker handle, for this batch
-        firsts = self.workers.first_healthy([(path, offset) for path, offset, _out in reads])
-        for i, handle in enumerate(firsts):
-            if handle is None:
+        by_handle: dict[int, tuple[Any, list[int]]] = {}
+        for i, handle in enumerate(self.workers.first_healthy([(path, offset) for path, offset, _out in reads])):
+            if handle is not None:
+                by_handle.setdefault(id(handle), (handle, []))[1].append(i)
+        for handle, indices in by_handle.values():
+            reader = self._reader(handle)
+            if reader is None or not hasattr(reader, "read_held_into"):
                 continue
-            reader = readers.get(id(handle), _UNSET)
-            if reader is _UNSET:
-                reader = readers[id(handle)] = self._reader(handle)
-            if reader is not None and hasattr(reader, "read_held_into"):
-                by_reader.setdefault(id(reader), (reader, []))[1].append(i)
-        for reader, indices in by_reader.values():
             try:
                 got = reader.read_held_into([reads[i] for i in indices])
             except Exception as exc:  # noqa: BLE001 - the reads find another way

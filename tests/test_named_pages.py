@@ -28,9 +28,9 @@ PAGE = 64 << 10
 
 
 def _client(index: NameIndex, dirs=(("/nonexistent", 1),), page_size: int = PAGE) -> NamedPages:
-    fd = index.reader_fd()
+    fd, slots = index.reader()
     try:
-        return NamedPages(fd, index.slots, list(dirs), page_size)
+        return NamedPages(fd, slots, list(dirs), page_size)
     finally:
         os.close(fd)
 
@@ -184,7 +184,7 @@ def test_an_entry_being_written_reads_as_absent_and_clients_cannot_write():
         assert client.lookup("m/a") is None
         index._table.map[off:off + 8] = (seq + 2).to_bytes(8, "little")
         assert client.lookup("m/a") is not None
-        fd = index.reader_fd()
+        fd = index.reader()[0]
         try:
             with pytest.raises((OSError, PermissionError)):
                 mmap.mmap(fd, index._table.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -198,7 +198,7 @@ def test_an_entry_being_written_reads_as_absent_and_clients_cannot_write():
 def test_bad_tables_are_refused():
     index = NameIndex(slots=4)
     try:
-        fd = index.reader_fd()
+        fd = index.reader()[0]
         try:
             with pytest.raises(ValueError):
                 NamedPages(fd, 5, [("/x", 1)], PAGE)  # more slots than the table has
@@ -255,7 +255,7 @@ def test_cache_dirs_that_are_not_the_workers_here_are_refused(tmp_path):
     here = tmp_path / "cache"
     here.mkdir()
     st = os.stat(here)
-    fd = index.reader_fd()
+    fd = index.reader()[0]
     try:
         NamedPages(fd, 4, [(str(here), 1)], PAGE, [f"{st.st_dev}:{st.st_ino}"]).close()
         with pytest.raises(ValueError, match="not the worker's cache dir"):

@@ -226,9 +226,6 @@ def _precondition_failed(exc: BaseException | None) -> bool:
     return False
 
 
-S3_CLIENTS = ("auto", "http", "obstore", "s3fs")
-
-
 def _backend_for(fs: fsspec.AbstractFileSystem, s3_client: str = "auto") -> _Backend:
     """The backend for a mount's filesystem. S3 data reads: ``s3_client`` "http" (s3http.py),
     "obstore" (native.py) or "s3fs"; "auto" takes the first of them that the mount's options allow."""

@@ -19,10 +19,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
+from cachefs.config import S3_CLIENTS
 from cachefs.errors import CacheFSError, InvalidPathError, StaleObjectError, StoreError, StoreUnavailableError
 from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
-from cachefs.store.backends import S3_CLIENTS, PieceSink, _Backend, _backend_for, _mtime_of, version_of
+from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
 from cachefs.store.health import StoreBreaker
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.metatable import MetadataTable

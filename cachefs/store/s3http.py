@@ -454,7 +454,7 @@ class S3HttpClient:
             try:
                 sock.sendall(message)
                 return self._head(sock, (scheme, host, port))
-            except (ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
+            except OSError as exc:  # refused, reset, timed out, TLS
                 sock.close()
                 if reused and isinstance(exc, (ConnectionError, ssl.SSLError)) and not isinstance(exc, _Started):
                     continue  # the server closed an idle connection: a fresh one, not an attempt
@@ -517,20 +517,23 @@ class S3HttpClient:
             return _Retry(OSError(text))
         return OSError(text)
 
+    def _pause(self, attempt: int) -> None:
+        """Backoff before attempt ``attempt + 1``: 50 ms doubling, at most 2 s, jittered."""
+        self._sleep(min(2.0, 0.05 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+
     def get(self, bucket: str, key: str, start: int, sizes: Sequence[int], version: str,
-            deliver: PieceSink) -> dict[str, str]:
+            deliver: PieceSink) -> None:
         """Bytes from ``start`` in pieces of ``sizes``, each filled straight from the socket and
-        handed to ``deliver(i, piece)`` as it completes; the reply's headers. ``version``: the
-        ETag the bytes must have ("" = any, as for a cold open's first GET)."""
+        handed to ``deliver(i, piece)`` as it completes. ``version``: the ETag the bytes must
+        have ("" = any)."""
         where = f"s3://{bucket}/{key}"
         done, at, attempt = 0, start, 0
         total_end = start + sum(sizes)
-        headers: dict[str, str] = {}
         while done < len(sizes):
             attempt += 1
             try:
-                headers = self._get_once(bucket, key, at, total_end, sizes, done, version, where, deliver)
-                return headers
+                self._get_once(bucket, key, at, total_end, sizes, done, version, where, deliver)
+                return
             except _Progress as progress:  # some pieces came before the stream broke
                 done, at = progress.done, progress.at
                 error = progress.error
@@ -540,15 +543,13 @@ class S3HttpClient:
                 error = retry.error
             if attempt >= self.settings.attempts:
                 raise error from None
-            self._sleep(min(2.0, 0.05 * 2 ** (attempt - 1)) * (0.5 + random.random()))
-        return headers
+            self._pause(attempt)
 
     def _get_once(self, bucket: str, key: str, at: int, total_end: int, sizes: Sequence[int], done: int,
-                  version: str, where: str, deliver: PieceSink) -> dict[str, str]:
+                  version: str, where: str, deliver: PieceSink) -> None:
         reply = self._request(bucket, key, at, total_end - 1, version)
         if reply.status not in (200, 206):
             raise self._fail(reply, where, version)
-        first = 0
         if reply.status == 206:
             got_range = _content_range(reply.headers.get("content-range", ""))
             if got_range is None or got_range[0] != at:
@@ -569,7 +570,7 @@ class S3HttpClient:
                         raise StaleObjectError(f"{where}: stream ended at {at + n}, expected {total_end}")
                     raise ConnectionResetError("reply ended early")
                 deliver(i, piece)
-                i, at, first = i + 1, at + size, first + size
+                i, at = i + 1, at + size
         except StaleObjectError:
             reply.sock.close()
             raise
@@ -583,7 +584,6 @@ class S3HttpClient:
             reply.sock.close()  # the rest of a whole object we did not ask for
         else:
             self._done(reply)
-        return reply.headers
 
     def first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, dict[str, str]]:
         """The first ``length`` bytes of whatever version is there (fewer for a smaller object),
@@ -616,7 +616,7 @@ class S3HttpClient:
             except _Retry as retry:
                 if attempt >= self.settings.attempts:
                     raise retry.error from retry
-            self._sleep(min(2.0, 0.05 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+            self._pause(attempt)
 
 
 class _Started(ConnectionError):

@@ -109,9 +109,6 @@ class NameIndex:
             table = self._table
             return os.open(f"/proc/self/fd/{table.fd}", os.O_RDONLY | os.O_CLOEXEC), table.slots
 
-    def reader_fd(self) -> int:
-        return self.reader()[0]
-
     def _grow(self, now_ns: int) -> None:  # caller holds the lock
         """Copy the live entries into a table GROWTH times larger, then mark the old one superseded."""
         old = self._table
