@@ -22,8 +22,9 @@ object i mod M). Cases (read_systems.py):
     grpc_raw        a bare gRPC stream of the same bytes, 1 MiB messages: gRPC's limit
     tcp_raw         a bare loopback TCP stream, sendfile -> recv_into: the network path's limit
 
-Large objects go into reused, preallocated, 4096-aligned slots (cachefs: ``fs.read_into``); the
-peers return bytes from their natural API. Every read is compared with the source; a wrong byte or
+The limits and cachefs_local/cachefs_remote read into reused, preallocated, 4096-aligned slots
+(cachefs: ``fs.read_into``); the peers, cachefs_cat and cachefs_open return new bytes from their
+natural API (on this VM fresh memory costs page faults the slots do not: compare like with like). Every read is compared with the source; a wrong byte or
 a failed cachefs case makes the run exit 1 (results are still written). Output:
 benchmarks/results/read-<timestamp>.json/.png and latest.json/.png (read_report.py).
 """

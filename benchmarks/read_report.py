@@ -47,7 +47,7 @@ def compute_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
 
     for wl in ("large", "large_conc"):
         add(f"cachefs_local_warm_vs_local.{wl}", ("cachefs_local", wl, "warm"), ("local", wl, "limit"),
-            "mb_per_s", ">= 0.8", lambda v: v >= 0.8)
+            "mb_per_s", ">= 0.9", lambda v: v >= 0.9)
         add(f"cachefs_remote_warm_vs_tcp_raw.{wl}", ("cachefs_remote", wl, "warm"), ("tcp_raw", wl, "limit"),
             "mb_per_s", ">= 0.6", lambda v: v >= 0.6)
         add(f"cachefs_remote_warm_vs_grpc_raw.{wl}", ("cachefs_remote", wl, "warm"), ("grpc_raw", wl, "limit"),
@@ -62,18 +62,27 @@ def compute_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "mb_per_s", ">= 1.0" if plain else "(info)", lambda v: v >= 1.0)
     for wl in ("small_seq", "small_conc"):
         for sysname in CACHEFS:
+            # The plain API on the same host (new bytes per object, as s3fs and simplecache
+            # return): >= 40x s3fs and >= simplecache's second read. cachefs_local/_remote read
+            # into reused slots as the limits do: cachefs_remote is judged against raw TCP.
+            same_host = sysname in ("cachefs_cat", "cachefs_open")
             add(f"{sysname}_warm_vs_s3fs_direct.{wl}", (sysname, wl, "warm"), ("s3fs", wl, "direct"),
-                "objects_per_s", ">= 30", lambda v: v >= 30)
+                "objects_per_s", ">= 40" if same_host else "(info)", lambda v: v >= 40)
             add(f"{sysname}_warm_vs_simplecache_second.{wl}", (sysname, wl, "warm"), ("simplecache", wl, "second"),
-                "objects_per_s", ">= 1.0", lambda v: v >= 1.0)
+                "objects_per_s", ">= 1.0" if same_host else "(info)", lambda v: v >= 1.0)
             add(f"{sysname}_warm_vs_local.{wl}", (sysname, wl, "warm"), ("local", wl, "limit"),
                 "objects_per_s", "(info)")
+        add(f"cachefs_remote_warm_vs_tcp_raw.{wl}", ("cachefs_remote", wl, "warm"), ("tcp_raw", wl, "limit"),
+            "objects_per_s", ">= 0.6", lambda v: v >= 0.6)
         add(f"grpc_raw_vs_tcp_raw.{wl}", ("grpc_raw", wl, "limit"), ("tcp_raw", wl, "limit"),
             "objects_per_s", "(info)")
+    # Cold: 64 MiB wall <= 1.0x s3fs direct for one reader, <= 0.9x for eight; small objects shown.
+    cold_limit = {"large": 1.0, "large_conc": 0.9}
     for wl in WORKLOADS:
+        limit = cold_limit.get(wl)
         for sysname in CACHEFS:
             add(f"{sysname}_cold_wall_vs_s3fs_direct_wall.{wl}", (sysname, wl, "cold"), ("s3fs", wl, "direct"),
-                "wall_s", "<= 1.1", lambda v: v <= 1.1)
+                "wall_s", f"<= {limit}" if limit else "(info)", lambda v, limit=limit: v <= limit)
     return ratios
 
 

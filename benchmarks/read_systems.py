@@ -3,7 +3,8 @@
     s3fs            s3fs.S3FileSystem.cat_file, no cache (one pass: direct)
     simplecache     fsspec simplecache::s3, fresh cache dir (first, second)
     blockcache      fsspec blockcache::s3, fresh cache dir (first, second)
-    cachefs_local   a `cachefs worker` process, fresh cache, client short_circuit=True (cold, warm)
+    cachefs_local   a `cachefs worker` process, fresh cache, client short_circuit=True (cold, warm),
+                    read_into the aligned slot (as the limits read)
     cachefs_remote  the same, client short_circuit=False: bytes come over the network path
     cachefs_cat     the same host through the plain fsspec API: cat_file -> bytes for every size
     cachefs_open    the same host through open(path).read() (what pandas, torch.load call)
@@ -136,9 +137,7 @@ class Cachefs(System):
             return f"CacheFileSystem.open(path).read() -> bytes ({how})"
         if self.plain == "cat":
             return f"CacheFileSystem.cat_file -> bytes ({how})"
-        if kind == "large":
-            return f"CacheFileSystem.read_into(path, slot, 0) ({how})"
-        return f"CacheFileSystem.cat_file -> bytes ({how})"
+        return f"CacheFileSystem.read_into(path, slot, 0) ({how})"
 
     def _bulk_stats(self) -> dict[str, Any] | None:
         """The client's lean-path counters (short-circuit / data port), where it has them."""
@@ -186,15 +185,15 @@ class Cachefs(System):
                 yield read_open
             elif self.plain == "cat":
                 yield lambda key, out: fs.cat_file(f"cachefs://{MOUNT}/{key}")
-            elif kind == "large":
+            else:
+                # Into the reused slot, as the limits (local, tcp_raw) read: the lean path's own
+                # figure; cachefs_cat and cachefs_open are the plain API returning new bytes.
                 def read(key: str, out: np.ndarray) -> np.ndarray:
                     n, size = fs.read_into(f"cachefs://{MOUNT}/{key}", out, 0)
                     if n != size:
                         raise OSError(f"read_into of {key} returned {n} of {size} bytes")
                     return out[:n]
                 yield read
-            else:
-                yield lambda key, out: fs.cat_file(f"cachefs://{MOUNT}/{key}")
             self._status[workload] = worker_status(worker.address)
         except BaseException:
             self._print_log_tail()
