@@ -113,6 +113,7 @@ def recycle_memory(nbytes: int) -> None:
     buf[::4096] = b"\1" * len(range(0, nbytes, 4096))  # one write a page: each is faulted in
     del buf
 
+
 class LocalFiles(Dataset):
     def __init__(self, paths: list[str], size: int) -> None:
         self.paths, self.size = paths, size
@@ -401,12 +402,12 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
             x, y = get.get((a[0], w, a[1])), get.get((b[0], w, b[1]))
             return round(x / y, 3) if x and y else None
         out[f"workers={w}"] = {
-            "cachefs-map warm / local warm (target >= 0.8)": ratio(("cachefs-map", "warm"), ("local", "warm")),
-            "cachefs-tar warm / local warm (target >= 0.8)": ratio(("cachefs-tar", "warm"), ("local", "warm")),
-            "cachefs-map warm / streaming warm (target >= 1.3)": ratio(("cachefs-map", "warm"), ("streaming", "warm")),
-            "cachefs-tar warm / streaming warm (target >= 1.3)": ratio(("cachefs-tar", "warm"), ("streaming", "warm")),
+            "cachefs-map warm / local warm (target >= 0.9)": ratio(("cachefs-map", "warm"), ("local", "warm")),
+            "cachefs-tar warm / local warm (target >= 0.9)": ratio(("cachefs-tar", "warm"), ("local", "warm")),
+            "cachefs-map warm / streaming warm (target >= 1.5)": ratio(("cachefs-map", "warm"), ("streaming", "warm")),
+            "cachefs-tar warm / streaming warm (target >= 1.5)": ratio(("cachefs-tar", "warm"), ("streaming", "warm")),
             "cachefs-tar cold / streaming cold (target >= 1.0)": ratio(("cachefs-tar", "cold"), ("streaming", "cold")),
-            "cachefs-map cold / s3torchconnector cold (target >= 0.9)": ratio(("cachefs-map", "cold"),
+            "cachefs-map cold / s3torchconnector cold (target >= 1.0)": ratio(("cachefs-map", "cold"),
                                                                               ("s3torchconnector", "cold")),
             "cachefs-map warm / s3fs warm (target >= 20 with delay)": ratio(("cachefs-map", "warm"), ("s3fs", "warm")),
             "cachefs-tar warm / s3fs warm (target >= 20 with delay)": ratio(("cachefs-tar", "warm"), ("s3fs", "warm")),

@@ -173,6 +173,11 @@ class PerProcessParts:
         """Sample ids this rank reads from now on: the rest of this epoch, then all of the next."""
         raise NotImplementedError
 
+    def _plan_replay_length(self) -> int:
+        """How many of ``_plan_order`` are this epoch's: iterated again without ``set_epoch``,
+        the dataset reads those again, not the next epoch's (PyTorch's samplers do the same)."""
+        return max(0, len(self.plan) - int(getattr(self, "samples_seen", 0)))
+
     def _cache_prefetch(self) -> bool:
         """Whether the cache should fetch what comes next (off with hints off: hint_samples=0)."""
         raise NotImplementedError
@@ -190,7 +195,8 @@ class PerProcessParts:
                                           prefetch=self._cache_prefetch())
                 weakref.finalize(self, _close_publisher, publisher, fs)
                 self._publisher = publisher
-            report = self._publisher.publish(self._plan_units(), self._plan_order())
+            report = self._publisher.publish(self._plan_units(), self._plan_order(),
+                                             replay_after=self._plan_replay_length())
         except Exception as exc:  # noqa: BLE001 - advisory: eviction falls back to recency
             log.warning("could not register the read plan with the workers: %s", exc)
             return None

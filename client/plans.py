@@ -75,6 +75,7 @@ class PlanPublisher:
         self._lock = threading.Lock()
         self._runs: dict[str, tuple[Any, list[Any]]] = {}  # address -> (handle, runs)
         self._base = 0
+        self._replay_after = 0
         self._rate = 0.0
         self._last: tuple[float, int] | None = None
         self._stop = threading.Event()
@@ -83,13 +84,21 @@ class PlanPublisher:
         self.report = PlanReport()
 
     # -- the plan ------------------------------------------------------------------------------------
-    def publish(self, units: Sequence[tuple[str, int, int]], order: np.ndarray) -> PlanReport:
+    def publish(self, units: Sequence[tuple[str, int, int]], order: np.ndarray, *,
+                replay_after: int = 0) -> PlanReport:
         """Register ``order`` (unit indices in the order they will be read; a unit is a byte range
-        ``(path, offset, length)`` of one object) with every worker holding part of it."""
+        ``(path, offset, length)`` of one object) with every worker holding part of it.
+
+        ``replay_after``: read past this many positions with no new plan, the job is reading its
+        first ``replay_after`` again (a dataset iterated again without ``set_epoch``): positions
+        then count from the start again, and the workers start their read-ahead over (plans.py)."""
+        if replay_after < 0:
+            raise ValueError("replay_after must be >= 0")
         runs = self._runs_by_worker(units, order)
         with self._lock:
             self._runs = runs
             self._base = self._position()
+            self._replay_after = int(replay_after)
             self._last = None
         report = PlanReport()
         for handle, worker_runs in runs.values():
@@ -141,16 +150,21 @@ class PlanPublisher:
 
     # -- renewal -------------------------------------------------------------------------------------
     def _progress(self) -> tuple[int, float]:
+        """(position in the plan, samples per second). The count may also fall (new DataLoader
+        workers every epoch start their counts over): the rate only takes a rise."""
         now, read = time.monotonic(), self._position()
         position = max(0, read - self._base)
         if self._last is not None:
             t, p = self._last
             if now - t >= 0.2:
                 measured = (position - p) / (now - t)
-                self._rate = measured if self._rate == 0 else 0.5 * self._rate + 0.5 * measured
+                if measured >= 0:
+                    self._rate = measured if self._rate == 0 else 0.5 * self._rate + 0.5 * measured
                 self._last = (now, position)
         else:
             self._last = (now, position)
+        if self._replay_after and position > self._replay_after:  # read again from the start
+            position = (position - 1) % self._replay_after + 1
         return position, max(0.0, self._rate)
 
     def renew(self) -> PlanReport:

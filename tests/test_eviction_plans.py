@@ -11,12 +11,16 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from cachefs.client.dataset import CacheDataset
+from cachefs.client.plans import PlanPublisher
 from cachefs.pagefile import TRAILER_SIZE
+from cachefs.proto import worker_pb2, worker_pb2_grpc
 from helpers import payload, wait_for
 
 PAGE = 4096
@@ -129,3 +133,46 @@ def test_the_plan_drives_prefetch_instead_of_hints(samples, make_worker):
     assert wait_for(lambda: all(worker.pages.holds_object("data", p.removeprefix("cachefs://data/"))
                                 for p in following), timeout=30)
     assert ds.hinter.stats["sent"] == 0
+
+
+def test_iterated_again_without_set_epoch_the_plan_fetches_ahead_again(samples, make_worker):
+    """A second pass over the same epoch (no set_epoch: the same order, as PyTorch's samplers
+    give) starts the worker's read-ahead over, here after the cache was freed: the pass reads
+    its first sample and the worker fetches what follows it in the plan, unasked."""
+    store, paths = samples
+    worker = make_worker(store.mount, page_size=PAGE)
+    ds = CacheDataset(paths, storage_options={"workers": worker.address}, seed=9, prefetch_depth=1)
+    assert ds.plan_report.complete
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler(), collate_fn=_ids)
+    assert sorted(i for batch in loader for i in batch) == list(range(N))
+    with grpc.insecure_channel(worker.address) as ch:
+        worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/train"), timeout=30)
+    assert not any(worker.pages.holds_object("data", p.removeprefix("cachefs://data/")) for p in paths)
+    fetched = worker.metrics.totals()["bytes_from_store"]
+    ds[0]  # the second pass's first read, at position 0 again
+    following = {ds.paths[ds.plan.sample(p)] for p in range(2, 33)}
+    assert wait_for(lambda: all(worker.pages.holds_object("data", p.removeprefix("cachefs://data/"))
+                                for p in following), timeout=30)
+    assert worker.plans.stats["rewound"] >= 1
+    assert worker.metrics.totals()["bytes_from_store"] - fetched >= len(following) * PAGE
+
+
+class _NoWorkers:
+    def candidates(self, *args, **kwargs):
+        return []
+
+
+def test_plan_positions_count_from_the_start_again_on_a_replay():
+    """The job's sample count keeps growing across passes (one process, or persistent DataLoader
+    workers); past the plan's own epoch with no new plan, positions are those of the pass again."""
+    count = [0]
+    publisher = PlanPublisher(_NoWorkers(), lambda: count[0], renew_seconds=60, lease_seconds=120)
+    try:
+        publisher.publish([("m/k", 0, 1)], np.zeros(20, dtype=np.int64), replay_after=10)
+        for read, position in ((0, 0), (7, 7), (10, 10), (11, 1), (19, 9), (20, 10), (23, 3)):
+            count[0] = read
+            assert publisher._progress()[0] == position
+        with pytest.raises(ValueError):
+            publisher.publish([], np.zeros(0, dtype=np.int64), replay_after=-1)
+    finally:
+        publisher.close()

@@ -270,3 +270,69 @@ def test_next_use_order_compacts_and_picks_furthest_first():
     keys = [v.next_use for v in victims]
     assert keys == sorted(keys, reverse=True) and keys[0] == max(e.next_use for e in entries)
     assert isinstance(LruOrder().pick(1, 0.0), type(None))
+
+
+def _plan_of_objects(table: PlanTable, n: int, rate: float = 100.0) -> None:
+    """Job "j" reads object k{i} at position i (one page each), complete."""
+    runs = [worker_pb2.PlanRun(path=f"m/k{i}", offset=0, length=PS, positions=[i]) for i in range(n)]
+    assert table.update(worker_pb2.PlanRequest(job="j", replace=True, runs=runs, done=True, rate=rate,
+                                               lease_seconds=60))
+
+
+def test_a_job_reading_its_plan_again_gets_its_read_ahead_again():
+    """A dataset iterated again without set_epoch reads the same order from position 0: the
+    worker notices the reader going back (or new readers far behind) and fetches ahead again."""
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    _plan_of_objects(table, 2000, rate=5000.0)  # a fast job: its rate's slack is longer than half a pass
+    assert table.due("j", 1 << 40, 1.0, at_least=32)[:2] == ["m/k0", "m/k1"]
+    for position in range(0, 2000, 32):  # pass 1, DataLoader workers 1 and 2 taking turns
+        clock.t += 0.005
+        table.progress("j", position, reader=1 + (position // 32) % 2)
+        table.due("j", 1 << 40, 1.0, at_least=32)
+    assert table._jobs["j"].position >= 1960
+    assert table.due("j", 1 << 40, 1.0) == []  # everything handed out once
+    # Pass 2: new DataLoader workers (new readers), the first at the start again.
+    clock.t += 0.5
+    table.progress("j", 32, reader=3)
+    assert table.stats["rewound"] == 1
+    table.progress("j", 0, reader=4)  # a few batches apart: the same pass, no second rewind
+    assert table.stats["rewound"] == 1
+    ahead = table.due("j", 1 << 40, 1.0, at_least=32)
+    assert ahead[0] == "m/k32" and "m/k40" in ahead  # what the readers are not reading yet
+    # The old pass's readers no longer hold the position: the new one's is the estimate.
+    assert table._jobs["j"].estimate(clock.t) <= 32
+    # The same reader going back also starts over (persistent workers, or no workers at all).
+    for position in range(32, 2000, 32):
+        clock.t += 0.005
+        table.progress("j", position, reader=3)
+    table.due("j", 1 << 40, 1.0)
+    table.progress("j", 0, reader=3)
+    assert table.stats["rewound"] == 2 and table.due("j", 1 << 40, 1.0, at_least=32)[0] == "m/k0"
+
+
+def test_a_reader_a_little_behind_is_no_new_pass():
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    _plan_of_objects(table, 2000)
+    table.progress("j", 1500, reader=1)
+    table.progress("j", 1200, reader=2)  # new, behind, but past half of where the job is
+    table.progress("j", 1400, reader=1)  # the same reader a little back: a prefetch thread's order
+    assert table.stats["rewound"] == 0 and table._jobs["j"].position == 1500
+
+
+def test_renewals_follow_the_reads_and_start_over_without_them():
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    _plan_of_objects(table, 2000)
+    table.progress("j", 100, reader=1)
+    # A renewal's count can run ahead of the reads or lag them (per-process counters): while a
+    # reader speaks, the reads' exact position wins.
+    table.update(worker_pb2.PlanRequest(job="j", position=900, rate=100, lease_seconds=60))
+    assert table._jobs["j"].position == 100
+    clock.t += 10  # no reader spoke lately (a client on another host: renewals alone)
+    table.update(worker_pb2.PlanRequest(job="j", position=1900, rate=100, lease_seconds=60))
+    assert table._jobs["j"].position == 1900
+    table.update(worker_pb2.PlanRequest(job="j", position=10, rate=100, lease_seconds=60))  # its count restarted
+    assert table.stats["rewound"] == 1 and table._jobs["j"].position == 10
+    assert table.due("j", 1 << 40, 1.0, at_least=32)[0] == "m/k10"

@@ -13,6 +13,12 @@ used by several jobs is ranked by the earliest. Within one job the order is exac
 rate. Where a job is *now* is estimated from its last renewal (position + rate x elapsed), to
 tell a page's use that is going on from its next one.
 
+A dataset iterated again without a new plan (no ``set_epoch``: the same order again, as PyTorch's
+samplers give) reads its plan from the start again: a reader new to the job, or one gone back,
+far behind where the job was, rewinds it (``progress``), and what comes next is fetched ahead
+again. Positions that come with reads are exact; renewals (a count of samples, per process) only
+move a job no reader has spoken for lately.
+
 A plan lives under a lease that the job renews; a job that stops renewing pins nothing once its
 lease ends (the pages it planned fall back to LRU order). A worker restarted forgets every plan
 and says so to the next renewal (``known`` false), and the job sends its plan again.
@@ -103,6 +109,18 @@ class _Job:
     def slack(self) -> float:
         return max(SLACK_SAMPLES, self.rate * SLACK_SECONDS)
 
+    def live_readers(self, now: float) -> bool:
+        return any(now - t <= READER_SECONDS for _, t in self.readers.values())
+
+    def rewinds_to(self, position: int) -> bool:
+        """Whether ``position`` is the start of another pass rather than a reader a little behind
+        (DataLoader workers start a pass a few batches apart): the job was well into its plan
+        (past a quarter of it: the plan holds this epoch and the next), and this is in the first
+        half of where it was, by a margin. Not the rate's slack: a fast job's can exceed a pass."""
+        if not self.complete or not self.reads or 4 * self.position < self.reads[-1][0]:
+            return False
+        return position + min(SLACK_SAMPLES, self.position // 4) < self.position // 2
+
 
 def _merge(positions: list[int]) -> tuple[list[int], list[int]]:
     starts: list[int] = []
@@ -129,7 +147,7 @@ class PlanTable:
         self._by_page: dict[PageKey, list[_Job]] = {}
         self._on_change = on_change
         self._clock = clock
-        self.stats = {"registered": 0, "renewed": 0, "expired": 0, "unknown": 0}
+        self.stats = {"registered": 0, "renewed": 0, "expired": 0, "unknown": 0, "rewound": 0}
 
     def __len__(self) -> int:
         with self._lock:
@@ -172,9 +190,16 @@ class PlanTable:
             if job is not None:
                 known = True
                 job.expires = now + lease
-                if request.replace or request.position >= job.position:  # reads may have told more
+                if request.replace:
                     job.position = request.position
                     job.moved()
+                elif not job.live_readers(now):  # else the reads tell the position, exactly
+                    if job.rewinds_to(request.position):
+                        self._rewind(job, request.position, now)
+                        changed = changed or job.complete
+                    elif request.position >= job.position:
+                        job.position = request.position
+                        job.moved()
                 if request.rate > 0:
                     job.rate = request.rate
                 if runs:
@@ -279,19 +304,36 @@ class PlanTable:
 
     def progress(self, job_id: str, position: int, reader: int = 0) -> None:
         """Reader ``reader`` of the job reads at ``position`` now (it comes with reads: fresher than
-        renewals)."""
+        renewals). A reader new to the job, or one gone back, far behind where the job was, means
+        the job reads its plan again from there (iterated again with no new plan)."""
         now = self._clock()
+        rewound = False
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return
+            before = job.readers.get(reader) if reader else None
             if reader:
                 job.readers[reader] = (position, now)
                 if len(job.readers) > 64:  # new DataLoader workers every epoch: keep the live ones
                     job.readers = {r: v for r, v in job.readers.items() if now - v[1] <= READER_SECONDS}
-            if position > job.position:
+            if job.rewinds_to(position) and (before is None or before[0] > position):
+                self._rewind(job, position, now)
+                rewound = job.complete
+            elif position > job.position:
                 job.position = position
             job.moved()
+        if rewound:
+            self._changed()
+
+    def _rewind(self, job: _Job, position: int, now: float) -> None:  # lock held
+        """The job reads its plan again from ``position``: what comes next is fetched ahead again,
+        its clock starts over there, and readers still placed in the pass before are forgotten."""
+        job.position = job.ahead_to = position
+        job.start_time, job.start_pos = now, position
+        job.readers = {r: v for r, v in job.readers.items() if v[0] <= position + job.slack()}
+        job.moved()
+        self.stats["rewound"] += 1
 
     def due(self, job_id: str, window_bytes: int, window_seconds: float, at_least: int = 32) -> list[str]:
         """Objects the job reads next that were not handed to prefetch yet: from its position up
