@@ -195,8 +195,7 @@ class PlanTable:
                     job.moved()
                 elif not job.live_readers(now):  # else the reads tell the position, exactly
                     if job.rewinds_to(request.position):
-                        self._rewind(job, request.position, now)
-                        changed = changed or job.complete
+                        self._rewind(job, request.position)
                     elif request.position >= job.position:
                         job.position = request.position
                         job.moved()
@@ -307,7 +306,6 @@ class PlanTable:
         renewals). A reader new to the job, or one gone back, far behind where the job was, means
         the job reads its plan again from there (iterated again with no new plan)."""
         now = self._clock()
-        rewound = False
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
@@ -318,19 +316,17 @@ class PlanTable:
                 if len(job.readers) > 64:  # new DataLoader workers every epoch: keep the live ones
                     job.readers = {r: v for r, v in job.readers.items() if now - v[1] <= READER_SECONDS}
             if job.rewinds_to(position) and (before is None or before[0] > position):
-                self._rewind(job, position, now)
-                rewound = job.complete
+                self._rewind(job, position)
             elif position > job.position:
                 job.position = position
             job.moved()
-        if rewound:
-            self._changed()
 
-    def _rewind(self, job: _Job, position: int, now: float) -> None:  # lock held
+    def _rewind(self, job: _Job, position: int) -> None:  # lock held
         """The job reads its plan again from ``position``: what comes next is fetched ahead again,
-        its clock starts over there, and readers still placed in the pass before are forgotten."""
+        and readers still placed in the pass before are forgotten. Its clock stays: next uses are
+        asked from where the readers are (``estimate``), so one job's pages keep their order, and
+        no replan of every cached page is paid each pass (a set_epoch's new plan pays it)."""
         job.position = job.ahead_to = position
-        job.start_time, job.start_pos = now, position
         job.readers = {r: v for r, v in job.readers.items() if v[0] <= position + job.slack()}
         job.moved()
         self.stats["rewound"] += 1
