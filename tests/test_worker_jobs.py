@@ -6,6 +6,7 @@ slow in-memory store where fetch counts matter.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -310,3 +311,32 @@ def test_load_and_free_from_an_older_leader_epoch_are_refused(local_store, make_
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert not stub.Load(worker_pb2.LoadRequest(paths=["data/e/a.bin"]), timeout=30).failed  # epoch 0
     assert stub.Free(worker_pb2.FreeRequest(prefix="data/e", leader_epoch=9), timeout=30).pages_freed >= 1
+
+
+def test_a_load_joining_a_reads_fetch_counts_it_as_not_its_own(make_worker, monkeypatch):
+    """Pages a read is fetching when a load comes are waited for, not fetched again, and the
+    load reports them as skipped: its fetched bytes are store bytes it caused."""
+    root = f"/join-{uuid.uuid4().hex[:8]}"
+    data = payload(8 * PAGE, 41)
+    SlowMemoryFileSystem().pipe_file(f"{root}/obj.bin", data)
+    SlowMemoryFileSystem.reset_counters()
+    monkeypatch.setattr(SlowMemoryFileSystem, "delay", 0.5)
+    worker = make_worker(MountSpec("mem", f"slowmem://{root}"), page_size=PAGE, fetch_group_pages=8,
+                         readahead_pages=0)
+    fs = client(worker.address)
+    assert fs.info("mem/obj.bin")["size"] == len(data)  # metadata known: the read is one 8-page GET
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fs.cat_file("mem/obj.bin")))
+    reader.start()
+    try:
+        assert wait_for(lambda: SlowMemoryFileSystem.active > 0, timeout=10)
+        before = _from_store(worker)
+        fetched_metric = _load_metric(worker, "fetched")
+        result = _load(worker, "mem/obj.bin")
+    finally:
+        reader.join(timeout=30)
+    assert got == [data]
+    assert (result.objects_loaded, result.bytes_loaded, result.bytes_skipped) == (1, 0, len(data))
+    assert _load_metric(worker, "fetched") == fetched_metric
+    assert _from_store(worker) - before <= len(data)  # the read's GET, once
+    assert len(SlowMemoryFileSystem.reads) == 1

@@ -73,6 +73,7 @@ class _Claim:
     pid: PageId
     future: Future[bytes]
     nbytes: int
+    joined: bool = False  # a fetch someone else started (a read): waited for, not counted as ours
 
 
 class NotAdmittedError(OSError):
@@ -106,7 +107,7 @@ class Loader:
         """Load every object; each one ends loaded or in ``failed``, never both.
 
         ``heads``: bytes of first pages already fetched for this load (resolve_for_load), which
-        the claims below find in flight: fetched by this load, not skipped.
+        the claims below find in flight or cached: fetched by this load, not skipped.
         """
         objects = [_Object(meta, (meta.size - 1) // self.page_size) for meta in metas]
         self._heads = heads or {}
@@ -180,6 +181,8 @@ class Loader:
 
     def _claim_run(self, obj: _Object, index: int, last: int) -> int:
         """Claim pages from ``index`` (a run up to ``last``); returns how many pages it covered."""
+        first = PageId(obj.meta.path.mount, obj.meta.path.key, obj.meta.version, index)
+        joined = self.reader.in_flight(first)  # then page() gives that one fetch's future
         try:
             entries = self.reader.page(obj.meta, index, last=last, prefetch=True, group=last - index + 1)
         except RuntimeError as exc:  # the reader is closed
@@ -191,7 +194,7 @@ class Loader:
         for offset, (future, _) in enumerate(entries):
             i = index + offset
             claim = _Claim(obj, PageId(obj.meta.path.mount, obj.meta.path.key, obj.meta.version, i),
-                           future, self._bytes(obj.meta, i, i + 1))
+                           future, self._bytes(obj.meta, i, i + 1), joined and len(entries) == 1)
             self._claims.append(claim)
             self._claimed_bytes += claim.nbytes
             obj.outstanding += 1
@@ -226,7 +229,10 @@ class Loader:
         except Exception as exc:  # noqa: BLE001 - reported per object
             obj.error = obj.error or reason(str(obj.meta.path), exc)
         else:
-            obj.fetched += claim.nbytes
+            if claim.joined:  # being fetched by a read (or this load's resolve) already
+                obj.skipped += claim.nbytes
+            else:
+                obj.fetched += claim.nbytes
         if not self.reader.wait_settled(claim.pid, self.deadline):
             raise _OutOfTime()
         self._check_done(obj)

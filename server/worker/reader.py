@@ -161,6 +161,11 @@ class PageReader:
         self._fetch_pool.submit(self._fetch, meta, claimed)
         return [(f, False) for _, f in claimed]
 
+    def in_flight(self, pid: PageId) -> bool:
+        """A fetch of the page is under way (someone else's, to a caller about to claim it)."""
+        with self._lock:
+            return pid in self._inflight
+
     def _fetch(self, meta: ObjectMeta, claimed: list[tuple[PageId, Future[bytes]]]) -> None:
         """One store request for a run of consecutive pages, streamed: each page's future gets its
         bytes (and its disk write is queued) as soon as they arrived, not when the whole run has."""
