@@ -142,6 +142,10 @@ class WorkerConfig:
     readahead_pages: int = 8  # max read-ahead window for sequential readers
     store_timeout: float = 60.0  # seconds for one page fetch from the object store
     max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the cache disk, at most
+    # Freed memory the worker process keeps for reuse (malloc's trim threshold; blocks up to 64 MiB
+    # from its heap) rather than faulting new memory in for every fetched page
+    # (server/worker/heap.py); 0: the allocator's defaults.
+    heap_keep_bytes: int = 512 << 20
     # master address (host:port), or several masters (m1:19998,m2:19998); empty: a standalone
     # worker with its own mounts
     master: str = ""
@@ -211,6 +215,8 @@ class WorkerConfig:
             _check_address(self.advertise_address, "advertise_address")
         if self.max_pending_write_bytes < 0:
             raise ValueError("max_pending_write_bytes must be >= 0")
+        if self.heap_keep_bytes < 0:
+            raise ValueError("heap_keep_bytes must be >= 0")
         if self.readahead_pages < 0:
             raise ValueError("readahead_pages must be >= 0")
         if self.short_circuit_handles != 0 and not 2 <= self.short_circuit_handles <= 1 << 24:
@@ -333,7 +339,7 @@ _COMPLEX_FIELDS = {
     "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
 }
-_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
+_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "heap_keep_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:

@@ -20,6 +20,7 @@ from cachefs.mounts import MountTable
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.proto import worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
+from cachefs.server.worker.heap import keep_freed_memory
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.lifecycle import liveness, serve_until_signalled
 from cachefs.server.rpc import server_interceptors
@@ -366,6 +367,7 @@ class Worker:
 
 def serve(config: WorkerConfig) -> int:
     """Run a worker until SIGTERM/SIGINT; prints one JSON line with its ports when ready."""
+    keep_freed_memory(config.heap_keep_bytes)  # this process is the worker's own: heap.py
     worker = Worker(config).start()
     return serve_until_signalled(
         worker.stop,
