@@ -109,9 +109,10 @@ def cluster(tmp_path: Path):
     for i in range(6):
         (store / "d").mkdir(parents=True, exist_ok=True)
         (store / "d" / f"obj-{i}.bin").write_bytes(payload(100_000 + i, i))
-    # The default lease (10 s) keeps a stopped worker in the view long enough to see it not answering.
+    # A 30 s lease keeps a stopped worker in the view long enough to see it not answering, even on
+    # a machine so busy that the worker's last heartbeat came late (busy-core CI once lost it at 10 s).
     c = LocalCluster(str(tmp_path / "cluster"), workers=2, mounts={"data": str(store)}, quota="64MiB",
-                     master_args=["--metrics-port", "0"])
+                     master_args=["--metrics-port", "0", "--lease-seconds", "30"])
     with c:
         assert c.wait_for_workers(timeout=30)
         yield c
@@ -154,7 +155,7 @@ def test_status_page_in_headless_chromium(cluster: LocalCluster, tmp_path: Path)
     assert "data" in text and "not answering" not in text
     assert not any(a.get("src") or a.get("href") for _, a in dom.tags)  # nothing loaded from elsewhere
 
-    # A worker that stops answering (SIGSTOP: still in the view until its 10 s lease runs out). Read
+    # A worker that stops answering (SIGSTOP: still in the view until its 30 s lease runs out). Read
     # with urllib, not the browser, so the page is surely taken within the lease.
     frozen = cluster.workers[1]
     os.kill(frozen.pid, signal.SIGSTOP)
