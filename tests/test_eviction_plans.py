@@ -21,7 +21,7 @@ from cachefs.client.dataset import CacheDataset
 from cachefs.client.plans import PlanPublisher
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.proto import worker_pb2, worker_pb2_grpc
-from helpers import payload, wait_for
+from helpers import client, payload, wait_for
 
 PAGE = 4096
 N = 48
@@ -176,3 +176,31 @@ def test_plan_positions_count_from_the_start_again_on_a_replay():
             publisher.publish([], np.zeros(0, dtype=np.int64), replay_after=-1)
     finally:
         publisher.close()
+
+
+def test_the_plans_read_ahead_loads_what_is_missing_and_skips_what_is_cached(local_store, make_worker):
+    """Plan-driven prefetch: an object whose planned pages are all cached costs no load (a warm
+    pass read again); one partly cached (a large shard partly evicted) is loaded, its missing
+    pages only."""
+    big, whole = payload(4 * PAGE, 61), payload(PAGE, 62)
+    local_store.add("ra/big.bin", big)
+    local_store.add("ra/whole.bin", whole)
+    worker = make_worker(local_store.mount, page_size=PAGE, readahead_pages=0)
+    fs = client(worker.address)
+    assert fs.cat_file("data/ra/big.bin", start=0, end=PAGE) == big[:PAGE]
+    assert fs.cat_file("data/ra/whole.bin") == whole
+    assert wait_for(lambda: worker.pages.held_pages("data", "ra/big.bin") == 1
+                    and worker.pages.held_pages("data", "ra/whole.bin") == 1)
+
+    def load_bytes(outcome: str) -> float:
+        return worker.metrics.registry.get_sample_value("cachefs_worker_load_bytes_total", {"outcome": outcome}) or 0.0
+
+    fetched, skipped = load_bytes("fetched"), load_bytes("skipped")
+    runs = [worker_pb2.PlanRun(path="data/ra/whole.bin", offset=0, length=PAGE, positions=[0]),
+            worker_pb2.PlanRun(path="data/ra/big.bin", offset=0, length=4 * PAGE, positions=[1])]
+    with grpc.insecure_channel(worker.address) as ch:
+        worker_pb2_grpc.WorkerServiceStub(ch).Plan(worker_pb2.PlanRequest(
+            job="ra", replace=True, runs=runs, done=True, rate=100, lease_seconds=60), timeout=30)
+    assert wait_for(lambda: load_bytes("fetched") - fetched == 3 * PAGE, timeout=30)
+    assert worker.pages.held_pages("data", "ra/big.bin") == 4
+    assert load_bytes("skipped") - skipped == PAGE  # big's first page; whole.bin was never loaded

@@ -510,6 +510,11 @@ class PageStore:
         with self._lock:
             return bool(self._by_object.get(mount, {}).get(key))
 
+    def held_pages(self, mount: str, key: str) -> int:
+        """Pages of the object stored or being written, any version (from memory: no file touched)."""
+        with self._lock:
+            return len(self._by_object.get(mount, {}).get(key, ()))
+
     def cached_bytes(self, mount: str, key: str, version: str) -> int:
         """Payload bytes of one version's READY pages: what a read would find, from memory only.
 

@@ -80,6 +80,7 @@ class _Job:
     pages: dict[PageKey, tuple[list[int], list[int]]] = field(default_factory=dict)  # starts, ends
     reads: list[tuple[int, str]] = field(default_factory=list)  # (position, path), sorted when complete
     read_bytes: int = 0  # summed over reads: bytes a position reads on this worker, on average
+    object_pages: dict[tuple[str, str], int] = field(default_factory=dict)  # (mount, key) -> pages planned
     ahead_to: int = 0  # positions before this were handed to prefetch already
     prefetch: bool = True  # the job wants what it reads next fetched ahead (not: no_prefetch)
     readers: dict[int, tuple[int, float]] = field(default_factory=dict)  # reader -> (position, when)
@@ -244,6 +245,7 @@ class PlanTable:
                 job.pages[page] = _merge(positions)
                 if had is None:
                     self._by_page.setdefault(page, []).append(job)
+                    job.object_pages[(mount, key)] = job.object_pages.get((mount, key), 0) + 1
 
     def _drop(self, job: _Job) -> None:  # lock held
         self._jobs.pop(job.job, None)
@@ -348,6 +350,14 @@ class PlanTable:
             hi = bisect.bisect_left(job.reads, (end, ""))
             job.ahead_to = end
             return list(dict.fromkeys(path for _, path in job.reads[lo:hi]))
+
+    def pages_planned(self, job_id: str, path: str) -> int:
+        """Pages of the object at ``path`` ("mount/key") that the job's plan reads (0: none, or
+        no such job)."""
+        mount, _, key = path.partition("/")
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return 0 if job is None else job.object_pages.get((mount, key), 0)
 
     def describe(self) -> list[dict[str, Any]]:
         """The plans for status pages and `cachefs stat`."""
