@@ -11,6 +11,7 @@ usual, so this path can only make a read faster, never fail it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -88,6 +89,7 @@ class ShortCircuitReader:
         self._by_name = by_name
         self.named: NamedPages | None = None  # from the same hello as the handle table
         self._not_cached: dict[str, float] = {}  # path -> until when reads skip this socket
+        self._failed: dict[str, OSError] = {}  # path -> why the worker could not fill it at all
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -168,6 +170,7 @@ class ShortCircuitReader:
             for i, got in enumerate(reply.ranges):
                 if got.code == RangeReply.NOT_CACHED:
                     self._note_not_cached(ranges[i][0])
+                self._note_failed(ranges[i][0], got)
                 n = len(got.page_offsets) if got.code == RangeReply.OK else 0
                 if got.code != RangeReply.OK or pos + n > len(fds) or len(got.slots) not in (0, n):
                     pos += n  # those descriptors are closed below
@@ -207,6 +210,22 @@ class ShortCircuitReader:
         if progress is not None:
             request.plan_job, request.plan_position = progress
             request.plan_reader = self._pid
+
+    def _note_failed(self, path: str, got: Any) -> None:
+        """Keep the latest reply's verdict on ``path``: FAILED (asking again cannot mend it) or not."""
+        if got.code != RangeReply.FAILED:
+            if self._failed:
+                self._failed.pop(path, None)
+            return
+        if len(self._failed) >= _NOT_CACHED_MAX:
+            self._failed = {}
+        message = got.message if path in got.message else f"{path}: {got.message}"
+        self._failed[path] = OSError(got.errno or errno.EIO, message)
+
+    def _raise_if_failed(self, path: str) -> None:
+        failure = self._failed.pop(path, None)
+        if failure is not None:
+            raise failure
 
     def _note_not_cached(self, path: str) -> None:
         if len(self._not_cached) >= _NOT_CACHED_MAX:
@@ -273,6 +292,7 @@ class ShortCircuitReader:
                 return None
             found = self.request([(path, offset, length, version)])[0]
             if found is None and persist:
+                self._raise_if_failed(path)  # e.g. no such object: no use asking again
                 found = self._request_patiently((path, offset, length, version))
             if found is None:
                 return None
@@ -333,6 +353,7 @@ class ShortCircuitReader:
             found = self.request([wanted])[0]
             if found is not None:
                 return found
+            self._raise_if_failed(wanted[0])
             pause = min(0.5, pause * 2)
         return None
 

@@ -53,17 +53,20 @@ class ShortCircuitRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ..., plan_reader: _Optional[int] = ..., touched_pages: _Optional[_Iterable[bytes]] = ..., touched_pages_bytes: _Optional[int] = ..., by_name: _Optional[bool] = ...) -> None: ...
 
 class RangeReply(_message.Message):
-    __slots__ = ("code", "message", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "fetched", "once")
+    __slots__ = ("code", "message", "errno", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "fetched", "once")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[RangeReply.Code]
         NOT_CACHED: _ClassVar[RangeReply.Code]
         REFUSED: _ClassVar[RangeReply.Code]
+        FAILED: _ClassVar[RangeReply.Code]
     OK: RangeReply.Code
     NOT_CACHED: RangeReply.Code
     REFUSED: RangeReply.Code
+    FAILED: RangeReply.Code
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERRNO_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     PAGE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     PAGE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +78,7 @@ class RangeReply(_message.Message):
     ONCE_FIELD_NUMBER: _ClassVar[int]
     code: RangeReply.Code
     message: str
+    errno: int
     info: _common_pb2.ObjectInfo
     page_offsets: _containers.RepeatedScalarFieldContainer[int]
     page_lengths: _containers.RepeatedScalarFieldContainer[int]
@@ -84,7 +88,7 @@ class RangeReply(_message.Message):
     filled: bool
     fetched: _containers.RepeatedScalarFieldContainer[bool]
     once: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ..., fetched: _Optional[_Iterable[bool]] = ..., once: _Optional[_Iterable[bool]] = ...) -> None: ...
+    def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., errno: _Optional[int] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ..., fetched: _Optional[_Iterable[bool]] = ..., once: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ShortCircuitReply(_message.Message):
     __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading", "names_slots", "page_dirs", "page_dir_quotas", "page_dir_ids")

@@ -1,9 +1,12 @@
 """Cold ranges filled over the short-circuit socket (server/worker/fill.py): the worker fetches
-them into its page store and hands out the page files; what it cannot fill (too many fills at
-once, an object missing from the store) is answered NOT_CACHED, and the read goes through gRPC,
-which reports the error as usual."""
+them into its page store and hands out the page files; what it cannot fill now (too many fills
+at once, too late) is answered NOT_CACHED and the read goes through gRPC; what it cannot fill at
+all (an object missing from the store) is answered FAILED with its errno, which a process that
+keeps to the socket (a DataLoader worker) raises at once, and gRPC reports as usual elsewhere."""
 
 from __future__ import annotations
+
+import errno
 
 import pytest
 
@@ -71,6 +74,40 @@ def test_a_range_that_cannot_be_filled_gets_grpcs_error(store, make_worker):
     with pytest.raises(FileNotFoundError):
         fs.cat_file("cachefs://data/nothing-here")
     assert _fills(worker)["failed"] == 1
+
+
+def test_a_missing_object_is_failed_for_good_and_a_forked_reader_raises_at_once(store, make_worker, monkeypatch):
+    """A DataLoader worker (gRPC inherited over a fork: it keeps to the socket) used to ask again
+    for 15 s before giving up on an object that is not in the store; now the first answer says
+    why, and the read raises it."""
+    from cachefs.client import forksafe, shortcircuit
+
+    store.add("probe", payload(100, 81))
+    worker = make_worker(store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    fs.info("cachefs://data/probe")  # probe: the worker is on this host
+    reader = fs.session._state.get().bulk._readers[worker.address][0]
+    replies = []
+    inner = reader._exchange
+
+    def exchange(request):
+        message, fds = inner(request)
+        replies.append(shortcircuit_pb2.ShortCircuitReply.FromString(message))
+        return message, fds
+
+    reader._exchange = exchange
+    assert reader.request([("data/nothing-here", 0, -1, "")]) == [None]
+    got = replies[-1].ranges[0]
+    assert got.code == RangeReply.FAILED and got.errno == errno.ENOENT and "nothing-here" in got.message
+    monkeypatch.setattr(forksafe, "grpc_inherited", lambda: True)
+    asked = len(replies)
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        reader.read("data/nothing-here", 0, -1, "")
+    assert len(replies) == asked + 1  # one request, no asking again
+    assert shortcircuit.FORKED_FILL_PATIENCE > 1  # what it used to spend on this
+    # Something that can be filled later is not failed: a busy worker is still asked again.
+    store.add("arrives", payload(PAGE, 80))
+    assert reader.read("data/arrives", 0, -1, "")[0] == store.objects["arrives"]
 
 
 def test_held_pages_stay_within_their_share_of_the_quota(local_store, make_worker):

@@ -6,6 +6,7 @@ import os
 
 import io
 import tarfile
+import time
 from collections import Counter
 
 import numpy as np
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader
 from cachefs.client.iterable import CacheIterableDataset, scan_shards
 from cachefs.client.dataset import SampleReadError
 from cachefs.client.sampling import BlockPlan
+from cachefs.client.shortcircuit import FORKED_FILL_PATIENCE
 from cachefs.client.shards import (SampleSpan, ShardFormatError, TarFormat, group_members, index_from_json,
                                    index_to_json, split_key, write_tar_shards)
 import grpc
@@ -271,8 +273,12 @@ def test_a_missing_shard_names_it_without_a_hang(sharded, local_store):
     import os
     os.remove(victim)
     loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_as_list, timeout=TIMEOUT)
+    started = time.monotonic()
     with pytest.raises(SampleReadError, match=victim.rsplit("/", 1)[-1]):
         list(loader)
+    # The worker answers that it cannot be filled at all (FAILED): the DataLoader workers, which
+    # keep to the short-circuit socket, do not ask again for FORKED_FILL_PATIENCE (15 s) first.
+    assert time.monotonic() - started < FORKED_FILL_PATIENCE / 2
 
 
 def test_without_an_index_the_shards_are_scanned(sharded, local_store):

@@ -11,11 +11,15 @@ are cached for every later reader (the same process's next epoch holds them alre
 Bounded so that cold fills never starve warm reads: at most ``max_requests`` requests fill at
 once (a request over that gets NOT_CACHED for its cold ranges at once, and the client reads them
 through gRPC), each range's fetches run on a small pool of their own, and every wait ends at the
-fill deadline (what is not in the page store by then is answered NOT_CACHED).
+fill deadline (what is not in the page store by then is answered NOT_CACHED). A range that
+cannot be filled at all (no such object, no permission, a directory) is answered FAILED with its
+errno: a client that keeps to this socket (a DataLoader worker) raises it at once instead of
+asking again.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -23,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
+from cachefs.errors import InvalidPathError
 from cachefs.paths import CachePath, parse_path
 from cachefs.server.worker.reader import EXTENT_BYTES, PageReader
 from cachefs.store.meta import ObjectMeta
@@ -34,6 +39,20 @@ log = logging.getLogger(__name__)
 #: client/bulkpaths.py). What is not cached by then is answered NOT_CACHED; the client's gRPC read
 #: of it joins the fetches still in flight (single-flight), so no work is lost.
 FILL_SECONDS = 3.0
+
+#: Errors that asking again cannot mend, with the errno a FAILED reply carries for each.
+FOR_GOOD: tuple[tuple[type[BaseException], int], ...] = (
+    (InvalidPathError, errno.EINVAL), (FileNotFoundError, errno.ENOENT), (PermissionError, errno.EACCES),
+    (IsADirectoryError, errno.EISDIR), (NotADirectoryError, errno.ENOTDIR),
+)
+
+
+def failed_for_good(exc: BaseException) -> OSError | None:
+    """``exc`` as an OSError with its errno, if it is one that asking again cannot mend."""
+    for kind, code in FOR_GOOD:
+        if isinstance(exc, kind):
+            return OSError(code, str(exc))
+    return None
 
 
 class RangeFiller:
@@ -63,11 +82,14 @@ class RangeFiller:
         if self._on_outcome is not None and name not in ("requests", "ranges") and n:
             self._on_outcome(name, n)
 
-    def fill(self, ranges: Sequence[Any], fetched: list[set[Any]] | None = None) -> bool:
+    def fill(self, ranges: Sequence[Any], fetched: list[set[Any]] | None = None,
+             failures: list[OSError | None] | None = None) -> bool:
         """Bring every page of ``ranges`` (RangeRequests) into the page store, or as many as can be
         by the deadline; False (nothing done) when too many fills are running already.
         ``fetched``: one set per range, given the ids of the pages that were not cached (fetched
-        for this request, or joined a fetch in flight): the misses its reply tells the client."""
+        for this request, or joined a fetch in flight): the misses its reply tells the client.
+        ``failures``: one entry per range, set to the error of a range that cannot be filled at
+        all (``failed_for_good``)."""
         if not ranges:
             return True
         if not self._slots.acquire(blocking=False):
@@ -77,14 +99,16 @@ class RangeFiller:
             self._count("requests")
             self._count("ranges", len(ranges))
             deadline = time.monotonic() + self.deadline_seconds
-            futures = [self._pool.submit(self._fill_one, r, deadline, None if fetched is None else fetched[i])
+            futures = [self._pool.submit(self._fill_one, r, deadline, None if fetched is None else fetched[i],
+                                         failures, i)
                        for i, r in enumerate(ranges)]
             wait(futures, timeout=self.deadline_seconds)  # each range counts its own outcome
             return True
         finally:
             self._slots.release()
 
-    def _fill_one(self, wanted: Any, deadline: float, fetched: set[Any] | None = None) -> None:
+    def _fill_one(self, wanted: Any, deadline: float, fetched: set[Any] | None = None,
+                  failures: list[OSError | None] | None = None, index: int = 0) -> None:
         if time.monotonic() >= deadline:  # queued behind other fills until too late: no store call
             self._count("late")
             return
@@ -111,9 +135,11 @@ class RangeFiller:
             self._count("filled")
         except TimeoutError:  # (futures' TimeoutError too): not in the page store by the deadline
             self._count("late")
-        except Exception as exc:  # noqa: BLE001 - the range is answered NOT_CACHED; gRPC tells why
+        except Exception as exc:  # noqa: BLE001 - answered NOT_CACHED (gRPC tells why), or FAILED
             self._count("failed")
             log.debug("filling %s failed: %s: %s", wanted.path, type(exc).__name__, exc)
+            if failures is not None:
+                failures[index] = failed_for_good(exc)
 
     def _read_ahead(self, meta: ObjectMeta, offset: int, end: int, last: int) -> None:
         """For a sequential reader, claim what follows the range as one extent (not waited for)."""

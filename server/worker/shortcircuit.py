@@ -17,6 +17,7 @@ store first and hands out the pages (fill.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -176,8 +177,14 @@ class ShortCircuitServer(ConnectionServer):
             cold = [i for i, (wanted, (got, _)) in enumerate(zip(request.ranges, answers))
                     if wanted.fill and got.code == RangeReply.NOT_CACHED]
             fetched: list[set[Any]] = [set() for _ in cold]  # per cold range: pages not cached (misses)
-            if cold and self.filler is not None and self.filler.fill([request.ranges[i] for i in cold], fetched):
-                for i, missed in zip(cold, fetched):
+            failures: list[OSError | None] = [None] * len(cold)
+            if cold and self.filler is not None and \
+                    self.filler.fill([request.ranges[i] for i in cold], fetched, failures):
+                for i, missed, failure in zip(cold, fetched, failures):
+                    if failure is not None:  # no use asking again: the client raises it
+                        answers[i] = (RangeReply(code=RangeReply.FAILED, errno=failure.errno or errno.EIO,
+                                                 message=failure.strerror or str(failure)), [])
+                        continue
                     answers[i] = self._range(request.ranges[i], budget, missed, by_name)
                     budget -= len(answers[i][1])
                     answers[i][0].filled = True
