@@ -57,9 +57,13 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                  batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
-                 prefetch_threads: int = 2, hint_shards: int = 2, timeout: float = 300.0,
+                 prefetch_threads: int = 1, hint_shards: int = 2, timeout: float = 300.0,
                  plan_ahead: bool = True, stats: bool = True, first_epoch_in_order: bool | None = None) -> None:
-        """``first_epoch_in_order``: epoch 0 reads the shards in file order (blocks shuffled within),
+        """``prefetch_threads``: threads reading this process's next blocks; one keeps a block in
+        flight while the worker fetches whole shards ahead by the plan, and a second competed with
+        the reading thread for the two cores measured here (warm 43 against 78 us a sample, cold
+        1,734-1,842 against 1,549-1,623 samples/s; docs/performance.md).
+        ``first_epoch_in_order``: epoch 0 reads the shards in file order (blocks shuffled within),
         as it must while they are indexed on the way; the default for shards without an index file
         (``from_prefix``), so that every rank deals the same order whether its host kept an index."""
         # Shards still being indexed (from_prefix without an index: shardscan.py): the first epoch
@@ -105,6 +109,10 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self.counts = tuple(len(s) for s in self._shards)
         self._starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
         self._index = (self._shards, self._starts)
+        # Each sample's bytes by global id: a block's size (the prefetcher asks it for every block)
+        # in one numpy sum, not a Python loop over its samples.
+        self._sample_bytes = np.fromiter((span.end - span.start for shard in self._shards for span in shard.samples),
+                                         dtype=np.int64, count=int(self._starts[-1]))
         self._plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, self._epoch,
                                self.shuffle, self.drop_last, ordered=ordered)
 
@@ -266,6 +274,9 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         return self._locate_in(self._index_covering([sample])[1], sample)
 
     def _block_bytes(self, j: int) -> int:
+        if self._scan is None:  # the whole index known: the block's members, in any order
+            start, end = self.plan.block_span(j)
+            return int(self._sample_bytes[self.plan.order[start:end]].sum())
         total = 0
         ids = [int(s) for s in self._block_ids(j)]
         shards, starts = self._index_covering(ids)
