@@ -384,7 +384,7 @@ def test_reopen_with_other_page_size_empties_the_dir(tmp_path):
 
 
 def test_access_times_flushed_in_background(tmp_path):
-    s = open_store(tmp_path, quota=2 * FILE, flush_interval=0.05)
+    s = open_store(tmp_path, quota=2 * FILE, flush_interval=0.05, access_granularity=0)
     try:
         s.put(pid(0), payload(0))
         s.put(pid(1), payload(1))

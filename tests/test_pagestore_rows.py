@@ -19,6 +19,7 @@ import diskcache
 import pytest
 
 import cachefs.server.pagestore.rows as rows
+import cachefs.server.pagestore.store as store_module
 from cachefs.server.pagestore import CacheDir, PageStore
 from helpers import wait_for
 from test_pagestore import FILE, PAGE, disk_bytes, page_file, payload, pid
@@ -270,8 +271,8 @@ def test_bad_queue_settings_are_refused(tmp_path):
 def test_a_page_read_before_its_row_is_written_costs_one_index_write(tmp_path):
     """A cold page is read right after its put: its queued row carries the read's access time,
     so the access flush does not write the row a second time. A read after the row was taken
-    is flushed as before."""
-    s = open_store(tmp_path, row_delay=NEVER)
+    is flushed as before (no granularity here: every read's time is due)."""
+    s = open_store(tmp_path, row_delay=NEVER, access_granularity=0)
     try:
         s.put(pid(0), payload(0))
         s.put(pid(1), payload(1))
