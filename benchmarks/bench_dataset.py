@@ -7,8 +7,10 @@
 
 One moto S3 server holds the samples three ways: one object per sample, tar shards (with
 cachefs's index.json) and MosaicML MDS shards (64 MiB each); a local directory holds them as
-files. Each loader reads a cold epoch and then warm ones (``--warm-epochs``, 5 by default, the median
-kept: a warm epoch lasts tens of ms here), with DataLoader workers 0 and 2, batch 32:
+files. Each loader reads a cold epoch, then all read warm ones in rounds (``--warm-epochs``, 5 by
+default; each round every loader once, the order rotated, so that the machine's slow phases and
+one loader's leftovers fall on all alike; the median kept: a warm epoch lasts tens of ms here),
+with DataLoader workers 0 and 2, batch 32:
 
 * ``local``: files on local disk, aligned ``readinto`` + ``torch.frombuffer`` (the limit);
 * ``s3fs``: a map Dataset calling ``cat_file`` per sample;
@@ -207,6 +209,41 @@ def own_cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(fields[:8])
+    return (total - fields[3] - fields[4]) / tick, total / tick
+
+
+def quiesce(deadline_s: float = 30.0, window_s: float = 0.2, busy: float = 0.1) -> float:
+    """Wait until the whole machine uses under ``busy`` of one core over a ``window_s`` window,
+    or ``deadline_s`` passed; returns the seconds waited. What a loader leaves running after its
+    epoch (threads, a worker writing behind, the kernel writing back the files a cold epoch
+    wrote) is not the next epoch's to pay for, nor are other users' bursts."""
+    start = time.monotonic()
+    while True:
+        before = machine_busy()[0]
+        time.sleep(window_s)
+        if machine_busy()[0] - before <= busy * window_s or time.monotonic() - start >= deadline_s:
+            return round(time.monotonic() - start, 2)
+
+
+def own_memory() -> dict[str, int]:
+    """This process's resident memory (MB) and thread count: DataLoader workers are forked from
+    it, and a larger parent costs each fork more (page tables, copy-on-write faults after)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_mb"] = int(line.split()[1]) // 1024
+            elif line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+    return out
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, tmp: str) -> None:
         self.args, self.tmp = args, tmp
@@ -348,34 +385,72 @@ class Bench:
     def items(self, loader: str) -> int:
         return self.peer_n if loader in PER_OBJECT_PEERS else self.n
 
+    def _one(self, name: str, w: int) -> dict[str, Any]:
+        """One warm epoch, with the CPU and worker counters it moved (or its error)."""
+        make = self._loaders[name][0]
+        try:
+            waited = quiesce()
+            before = self.counters() if name.startswith("cachefs") else None
+            cpu = self.cpu(name)
+            run = epoch(make(w), self.items(name))
+            run["cpu"] = self.cpu_row(name, cpu, self.items(name))
+            run["quiesce_s"] = waited
+            if before is not None:
+                run["worker"] = {k: v - before.get(k, 0.0) for k, v in self.counters().items()
+                                 if v != before.get(k, 0.0)}
+            return run
+        except Exception as exc:  # one loader failing must not lose the others' figures
+            return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+    def _record(self, name: str, w: int, phase: str, runs: list[dict[str, Any]]) -> None:
+        """The row of a loader's epochs: the median epoch, every epoch's rate, CPU summed."""
+        row: dict[str, Any] = {"loader": name, "num_workers": w, "phase": phase, "parent": own_memory()}
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            row["error"] = runs[0]["error"] if runs else "no epoch ran"
+        else:
+            median = sorted(ok, key=lambda r: r["items_per_s"])[len(ok) // 2]
+            row.update({k: v for k, v in median.items() if k not in ("cpu", "worker", "quiesce_s")})
+            row["quiesce_s"] = [r["quiesce_s"] for r in ok]  # how long the machine took to go quiet before each
+            if len(ok) > 1:
+                row["items_per_s_all"] = [r["items_per_s"] for r in ok]
+                if name.startswith("cachefs"):
+                    row["cachefs_worker_s_all"] = [r["cpu"]["cachefs_worker_s"] for r in ok]
+            gb = sum(r["items"] for r in ok) * self.size / 1e9
+            total = {k: round(sum(r["cpu"][k] for r in ok), 3) for k in ("loader_s", "cachefs_worker_s", "store_s")}
+            total["loader_s_per_gb"] = round(total["loader_s"] / gb, 2)
+            total["store_s_per_gb"] = round(total["store_s"] / gb, 2)
+            row["cpu"] = total
+            if any("worker" in r for r in ok):
+                keys = {k for r in ok for k in r.get("worker", {})}
+                row["worker"] = {k: sum(r.get("worker", {}).get(k, 0.0) for r in ok) for k in sorted(keys)}
+        print(json.dumps(row), flush=True)
+        self.results.append(row)
+
     def run(self, address: str) -> None:
-        loaders = self.loaders(address)
-        for name, (make, make_cold) in loaders.items():
-            n = self.items(name)
-            for w in self.args.workers:
-                for phase in ("cold", "warm"):
-                    if phase == "cold":
-                        make_cold()
-                        recycle_memory(self.args.recycle_mb << 20)
-                    row = {"loader": name, "num_workers": w, "phase": phase}
-                    try:
-                        before = self.counters() if name.startswith("cachefs") else None
-                        cpu = self.cpu(name)
-                        repeat = self.args.warm_epochs if phase == "warm" and name not in PER_OBJECT_PEERS else 1
-                        runs = [epoch(make(w), n) for _ in range(repeat)]  # peers with no cache: warm is cold
-                        # A warm epoch lasts tens of ms here: one hiccup of this shared machine moves
-                        # one epoch's rate severalfold, so the row is the median of several (all kept).
-                        row.update(sorted(runs, key=lambda r: r["items_per_s"])[len(runs) // 2])
-                        if len(runs) > 1:
-                            row["items_per_s_all"] = [r["items_per_s"] for r in runs]
-                        row["cpu"] = self.cpu_row(name, cpu, n * len(runs))
-                        if before is not None:  # e.g. store bytes in a warm epoch: not warm after all
-                            row["worker"] = {k: v - before.get(k, 0.0) for k, v in self.counters().items()
-                                             if v != before.get(k, 0.0)}
-                    except Exception as exc:  # one loader failing must not lose the others' figures
-                        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                    print(json.dumps(row), flush=True)
-                    self.results.append(row)
+        loaders = self._loaders = self.loaders(address)
+        for w in self.args.workers:
+            # Cold epochs, loader by loader; then the warm epochs in rounds, each round every
+            # loader once, its order rotated: a warm epoch lasts tens of ms here, and this
+            # shared machine has slow phases lasting seconds, and a loader's leftovers (threads
+            # still finishing, a worker writing behind) weigh on whatever runs next. Run loader
+            # after loader, each met a different phase (two runs an hour apart put cachefs-map's
+            # workers-2 warm epochs at 0.67x and 0.85x of local files); in rounds, all meet the same.
+            warm_runs: dict[str, list[dict[str, Any]]] = {}
+            for name, (_make, make_cold) in loaders.items():
+                make_cold()
+                recycle_memory(self.args.recycle_mb << 20)
+                self._record(name, w, "cold", [self._one(name, w)])
+            os.sync()  # the cold epochs' files (caches, downloads) written back before warm ones
+            names = list(loaders)
+            rounds = self.args.warm_epochs
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    if name in PER_OBJECT_PEERS and r > 0:  # no cache: warm is cold, measured once
+                        continue
+                    warm_runs.setdefault(name, []).append(self._one(name, w))
+            for name in names:
+                self._record(name, w, "warm", warm_runs.get(name, []))
         for name in self.args.stall:  # a warm epoch with a step of 2x the sample's warm read time
             if name not in loaders:
                 continue
