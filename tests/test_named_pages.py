@@ -64,10 +64,20 @@ def test_the_index_vouches_for_a_version_until_it_runs_out_and_forgets_on_reques
         assert client.lookup("m/b") is None  # another path, whatever its slot
         assert index.publish("m/a", "v2", 124, 2.5, far)  # a new version replaces the old
         assert client.lookup("m/a") == (124, "v2", 2.5)
-        index.forget_other("m/a", "v2")  # the store's version: kept
+        index.refreshed("m/a", "v2", 124, 2.5, far)  # the store's version: kept
         assert client.lookup("m/a") == (124, "v2", 2.5)
-        index.forget_other("m/a", "v3")  # the store has another one now: not vouched for
+        index.refreshed("m/a", "v3", 124, 2.5, far)  # the store has another one now: not vouched for
         assert client.lookup("m/a") is None
+        # A refresh of the same version extends an entry about to run out (reads by name go on
+        # after the metadata TTL without asking the worker); it never creates one.
+        assert index.publish("m/r", "v1", 10, 1.0, time.monotonic() + 0.3)
+        index.refreshed("m/r", "v1", 10, 1.0, far)
+        index.refreshed("m/never-published", "v1", 10, 1.0, far)
+        assert wait_for(lambda: time.monotonic() > far - 59, timeout=30)  # past the first until
+        assert client.lookup("m/r") == (10, "v1", 1.0)
+        assert client.lookup("m/never-published") is None
+        index.refreshed("m/r", "v1", 11, 1.0, far)  # same version name, another size: not vouched for
+        assert client.lookup("m/r") is None
         assert index.publish("m/a", "v3", 1, 0.0, time.monotonic() - 0.001)  # already run out
         assert client.lookup("m/a") is None
         assert not index.publish("m/a", "x" * (VERSION_BYTES + 1), 1, 0.0, far)  # too long: not published
@@ -124,7 +134,7 @@ def test_a_full_window_replaces_the_entry_that_runs_out_first_and_forget_frees_a
         assert client.lookup("m/b") is None and client.lookup("m/c") == (3, "vc", 0.0)
         index.publish("m/d", "vd", 4, 0.0, now + 10)  # into the freed slot, nothing replaced
         assert client.lookup("m/c") == (3, "vc", 0.0) and client.lookup("m/d") == (4, "vd", 0.0)
-        index.forget_other("m/c", "vc2")
+        index.refreshed("m/c", "vc2", 3, 0.0, now + 90)
         assert client.lookup("m/c") is None and client.lookup("m/d") == (4, "vd", 0.0)
     finally:
         client.close()

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Generic, TypeVar
@@ -27,6 +27,7 @@ from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of,
 from cachefs.store.health import StoreBreaker
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.metatable import MetadataTable
+from cachefs.store.revalidate import Revalidator, parent_of
 from cachefs.store.write import StoreWriter, copy_between, make_dir, open_writer
 from cachefs.store.write import remove as remove_path
 
@@ -123,10 +124,9 @@ class ObjectStore:
         self.breaker = breaker or StoreBreaker()
         self._meta = MetadataTable(metadata_ttl, max_entries=max_objects, grace=stale_grace)
         # Stale-while-revalidate: past its TTL (within the grace) an entry is still used, and
-        # refreshed here in the background, one refresh per object at a time.
-        self._refreshing: set[CachePath] = set()
-        self._refresh_lock = threading.Lock()
-        self._refresher: ThreadPoolExecutor | None = None
+        # refreshed in the background, one refresh per object at a time, many of one directory
+        # by one listing (revalidate.py).
+        self.revalidator = Revalidator(self._refresh_one, self._list_to_refresh, self._fresh)
         self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
         self._backends: dict[int, _Backend] = {}
         # Called with each object's metadata fresh from the store: the worker drops the pages of
@@ -175,24 +175,17 @@ class ObjectStore:
 
     def _revalidate(self, path: CachePath) -> None:
         """Refresh an expired entry in the background (the caller goes on with the old one)."""
-        with self._refresh_lock:
-            if path in self._refreshing:
-                return
-            self._refreshing.add(path)
-            if self._refresher is None:
-                self._refresher = ThreadPoolExecutor(2, thread_name_prefix="cachefs-revalidate")
-            refresher = self._refresher
+        self.revalidator.submit(path)
 
-        def run() -> None:
-            try:
-                self.info(path, refresh=True)
-            except Exception as exc:  # noqa: BLE001 - gone, store down...: the next read finds out
-                log.debug("revalidating %s failed: %s", path, exc)
-            finally:
-                with self._refresh_lock:
-                    self._refreshing.discard(path)
+    def _refresh_one(self, path: CachePath) -> None:
+        self.info(path, refresh=True)
 
-        refresher.submit(run)
+    def _list_to_refresh(self, directory: CachePath) -> set[CachePath]:
+        return {m.path for m in self.list(directory, refresh=True) if not m.is_dir}
+
+    def _fresh(self, path: CachePath) -> bool:
+        found = self._meta.get_with_expiry(path)
+        return found is not None and found[1] > time.monotonic()
 
     def cached_info(self, path: CachePath) -> ObjectMeta | None:
         """What is known of ``path`` without asking the store (None: not known, or expired)."""
@@ -318,6 +311,13 @@ class ObjectStore:
             entries.append(meta)
         entries.sort(key=lambda m: m.path.key)
         self._lists.put(cache_key, entries)
+        per_dir: dict[CachePath, int] = {} if recursive else {path: 0}
+        for meta in entries:  # how large each directory is: whether a listing can refresh it (revalidate.py)
+            if not meta.is_dir:
+                directory = parent_of(meta.path)
+                per_dir[directory] = per_dir.get(directory, 0) + 1
+        for directory, objects in per_dir.items():
+            self.revalidator.note_listing(directory, objects)
         return entries
 
     def read(self, meta: ObjectMeta, start: int, end: int) -> bytes:

@@ -8,6 +8,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,7 +134,8 @@ class Worker:
         version must go. (The pages themselves stay until evicted: a read that began on the
         last version within the stale grace is still served from them.)"""
         if self.name_index is not None:
-            self.name_index.forget_other(str(meta.path), meta.version)
+            self.name_index.refreshed(str(meta.path), meta.version, meta.size, meta.mtime,
+                                      time.monotonic() + self.config.metadata_ttl)
         table = self.handle_table
         if table is not None:
             older = self.pages.other_versions(meta.path.mount, meta.path.key, meta.version)

@@ -173,19 +173,30 @@ class NameIndex:
         ENTRY.pack_into(table.map, off, seq + 1, 0, 0, 0, 0, 0.0, 0, b"")
         SEQ.pack_into(table.map, off, seq + 2)
 
-    def forget_other(self, path: str, version: str) -> None:
-        """The store has ``version`` of ``path`` now: stop vouching for any other (a client would
-        read pages of the old version by name until the entry ran out)."""
+    def refreshed(self, path: str, version: str, size: int, mtime: float, valid_until: float) -> None:
+        """The store has ``version`` of ``path`` now (its metadata just fetched): stop vouching
+        for any other (a client would read pages of the old version by name until the entry ran
+        out), and vouch for this one until ``valid_until`` where the entry already names it, so
+        that reads by name go on after a refresh without asking the worker again."""
         h, check = name_hashes(path)
         with self._lock:
             if self._closed:
                 return
-            off = self._table.find(h, check)
+            table = self._table
+            off = table.find(h, check)
             if off is None:
                 return
-            seq, _kh, _kc, _size, _until, _mtime, vlen, vbytes = ENTRY.unpack_from(self._table.map, off)
-            if vbytes[:vlen] != version.encode("utf-8", "surrogatepass"):
+            seq, kh, kc, old_size, old_until, old_mtime, vlen, vbytes = ENTRY.unpack_from(table.map, off)
+            raw = version.encode("utf-8", "surrogatepass")
+            if vbytes[:vlen] != raw or old_size != size or old_mtime != mtime:
                 self._clear(off, seq)
+                return
+            until_ns = int(valid_until * 1e9)
+            if until_ns <= old_until:
+                return
+            SEQ.pack_into(table.map, off, seq + 1)  # odd: being written
+            ENTRY.pack_into(table.map, off, seq + 1, kh, kc, size, until_ns, mtime, vlen, vbytes)
+            SEQ.pack_into(table.map, off, seq + 2)
 
     def close(self) -> None:
         """Clients notice a closed worker through the handle table's heartbeat; here, only the
