@@ -218,7 +218,7 @@ def machine_busy() -> tuple[float, float]:
     return (total - fields[3] - fields[4]) / tick, total / tick
 
 
-def quiesce(deadline_s: float = 30.0, window_s: float = 0.2, busy: float = 0.1) -> float:
+def quiesce(deadline_s: float = 10.0, window_s: float = 0.2, busy: float = 0.1) -> float:
     """Wait until the whole machine uses under ``busy`` of one core over a ``window_s`` window,
     or ``deadline_s`` passed; returns the seconds waited. What a loader leaves running after its
     epoch (threads, a worker writing behind, the kernel writing back the files a cold epoch
