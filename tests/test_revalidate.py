@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import pytest
+
 from cachefs.mounts import MountTable
 from cachefs.paths import CachePath
 from cachefs.store.objects import ObjectStore
@@ -94,16 +96,18 @@ def test_a_directory_of_known_size_is_listed_once_and_an_unlisted_object_asked_a
     assert reval.stats["refreshed_by_listing"] == 20
 
 
-def test_few_waiting_an_unknown_or_a_large_directory_get_one_request_each():
-    names = [f"o{i}" for i in range(LIST_MIN_STALE - 1)]
-    for dir_size in (None, LIST_MIN_STALE - 1, 1_000_000):
-        if dir_size == 1_000_000:
-            names = [f"o{i}" for i in range(2 * LIST_MIN_STALE)]  # many waiting, in a huge directory
-        fakes = _Fakes(names)
-        wanted = [CachePath("m", f"d/{n}") for n in names]
-        _run(fakes, wanted, dir_size=dir_size)
-        assert fakes.lists == [], dir_size
-        assert sorted(fakes.one, key=str) == sorted(wanted, key=str), dir_size
+@pytest.mark.parametrize("waiting, dir_size", [
+    (LIST_MIN_STALE - 1, LIST_MIN_STALE - 1),  # too few waiting
+    (2 * LIST_MIN_STALE, None),  # a directory never listed: its size unknown
+    (2 * LIST_MIN_STALE, 1_000_000),  # many waiting in a huge directory
+])
+def test_few_waiting_an_unknown_or_a_large_directory_get_one_request_each(waiting, dir_size):
+    names = [f"o{i}" for i in range(waiting)]
+    fakes = _Fakes(names)
+    wanted = [CachePath("m", f"d/{n}") for n in names]
+    _run(fakes, wanted, dir_size=dir_size)
+    assert fakes.lists == []
+    assert sorted(fakes.one, key=str) == sorted(wanted, key=str)
 
 
 def test_a_failed_listing_leaves_no_object_waiting():

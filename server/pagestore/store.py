@@ -519,8 +519,7 @@ class PageStore:
 
     def holds_object(self, mount: str, key: str) -> bool:
         """True if any page of any version of the object is stored (or being written)."""
-        with self._lock:
-            return bool(self._by_object.get(mount, {}).get(key))
+        return self.held_pages(mount, key) > 0
 
     def held_pages(self, mount: str, key: str) -> int:
         """Pages of the object stored or being written, any version (from memory: no file touched)."""

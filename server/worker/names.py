@@ -22,6 +22,7 @@ import mmap
 import os
 import threading
 import time
+from typing import Any
 
 from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, SUPERSEDED, SUPERSEDED_AT, VERSION_BYTES,
                                name_hashes, probe_slots)
@@ -151,9 +152,7 @@ class NameIndex:
             if (kh, kc, old_size, old_mtime) == (h, check, size, mtime) and vbytes[:vlen] == raw \
                     and until_ns - old_until < 1_000_000_000:
                 return True  # already there, as good as new (a warm epoch republishes every range)
-            SEQ.pack_into(table.map, off, seq + 1)  # odd: being written
-            ENTRY.pack_into(table.map, off, seq + 1, h, check, size, until_ns, mtime, len(raw), raw)
-            SEQ.pack_into(table.map, off, seq + 2)
+            self._write(off, seq, h, check, size, until_ns, mtime, len(raw), raw)
             self.published += 1
         return True
 
@@ -168,9 +167,14 @@ class NameIndex:
                 self._clear(off, SEQ.unpack_from(self._table.map, off)[0])
 
     def _clear(self, off: int, seq: int) -> None:  # caller holds the lock
+        self._write(off, seq, 0, 0, 0, 0, 0.0, 0, b"")
+
+    def _write(self, off: int, seq: int, *fields: Any) -> None:  # caller holds the lock
+        """Rewrite the entry at ``off`` under its sequence count: odd while being written, so a
+        reader that sees it change, or odd, treats the entry as absent."""
         table = self._table
         SEQ.pack_into(table.map, off, seq + 1)
-        ENTRY.pack_into(table.map, off, seq + 1, 0, 0, 0, 0, 0.0, 0, b"")
+        ENTRY.pack_into(table.map, off, seq + 1, *fields)
         SEQ.pack_into(table.map, off, seq + 2)
 
     def refreshed(self, path: str, version: str, size: int, mtime: float, valid_until: float) -> None:
@@ -194,9 +198,7 @@ class NameIndex:
             until_ns = int(valid_until * 1e9)
             if until_ns <= old_until:
                 return
-            SEQ.pack_into(table.map, off, seq + 1)  # odd: being written
-            ENTRY.pack_into(table.map, off, seq + 1, kh, kc, size, until_ns, mtime, vlen, vbytes)
-            SEQ.pack_into(table.map, off, seq + 2)
+            self._write(off, seq, kh, kc, size, until_ns, mtime, vlen, vbytes)
 
     def close(self) -> None:
         """Clients notice a closed worker through the handle table's heartbeat; here, only the
