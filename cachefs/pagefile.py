@@ -89,8 +89,10 @@ def write_page_file(tmp_path: str, final_path: str, payload: memoryview) -> int:
     fd = os.open(tmp_path, _OPEN_WRITE, 0o600)
     try:
         try:
-            _write_all(fd, payload)
-            _write_all(fd, trailer)
+            written = os.writev(fd, (payload, trailer))  # both in one call, unless it comes up short
+            if written < payload.nbytes:
+                _write_all(fd, payload[written:])
+            _write_all(fd, memoryview(trailer)[max(0, written - payload.nbytes):])
         finally:
             os.close(fd)
         try:

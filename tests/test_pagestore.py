@@ -626,3 +626,26 @@ def test_property_matches_dict_model(ops, quota_pages):
                 assert st_.corrupt_pages == 0
         finally:
             s.close()
+
+
+@pytest.mark.parametrize("short_by", [1, TRAILER_SIZE, TRAILER_SIZE + 1, 4096])
+def test_a_short_write_of_a_page_file_is_finished(tmp_path, monkeypatch, short_by):
+    """The payload and trailer go in one writev; one that writes less leaves nothing out."""
+    real = os.writev
+    calls = []
+
+    def short_writev(fd, buffers):
+        buffers = [memoryview(b) for b in buffers]
+        total = sum(b.nbytes for b in buffers)
+        calls.append(total)
+        joined = b"".join(bytes(b) for b in buffers)[: total - short_by]
+        return real(fd, [joined])
+
+    monkeypatch.setattr(pagefile.os, "writev", short_writev)
+    payload = np.random.default_rng(short_by).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    final = tmp_path / "page"
+    checksum = pagefile.write_page_file(str(tmp_path / "page.tmp"), str(final), memoryview(payload))
+    assert calls == [len(payload) + TRAILER_SIZE]
+    raw = final.read_bytes()
+    assert raw[: len(payload)] == payload
+    assert pagefile.decode_trailer(raw[len(payload):]) == (len(payload), checksum)

@@ -6,7 +6,7 @@ Why it is built this way (DESIGN.md s2-s4):
   code can ``sendfile`` it or pass the fd to a local client; a 32-byte trailer carries the xxh3_64
   checksum (see :mod:`cachefs.pagefile`). Every read verifies it; a bad page is dropped and
   reported as a miss, never served.
-* Atomic writes: ``<dir>/tmp/<digest>.<random>.tmp`` then ``os.replace``. Page files are not
+* Atomic writes: ``<dir>/tmp/<digest>.<pid>-<count>.tmp`` then ``os.replace``. Page files are not
   fsynced: a page torn by a power loss fails its size/checksum check and is dropped.
 * The quota is never exceeded, not even transiently (the JuiceFS #3546 complaint): a put reserves
   its bytes under the lock, turning least-recently-used READY pages of its dir into its own
@@ -40,7 +40,7 @@ import heapq
 import logging
 import math
 import os
-import secrets
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -220,6 +220,9 @@ class PageStore:
         except BaseException:
             self._release_dirs()
             raise
+        # Names of tmp files: this process's id and a count (unique among this store's writers;
+        # a crashed process's leftovers are removed at the next start).
+        self._tmp_names = itertools.count()
         self._stop = threading.Event()
         self._flusher = threading.Thread(
             target=self._flush_loop, args=(flush_interval,), name="pagestore-flush", daemon=True
@@ -684,7 +687,7 @@ class PageStore:
             self._forget(victims)  # their bytes already belong to this put's reservation
         if stuck:  # a victim file would not go away: its bytes stay used, this put gives up
             return self._abort(entry, released=entry.size - sum(v.size for v in stuck))
-        tmp = os.path.join(d.tmp, f"{entry.digest}.{secrets.token_hex(6)}.tmp")
+        tmp = os.path.join(d.tmp, f"{entry.digest}.{os.getpid()}-{next(self._tmp_names)}.tmp")
         try:
             entry.checksum = write_page_file(tmp, entry.path, payload)
         except OSError as exc:

@@ -233,6 +233,8 @@ class Worker:
             self.filler.close()
         if self.hint_loads is not None:
             self.hint_loads.close()
+        if self.servicer is not None:
+            self.servicer.close()
         self.reader.close(timeout=grace)
         self.pages.close()
         log.info("worker %s stopped", self.worker_id)

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 import dataclasses
@@ -97,11 +97,15 @@ class PageReader:
         self._fetch_pool = ThreadPoolExecutor(options.fetch_threads, thread_name_prefix="cachefs-fetch")
         self._write_pool = ThreadPoolExecutor(options.write_threads, thread_name_prefix="cachefs-write")
         self._lock = threading.Lock()
-        # Signalled when a page leaves _inflight or pending write bytes drop: loads wait on it.
+        # Signalled when a page leaves _inflight or pending write bytes drop, while threads wait
+        # on it for write room or a prefix (``_room_waiters`` of them; a page's own settling is
+        # told by its event in ``_settle_events``: a notify_all per page woke every waiter).
         self._settled = threading.Condition(self._lock)
+        self._room_waiters = 0
         # Page -> future of its bytes, from the moment a fetch starts until the page store
         # holds it: readers arriving in between share the fetch instead of starting another.
         self._inflight: dict[PageId, Future[bytes]] = {}
+        self._settle_events: dict[PageId, threading.Event] = {}  # pages someone waits to settle
         self._sequential = _SequentialTracker()
         self._pending_write_bytes = 0
         self._closed = False
@@ -217,14 +221,18 @@ class PageReader:
         limit = self.options.max_pending_write_bytes
         with self._settled:
             if wait_until is not None and len(data) <= limit:
-                self._settled.wait_for(lambda: self._closed or self._pending_write_bytes + len(data) <= limit,
-                                       timeout=max(0.0, wait_until - time.monotonic()))
-            if self._pending_write_bytes + len(data) > limit:
-                self._inflight.pop(pid, None)
-                self._settled.notify_all()
+                self._wait_locked(lambda: self._closed or self._pending_write_bytes + len(data) <= limit,
+                                  wait_until)
+            dropped = self._pending_write_bytes + len(data) > limit
+            if dropped:
+                event = self._settle_locked(pid)
                 self.metrics.writes_dropped.inc()
-                return
-            self._pending_write_bytes += len(data)
+            else:
+                self._pending_write_bytes += len(data)
+        if dropped:
+            if event is not None:
+                event.set()
+            return
         try:
             self._write_pool.submit(self._store, pid, data)
         except RuntimeError:  # pool shut down: the page is simply not cached
@@ -242,8 +250,25 @@ class PageReader:
 
     def _forget(self, pid: PageId) -> None:
         with self._lock:
-            self._inflight.pop(pid, None)
+            event = self._settle_locked(pid)
+        if event is not None:
+            event.set()
+
+    def _settle_locked(self, pid: PageId) -> threading.Event | None:
+        """The page leaves ``_inflight`` (the lock held); its waiters' event, for the caller to set."""
+        self._inflight.pop(pid, None)
+        if self._room_waiters:
             self._settled.notify_all()
+        return self._settle_events.pop(pid, None) if self._settle_events else None
+
+    def _wait_locked(self, predicate: Callable[[], bool], deadline: float) -> bool:
+        """``_settled.wait_for`` (the lock held), counted so that settling pages notify only while
+        someone waits this way."""
+        self._room_waiters += 1
+        try:
+            return self._settled.wait_for(predicate, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            self._room_waiters -= 1
 
     # -- waits for loads ----------------------------------------------------------------------
     def wait_write_room(self, nbytes: int, deadline: float) -> bool:
@@ -257,14 +282,17 @@ class PageReader:
         if nbytes > limit:
             return False
         with self._settled:
-            return self._settled.wait_for(lambda: self._pending_write_bytes + nbytes <= limit,
-                                          timeout=max(0.0, deadline - time.monotonic()))
+            return self._wait_locked(lambda: self._pending_write_bytes + nbytes <= limit, deadline)
 
     def wait_settled(self, pid: PageId, deadline: float) -> bool:
         """Wait until the page's fetch and page-store write are over (cached, dropped or failed)."""
-        with self._settled:
-            return self._settled.wait_for(lambda: pid not in self._inflight,
-                                          timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            if pid not in self._inflight:
+                return True
+            event = self._settle_events.get(pid)
+            if event is None:
+                event = self._settle_events[pid] = threading.Event()
+        return event.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def wait_prefix_settled(self, mount: str, prefix: str, deadline: float) -> bool:
         """Wait until no page of a key under ``prefix`` is being fetched or written.
@@ -275,7 +303,7 @@ class PageReader:
         def settled() -> bool:
             return not any(pid.mount == mount and pid.key.startswith(prefix) for pid in self._inflight)
         with self._settled:
-            return self._settled.wait_for(settled, timeout=max(0.0, deadline - time.monotonic()))
+            return self._wait_locked(settled, deadline)
 
     # -- a range ------------------------------------------------------------------------------
     def adopt(self, meta: ObjectMeta, data: bytes) -> bool:

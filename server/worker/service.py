@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ MAX_BLOCK = 4 << 20  # bytes per ReadBlock reply
 LIST_BATCH = 1000
 MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
 MAX_JOB_PATHS = 10_000  # paths per Load/GetCached request: the master sends batches
-RESOLVE_THREADS = 8  # objects of one Load resolved at once (each one store round trip when cold)
+RESOLVE_THREADS = 16  # cold objects of Loads resolved at once, worker-wide (each one store round trip)
 PLAN_AHEAD_SECONDS = 4.0  # how far ahead (in the job's reading time) a plan's objects are loaded
 PLAN_AHEAD_BATCH = 32  # objects per background load
 
@@ -70,6 +71,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
         # The leading master's epoch (several masters on etcd): older Load/Free are refused.
         self.epochs = EpochGuard(metrics.stale_leader_commands.inc)
+        # Threads resolving a Load's cold objects side by side, kept for the worker's life: a pool
+        # per Load started and joined 8 threads for every hint of 32 samples.
+        self._resolve_pool: ThreadPoolExecutor | None = None
+        self._resolve_lock = threading.Lock()
+        self._closed = False
+
+    def _resolver(self) -> ThreadPoolExecutor | None:
+        """The shared resolve pool (None once closed: the caller resolves in its own thread)."""
+        with self._resolve_lock:
+            if self._resolve_pool is None and not self._closed:
+                self._resolve_pool = ThreadPoolExecutor(RESOLVE_THREADS, thread_name_prefix="cachefs-resolve")
+            return self._resolve_pool
+
+    def close(self) -> None:
+        """Stop the resolve threads (loads still running finish theirs)."""
+        with self._resolve_lock:
+            self._closed = True
+            pool, self._resolve_pool = self._resolve_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def _deadline(self, context: grpc.ServicerContext) -> float:
         """Every RPC has a deadline: the caller's, capped by the worker's own."""
@@ -219,12 +240,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # first page: all of a small object), so a hint of 32 samples resolves them side by side,
         # not one store latency after another.
         unique = list(dict.fromkeys(paths))
-        threads = min(RESOLVE_THREADS, len(unique))
-        if threads > 1:
-            with ThreadPoolExecutor(threads, thread_name_prefix="cachefs-resolve") as pool:
-                resolved = list(pool.map(resolve, unique))
-        else:
-            resolved = [resolve(raw) for raw in unique]
+        pool = self._resolver() if len(unique) > 1 else None
+        try:
+            results = pool.map(resolve, unique) if pool is not None else map(resolve, unique)
+        except RuntimeError:  # the pool closed meanwhile (the worker stopping)
+            results = map(resolve, unique)
+        resolved = list(results)
         for raw, path, meta, head, error in resolved:
             if error is not None:
                 failed.append(failure(raw, error))
