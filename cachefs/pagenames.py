@@ -19,7 +19,9 @@ produce a page name that does not exist or a length the page's trailer refuses. 
 fills up (a new entry would push out one still valid) is replaced by one four times larger, up
 to the worker's ``name_index_max_slots``: the live entries are copied over and the old table's
 header marked superseded, which readers check before each lookup (they then ask for the new
-one with their next message).
+one with their next message). The header also carries the stale window: how long past an
+entry's time a client may go on reading by name (the worker's metadata stale grace), naming the
+objects it read that way in its next message so that the worker refreshes them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = [
     "NAMES_HEADER",
     "NAMES_MAGIC",
     "PROBES",
+    "STALE_WINDOW",
+    "STALE_WINDOW_AT",
     "SUPERSEDED",
     "SUPERSEDED_AT",
     "VERSION_BYTES",
@@ -89,6 +93,11 @@ NAMES_MAGIC = 0x31534D414E534643  # b"CFSNAMS1" little-endian
 NAMES_HEADER = struct.Struct("<QQQQ32x")  # magic, slots, entry size, superseded; 64 bytes
 SUPERSEDED = struct.Struct("<Q")  # at SUPERSEDED_AT: nonzero once the worker moved to a larger table
 SUPERSEDED_AT = 24
+# At STALE_WINDOW_AT (in the header's spare bytes; 0 in a table of an older worker): nanoseconds
+# past an entry's time during which a client may still read by name, as the worker itself serves
+# metadata past its TTL within the stale grace, if it tells the worker (which refreshes it).
+STALE_WINDOW = struct.Struct("<Q")
+STALE_WINDOW_AT = 32
 VERSION_BYTES = 72  # an object whose version is longer is not published (read through messages)
 PROBES = 4  # slots a path's entry may be in (probe_slots; readers look at all of them)
 # seq, path hash, path check, size, valid until (CLOCK_MONOTONIC ns), mtime, version length, version

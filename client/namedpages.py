@@ -20,14 +20,16 @@ import logging
 import mmap
 import os
 import threading
+import struct
 import time
 
 import xxhash
 
 from cachefs.client.handles import Page
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, SUPERSEDED, SUPERSEDED_AT, name_hashes,
-                               page_digest, page_file, pick_dir, probe_slots)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, PAGES_SUBDIR, PROBES, SEQ, STALE_WINDOW,
+                               STALE_WINDOW_AT, SUPERSEDED, SUPERSEDED_AT, name_hashes, object_prefix, page_digest,
+                               page_file, pick_dir)
 from cachefs.paths import parse_path
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ __all__ = ["PARTIAL", "NamedPages"]
 PARTIAL = "partial"
 
 _OPEN = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_KEY = struct.Struct("<QQQ")  # an entry's seq, path hash and path check: read first, the rest on a match
+_HEADER_SIZE, _ENTRY_SIZE = NAMES_HEADER.size, ENTRY.size
 MAX_TOUCHED = 1024  # pages read by name remembered before a report goes on its own
 REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan's position stay current
 POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
@@ -82,6 +86,10 @@ class NamedPages:
         self.enabled = True
         # The worker moved to a larger table (its header says so): this one is no longer kept up.
         self.superseded = bool(superseded)
+        # How long past an entry's time it may still be read by name (reported as stale, so the
+        # worker refreshes it): the worker's metadata stale grace (0 from an older worker).
+        self.stale_window_ns = STALE_WINDOW.unpack_from(self._map, STALE_WINDOW_AT)[0]
+        self._stale: set[str] = set()  # objects read past their entry's time, not reported yet
         self._lock = threading.Lock()
         self._touched: list[bytes] = []
         self._touched_bytes = 0
@@ -92,6 +100,29 @@ class NamedPages:
     # -- the index ----------------------------------------------------------------------------------
     def lookup(self, path: str) -> tuple[int, str, float] | None:
         """(size, version, mtime) the worker vouches for now, or None."""
+        found = self._entry(path)
+        if found is None or found[3] <= time.monotonic_ns():
+            return None
+        return found[0], found[1], found[2]
+
+    def _usable(self, path: str) -> tuple[int, str, float] | None:
+        """(size, version, mtime) to read ``path`` by name with: the entry while it holds, or
+        within the stale window after it (the object then named to the worker for a refresh)."""
+        found = self._entry(path) if self.enabled else None
+        if found is None:
+            return None
+        size, version, mtime, until_ns = found
+        now_ns = time.monotonic_ns()
+        if until_ns <= now_ns:
+            if now_ns - until_ns >= self.stale_window_ns:
+                return None
+            with self._lock:
+                self._stale.add(path)
+        return size, version, mtime
+
+    def _entry(self, path: str) -> tuple[int, str, float, int] | None:
+        """(size, version, mtime, until in monotonic ns) of the worker's entry for ``path``, run
+        out or not, or None."""
         try:
             if SUPERSEDED.unpack_from(self._map, SUPERSEDED_AT)[0]:
                 self.superseded = True  # the next message to the worker asks for the new table
@@ -99,27 +130,32 @@ class NamedPages:
         except ValueError:  # closed under us
             return None
         h, check = name_hashes(path)
-        for slot in probe_slots(h, check, self.slots):  # the entry is in one of these (pagenames.py)
-            off = NAMES_HEADER.size + slot * ENTRY.size
+        # The entry is in one of PROBES slots (pagenames.probe_slots, inlined: this runs per sample).
+        slots, table = self.slots, self._map
+        slot, step = h % slots, ((check % slots) | 1 if slots > 1 else 0)
+        for _ in range(min(PROBES, slots)):
+            off = _HEADER_SIZE + slot * _ENTRY_SIZE
+            slot = (slot + step) % slots
             try:
-                seq, kh, kc, size, until_ns, mtime, vlen, vbytes = ENTRY.unpack_from(self._map, off)
+                seq, kh, kc = _KEY.unpack_from(table, off)
+                if kh != h or kc != check:
+                    continue
+                seq, kh, kc, size, until_ns, mtime, vlen, vbytes = ENTRY.unpack_from(table, off)
             except ValueError:  # closed under us
                 return None
-            if kh != h or kc != check:
-                continue
-            if seq & 1 or until_ns <= time.monotonic_ns():
+            if kh != h or kc != check or seq & 1:
                 return None
             version = vbytes[:vlen].decode("utf-8", "surrogatepass")
-            if SEQ.unpack_from(self._map, off)[0] != seq:  # rewritten while we read it
+            if SEQ.unpack_from(table, off)[0] != seq:  # rewritten while we read it
                 return None
-            return size, version, mtime
+            return size, version, mtime, until_ns
         return None
 
     def info(self, path: str) -> tuple[int, str, float] | None:
         """(size, version, mtime) while the object's first page is still in the worker's cache (a
         deleted or overwritten object's pages are gone at once, its entry only when it runs out);
         None for an empty object (no page to vouch for it: ask the worker)."""
-        known = self.lookup(path) if self.enabled else None
+        known = self._usable(path)
         if known is None or known[0] <= 0:
             return None
         cp = parse_path(path)
@@ -134,7 +170,7 @@ class NamedPages:
     def _names(self, path: str, offset: int, length: int,
                version: str) -> tuple[int, str, list[tuple[str, int, int]]] | None:
         """(size, version, [(digest, page start, payload length)]) of a range, or None."""
-        known = self.lookup(path) if self.enabled else None
+        known = self._usable(path)
         if known is None:
             return None
         size, current, _mtime = known
@@ -182,24 +218,36 @@ class NamedPages:
         first read: no descriptor bookkeeping, no file identity (one checksum pass over bytes
         already in the CPU cache costs less than the fstat and lookups that would skip it).
         """
-        named = self._names(path, offset, len(out), "")
-        if named is None:
+        known = self._usable(path)  # past its time but within the stale window: read, and reported
+        if known is None:
             return None
-        size, _version, names = named
+        size, version = known[0], known[1]
+        ps = self.page_size
         end = min(size, offset + len(out))
-        for _digest, start, plen in names:
-            if start < offset or start + plen > end:
-                return PARTIAL
+        if end <= offset:
+            return 0, size, []
+        if offset % ps or (end != size and end % ps):
+            return PARTIAL  # the first or the last page is wanted only in part
+        # Written out rather than through _names/page_digest/_file: this runs once per sample of
+        # a warm epoch in every new DataLoader worker, where each call costs as much as a syscall.
+        cp = parse_path(path)
+        prefix = object_prefix(cp.mount, cp.key, version)
+        dirs = self.dirs
+        root = dirs[0][0] if len(dirs) == 1 else None
         trailer = bytearray(TRAILER_SIZE)
-        for digest, start, plen in names:
+        digests: list[str] = []
+        for index in range(offset // ps, (end - 1) // ps + 1):
+            digest = xxhash.xxh3_128_hexdigest(prefix + index.to_bytes(8, "little"))
             try:
-                fd = os.open(self._file(digest), _OPEN)
+                fd = os.open(f"{root or pick_dir(digest, dirs)}/{PAGES_SUBDIR}/{digest[:2]}/{digest}", _OPEN)
             except OSError as exc:
                 self._failed(exc)
                 return None
             try:
-                target = out[start - offset:start - offset + plen]
-                if os.preadv(fd, [target, trailer], 0) != plen + TRAILER_SIZE:
+                start = index * ps
+                plen = min(size, start + ps) - start
+                target = out if plen == len(out) else out[start - offset:start - offset + plen]
+                if os.preadv(fd, (target, trailer), 0) != plen + TRAILER_SIZE:
                     return None  # short: a page being replaced, or torn; the worker answers
                 payload_len, checksum = decode_trailer(trailer)
                 if payload_len != plen or xxhash.xxh3_64_intdigest(target) != checksum:
@@ -208,7 +256,8 @@ class NamedPages:
                 return None
             finally:
                 os.close(fd)
-        return end - offset, size, [d for d, _s, _l in names]
+            digests.append(digest)
+        return end - offset, size, digests
 
     def covers(self, path: str, offset: int, length: int, version: str = "") -> bool:
         """True if every page of the range is there to be opened by name now (a prepare need not
@@ -245,8 +294,15 @@ class NamedPages:
 
     def report_due(self) -> bool:
         pending = self._touched
-        return bool(pending) and (len(pending) >= MAX_TOUCHED
-                                  or time.monotonic() - self._last_report >= REPORT_SECONDS)
+        return bool(self._stale) or bool(pending) and (len(pending) >= MAX_TOUCHED
+                                                       or time.monotonic() - self._last_report >= REPORT_SECONDS)
+
+    def take_stale(self) -> list[str]:
+        """Objects read by name past their entries' time since the last report (the worker
+        refreshes them)."""
+        with self._lock:
+            stale, self._stale = self._stale, set()
+        return list(stale)
 
     def take_touched(self) -> tuple[list[bytes], int]:
         with self._lock:

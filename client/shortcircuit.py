@@ -204,6 +204,7 @@ class ShortCircuitReader:
         named = self.named
         if named is not None:
             request.touched_pages[:], request.touched_pages_bytes = named.take_touched()
+            request.stale_paths[:] = named.take_stale()
 
     def _add_progress(self, request: Any) -> None:
         progress = self._progress() if self._progress is not None else None
@@ -498,7 +499,7 @@ class ShortCircuitReader:
         request = shortcircuit_pb2.ShortCircuitRequest(token=self.token, touched=touched,
                                                        touched_bytes=touched_bytes)
         self._add_named(request)
-        if touched or request.touched_pages:
+        if touched or request.touched_pages or request.stale_paths:
             self._add_progress(request)
             _message, fds = self._exchange(request)
             for fd in fds:

@@ -36,14 +36,15 @@ def _client(index: NameIndex, dirs=(("/nonexistent", 1),), page_size: int = PAGE
 
 
 @contextlib.contextmanager
-def _store_with_names(tmp_path, quotas: tuple[int, ...], page_size: int = 4096) -> Iterator[tuple]:
+def _store_with_names(tmp_path, quotas: tuple[int, ...], page_size: int = 4096,
+                      stale_window: float = 0.0) -> Iterator[tuple]:
     """A real page store over one dir per quota, a name index, and a client of both."""
     from cachefs.server.pagestore import PageStore
     from cachefs.server.pagestore.store import CacheDir
 
     dirs = [CacheDir(str(tmp_path / f"d{i}"), quota) for i, quota in enumerate(quotas)]
     with PageStore(dirs, page_size=page_size) as store:
-        index = NameIndex(slots=16)
+        index = NameIndex(slots=16, stale_window=stale_window)
         client = _client(index, dirs=store.dirs(), page_size=page_size)
         try:
             yield store, index, client
@@ -526,3 +527,114 @@ def test_under_a_plan_a_client_reading_by_name_holds_nothing(local_store, make_w
     assert messages == [] and reader.counts["named_hits"] == 12  # by name, no message
     assert [bytes(t.numpy()) for t in roomy.__getitems__(list(range(12)))] == data
     assert _reader(roomy._local.get().fs, large).handles.held() == 12
+
+
+def test_an_entry_past_its_time_is_read_within_the_stale_window_and_reported(tmp_path):
+    """Past an entry's time, within the window the worker's header gives (its metadata stale
+    grace), whole pages are still read by name, and the object is named for a refresh once;
+    past the window, or with no window (an older worker), the worker is asked. lookup (what
+    open() and info ask) never answers past the entry's time."""
+    with _store_with_names(tmp_path, (1 << 20,), stale_window=30.0) as (store, index, client):
+        assert client.stale_window_ns == 30 * 10**9
+        data = payload(4096, 12)
+        assert store.put(PageId("m", "obj", "v1", 0), data)
+        now = time.monotonic()
+        index.publish("m/obj", "v1", len(data), 0.0, now - 5)  # ran out 5 s ago
+        assert client.lookup("m/obj") is None
+        out = bytearray(len(data))
+        n, size, _digests = client.read_into("m/obj", 0, memoryview(out))
+        assert (n, size, bytes(out)) == (len(data), len(data), data)
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data))))[0] == len(data)
+        assert client.report_due()  # a stale read is reported with the next message, at once
+        assert client.take_stale() == ["m/obj"] and client.take_stale() == []
+        index.forget("m/obj")
+        index.publish("m/obj", "v1", len(data), 0.0, now - 31)  # past the window too
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+        index.forget("m/obj")
+        index.publish("m/obj", "v1", len(data), 0.0, now + 60)  # fresh: nothing to report
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data))))[0] == len(data)
+        assert client.take_stale() == []
+        index.clear_all()  # the worker dropped what it knew: nothing is read by name
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+    with _store_with_names(tmp_path / "old", (1 << 20,)) as (store, index, client):
+        assert client.stale_window_ns == 0
+        assert store.put(PageId("m", "obj", "v1", 0), data)
+        index.publish("m/obj", "v1", len(data), 0.0, time.monotonic() - 1)
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+
+
+def test_clear_all_forgets_every_entry_and_the_window_survives_growth():
+    index = NameIndex(slots=4, max_slots=64, stale_window=2.5)
+    try:
+        far = time.monotonic() + 60
+        for i in range(12):  # grows the table
+            assert index.publish(f"m/o{i}", "v1", 10 + i, 0.0, far)
+        assert index.grown >= 1
+        client = _client(index)
+        try:
+            assert client.stale_window_ns == 2_500_000_000
+            assert all(client.lookup(f"m/o{i}") == (10 + i, "v1", 0.0) for i in range(12))
+            index.clear_all()
+            assert all(client.lookup(f"m/o{i}") is None for i in range(12))
+            assert index.publish("m/o1", "v1", 11, 0.0, far)  # and it is usable afterwards
+            assert client.lookup("m/o1") == (11, "v1", 0.0)
+        finally:
+            client.close()
+    finally:
+        index.close()
+    with pytest.raises(ValueError):
+        NameIndex(slots=4, stale_window=-1)
+
+
+def test_past_the_metadata_ttl_reads_by_name_go_on_and_the_worker_refreshes_what_they_name(
+        local_store, make_worker, monkeypatch):
+    """A worker's metadata runs out every TTL, and a training epoch is longer than that: the
+    objects read by name past their entries' time (within the stale grace) are named in the
+    next message, the worker refreshes them in the background (one listing for many of a
+    directory), and their entries are extended: no read waits on the worker meanwhile. A new
+    version found by the refresh ends reads by name of the old one; a deleted object likewise."""
+    objects = {f"d/o{i}": payload(PAGE // 2 + i, 70 + i) for i in range(12)}
+    for name, data in objects.items():
+        local_store.add(name, data)
+    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=1.0, metadata_stale_grace=600)
+    assert worker.name_index.stale_window == 600
+    fs = _fs(worker, short_circuit_handles=0)
+    for name, data in objects.items():
+        assert fs.cat_file(f"cachefs://data/{name}") == data
+    _settled(worker, [f"data/{n}" for n in objects], [len(d) for d in objects.values()])
+    reader = _reader(fs, worker)
+    named = reader.named
+    assert named is not None
+    assert fs.cat_file("cachefs://data/d/o0") == objects["d/o0"]  # by name now
+    rest = list(objects)[1:]
+    assert wait_for(lambda: all(named.lookup(f"data/{n}") is None for n in rest), timeout=30)  # TTLs ran out
+    hits = reader.counts["named_hits"]
+    until = {n: named._entry(f"data/{n}")[3] for n in rest}  # when each entry ran out
+    for name in rest:
+        assert fs.cat_file(f"cachefs://data/{name}") == objects[name]
+    assert reader.counts["named_hits"] == hits + len(rest)  # every one by name
+    fs.session.report_reads()  # what the reads would send with the next message, sent now
+    # The worker refreshed them in the background (listed the directory, or asked each) and
+    # extended their entries (each by its TTL from the refresh).
+    def extended(name: str) -> bool:
+        entry = named._entry(f"data/{name}")
+        return entry is not None and entry[3] > until[name]
+    assert wait_for(lambda: all(extended(n) for n in rest), timeout=30)
+
+    local_store.add("d/o3", payload(PAGE // 2, 99))  # a new version in the store
+    local_store.delete("d/o4")
+    assert wait_for(lambda: named.lookup("data/d/o3") is None, timeout=30)  # ran out again
+    for name in ("d/o3", "d/o4"):
+        fs.cat_file(f"cachefs://data/{name}")  # within the window: by name (or anew, if refreshed already)
+    fs.session.report_reads()
+    # The refresh finds the new version (the entry cleared) and the deletion (forgotten):
+    # neither is read by name again, whatever the window says.
+    assert wait_for(lambda: fs.cat_file("cachefs://data/d/o3") == payload(PAGE // 2, 99), timeout=30)
+
+    def gone() -> bool:
+        try:
+            fs.cat_file("cachefs://data/d/o4")
+        except FileNotFoundError:
+            return True
+        return False
+    assert wait_for(gone, timeout=30)

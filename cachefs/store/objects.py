@@ -132,6 +132,10 @@ class ObjectStore:
         # Called with each object's metadata fresh from the store: the worker drops the pages of
         # any other version it still holds (and with them the handles local clients hold on them).
         self.on_fetched: Callable[[ObjectMeta], None] | None = None
+        # Called when metadata is dropped before it runs out (the object deleted or changed, or a
+        # path, prefix or mount invalidated): with the path, or None for more than one path.
+        # The worker stops vouching for those objects' versions (server/worker/names.py).
+        self.on_forgotten: Callable[[CachePath | None], None] | None = None
         # Called once per request sent to the store, with its kind (info, open, list, read):
         # the worker counts them (a cold epoch should cost one request per object, no more).
         self.on_request: Callable[[str], None] | None = None
@@ -143,6 +147,19 @@ class ObjectStore:
         counter = self.on_request
         if counter is not None:
             counter(kind)
+
+    def _forgotten(self, path: CachePath | None) -> None:
+        listener = self.on_forgotten
+        if listener is not None:
+            try:
+                listener(path)
+            except Exception:  # never let a listener fail the read that found out
+                log.exception("metadata listener failed for %s", path)
+
+    def _drop(self, path: CachePath) -> None:
+        """Forget ``path``'s metadata now (not merely expired: gone, changed, or invalidated)."""
+        self._meta.pop(path)
+        self._forgotten(path)
 
     def _remember(self, path: CachePath, meta: ObjectMeta) -> None:
         listener = self.on_fetched
@@ -191,19 +208,25 @@ class ObjectStore:
         """What is known of ``path`` without asking the store (None: not known, or expired)."""
         return self._meta.get(path)
 
-    def cached_info_until(self, path: CachePath) -> tuple[ObjectMeta, float] | None:
+    @property
+    def stale_grace(self) -> float:
+        """How long past its TTL metadata is still used (refreshed behind the read)."""
+        return self._meta.grace
+
+    def cached_info_until(self, path: CachePath) -> tuple[ObjectMeta, float, bool] | None:
         """What a read would use, with no store call: fresh metadata and when it expires, or
         metadata past its TTL but within the stale grace (refreshed in the background, as
-        :meth:`info` does), trusted for at most ``STALE_HOLD`` seconds more."""
+        :meth:`info` does), trusted for at most ``STALE_HOLD`` seconds more; and whether it is
+        that stale kind."""
         found = self._meta.get_with_expiry(path)
         if found is None:
             return None
         meta, expiry = found
         now = time.monotonic()
         if expiry > now:
-            return meta, expiry
+            return meta, expiry, False
         self._revalidate(path)
-        return meta, min(now + STALE_HOLD, expiry + self._meta.grace)
+        return meta, min(now + STALE_HOLD, expiry + self._meta.grace), True
 
     def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
         if not refresh:
@@ -218,7 +241,7 @@ class ObjectStore:
                 self._count("info")
                 size, version, mtime, is_dir = self._backend(resolved).info(resolved.fs, resolved.store_path)
         except FileNotFoundError as exc:
-            self._meta.pop(path)
+            self._drop(path)
             raise FileNotFoundError(f"{path}: no such object") from exc
         meta = ObjectMeta(path, size, version, mtime, is_dir)
         self._remember(path, meta)
@@ -328,7 +351,7 @@ class ObjectStore:
                 self._count("read")
                 return self._backend(resolved).read(resolved.fs, resolved.store_path, start, end, meta.version)
         except (StaleObjectError, FileNotFoundError):
-            self._meta.pop(meta.path)  # the next reader asks the store afresh
+            self._drop(meta.path)  # the next reader asks the store afresh
             raise
 
     def read_pieces(self, meta: ObjectMeta, start: int, sizes: Sequence[int], deliver: PieceSink) -> None:
@@ -343,22 +366,24 @@ class ObjectStore:
                 self._backend(resolved).read_pieces(resolved.fs, resolved.store_path, start, sizes, meta.version,
                                                     deliver)
         except (StaleObjectError, FileNotFoundError):
-            self._meta.pop(meta.path)
+            self._drop(meta.path)
             raise
 
     def forget_mount(self, name: str) -> None:
         """A mount changed or went away: nothing cached about it may be trusted."""
         self._meta.pop_where(lambda p: p.mount == name)
         self._lists.pop_where(lambda k: k[0].mount == name)
+        self._forgotten(None)
 
     def forget_prefix(self, mount: str, prefix: str) -> None:
         """Drop the metadata of every key starting with ``prefix`` (and the mount's listings),
         so what is read or loaded after a free is looked up afresh."""
         self._meta.pop_where(lambda p: p.mount == mount and p.key.startswith(prefix))
         self._lists.pop_where(lambda k: k[0].mount == mount)
+        self._forgotten(None)
 
     def invalidate(self, path: CachePath) -> None:
-        self._meta.pop(path)
+        self._drop(path)
         self._lists.pop_where(lambda k: k[0].mount == path.mount)
 
 

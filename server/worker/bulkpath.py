@@ -41,6 +41,7 @@ class OpenedRange:
     page_lengths: list[int] = field(default_factory=list)
     pages: list[Any] = field(default_factory=list)  # the PageId behind each descriptor
     valid_until: float = 0.0  # monotonic: when the worker's knowledge of the object's version expires
+    stale: bool = False  # that knowledge is past its TTL (within the stale grace), being refreshed
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
@@ -51,10 +52,11 @@ class OpenedRange:
 class CachedPages:
     """Opens the cached page files behind a range request, with the worker's own metadata only."""
 
-    def __init__(self, resolve: Callable[[Any], tuple[Any, float] | None], page_id: Callable[[Any, int], Any],
+    def __init__(self, resolve: Callable[[Any], tuple[Any, float, bool] | None], page_id: Callable[[Any, int], Any],
                  open_page: Callable[[Any], int | None], page_size: int,
                  token: Callable[[str], bool] | None = None) -> None:
-        """``resolve(path)``: the worker's fresh metadata of the object and when it expires, or None."""
+        """``resolve(path)``: the worker's metadata of the object, until when it is trusted, and
+        whether it is past its TTL (ObjectStore.cached_info_until), or None."""
         self._resolve, self._page_id, self._open_page = resolve, page_id, open_page
         self.page_size, self._token_ok = page_size, token
 
@@ -73,16 +75,17 @@ class CachedPages:
         known = self._resolve(path)
         if known is None:
             return OpenedRange(NOT_CACHED)
-        meta, until = known
+        meta, until, stale = known
         if meta.is_dir or (request.version and meta.version != request.version):
             return OpenedRange(NOT_CACHED)
         end = meta.size if request.length == -1 else min(meta.size, request.offset + request.length)
         if end <= request.offset:
-            return OpenedRange(OK, meta=meta, offset=request.offset, end=request.offset, valid_until=until)
+            return OpenedRange(OK, meta=meta, offset=request.offset, end=request.offset, valid_until=until,
+                               stale=stale)
         first, last = request.offset // self.page_size, (end - 1) // self.page_size
         if last - first + 1 > max_pages:
             return OpenedRange(REFUSED, f"more than {max_pages} pages in one request")
-        opened = OpenedRange(OK, meta=meta, offset=request.offset, end=end, valid_until=until)
+        opened = OpenedRange(OK, meta=meta, offset=request.offset, end=end, valid_until=until, stale=stale)
         try:
             for index in range(first, last + 1):
                 pid = self._page_id(meta, index)

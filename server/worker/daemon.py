@@ -19,6 +19,7 @@ from cachefs.auth import outgoing_token
 from cachefs.config import WorkerConfig
 from cachefs.mounts import MountTable
 from cachefs.pagefile import TRAILER_SIZE
+from cachefs.paths import CachePath, parse_path
 from cachefs.proto import worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.heap import keep_freed_memory
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 #: Registered plans that read more than this share of the cache make it evict by their order.
 HOLD_PRESSURE = 0.9
+MAX_STALE_REPORT = 4096  # objects read by name past their entries' time, taken from one report
 
 # The worker's server options: message limits shared with its clients (cachefs/tls.py).
 GRPC_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
@@ -103,6 +105,7 @@ class Worker:
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size,
                                next_use=self.plans.next_use if config.eviction == "future" else None)
         self.objects.on_fetched = self._on_fetched
+        self.objects.on_forgotten = self._on_forgotten
         self.objects.on_request = lambda kind: self.metrics.store_requests.labels(kind).inc()
         self.metrics.watch_page_store(self.pages.stats)
         self.metrics.plans.set_function(lambda: len(self.plans))
@@ -141,6 +144,32 @@ class Worker:
             older = self.pages.other_versions(meta.path.mount, meta.path.key, meta.version)
             if older:
                 table.invalidate(older)
+
+    def _on_forgotten(self, path: CachePath | None) -> None:
+        """Metadata dropped before it ran out (the object changed or went, or paths invalidated):
+        local clients must not read those objects by name, not even within the stale window."""
+        names = self.name_index
+        if names is not None:
+            if path is None:
+                names.clear_all()
+            else:
+                names.forget(str(path))
+
+    def _read_stale(self, paths: list[str]) -> None:
+        """Objects local clients read by name past their entries' time (within the stale
+        window): refreshed in the background as a read of stale metadata is (a listing for many
+        of one directory), which extends their entries (_on_fetched); one the worker already
+        knows afresh gets its entry extended now."""
+        names = self.name_index
+        for raw in paths[:MAX_STALE_REPORT]:
+            try:
+                path = parse_path(raw)
+            except Exception:  # noqa: BLE001 - a client's report: a bad path is ignored
+                continue
+            known = self.objects.cached_info_until(path)  # past its TTL: a refresh is queued
+            if known is not None and not known[2] and names is not None:
+                meta, until, _stale = known
+                names.refreshed(raw, meta.version, meta.size, meta.mtime, until)
 
     def _on_mounts_changed(self, names: set[str]) -> None:
         for name in names:
@@ -262,7 +291,8 @@ class Worker:
                 still_cached=self.pages.contains_digest, on_touched=self.metrics.read_through_held,
                 filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc,
                 on_load=self.hint_loads.submit, passing=self.pages.passing, on_progress=self._plan_progress,
-                names=names, page_dirs=self.pages.dirs(), on_named=self._read_by_name).start()
+                names=names, page_dirs=self.pages.dirs(), on_named=self._read_by_name,
+                on_stale=self._read_stale).start()
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()
@@ -289,7 +319,8 @@ class Worker:
         if not self.config.short_circuit_by_name:
             return None
         try:
-            self.name_index = NameIndex(self.config.short_circuit_handles, self.config.name_index_max_slots)
+            self.name_index = NameIndex(self.config.short_circuit_handles, self.config.name_index_max_slots,
+                                        stale_window=self.objects.stale_grace)
         except OSError as exc:
             log.warning("reads by name are off: %s", exc)
             return None

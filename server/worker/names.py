@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any
 
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, SUPERSEDED, SUPERSEDED_AT, VERSION_BYTES,
-                               name_hashes, probe_slots)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
+                               SUPERSEDED_AT, VERSION_BYTES, name_hashes, probe_slots)
 
 __all__ = ["NameIndex"]
 
@@ -37,7 +37,7 @@ GROWTH = 4  # a full table is replaced by one this many times larger
 class _Table:
     """One memfd of ``slots`` entries, mapped read-write."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, stale_window: float = 0.0) -> None:
         self.slots = slots
         self.size = NAMES_HEADER.size + slots * ENTRY.size
         self.fd = os.memfd_create("cachefs-names", os.MFD_CLOEXEC)
@@ -48,6 +48,7 @@ class _Table:
             os.close(self.fd)
             raise
         NAMES_HEADER.pack_into(self.map, 0, NAMES_MAGIC, slots, ENTRY.size, 0)
+        STALE_WINDOW.pack_into(self.map, STALE_WINDOW_AT, int(stale_window * 1e9))
 
     def offsets(self, h: int, check: int) -> list[int]:
         return [NAMES_HEADER.size + slot * ENTRY.size for slot in probe_slots(h, check, self.slots)]
@@ -89,11 +90,16 @@ class NameIndex:
     """Table of (path -> version, size, mtime, valid until), in a memfd: a path's entry is in one
     of its ``probe_slots`` (cachefs/pagenames.py). Grows by GROWTH up to ``max_slots`` when full."""
 
-    def __init__(self, slots: int = 1 << 16, max_slots: int | None = None) -> None:
+    def __init__(self, slots: int = 1 << 16, max_slots: int | None = None, stale_window: float = 0.0) -> None:
+        """``stale_window``: seconds past an entry's time that clients may still read by name,
+        reporting those objects to be refreshed (the worker's metadata stale grace)."""
         if slots < 1:
             raise ValueError(f"a name index needs at least 1 slot, got {slots}")
+        if not stale_window >= 0:
+            raise ValueError(f"stale_window must be >= 0 seconds, got {stale_window!r}")
         self.max_slots = max(slots, max_slots or slots)
-        self._table = _Table(slots)
+        self.stale_window = float(stale_window)
+        self._table = _Table(slots, self.stale_window)
         self._lock = threading.Lock()
         self._closed = False
         self.published = 0
@@ -113,7 +119,7 @@ class NameIndex:
     def _grow(self, now_ns: int) -> None:  # caller holds the lock
         """Copy the live entries into a table GROWTH times larger, then mark the old one superseded."""
         old = self._table
-        new = _Table(min(self.max_slots, old.slots * GROWTH))
+        new = _Table(min(self.max_slots, old.slots * GROWTH), self.stale_window)
         try:
             for seq, h, check, size, until, mtime, vlen, vbytes in old.live(now_ns):
                 off, _ = new.room(h, check, now_ns)
@@ -165,6 +171,21 @@ class NameIndex:
             off = self._table.find(h, check)
             if off is not None:
                 self._clear(off, SEQ.unpack_from(self._table.map, off)[0])
+
+    def clear_all(self) -> None:
+        """Stop vouching for every object (what was dropped cannot be told path by path: a mount
+        or a prefix invalidated); clients ask the worker again and entries come back as they do."""
+        with self._lock:
+            if self._closed:
+                return
+            table = self._table
+            view = memoryview(table.map)[NAMES_HEADER.size:table.size]
+            try:
+                used = [(i, e[0]) for i, e in enumerate(ENTRY.iter_unpack(view)) if (e[1], e[2]) != (0, 0)]
+            finally:
+                view.release()
+            for i, seq in used:
+                self._clear(NAMES_HEADER.size + i * ENTRY.size, seq)
 
     def _clear(self, off: int, seq: int) -> None:  # caller holds the lock
         self._write(off, seq, 0, 0, 0, 0, 0.0, 0, b"")

@@ -69,7 +69,8 @@ class ShortCircuitServer(ConnectionServer):
                  passing: Callable[[str], bool] | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None,
                  names: NameIndex | None = None, page_dirs: list[tuple[str, int]] | None = None,
-                 on_named: Callable[[list[str], int], None] | None = None, **limits: Any) -> None:
+                 on_named: Callable[[list[str], int], None] | None = None,
+                 on_stale: Callable[[list[str]], None] | None = None, **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until, by_name)``
         charges them to the quota while clients may hold them (False: hand them out for one read;
         ``by_name``: the client can open them by name later),
@@ -78,7 +79,8 @@ class ShortCircuitServer(ConnectionServer):
         ConnectionServer's (max_connections, max_per_peer: per client process, threads, timeouts).
         With ``names`` (names.py) and the page store's ``page_dirs`` (root, quota), clients of this
         process's user may open cached page files by name; ``on_named(digests, bytes)`` hears
-        of the pages they read that way."""
+        of the pages they read that way, ``on_stale(paths)`` of the objects they read so past
+        their entries' time (within the table's stale window: to be refreshed)."""
         super().__init__(**limits)
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
         self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
@@ -87,6 +89,7 @@ class ShortCircuitServer(ConnectionServer):
         self._passing = passing  # pages served but not admitted (pagestore/passing.py)
         self._on_progress = on_progress  # a reading job's position in its plan (worker/plans.py)
         self.names, self._page_dirs, self._on_named = names, page_dirs or [], on_named
+        self._on_stale = on_stale
         self._uid = os.getuid()
 
     def _listen(self) -> socket.socket:
@@ -150,6 +153,8 @@ class ShortCircuitServer(ConnectionServer):
         if request.touched_pages and self._on_named is not None:
             self._on_named([d.hex() for d in request.touched_pages if len(d) == 16],
                            request.touched_pages_bytes)
+        if request.stale_paths and self._on_stale is not None:
+            self._on_stale(list(request.stale_paths))
         reply = Reply(answered=True)
         by_name = request.by_name and self._names_for(peer)
         if request.plan_job and self._on_progress is not None:
@@ -212,7 +217,10 @@ class ShortCircuitServer(ConnectionServer):
         now = time.monotonic()
         if self.names is not None and opened.fds and opened.meta is not None:
             meta = opened.meta
-            self.names.publish(str(meta.path), meta.version, meta.size, meta.mtime, opened.valid_until)
+            # Clients read by name up to the table's stale window past an entry's time: an entry of
+            # stale metadata is published that much earlier (never trusted past TTL + grace).
+            named_until = opened.valid_until - (self.names.stale_window if opened.stale else 0.0)
+            self.names.publish(str(meta.path), meta.version, meta.size, meta.mtime, named_until)
         until = min(opened.valid_until, now + MAX_HOLD_SECONDS)
         slots, generations = self._slots(opened.pages, until, by_name)
         once = [slot == 0 and self._passing is not None and self._passing(pid.digest())
