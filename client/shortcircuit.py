@@ -464,6 +464,8 @@ class ShortCircuitReader:
         named = self._usable_named() if known is None else None
         if named is not None:
             known = named.info(path)
+            if named.report_due():  # e.g. an entry past its time: the worker refreshes it now
+                self.report(wait=False)
         if known is None and fetch > 0 and self._holds:
             got = self.request([(path, 0, fetch, "")], ahead=True)[0]
             if got is not None:
