@@ -438,6 +438,11 @@ class ShortCircuitReader:
         the worker's page store first); returns how many are now held, and how many were filled."""
         missing = []
         named = self._usable_named()
+        if named is None and self._by_name and self._want_hello and not self.handles.usable():
+            # A new process (a DataLoader worker each epoch): its hello alone brings the name index,
+            # and the ranges cached are then read by name, not handed over as descriptors.
+            self._request([], True, fill)
+            named = self._usable_named()
         for r in ranges:
             found = self.handles.lookup(*r, read=False)
             if found is not None:

@@ -638,3 +638,32 @@ def test_past_the_metadata_ttl_reads_by_name_go_on_and_the_worker_refreshes_what
             return True
         return False
     assert wait_for(gone, timeout=30)
+
+
+def test_a_new_process_prepares_a_cached_batch_with_its_hello_alone(local_store, make_worker, monkeypatch):
+    """A DataLoader worker is a new process every epoch: its first batch's prepare sends one
+    hello with no ranges (the name index comes with it), and the cached samples are then read by
+    name, not handed over as 32 descriptors."""
+    from cachefs.client.shortcircuit import ShortCircuitReader
+    from cachefs.paths import parse_path
+
+    data = [payload(PAGE // 2, 80 + i) for i in range(8)]
+    for i, d in enumerate(data):
+        local_store.add(f"s/{i}", d)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    _fs(worker).cat([f"cachefs://data/s/{i}" for i in range(8)])
+    _settled(worker, [f"data/s/{i}" for i in range(8)], [len(d) for d in data])
+    sent: list = []
+    exchange = ShortCircuitReader._exchange
+    monkeypatch.setattr(ShortCircuitReader, "_exchange", lambda self, request: (sent.append(request),
+                                                                                  exchange(self, request))[1])
+    fs = _fs(worker)  # as a new process, holding handles by default
+    ranges = [(parse_path(f"data/s/{i}"), 0, len(d)) for i, d in enumerate(data)]
+    prepared = fs.session.prepare(ranges)
+    assert (prepared.held, prepared.asked) == (8, 0)
+    assert len(sent) == 1 and sent[0].hello and not sent[0].ranges
+    outs = [bytearray(len(d)) for d in data]
+    assert fs.session.read_held([(cp, out) for (cp, _o, _n), out in zip(ranges, outs)]) == \
+        [(len(d), len(d)) for d in data]
+    assert [bytes(o) for o in outs] == data and len(sent) == 1
+    assert _reader(fs, worker).counts["named_hits"] == 8
