@@ -44,6 +44,9 @@ _KEY = struct.Struct("<QQQ")  # an entry's seq, path hash and path check: read f
 _HEADER_SIZE, _ENTRY_SIZE = NAMES_HEADER.size, ENTRY.size
 MAX_TOUCHED = 1024  # pages read by name remembered before a report goes on its own
 REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan's position stay current
+#: Objects read past their entries' time go to the worker this soon (it refreshes them, and so
+#: finds a change in the store): soon, but not one report per batch.
+STALE_REPORT_SECONDS = 0.2
 POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
 
 
@@ -293,9 +296,10 @@ class NamedPages:
             self.stats["named_reads"] += 1
 
     def report_due(self) -> bool:
-        pending = self._touched
-        return bool(self._stale) or bool(pending) and (len(pending) >= MAX_TOUCHED
-                                                       or time.monotonic() - self._last_report >= REPORT_SECONDS)
+        pending, stale = self._touched, self._stale
+        if stale and (len(stale) >= MAX_TOUCHED or time.monotonic() - self._last_report >= STALE_REPORT_SECONDS):
+            return True
+        return bool(pending) and (len(pending) >= MAX_TOUCHED or time.monotonic() - self._last_report >= REPORT_SECONDS)
 
     def take_stale(self) -> list[str]:
         """Objects read by name past their entries' time since the last report (the worker
