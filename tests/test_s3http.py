@@ -365,3 +365,21 @@ def test_https_endpoints_are_verified_against_the_ca_given(tmp_path):
             _get(_client(url, verify=pki.other_ca, attempts=1), 0, [10])  # not our CA: refused
         assert _get(_client(url, verify=False), 5, [5]) == [(0, BODY[5:10])]
     assert len(script.requests) == 2
+
+
+def test_a_head_larger_than_the_first_buffer_is_read_and_one_too_large_refused():
+    """The head's buffer starts small (what it takes of the body is copied once more) and grows;
+    a head past _MAX_HEAD is not an S3 reply."""
+    from cachefs.store import s3http
+
+    padding = "".join(f"x-amz-meta-pad{i}: {'v' * 90}\r\n" for i in range(120))  # ~12 KiB of head
+    assert len(padding) > 2 * s3http._HEAD_START
+    huge = "".join(f"x-amz-meta-pad{i}: {'v' * 90}\r\n" for i in range(800))  # ~80 KiB
+    assert len(huge) > s3http._MAX_HEAD
+    script = Script([_ranged(BODY, extra=padding), _ranged(BODY, extra=huge), _ranged(BODY, extra=huge),
+                     _ranged(BODY, extra=huge)])
+    with scripted_server(script) as url:
+        client = _client(url, attempts=1)
+        assert _get(client, 5, [BODY.__len__() - 5]) == [(0, BODY[5:])]
+        with pytest.raises(OSError, match="too large"):
+            _get(client, 0, [10])

@@ -54,6 +54,7 @@ __all__ = ["HttpS3Backend", "S3Settings", "http_backend_for", "settings_for"]
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _MAX_HEAD = 64 << 10  # a reply's status line and headers, at most
+_HEAD_START = 4 << 10  # the head's buffer to begin with (an S3 reply's head is ~0.5 KiB)
 _MAX_IDLE = 64  # idle connections kept per host
 _IGNORED = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                       "asynchronous", "loop", "default_block_size", "default_fill_cache", "default_cache_type",
@@ -468,10 +469,16 @@ class S3HttpClient:
 
     @staticmethod
     def _head(sock: socket.socket, origin: tuple[str, str, int]) -> _Reply:
-        buf = bytearray(_MAX_HEAD)
-        view, n = memoryview(buf), 0
+        # Small at first (grown as needed): what the head's recv takes of the body is copied
+        # into the page afterwards, and a 64 KiB buffer zeroed for every GET took 64 KiB of it.
+        buf = bytearray(_HEAD_START)
+        n = 0
         while True:
-            got = sock.recv_into(view[n:])
+            if n == len(buf):
+                if n >= _MAX_HEAD:
+                    raise _Started("reply head too large")
+                buf.extend(bytes(n))
+            got = sock.recv_into(memoryview(buf)[n:])
             if not got:
                 if n:
                     raise _Started(f"reply ended inside its head ({n} bytes)")
@@ -480,8 +487,7 @@ class S3HttpClient:
             end = buf.find(b"\r\n\r\n", max(0, n - got - 3), n)
             if end >= 0:
                 break
-            if n == len(buf):
-                raise _Started("reply head too large")
+        view = memoryview(buf)
         lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
         parts = lines[0].split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
