@@ -668,3 +668,29 @@ def test_a_new_process_prepares_a_cached_batch_with_its_hello_alone(local_store,
         [(len(d), len(d)) for d in data]
     assert [bytes(o) for o in outs] == data and len(sent) == 1
     assert _reader(fs, worker).counts["named_hits"] == 8
+
+
+def test_freeing_one_data_set_leaves_the_others_readable_by_name(local_store, make_worker, monkeypatch):
+    """A free deletes the pages under its prefix (so nothing of it is read by name) and leaves
+    every other object's entry alone: a benchmark freeing one data set before its cold epoch
+    made the next warm epoch of another ask the worker for every batch."""
+    for i in range(4):
+        local_store.add(f"a/{i}", payload(PAGE // 2, 90 + i))
+        local_store.add(f"b/{i}", payload(PAGE // 2, 95 + i))
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = _fs(worker, short_circuit_handles=0)
+    names = [f"{d}/{i}" for d in "ab" for i in range(4)]
+    for name in names:
+        fs.cat_file(f"cachefs://data/{name}")
+    _settled(worker, [f"data/{n}" for n in names], [PAGE // 2] * len(names))
+    reader = _reader(fs, worker)
+    assert all(reader.named.lookup(f"data/{n}") is not None for n in names)
+    with grpc.insecure_channel(worker.address) as ch:
+        assert worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/a/"),
+                                                          timeout=10).pages_freed == 4
+    messages = _count_messages(reader, monkeypatch)
+    hits = reader.counts["named_hits"]
+    assert [fs.cat_file(f"cachefs://data/b/{i}") for i in range(4)] == [payload(PAGE // 2, 95 + i) for i in range(4)]
+    assert messages == [] and reader.counts["named_hits"] == hits + 4
+    assert fs.cat_file("cachefs://data/a/0") == payload(PAGE // 2, 90)  # its pages are gone: asked the worker
+    assert reader.counts["named_hits"] == hits + 4 and len(messages) >= 1

@@ -132,8 +132,8 @@ class ObjectStore:
         # Called with each object's metadata fresh from the store: the worker drops the pages of
         # any other version it still holds (and with them the handles local clients hold on them).
         self.on_fetched: Callable[[ObjectMeta], None] | None = None
-        # Called when metadata is dropped before it runs out (the object deleted or changed, or a
-        # path, prefix or mount invalidated): with the path, or None for more than one path.
+        # Called when metadata is dropped before it runs out (the object deleted or changed, a
+        # path or mount invalidated): with the path, or None for a whole mount.
         # The worker stops vouching for those objects' versions (server/worker/names.py).
         self.on_forgotten: Callable[[CachePath | None], None] | None = None
         # Called once per request sent to the store, with its kind (info, open, list, read):
@@ -380,7 +380,10 @@ class ObjectStore:
         so what is read or loaded after a free is looked up afresh."""
         self._meta.pop_where(lambda p: p.mount == mount and p.key.startswith(prefix))
         self._lists.pop_where(lambda k: k[0].mount == mount)
-        self._forgotten(None)
+        # (Not told to on_forgotten: both callers, a free and a remove, delete the pages under
+        # the prefix, so nothing of it can be read by name; telling would have to clear every
+        # other object's name entry too, and freeing one data set made the next warm epoch of
+        # another ask the worker for every batch.)
 
     def invalidate(self, path: CachePath) -> None:
         self._drop(path)

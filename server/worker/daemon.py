@@ -146,8 +146,9 @@ class Worker:
                 table.invalidate(older)
 
     def _on_forgotten(self, path: CachePath | None) -> None:
-        """Metadata dropped before it ran out (the object changed or went, or paths invalidated):
-        local clients must not read those objects by name, not even within the stale window."""
+        """Metadata dropped before it ran out (the object changed or went, a path or a whole
+        mount invalidated): local clients must not read those objects by name, not even within
+        the stale window. (A free or a remove deletes the pages themselves: opens by name fail.)"""
         names = self.name_index
         if names is not None:
             if path is None:
