@@ -47,6 +47,7 @@ REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan'
 #: Objects read past their entries' time go to the worker this soon (it refreshes them, and so
 #: finds a change in the store): soon, but not one report per batch.
 STALE_REPORT_SECONDS = 0.2
+STALE_REPORT_BYTES = 16 << 10  # paths named in one message, at most (it is bounded by MAX_MESSAGE)
 POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
 
 
@@ -301,12 +302,19 @@ class NamedPages:
             return True
         return bool(pending) and (len(pending) >= MAX_TOUCHED or time.monotonic() - self._last_report >= REPORT_SECONDS)
 
-    def take_stale(self) -> list[str]:
+    def take_stale(self, max_bytes: int = STALE_REPORT_BYTES) -> list[str]:
         """Objects read by name past their entries' time since the last report (the worker
-        refreshes them)."""
+        refreshes them), about ``max_bytes`` of paths at most (a message is bounded: the rest
+        go with the next one)."""
+        taken: list[str] = []
         with self._lock:
-            stale, self._stale = self._stale, set()
-        return list(stale)
+            stale = self._stale
+            budget = max_bytes
+            while stale and budget > 0:
+                path = stale.pop()
+                taken.append(path)
+                budget -= len(path) + 4
+        return taken
 
     def take_touched(self) -> tuple[list[bytes], int]:
         with self._lock:

@@ -548,6 +548,14 @@ def test_an_entry_past_its_time_is_read_within_the_stale_window_and_reported(tmp
         # Reported with a message soon (not after every batch): within STALE_REPORT_SECONDS.
         assert wait_for(client.report_due, timeout=10)
         assert client.take_stale() == ["m/obj"] and client.take_stale() == []
+        long_paths = {f"m/{i:04d}/" + "k" * 200 for i in range(300)}  # ~62 KiB of paths
+        client._stale.update(long_paths)
+        first = client.take_stale()
+        assert 0 < sum(len(p) for p in first) <= 16 << 10 and len(first) < len(long_paths)
+        rest = []
+        while client._stale:
+            rest += client.take_stale()
+        assert set(first) | set(rest) == long_paths and not set(first) & set(rest)
         index.forget("m/obj")
         index.publish("m/obj", "v1", len(data), 0.0, now - 31)  # past the window too
         assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
