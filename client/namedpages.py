@@ -27,9 +27,8 @@ import xxhash
 
 from cachefs.client.handles import Page
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, PAGES_SUBDIR, PROBES, SEQ, STALE_WINDOW,
-                               STALE_WINDOW_AT, SUPERSEDED, SUPERSEDED_AT, name_hashes, object_prefix, page_digest,
-                               page_file, pick_dir)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
+                               SUPERSEDED_AT, name_hashes, page_digest, page_file, pick_dir, probe_slots)
 from cachefs.paths import parse_path
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,6 @@ PARTIAL = "partial"
 
 _OPEN = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _KEY = struct.Struct("<QQQ")  # an entry's seq, path hash and path check: read first, the rest on a match
-_HEADER_SIZE, _ENTRY_SIZE = NAMES_HEADER.size, ENTRY.size
 MAX_TOUCHED = 1024  # pages read by name remembered before a report goes on its own
 REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan's position stay current
 #: Objects read past their entries' time go to the worker this soon (it refreshes them, and so
@@ -134,12 +132,9 @@ class NamedPages:
         except ValueError:  # closed under us
             return None
         h, check = name_hashes(path)
-        # The entry is in one of PROBES slots (pagenames.probe_slots, inlined: this runs per sample).
-        slots, table = self.slots, self._map
-        slot, step = h % slots, ((check % slots) | 1 if slots > 1 else 0)
-        for _ in range(min(PROBES, slots)):
-            off = _HEADER_SIZE + slot * _ENTRY_SIZE
-            slot = (slot + step) % slots
+        table = self._map
+        for slot in probe_slots(h, check, self.slots):  # the entry is in one of these (pagenames.py)
+            off = NAMES_HEADER.size + slot * ENTRY.size
             try:
                 seq, kh, kc = _KEY.unpack_from(table, off)
                 if kh != h or kc != check:
@@ -232,18 +227,13 @@ class NamedPages:
             return 0, size, []
         if offset % ps or (end != size and end % ps):
             return PARTIAL  # the first or the last page is wanted only in part
-        # Written out rather than through _names/page_digest/_file: this runs once per sample of
-        # a warm epoch in every new DataLoader worker, where each call costs as much as a syscall.
         cp = parse_path(path)
-        prefix = object_prefix(cp.mount, cp.key, version)
-        dirs = self.dirs
-        root = dirs[0][0] if len(dirs) == 1 else None
         trailer = bytearray(TRAILER_SIZE)
         digests: list[str] = []
         for index in range(offset // ps, (end - 1) // ps + 1):
-            digest = xxhash.xxh3_128_hexdigest(prefix + index.to_bytes(8, "little"))
+            digest = page_digest(cp.mount, cp.key, version, index)
             try:
-                fd = os.open(f"{root or pick_dir(digest, dirs)}/{PAGES_SUBDIR}/{digest[:2]}/{digest}", _OPEN)
+                fd = os.open(self._file(digest), _OPEN)
             except OSError as exc:
                 self._failed(exc)
                 return None
@@ -298,9 +288,10 @@ class NamedPages:
 
     def report_due(self) -> bool:
         pending, stale = self._touched, self._stale
-        if stale and (len(stale) >= MAX_TOUCHED or time.monotonic() - self._last_report >= STALE_REPORT_SECONDS):
+        age = time.monotonic() - self._last_report
+        if stale and (len(stale) >= MAX_TOUCHED or age >= STALE_REPORT_SECONDS):
             return True
-        return bool(pending) and (len(pending) >= MAX_TOUCHED or time.monotonic() - self._last_report >= REPORT_SECONDS)
+        return bool(pending) and (len(pending) >= MAX_TOUCHED or age >= REPORT_SECONDS)
 
     def take_stale(self, max_bytes: int = STALE_REPORT_BYTES) -> list[str]:
         """Objects read by name past their entries' time since the last report (the worker

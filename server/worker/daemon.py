@@ -168,8 +168,10 @@ class Worker:
             except Exception:  # noqa: BLE001 - a client's report: a bad path is ignored
                 continue
             known = self.objects.cached_info_until(path)  # past its TTL: a refresh is queued
-            if known is not None and not known[2] and names is not None:
-                meta, until, _stale = known
+            if known is None or names is None:
+                continue
+            meta, until, stale = known
+            if not stale:
                 names.refreshed(raw, meta.version, meta.size, meta.mtime, until)
 
     def _on_mounts_changed(self, names: set[str]) -> None:

@@ -173,8 +173,8 @@ class NameIndex:
                 self._clear(off, SEQ.unpack_from(self._table.map, off)[0])
 
     def clear_all(self) -> None:
-        """Stop vouching for every object (what was dropped cannot be told path by path: a mount
-        or a prefix invalidated); clients ask the worker again and entries come back as they do."""
+        """Stop vouching for every object (what was dropped cannot be told path by path: a whole
+        mount invalidated); clients ask the worker again and entries come back as they do."""
         with self._lock:
             if self._closed:
                 return

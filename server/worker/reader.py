@@ -219,6 +219,7 @@ class PageReader:
         (counted). Without ``wait_until`` (a head adopted by a request thread) nothing waits.
         """
         limit = self.options.max_pending_write_bytes
+        event: threading.Event | None = None
         with self._settled:
             if wait_until is not None and len(data) <= limit:
                 self._wait_locked(lambda: self._closed or self._pending_write_bytes + len(data) <= limit,
@@ -230,7 +231,7 @@ class PageReader:
             else:
                 self._pending_write_bytes += len(data)
         if dropped:
-            if event is not None:
+            if event is not None:  # readers waiting for it to settle: it never will be cached
                 event.set()
             return
         try:
