@@ -307,10 +307,13 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
                                        cache_type=cache_type, **kwargs)
         # A read follows: from a worker on this host, the info and the first block's page
         # handles come in one message (client/handles.py), not an info RPC and then the read.
-        info = self._named(self.session.info(cp, read_ahead=block_size or self.config.block_size))
+        # Only size, version and name are needed here: the s3fs-style fields (ETag, LastModified)
+        # come with ``f.details``, built when asked for (~7 us an open otherwise).
+        info = self.session.info(cp, read_ahead=block_size or self.config.block_size)
         if info["type"] != "file":
             raise IsADirectoryError(f"{path} is a directory")
-        return CacheFile(self, info["name"], mode, block_size or self.config.block_size, cache_type=cache_type,
+        name = self._urlmap().to_store_path(info["name"]) if self._target_protocol else info["name"]
+        return CacheFile(self, name, mode, block_size or self.config.block_size, cache_type=cache_type,
                          cache_options=cache_options, size=info["size"], version=info.get("version", ""), cp=cp)
 
     def close(self) -> None:
@@ -333,14 +336,15 @@ class CacheFile(AbstractBufferedFile):
         return self.fs.session.read(self.cp, start, end - start, self.version)[0]
 
     def read(self, length: int = -1) -> bytes:
-        """Reads of a block or more (``read()`` of the whole object: pandas, torch.load) skip the
-        block cache: the bytes come back as the session reads them, not sliced out of a cached
-        copy; smaller reads go through the cache as fsspec's do."""
+        """Reads to the end (``read()``: pandas, torch.load) and reads of a block or more skip the
+        block cache: the bytes come back as the session reads them, not through a cached copy
+        that nothing reads again; smaller reads go through the cache as fsspec's do."""
         if self.mode != "rb" or self.closed:
             return super().read(length)
         remaining = max(0, self.size - self.loc)
-        want = remaining if length is None or length < 0 else min(length, remaining)
-        if want < self.blocksize:
+        to_end = length is None or length < 0 or length >= remaining
+        want = remaining if to_end else length
+        if want == 0 or (not to_end and want < self.blocksize):
             return super().read(length)
         data = self.fs.session.read(self.cp, self.loc, want, self.version)[0]
         self.loc += len(data)

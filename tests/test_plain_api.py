@@ -182,6 +182,26 @@ def test_reads_of_a_block_or_more_and_readinto_keep_the_position(served, lean):
         assert f.readinto(tail) == 0 and f.read(4 * PAGE) == b""
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "grpc"])
+def test_a_read_to_the_end_keeps_no_copy_in_the_block_cache(served, lean):
+    """read() to the end (smaller than a block) comes straight from the session: the file's
+    block cache never holds the object (an unclosed file kept it until the GC found the cycle)."""
+    objects, worker = served
+    data = objects["multi.bin"]
+    fs = client(worker.address, short_circuit=lean, data_port=False, block_size=64 * PAGE)
+    with fs.open("cachefs://data/multi.bin") as f:
+        assert f.read() == data and f.tell() == len(data)
+        assert len(f.cache.cache) == 0
+    with fs.open("cachefs://data/multi.bin") as f:
+        assert f.read(7) == data[:7]  # a small read: through the block cache, as fsspec's files do
+        assert f.read(len(data)) == data[7:]  # the rest, asked for by a length past the end
+        assert f.read() == b"" and f.tell() == len(data)
+        f.seek(3)
+        assert f.read(-1) == data[3:]
+        info = fs.info("cachefs://data/multi.bin")
+        assert f.details["size"] == len(data) and f.details.get("LastModified") == info.get("LastModified")
+
+
 def test_an_open_file_keeps_its_version_when_the_object_changes(served, local_store):
     objects, worker = served
     fs = client(worker.address, short_circuit=False, data_port=False, block_size=PAGE)
