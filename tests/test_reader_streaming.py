@@ -152,6 +152,28 @@ def test_pages_that_arrived_before_a_store_error_are_served_and_cached(tmp_path)
         pages.close()
 
 
+@pytest.mark.parametrize("write_here", [True, False], ids=["written-here", "queued"])
+def test_adopted_pages_are_cached_either_on_the_callers_thread_or_by_a_writer(tmp_path, write_here):
+    """A load's resolve thread writes the head it adopted itself (no writer hand-off); a request
+    thread queues it. Either way every whole page lands and settles, nothing stays pending."""
+    data = payload(2 * PAGE + 100, 8)
+    pages = PageStore([CacheDir(str(tmp_path / "cache"), 1 << 30)], PAGE)
+    reader = PageReader(pages, _HalfStore(data), WorkerMetrics(),  # type: ignore[arg-type]
+                        ReaderOptions(readahead_pages=0, fetch_group_pages=8))
+    meta = ObjectMeta(CachePath("m", "k"), len(data), "v1", 0.0)
+    try:
+        assert reader.adopt(meta, data, write_here=write_here)
+        ids = [PageId("m", "k", "v1", i) for i in range(3)]
+        if write_here:  # done before adopt returned
+            assert all(pages.contains(pid) for pid in ids) and not reader._inflight
+        assert all(reader.wait_settled(pid, time.monotonic() + 10) for pid in ids)
+        assert all(pages.contains(pid) for pid in ids)
+        assert reader._pending_write_bytes == 0
+    finally:
+        reader.close()
+        pages.close()
+
+
 def test_cold_first_block_comes_with_the_metadata_in_one_get(s3_store, make_worker):
     data = payload(12 * PAGE, 6)
     s3_store.add("obj.bin", data)

@@ -307,12 +307,15 @@ class PageReader:
             return self._wait_locked(settled, deadline)
 
     # -- a range ------------------------------------------------------------------------------
-    def adopt(self, meta: ObjectMeta, data: bytes) -> bool:
+    def adopt(self, meta: ObjectMeta, data: bytes, write_here: bool = False) -> bool:
         """Take the first pages of an object that arrived with its metadata (see ObjectStore.open).
 
         Every whole page in ``data`` (and a short last page at the object's end) is served and
         written like a fetched one. False if the first page was not taken (not a whole page, or
         already in flight); later pages already in flight are left to their fetch.
+        ``write_here``: the caller is a background thread (a load resolving cold objects), so
+        it writes the pages itself rather than hand them to a writer (a wake-up, a future and
+        a queue per small object, for a write that local readers wait for anyway).
         """
         first_end = self._page_bounds(meta, 0)[1]
         if not data or len(data) < first_end:
@@ -336,8 +339,20 @@ class PageReader:
                     taken.append((pid, page))
         for pid, page in taken:
             self.metrics.bytes_from_store.inc(len(page))
-            self._queue_write(pid, page)
+            if write_here:
+                self._write_now(pid, page)
+            else:
+                self._queue_write(pid, page)
         return True
+
+    def _write_now(self, pid: PageId, data: bytes) -> None:
+        """A page written on this thread, counted as pending while it is (as a queued one)."""
+        with self._lock:
+            self._pending_write_bytes += len(data)
+        try:
+            self._store(pid, data)
+        except Exception as exc:  # noqa: BLE001 - as in a writer: the page is served, just not cached
+            log.warning("writing page %s failed: %s", pid, exc)
 
     def read(self, meta: ObjectMeta, offset: int, length: int, deadline: float | None = None,
              then: int = 0, tally: list[int] | None = None) -> Iterator[bytes | memoryview]:
