@@ -37,6 +37,7 @@ from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
 from cachefs.server.worker.handles import HandleTable
 from cachefs.server.worker.names import NameIndex
+from cachefs.server.worker.touches import TouchQueue
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.hintloads import HintLoads
 from cachefs.server.worker.shortcircuit import ShortCircuitServer
@@ -86,6 +87,7 @@ class Worker:
         self.short_circuit: ShortCircuitServer | None = None
         self.filler: RangeFiller | None = None
         self.hint_loads: HintLoads | None = None
+        self.touches: TouchQueue | None = None  # reads local clients report (touches.py)
         self.handle_table: HandleTable | None = None
         self.name_index: NameIndex | None = None
         self.data_port_server: DataPortServer | None = None
@@ -202,6 +204,7 @@ class Worker:
                                   on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
         self.hint_loads = HintLoads(servicer.load_objects)
         servicer.prefetch = self.hint_loads.submit
+        self.touches = TouchQueue(self.pages.touch_digests)
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -259,6 +262,8 @@ class Worker:
         if self.short_circuit is not None:
             self.short_circuit.stop()
         self._close_handle_table()
+        if self.touches is not None:
+            self.touches.close()
         if self.data_port_server is not None:
             self.data_port_server.stop()
         if self.filler is not None:
@@ -307,7 +312,7 @@ class Worker:
         if self.config.short_circuit_handles == 0:
             return None
         try:
-            table = HandleTable(self.config.short_circuit_handles, on_touched=self.pages.touch_digests)
+            table = HandleTable(self.config.short_circuit_handles, on_touched=self._touched)
         except OSError as exc:  # no memfd here: clients read each descriptor once
             log.warning("held short-circuit handles are off: %s", exc)
             return None
@@ -331,8 +336,16 @@ class Worker:
 
     def _read_by_name(self, digests: list[str], nbytes: int) -> None:
         """Pages local clients read by name: the store's recency and hits, and the metrics."""
-        self.pages.touch_digests(digests)
+        self._touched(digests)
         self.metrics.read_by_name(len(digests), nbytes)
+
+    def _touched(self, digests: list[str]) -> None:
+        """Reads local clients made themselves, for the page store's recency and hits: applied
+        behind the reply, on a thread of lower priority (touches.py)."""
+        if self.touches is not None:
+            self.touches.submit(digests)
+        else:
+            self.pages.touch_digests(digests)
 
     def _close_handle_table(self) -> None:
         if self.name_index is not None:
