@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import Counter
 
@@ -9,6 +11,7 @@ import pytest
 
 from cachefs.mounts import MountTable
 from cachefs.paths import CachePath
+from cachefs.priority import BACKGROUND_NICE
 from cachefs.store.objects import ObjectStore
 from cachefs.store.revalidate import LIST_MIN_STALE, Revalidator, parent_of
 from helpers import payload, wait_for
@@ -129,3 +132,23 @@ def test_a_failed_listing_leaves_no_object_waiting():
 def test_parent_of():
     assert parent_of(CachePath("m", "a/b/c.bin")) == CachePath("m", "a/b")
     assert parent_of(CachePath("m", "top.bin")) == CachePath("m", "")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_refreshes_run_below_the_priority_of_the_threads_that_serve_reads():
+    """Nothing waits on a refresh (the stale entry serves meanwhile): its threads yield the CPU."""
+    seen: list[int] = []
+    done = threading.Event()
+
+    def refresh_one(path: CachePath) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        done.set()
+
+    reval = Revalidator(refresh_one, lambda directory: set(), lambda path: False)
+    try:
+        reval.submit(CachePath("m", "d/x"))
+        assert done.wait(30)
+    finally:
+        reval.close()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(19, mine + BACKGROUND_NICE)]

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from cachefs.server.worker.touches import TouchQueue, lower_this_thread
+from cachefs.priority import lower_this_thread
+from cachefs.server.worker.touches import TouchQueue
 from helpers import wait_for
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from cachefs.paths import CachePath
+from cachefs.priority import lower_this_thread
 
 __all__ = ["Revalidator", "parent_of"]
 
@@ -70,7 +71,10 @@ class Revalidator:
                 return
             waiting.add(path)
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="cachefs-revalidate")
+                # Nothing waits on a refresh (the stale entry serves meanwhile): below the
+                # threads that serve reads (cachefs/priority.py).
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="cachefs-revalidate",
+                                                initializer=lower_this_thread)
             pool = self._pool
         pool.submit(self._run, path, directory)
 

@@ -6,8 +6,8 @@ plans' next use) see them. Placing a page by its next use costs a few microsecon
 page; answered inline, a warm epoch's reports kept the worker busy on the second core while the
 training process needed it (a workers-0 DataLoader's ``torch.stack`` splits its copy over two
 threads and waits for the slower). So the short-circuit thread only queues the digests and
-answers; one thread applies them, at a lower CPU priority (``nice`` + BOOKKEEPING_NICE on
-Linux, where a thread's priority is its own) that yields to the training process and to the
+answers; one thread applies them, at a lower CPU priority (``nice`` +10 on Linux, where a
+thread's priority is its own: cachefs/priority.py) that yields to the training process and to the
 worker's own serving threads. Recency is a hint with a second's slack already (clients batch
 their reports): applying it milliseconds later changes nothing an eviction decides.
 
@@ -19,37 +19,23 @@ queued (tests, and a clean stop).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cachefs.priority import BACKGROUND_NICE, lower_this_thread
+
 log = logging.getLogger(__name__)
 
-#: How much lower than the worker's other threads the bookkeeping thread runs (``nice`` steps).
-BOOKKEEPING_NICE = 10
 #: Digests queued at most before a reporter applies its own batch.
 MAX_PENDING = 1 << 18
-
-
-def lower_this_thread(steps: int) -> bool:
-    """Lower the calling thread's CPU priority by ``steps`` nice levels (Linux: per thread);
-    False where the platform cannot (the thread runs at the process's priority)."""
-    if steps <= 0 or not hasattr(os, "setpriority"):
-        return False
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
-    except OSError:
-        return False
-    return True
 
 
 class TouchQueue:
     """Reported page reads (digests), applied by ``apply`` on one background thread."""
 
-    def __init__(self, apply: Callable[[Sequence[str]], Any], *, nice: int = BOOKKEEPING_NICE,
+    def __init__(self, apply: Callable[[Sequence[str]], Any], *, nice: int = BACKGROUND_NICE,
                  max_pending: int = MAX_PENDING) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
