@@ -137,11 +137,14 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
             self._direct_fs = fsspec.filesystem(self._target_protocol, **self._target_options)
         return self._direct_fs
 
+    def _caller_name(self, name: str) -> str:
+        """A cache path as the caller addressed it (chained callers get store paths back)."""
+        return self._urlmap().to_store_path(name) if self._target_protocol else name
+
     def _named(self, entry: dict[str, Any]) -> dict[str, Any]:
-        """An entry as the caller addressed it (chained callers get store paths back), with the
-        fields s3fs's entries have where they are known (``ETag``, ``LastModified``)."""
-        if self._target_protocol:
-            entry["name"] = self._urlmap().to_store_path(entry["name"])
+        """An entry as the caller addressed it, with the fields s3fs's entries have where they
+        are known (``ETag``, ``LastModified``)."""
+        entry["name"] = self._caller_name(entry["name"])
         return s3_fields(entry)
 
     def _is_root(self, path: str) -> bool:
@@ -312,8 +315,7 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
         info = self.session.info(cp, read_ahead=block_size or self.config.block_size)
         if info["type"] != "file":
             raise IsADirectoryError(f"{path} is a directory")
-        name = self._urlmap().to_store_path(info["name"]) if self._target_protocol else info["name"]
-        return CacheFile(self, name, mode, block_size or self.config.block_size, cache_type=cache_type,
+        return CacheFile(self, self._caller_name(info["name"]), mode, block_size or self.config.block_size, cache_type=cache_type,
                          cache_options=cache_options, size=info["size"], version=info.get("version", ""), cp=cp)
 
     def close(self) -> None:

@@ -204,7 +204,6 @@ class Worker:
                                   on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
         self.hint_loads = HintLoads(servicer.load_objects)
         servicer.prefetch = self.hint_loads.submit
-        self.touches = TouchQueue(self.pages.touch_digests)
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -291,6 +290,7 @@ class Worker:
         path = self._short_circuit_path()
         if not path:
             return ""
+        self.touches = TouchQueue(self.pages.touch_digests)  # what its clients report reading
         try:
             table = self._handle_table()
             names = self._name_index() if table is not None else None
