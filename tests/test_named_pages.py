@@ -305,18 +305,54 @@ def test_whole_pages_are_read_into_a_buffer_checked_and_anything_else_left_to_th
         assert client.read_into("m/obj", 0, memoryview(bytearray(100))) is PARTIAL
         assert client.read_into("m/other", 0, memoryview(bytearray(10))) is None  # not vouched for
 
-        path = client._file(page_digest("m", "obj", "v1", 1))
-        with open(path, "r+b") as f:  # one payload byte flipped: the checksum refuses it
+        first = client._file(page_digest("m", "obj", "v1", 0))
+        with open(first, "r+b") as f:  # one payload byte flipped: the checksum refuses it
             f.seek(7)
             byte = f.read(1)
             f.seek(7)
             f.write(bytes([byte[0] ^ 0xFF]))
         assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+        path = client._file(page_digest("m", "obj", "v1", 1))
         os.truncate(path, 4096)  # torn: no trailer
         assert client.read_into("m/obj", 4096, memoryview(bytearray(4096))) is None
         os.unlink(path)  # gone (evicted): counted as missing, and reads by name stay on
-        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+        assert client.read_into("m/obj", 4096, memoryview(bytearray(4096))) is None
         assert client.stats["named_missing"] == 1 and client.enabled
+
+
+def test_a_page_file_read_again_is_checked_once_and_a_replaced_file_anew(tmp_path):
+    """A process checks a page file's checksum on its first two reads (the second remembers the
+    file's identity) and reads the same file after that with no checksum pass; a page file
+    replaced (written elsewhere and renamed over, as the worker writes) is another file: its
+    bytes are checked again, and refused if they do not match."""
+    with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
+        data = payload(2 * 4096, 12)
+        for i in range(2):
+            assert store.put(PageId("m", "obj", "v1", i), data[i * 4096:(i + 1) * 4096])
+        index.publish("m/obj", "v1", len(data), 0.0, time.monotonic() + 60)
+        for expect_unhashed in (0, 0, 2, 4):
+            out = bytearray(len(data))
+            assert client.read_into("m/obj", 0, memoryview(out))[0] == len(data) and bytes(out) == data
+            assert client.stats["named_unhashed"] == expect_unhashed
+
+        path = client._file(page_digest("m", "obj", "v1", 1))
+        with open(path, "rb") as f:
+            good = bytearray(f.read())
+        bad = bytearray(good)
+        bad[5] ^= 0xFF  # the trailer (size, checksum) kept: only the checksum pass can tell
+        with open(path + ".tmp", "wb") as f:
+            f.write(bad)
+        os.rename(path + ".tmp", path)
+        assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
+        assert client.stats["named_unhashed"] == 5  # page 0 still the file checked before
+
+        with open(path + ".tmp", "wb") as f:  # the right bytes again, in a new file: checked, then trusted
+            f.write(good)
+        os.rename(path + ".tmp", path)
+        for _ in range(3):
+            out = bytearray(len(data))
+            assert client.read_into("m/obj", 0, memoryview(out))[0] == len(data) and bytes(out) == data
+        assert client.stats["named_unhashed"] == 5 + 1 + 2 + 2  # page 1 checked once more, then trusted
 
 
 # -- a real worker -----------------------------------------------------------------------------------
