@@ -172,7 +172,7 @@ class HandleCache:
 
     def lookup_many(self, ranges: list[tuple[str, int, int]]) -> list[tuple[int, str, list[Page]] | None]:
         """``lookup`` of many ``(path, offset, length)`` reads under one lock (a batch of samples)."""
-        if not self.usable():
+        if not self._objects or not self.usable():  # nothing held (a process reading by name)
             return [None] * len(ranges)
         now = time.monotonic()
         with self._lock:

@@ -22,6 +22,7 @@ import os
 import threading
 import struct
 import time
+from collections.abc import Container
 
 import xxhash
 
@@ -47,6 +48,8 @@ REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan'
 STALE_REPORT_SECONDS = 0.2
 STALE_REPORT_BYTES = 16 << 10  # paths named in one message, at most (it is bounded by MAX_MESSAGE)
 POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
+MEMO_ENTRIES = 1 << 16  # paths (and object versions) whose slots (page files) are remembered
+MEMO_PAGES = 64  # ... for objects of up to this many pages (a larger one's are named as read)
 
 
 def _check_dirs(roots: list[str], ids: list[str]) -> None:
@@ -66,7 +69,8 @@ class CheckedPages:
 
     A page file is written once and renamed into place, never changed: the same file (device,
     inode, size, mtime and ctime) holds the bytes checked before, so a later read needs no
-    checksum pass (~15 us of a 256 KiB page here, a quarter of the read). Its identity costs an
+    checksum pass (~15 us of a 256 KiB page here, a quarter of the read), nor its trailer read
+    again (a second, small buffer in the ``preadv`` cost ~4 us more). Its identity costs an
     ``fstat``, so it is looked up only from a digest's second read on: a DataLoader worker that
     lives one epoch reads each page once and pays a dict lookup, no ``fstat``; a process that
     reads the data set again (workers 0, persistent workers) checks each page once or twice
@@ -74,22 +78,33 @@ class CheckedPages:
     Bounded: past ``capacity`` digests the memory starts over (every page checked again once).
     """
 
-    def __init__(self, capacity: int = 1 << 16) -> None:
+    def __init__(self, capacity: int = 1 << 16, verified: Container[tuple[int, ...]] | None = None) -> None:
+        """``verified``: files this process checked through descriptors the worker handed over
+        (shortcircuit.VerifiedFiles, by identity and payload length): while it holds any, a
+        first read by name looks there too (a cold epoch's pages, read by name the next)."""
         self.capacity = capacity
+        self._verified = verified
         self._seen: dict[str, tuple[int, ...] | None] = {}  # digest -> identity checked; None: read once
 
-    def known(self, digest: str, fd: int) -> bool | tuple[int, ...] | None:
-        """True: ``fd`` is the file checked before (no checksum pass needed); else, to ``add``
-        once its checksum matches, its identity, or None on a digest's first read."""
+    def known(self, digest: str, fd: int, length: int) -> bool | tuple[int, ...] | None:
+        """True: ``fd`` is the file checked before, with ``length`` payload bytes (no checksum
+        pass needed); else, to ``add`` once its checksum matches, its identity, or None on a
+        digest's first read."""
         seen = self._seen.get(digest, False)
         if seen is False:
             if len(self._seen) >= self.capacity:
                 self._seen.clear()
-            self._seen[digest] = None  # read once: its identity is worth an fstat next time
-            return None
+            if not self._verified:
+                self._seen[digest] = None  # read once: its identity is worth an fstat next time
+                return None
         st = os.fstat(fd)
         identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        return True if identity == seen else identity
+        if identity == seen:
+            return True
+        if seen is False and (*identity, length) in self._verified:  # type: ignore[operator]
+            self._seen[digest] = identity
+            return True
+        return identity
 
     def add(self, digest: str, identity: tuple[int, ...]) -> None:
         self._seen[digest] = identity
@@ -99,9 +114,10 @@ class NamedPages:
     """One worker's name index, mapped read-only, and the page files opened through it."""
 
     def __init__(self, fd: int, slots: int, dirs: list[tuple[str, int]], page_size: int,
-                 dir_ids: list[str] | None = None) -> None:
+                 dir_ids: list[str] | None = None, verified: Container[tuple[int, ...]] | None = None) -> None:
         """``dir_ids``: each dir's "device:inode" as the worker sees it; a dir this process sees
-        as another (another container's mounts) or not at all means no reads by name here."""
+        as another (another container's mounts) or not at all means no reads by name here.
+        ``verified``: page files checked through handed-over descriptors (CheckedPages)."""
         size = NAMES_HEADER.size + slots * ENTRY.size
         if slots < 1 or not dirs or page_size <= 0:
             raise ValueError("a name index needs slots, cache dirs and a page size")
@@ -130,7 +146,12 @@ class NamedPages:
         self._touched: list[bytes] = []
         self._touched_bytes = 0
         self._last_report = time.monotonic()
-        self._checked = CheckedPages()
+        self._checked = CheckedPages(verified=verified)
+        # Per path, where its entry may be (hashes, slot offsets); per object version, its page
+        # files (digest, path): a warm epoch asks for the same objects again and again, and
+        # hashing names again cost ~2 us of a ~40 us read.
+        self._where: dict[str, tuple[int, int, list[int]]] = {}
+        self._pages: dict[tuple[str, str], list[tuple[str, str]]] = {}
         # reads noted (a batch counts once), pages asked for by name but not there, and pages
         # read with no checksum pass (this process had checked the same file before)
         self.stats = {"named_reads": 0, "named_missing": 0, "named_unhashed": 0}
@@ -167,10 +188,17 @@ class NamedPages:
                 return None
         except ValueError:  # closed under us
             return None
-        h, check = name_hashes(path)
+        where = self._where.get(path)
+        if where is None:
+            h, check = name_hashes(path)
+            # the entry is in one of these slots (pagenames.py): their offsets, kept per path
+            where = (h, check, [NAMES_HEADER.size + slot * ENTRY.size for slot in probe_slots(h, check, self.slots)])
+            if len(self._where) >= MEMO_ENTRIES:
+                self._where.clear()
+            self._where[path] = where
+        h, check, offsets = where
         table = self._map
-        for slot in probe_slots(h, check, self.slots):  # the entry is in one of these (pagenames.py)
-            off = NAMES_HEADER.size + slot * ENTRY.size
+        for off in offsets:
             try:
                 seq, kh, kc = _KEY.unpack_from(table, off)
                 if kh != h or kc != check:
@@ -263,14 +291,13 @@ class NamedPages:
             return 0, size, []
         if offset % ps or (end != size and end % ps):
             return PARTIAL  # the first or the last page is wanted only in part
-        cp = parse_path(path)
+        first = offset // ps
         trailer = bytearray(TRAILER_SIZE)
         digests: list[str] = []
         checked = self._checked
-        for index in range(offset // ps, (end - 1) // ps + 1):
-            digest = page_digest(cp.mount, cp.key, version, index)
+        for index, (digest, name) in enumerate(self._page_files(path, version, size, first, (end - 1) // ps), first):
             try:
-                fd = os.open(self._file(digest), _OPEN)
+                fd = os.open(name, _OPEN)
             except OSError as exc:
                 self._failed(exc)
                 return None
@@ -278,24 +305,42 @@ class NamedPages:
                 start = index * ps
                 plen = min(size, start + ps) - start
                 target = out if plen == len(out) else out[start - offset:start - offset + plen]
-                if os.preadv(fd, (target, trailer), 0) != plen + TRAILER_SIZE:
-                    return None  # short: a page being replaced, or torn; the worker answers
-                payload_len, checksum = decode_trailer(trailer)
-                if payload_len != plen:
-                    return None
-                identity = checked.known(digest, fd)
-                if identity is True:
+                identity = checked.known(digest, fd, plen)
+                if identity is True:  # the file checked before: its payload alone
+                    if os.preadv(fd, (target,), 0) != plen:
+                        return None
                     self.stats["named_unhashed"] += 1
-                elif xxhash.xxh3_64_intdigest(target) != checksum:
-                    return None
-                elif identity is not None:
-                    checked.add(digest, identity)
+                else:
+                    if os.preadv(fd, (target, trailer), 0) != plen + TRAILER_SIZE:
+                        return None  # short: a page being replaced, or torn; the worker answers
+                    payload_len, checksum = decode_trailer(trailer)
+                    if payload_len != plen or xxhash.xxh3_64_intdigest(target) != checksum:
+                        return None
+                    if identity is not None:
+                        checked.add(digest, identity)
             except (OSError, CorruptPageError):
                 return None
             finally:
                 os.close(fd)
             digests.append(digest)
         return end - offset, size, digests
+
+    def _page_files(self, path: str, version: str, size: int, first: int, last: int) -> list[tuple[str, str]]:
+        """(digest, file) of pages ``first``..``last`` of an object version; those of an object
+        of up to MEMO_PAGES pages computed once."""
+        pages = -(-size // self.page_size)
+        if pages > MEMO_PAGES:
+            cp = parse_path(path)
+            return [(d, self._file(d)) for d in (page_digest(cp.mount, cp.key, version, i) for i in range(first, last + 1))]
+        key = (path, version)
+        files = self._pages.get(key)
+        if files is None or len(files) != pages:
+            cp = parse_path(path)
+            files = [(d, self._file(d)) for d in (page_digest(cp.mount, cp.key, version, i) for i in range(pages))]
+            if len(self._pages) >= MEMO_ENTRIES:
+                self._pages.clear()
+            self._pages[key] = files
+        return files if first == 0 and last == pages - 1 else files[first:last + 1]
 
     def covers(self, path: str, offset: int, length: int, version: str = "") -> bool:
         """True if every page of the range is there to be opened by name now (a prepare need not

@@ -259,7 +259,7 @@ class ShortCircuitReader:
             return
         try:
             self.named = NamedPages(fd, reply.names_slots, list(zip(reply.page_dirs, reply.page_dir_quotas)),
-                                    reply.page_size, list(reply.page_dir_ids))
+                                    reply.page_size, list(reply.page_dir_ids), verified=self.verified)
         except (OSError, ValueError) as exc:
             log.info("page files are not opened by name here: %s", exc)
 
@@ -636,7 +636,10 @@ class VerifiedFiles:
         st = os.fstat(fd)
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, page_len
 
-    def __contains__(self, identity: tuple[int, ...]) -> bool:
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, identity: object) -> bool:
         with self._lock:
             if identity in self._seen:
                 self._seen.move_to_end(identity)

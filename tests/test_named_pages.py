@@ -355,6 +355,42 @@ def test_a_page_file_read_again_is_checked_once_and_a_replaced_file_anew(tmp_pat
         assert client.stats["named_unhashed"] == 5 + 1 + 2 + 2  # page 1 checked once more, then trusted
 
 
+def test_a_page_checked_through_a_handed_over_descriptor_needs_no_second_check_by_name(tmp_path):
+    """A cold epoch reads pages through descriptors the worker handed over (checked once, by file
+    identity: shortcircuit.VerifiedFiles); the next epoch reads the same files by name: already
+    checked, no checksum pass on their first read by name. A file not among them is checked."""
+    from cachefs.client.shortcircuit import VerifiedFiles
+    from cachefs.server.pagestore import PageStore
+    from cachefs.server.pagestore.store import CacheDir
+
+    with PageStore([CacheDir(str(tmp_path / "d"), 1 << 20)], page_size=4096) as store:
+        index = NameIndex(slots=16)
+        verified = VerifiedFiles()
+        fd, slots = index.reader()
+        try:
+            client = NamedPages(fd, slots, store.dirs(), 4096, verified=verified)
+        finally:
+            os.close(fd)
+        try:
+            data = payload(2 * 4096, 13)
+            for i in range(2):
+                assert store.put(PageId("m", "obj", "v1", i), data[i * 4096:(i + 1) * 4096])
+            index.publish("m/obj", "v1", len(data), 0.0, time.monotonic() + 60)
+            held = os.open(client._file(page_digest("m", "obj", "v1", 0)), os.O_RDONLY)
+            try:
+                verified.add(VerifiedFiles.identity(held, 4096))  # as a held read records it
+            finally:
+                os.close(held)
+            out = bytearray(len(data))
+            assert client.read_into("m/obj", 0, memoryview(out))[0] == len(data) and bytes(out) == data
+            assert client.stats["named_unhashed"] == 1  # page 0 only
+            assert client.read_into("m/obj", 0, memoryview(out))[0] == len(data)
+            assert client.stats["named_unhashed"] == 3  # page 1 was checked on its first read
+        finally:
+            client.close()
+            index.close()
+
+
 # -- a real worker -----------------------------------------------------------------------------------
 def _fs(worker, **kw) -> CacheFileSystem:
     return CacheFileSystem(workers=worker.address, skip_instance_cache=True, **kw)
