@@ -221,9 +221,8 @@ class NamedPages:
         known = self._usable(path)
         if known is None or known[0] <= 0:
             return None
-        cp = parse_path(path)
         try:
-            os.stat(self._file(page_digest(cp.mount, cp.key, known[1], 0)))
+            os.stat(self._page_files(path, known[1], known[0], 0, 0)[0][1])
         except OSError as exc:
             self._failed(exc)
             return None
@@ -231,8 +230,8 @@ class NamedPages:
 
     # -- page files ---------------------------------------------------------------------------------
     def _names(self, path: str, offset: int, length: int,
-               version: str) -> tuple[int, str, list[tuple[str, int, int]]] | None:
-        """(size, version, [(digest, page start, payload length)]) of a range, or None."""
+               version: str) -> tuple[int, str, list[tuple[str, str, int, int]]] | None:
+        """(size, version, [(digest, page file, page start, payload length)]) of a range, or None."""
         known = self._usable(path)
         if known is None:
             return None
@@ -242,12 +241,12 @@ class NamedPages:
         end = size if length < 0 else min(size, offset + length)
         if end <= offset:
             return size, current, []
-        cp = parse_path(path)
         ps = self.page_size
+        first = offset // ps
         names = []
-        for index in range(offset // ps, (end - 1) // ps + 1):
+        for index, (digest, name) in enumerate(self._page_files(path, current, size, first, (end - 1) // ps), first):
             start = index * ps
-            names.append((page_digest(cp.mount, cp.key, current, index), start, min(size, start + ps) - start))
+            names.append((digest, name, start, min(size, start + ps) - start))
         return size, current, names
 
     def open_range(self, path: str, offset: int, length: int,
@@ -260,15 +259,15 @@ class NamedPages:
         size, current, names = named
         pages: list[Page] = []
         try:
-            for digest, start, plen in names:
-                fd = os.open(self._file(digest), _OPEN)
+            for _digest, name, start, plen in names:
+                fd = os.open(name, _OPEN)
                 pages.append(Page(fd, start, plen, refs=1))
         except OSError as exc:
             for page in pages:
                 os.close(page.fd)
             self._failed(exc)
             return None
-        return size, current, pages, [d for d, _s, _l in names]
+        return size, current, pages, [d for d, _n, _s, _l in names]
 
     def read_into(self, path: str, offset: int, out: memoryview) -> tuple[int, int, list[str]] | str | None:
         """The range ``[offset, offset + len(out))`` (cut at the object's end) read into ``out``,
@@ -349,8 +348,8 @@ class NamedPages:
         if named is None:
             return False
         try:
-            for digest, _start, _plen in named[2]:
-                os.stat(self._file(digest))
+            for _digest, name, _start, _plen in named[2]:
+                os.stat(name)
         except OSError as exc:
             self._failed(exc)
             return False
