@@ -48,7 +48,7 @@ REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan'
 STALE_REPORT_SECONDS = 0.2
 STALE_REPORT_BYTES = 16 << 10  # paths named in one message, at most (it is bounded by MAX_MESSAGE)
 POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
-MEMO_ENTRIES = 1 << 16  # paths (and object versions) whose slots (page files) are remembered
+MEMO_ENTRIES = 1 << 15  # paths whose slots, and page files whose names, are remembered (then start over)
 MEMO_PAGES = 64  # ... for objects of up to this many pages (a larger one's are named as read)
 
 
@@ -152,6 +152,7 @@ class NamedPages:
         # hashing names again cost ~2 us of a ~40 us read.
         self._where: dict[str, tuple[int, int, list[int]]] = {}
         self._pages: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        self._memo_pages = 0  # page file names in _pages (bounded by MEMO_ENTRIES: ~8 MiB)
         # reads noted (a batch counts once), pages asked for by name but not there, and pages
         # read with no checksum pass (this process had checked the same file before)
         self.stats = {"named_reads": 0, "named_missing": 0, "named_unhashed": 0}
@@ -336,8 +337,10 @@ class NamedPages:
         if files is None or len(files) != pages:
             cp = parse_path(path)
             files = [(d, self._file(d)) for d in (page_digest(cp.mount, cp.key, version, i) for i in range(pages))]
-            if len(self._pages) >= MEMO_ENTRIES:
+            self._memo_pages += len(files)
+            if self._memo_pages > MEMO_ENTRIES:
                 self._pages.clear()
+                self._memo_pages = len(files)
             self._pages[key] = files
         return files if first == 0 and last == pages - 1 else files[first:last + 1]
 

@@ -355,6 +355,23 @@ def test_a_page_file_read_again_is_checked_once_and_a_replaced_file_anew(tmp_pat
         assert client.stats["named_unhashed"] == 5 + 1 + 2 + 2  # page 1 checked once more, then trusted
 
 
+def test_remembered_names_are_bounded_and_reads_stay_right_past_the_bound(tmp_path, monkeypatch):
+    """Each path's slots and each object version's page file names are remembered per process,
+    up to MEMO_ENTRIES of each; past it the memory starts over, and every read is still right."""
+    monkeypatch.setattr("cachefs.client.namedpages.MEMO_ENTRIES", 3)
+    with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
+        objects = {f"o{i}": payload(4096 + 10 * i, 20 + i) for i in range(6)}  # two pages each
+        for key, data in objects.items():
+            for page in range(2):
+                assert store.put(PageId("m", key, "v1", page), data[page * 4096:(page + 1) * 4096])
+            index.publish(f"m/{key}", "v1", len(data), 0.0, time.monotonic() + 60)
+        for _ in range(3):
+            for key, data in objects.items():
+                out = bytearray(len(data))
+                assert client.read_into(f"m/{key}", 0, memoryview(out))[0] == len(data) and bytes(out) == data
+                assert len(client._where) <= 3 and client._memo_pages <= 3
+
+
 def test_a_page_checked_through_a_handed_over_descriptor_needs_no_second_check_by_name(tmp_path):
     """A cold epoch reads pages through descriptors the worker handed over (checked once, by file
     identity: shortcircuit.VerifiedFiles); the next epoch reads the same files by name: already
