@@ -7,9 +7,9 @@ local-files loader would: a DataLoader worker's first read of a page (every read
 with non-persistent workers) costs an open and a pread, not a socket round trip and the worker's
 CPU. Checks: the worker's table is alive (its heartbeat, client/handles.py), the entry matches
 the path and has not run out, the version is the one asked for, and each page's trailer and
-checksum are verified as for a descriptor the worker hands out (once per page file and process). A page that is not there
-(evicted, freed, never cached) makes the read ask the worker as before, so this path can make a
-read faster, never fail it. Reads are reported to the worker with its next message (digests),
+checksum are verified as for a descriptor the worker hands out (once per page file and process:
+CheckedPages). A page that is not there (evicted, freed, never cached) makes the read ask the
+worker as before, so this path can make a read faster, never fail it. Reads are reported to the worker with its next message (digests),
 so its recency, plans and hit counters see them.
 """
 
@@ -71,7 +71,8 @@ class CheckedPages:
     inode, size, mtime and ctime) holds the bytes checked before, so a later read needs no
     checksum pass (~15 us of a 256 KiB page here, a quarter of the read), nor its trailer read
     again (a second, small buffer in the ``preadv`` cost ~4 us more). Its identity costs an
-    ``fstat``, so it is looked up only from a digest's second read on: a DataLoader worker that
+    ``fstat``, so it is looked up only from a digest's second read on (or at once in a process
+    that checked pages through handed-over descriptors): a DataLoader worker that
     lives one epoch reads each page once and pays a dict lookup, no ``fstat``; a process that
     reads the data set again (workers 0, persistent workers) checks each page once or twice
     and then reads it as a local file. A page rewritten or refilled is another file: checked anew.
