@@ -22,7 +22,8 @@ with DataLoader workers 0 and 2, batch 32:
 Cold cachefs epochs start from an empty cache (the worker's ``Free``). Every epoch checks that
 each sample came exactly once, and records CPU seconds: the loader's own (this process, its
 DataLoader workers, and for cachefs the worker process) and the store's (moto), also per GB read;
-for cachefs the worker's store requests by kind and bytes fetched. Then the data-stall share: a warm epoch with a simulated step of
+for cachefs the worker's store requests by kind and bytes fetched, and with workers 0 this
+process's reads by the path they took (``client``: held descriptors, by name, the worker). Then the data-stall share: a warm epoch with a simulated step of
 2x the sample's read time (``time.sleep``, as a GPU step leaves the CPU free) per batch.
 
 ``--delay-ms D`` puts moto D ms away each way (benchmarks/netem.py: a network namespace + veth +
@@ -316,6 +317,14 @@ class Bench:
                     out[name.removeprefix("cachefs_worker_").replace('"', "")] = float(value)
         return out
 
+    def client_counters(self, loader: str) -> dict[str, int] | None:
+        """This process's read counters of a cachefs loader (workers 0 read here): how many
+        reads went through held descriptors, by name, or to the worker (session.counters)."""
+        ds = {"cachefs-map": getattr(self, "map_ds", None), "cachefs-tar": getattr(self, "tar_ds", None)}.get(loader)
+        if ds is None:
+            return None
+        return dict(ds._local.get().fs.session.counters())
+
     def cpu(self, loader: str) -> tuple[float, float, float]:
         """(this process tree's, the cachefs worker's, the store's) CPU seconds so far."""
         worker = process_cpu(self.worker_pid) if loader.startswith("cachefs") else 0.0
@@ -391,6 +400,7 @@ class Bench:
         try:
             waited = quiesce()
             before = self.counters() if name.startswith("cachefs") else None
+            client = self.client_counters(name) if w == 0 else None
             cpu = self.cpu(name)
             run = epoch(make(w), self.items(name))
             run["cpu"] = self.cpu_row(name, cpu, self.items(name))
@@ -398,6 +408,9 @@ class Bench:
             if before is not None:
                 run["worker"] = {k: v - before.get(k, 0.0) for k, v in self.counters().items()
                                  if v != before.get(k, 0.0)}
+            if client is not None:
+                run["client"] = {k: v - client.get(k, 0) for k, v in self.client_counters(name).items()
+                                 if v != client.get(k, 0)}
             return run
         except Exception as exc:  # one loader failing must not lose the others' figures
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -421,9 +434,12 @@ class Bench:
             total["loader_s_per_gb"] = round(total["loader_s"] / gb, 2)
             total["store_s_per_gb"] = round(total["store_s"] / gb, 2)
             row["cpu"] = total
-            if any("worker" in r for r in ok):
-                keys = {k for r in ok for k in r.get("worker", {})}
-                row["worker"] = {k: sum(r.get("worker", {}).get(k, 0.0) for r in ok) for k in sorted(keys)}
+            for part in ("worker", "client"):
+                if any(part in r for r in ok):
+                    keys = {k for r in ok for k in r.get(part, {})}
+                    row[part] = {k: sum(r.get(part, {}).get(k, 0.0) for r in ok) for k in sorted(keys)}
+            if any("client" in r for r in ok):  # per epoch: held vs by-name reads tell the TTL's effect
+                row["client_all"] = [r.get("client", {}) for r in ok]
         print(json.dumps(row), flush=True)
         self.results.append(row)
 

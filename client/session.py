@@ -477,7 +477,8 @@ class ClientSession:
         """This process's read counters by path taken, flat: ``short_circuit_reads``/``_bytes``
         (of which ``held_reads``/``_bytes`` through held page handles), ``data_port_*``,
         ``grpc_*``, ``store_*`` (fallback), and per worker path the pages read by hit or miss
-        as the worker knew them (``short_circuit_hits``/``_misses``, of which ``held_*``;
+        as the worker knew them (``short_circuit_hits``/``_misses``, of which ``held_*`` through
+        held descriptors and ``named_hits`` through page files opened by name;
         ``data_port_hits``: it serves cached pages only; ``grpc_hits``/``_misses`` from the
         replies); ``lean_fallbacks``, ``lean_errors``, ``failovers`` (a worker fault that moved
         a call to the next worker or the store), ``errors`` (reads that failed for their caller)."""
@@ -491,6 +492,7 @@ class ClientSession:
             out[f"{kind}_hits"], out[f"{kind}_misses"] = stats["hits"], stats["misses"]
         short = bulk.stats["short_circuit"]
         out["held_hits"], out["held_misses"] = short["held_hits"], short["held_misses"]
+        out["named_hits"] = short.get("named_hits", 0)
         out["lean_fallbacks"] = sum(s["fallbacks"] for s in bulk.stats.values())
         out["lean_errors"] = sum(s["errors"] for s in bulk.stats.values())
         return out

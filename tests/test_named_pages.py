@@ -471,6 +471,8 @@ def test_a_new_process_reads_cached_pages_by_name_with_no_message(local_store, m
     assert messages == []  # nothing asked of the worker
     named = reader.counts["named_hits"]
     assert named == 3 + 2 + 3 + 1 + 2  # pages: o1, o2 in part, o3, then o1 in part and o3 in part
+    counters = fresh.session.counters()  # the process's counters tell reads by name apart
+    assert counters["named_hits"] == named and counters["held_hits"] == 0
     before = _named_reads(worker)
     fresh.session.report_reads()
     assert _named_reads(worker) == before + named  # reported: the worker's counters and recency see them
