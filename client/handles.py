@@ -40,7 +40,7 @@ from cachefs.localhost import (
     TABLE_WORD_STATE,
 )
 
-__all__ = ["HandleCache", "Page", "TableView"]
+__all__ = ["HandleCache", "Page", "TableView", "file_identity"]
 
 _STALE_NS = int(TABLE_STALE_SECONDS * 1e9)
 MAX_TOUCHED = 1024  # reads through held handles remembered before a report is sent on its own
@@ -107,6 +107,14 @@ class _Object:
     version: str
     until: float  # monotonic
     mtime: float = 0.0
+
+
+def file_identity(fd: int, length: int) -> tuple[int, ...]:
+    """A page file's identity (device, inode, size, mtime, ctime) and the payload length read
+    from it: page files are renamed into place and never changed, so the same identity holds
+    the bytes checked before (shortcircuit.VerifiedFiles, namedpages.CheckedPages)."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, length
 
 
 def _within_fd_limit(capacity: int) -> int:

@@ -26,7 +26,7 @@ from collections.abc import Container
 
 import xxhash
 
-from cachefs.client.handles import Page
+from cachefs.client.handles import Page, file_identity
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
                                SUPERSEDED_AT, name_hashes, page_digest, page_file, pick_dir, probe_slots)
@@ -81,11 +81,11 @@ class CheckedPages:
 
     def __init__(self, capacity: int = 1 << 16, verified: Container[tuple[int, ...]] | None = None) -> None:
         """``verified``: files this process checked through descriptors the worker handed over
-        (shortcircuit.VerifiedFiles, by identity and payload length): while it holds any, a
+        (shortcircuit.VerifiedFiles, by ``file_identity``): while it holds any, a
         first read by name looks there too (a cold epoch's pages, read by name the next)."""
         self.capacity = capacity
         self._verified = verified
-        self._seen: dict[str, tuple[int, ...] | None] = {}  # digest -> identity checked; None: read once
+        self._seen: dict[str, tuple[int, ...] | None] = {}  # digest -> file_identity checked; None: read once
 
     def known(self, digest: str, fd: int, length: int) -> bool | tuple[int, ...] | None:
         """True: ``fd`` is the file checked before, with ``length`` payload bytes (no checksum
@@ -98,11 +98,10 @@ class CheckedPages:
             if not self._verified:
                 self._seen[digest] = None  # read once: its identity is worth an fstat next time
                 return None
-        st = os.fstat(fd)
-        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        identity = file_identity(fd, length)
         if identity == seen:
             return True
-        if seen is False and (*identity, length) in self._verified:  # type: ignore[operator]
+        if seen is False and identity in self._verified:  # type: ignore[operator]
             self._seen[digest] = identity
             return True
         return identity
@@ -331,19 +330,21 @@ class NamedPages:
         of up to MEMO_PAGES pages computed once."""
         pages = -(-size // self.page_size)
         if pages > MEMO_PAGES:
-            cp = parse_path(path)
-            return [(d, self._file(d)) for d in (page_digest(cp.mount, cp.key, version, i) for i in range(first, last + 1))]
+            return self._name_pages(path, version, range(first, last + 1))
         key = (path, version)
         files = self._pages.get(key)
         if files is None or len(files) != pages:
-            cp = parse_path(path)
-            files = [(d, self._file(d)) for d in (page_digest(cp.mount, cp.key, version, i) for i in range(pages))]
+            files = self._name_pages(path, version, range(pages))
             self._memo_pages += len(files)
             if self._memo_pages > MEMO_ENTRIES:
                 self._pages.clear()
                 self._memo_pages = len(files)
             self._pages[key] = files
         return files if first == 0 and last == pages - 1 else files[first:last + 1]
+
+    def _name_pages(self, path: str, version: str, indices: range) -> list[tuple[str, str]]:
+        cp = parse_path(path)
+        return [(d, self._file(d)) for d in (page_digest(cp.mount, cp.key, version, i) for i in indices)]
 
     def covers(self, path: str, offset: int, length: int, version: str = "") -> bool:
         """True if every page of the range is there to be opened by name now (a prepare need not

@@ -26,7 +26,7 @@ import xxhash
 from cachefs import rawbytes
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.client import forksafe
-from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView
+from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView, file_identity
 from cachefs.client.namedpages import PARTIAL, NamedPages
 from cachefs.client.socketpool import SocketPool
 from cachefs.proto import shortcircuit_pb2
@@ -631,10 +631,7 @@ class VerifiedFiles:
         self._seen: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def identity(fd: int, page_len: int) -> tuple[int, ...]:
-        st = os.fstat(fd)
-        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, page_len
+    identity = staticmethod(file_identity)
 
     def __len__(self) -> int:
         return len(self._seen)
