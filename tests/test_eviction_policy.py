@@ -80,8 +80,11 @@ def _replay(store: PageStore, table: PlanTable, clock: FakeClock, trace: list[in
     return misses
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["placed-per-read", "placed-when-deciding"])
 @pytest.mark.parametrize("seed", range(6))
-def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed):
+def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed, lazy):
+    """Reads placed as they happen, or (the worker's way) when the order next decides, as of
+    the read's moment: the same misses as the optimum either way."""
     rng = random.Random(seed)
     pages = rng.randint(8, 40)
     capacity = rng.randint(2, max(3, pages - 2))
@@ -90,7 +93,8 @@ def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed):
     trace += [rng.randrange(pages) for _ in range(60)]
     clock = FakeClock()
     table = PlanTable(PS, clock=clock)
-    store = PageStore([CacheDir(str(tmp_path), capacity * (PS + TRAILER_SIZE))], PS, next_use=table.next_use)
+    store = PageStore([CacheDir(str(tmp_path), capacity * (PS + TRAILER_SIZE))], PS, next_use=table.next_use,
+                      plan_moment=table.moment if lazy else None)
     table._on_change = store.replan
     try:
         _register(table, "j", trace)
@@ -336,3 +340,93 @@ def test_renewals_follow_the_reads_and_start_over_without_them():
     table.update(worker_pb2.PlanRequest(job="j", position=10, rate=100, lease_seconds=60))  # its count restarted
     assert table.stats["rewound"] == 1 and table._jobs["j"].position == 10
     assert table.due("j", 1 << 40, 1.0, at_least=32)[0] == "m/k10"
+
+
+def test_reads_are_placed_when_the_order_decides_as_of_their_moment():
+    """A warm epoch's reads cost the worker a dict entry each: the plan is asked for a read page's
+    next use only when the order next decides (pick, furthest, first, an add), with the moment
+    of the read; a replan or a removal drops the pending read, the stale sweep skips it."""
+    calls: list[tuple[int, bool, object]] = []
+    now = {"t": 0}
+
+    def next_use(pid, used, moment=None):
+        calls.append((pid, used, moment))
+        return (float(100 - pid), 1e9) if pid < 50 else (math.inf, math.inf)
+
+    order = NextUseOrder(next_use, moment=lambda: ("moment", now["t"]))
+
+    class E:
+        __slots__ = ("pid", "digest", "next_use", "size", "held_until")
+
+        def __init__(self, i: int) -> None:
+            self.pid, self.digest, self.next_use, self.size, self.held_until = i, str(i), 0.0, 1, 0.0
+
+    entries = [E(i) for i in range(60)]
+    for e in entries:
+        order.add(e)
+    calls.clear()
+    for t, e in enumerate(entries[:10]):
+        now["t"] = t
+        order.touch(e)
+    order.touch(entries[10], moment=("batch", 99))
+    assert calls == []  # nothing asked yet
+    assert sorted(e.pid for e in order.stale(math.inf)) == list(range(11, 50))  # read ones are not stale
+    order.replan(entries[0])  # the plans changed: asked now, as a use not over (the read is dropped)
+    order.remove(entries[1])
+    assert calls == [(0, False, None)]
+    calls.clear()
+    victims = order.pick(1, 0.0)  # a decision: the pending reads are placed first, in read order
+    assert [c[0] for c in calls] == list(range(2, 11))
+    assert all(used for _, used, _ in calls)
+    assert [m for _, _, m in calls] == [("moment", t) for t in range(2, 10)] + [("batch", 99)]
+    assert victims is not None and victims[0].pid >= 50  # no known next use: first to leave
+    calls.clear()
+    assert order.pick(1, 0.0) is not None and calls == []  # nothing pending: nothing asked
+
+
+def test_plan_table_answers_as_of_a_moment():
+    """A read placed later is placed as of its moment: the job's position then, not now."""
+    clock = FakeClock()
+    table = PlanTable(PS, clock=clock)
+    _register(table, "j", [0, 1, 2, 3, 0, 1, 2, 3], rate=1.0)
+    pid = PageId("m", "k0", "v1", 0)
+    table.update(worker_pb2.PlanRequest(job="j", position=0, rate=1.0, lease_seconds=60))
+    at_read = table.moment()
+    eager = table.next_use(pid, True)
+    clock.t += 3.0
+    table.update(worker_pb2.PlanRequest(job="j", position=3, rate=1.0, lease_seconds=60))
+    assert table.next_use(pid, True, at_read) == eager
+    assert table.next_use(pid, True) != eager  # asked as of now, the job is elsewhere
+
+
+def test_unplaced_reads_are_bounded(monkeypatch):
+    """A pass over more pages than the backlog holds places its oldest reads as new ones come,
+    so the first decision after it never places more than the bound at once."""
+    import cachefs.server.pagestore.policy as policy
+
+    monkeypatch.setattr(policy, "MAX_READ_BACKLOG", 100)
+    monkeypatch.setattr(policy, "SETTLE_CHUNK", 10)
+    asked: list[int] = []
+
+    def next_use(pid, used, moment=None):
+        asked.append(pid)
+        return float(pid), 1e9
+
+    order = NextUseOrder(next_use, moment=lambda: None)
+
+    class E:
+        __slots__ = ("pid", "digest", "next_use", "size", "held_until")
+
+        def __init__(self, i: int) -> None:
+            self.pid, self.digest, self.next_use, self.size, self.held_until = i, str(i), 0.0, 1, 0.0
+
+    entries = [E(i) for i in range(500)]
+    for e in entries:
+        order.add(e)
+    asked.clear()
+    for e in entries:
+        order.touch(e)
+        assert len(order._read) <= 100
+    assert asked == list(range(len(asked))) and len(asked) >= 400  # the oldest first, in read order
+    asked.clear()
+    assert order.furthest() == 499.0 and len(asked) <= 100

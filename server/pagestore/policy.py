@@ -7,7 +7,8 @@ next use lies furthest ahead goes first (Belady's rule, optimal for a known futu
 known next use count as furthest and leave first, least recently used among them.
 
 Both orders are per cache dir and guarded by the page store's lock (callers hold it). Each costs
-O(log n) per access: a plan-driven order keeps a max-heap of next uses with lazy deletion (a page
+O(log n) per access (a plan-driven order places the pages read since its last decision when it
+next decides: a dict entry a read until then): a plan-driven order keeps a max-heap of next uses with lazy deletion (a page
 whose key changes is pushed again; the stale item is skipped when it surfaces) and a min-heap of
 the same keys, so a page whose planned use went by without a read (the job skipped it, or its
 reads came through descriptors held by the client) is found and given its next use again.
@@ -16,16 +17,25 @@ reads came through descriptors held by the client) is found and given its next u
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 __all__ = ["EvictionOrder", "LruOrder", "NextUseOrder", "NextUse"]
 
+#: Reads a plan-driven order keeps unplaced at most (``NextUseOrder.touch``): the first decision
+#: after a warm pass places them all at once, ~4 us each (8,192: ~35 ms under the store's lock,
+#: once); past it the oldest are placed SETTLE_CHUNK at a time, as reads arrive (as eager
+#: placing would cost: a pass over more pages than this gains nothing and loses nothing).
+MAX_READ_BACKLOG = 8192
+SETTLE_CHUNK = 1024
+
 #: A page's next use: (estimated time of next use or math.inf, the time its planned use ends:
-#: after that it is stale and asked for again). Given by the worker's plan table.
-NextUse = Callable[[Any, bool], tuple[float, float]]
+#: after that it is stale and asked for again). Given by the worker's plan table, which also
+#: takes a third argument: a moment (``PlanTable.moment``) to answer as of, instead of now.
+NextUse = Callable[..., tuple[float, float]]
 
 
 class EvictionOrder(Protocol):
@@ -34,7 +44,7 @@ class EvictionOrder(Protocol):
     def __len__(self) -> int: ...
     def __contains__(self, digest: str) -> bool: ...
     def add(self, entry: Any) -> None: ...
-    def touch(self, entry: Any) -> None: ...
+    def touch(self, entry: Any, moment: Any = None) -> None: ...
     def remove(self, entry: Any) -> None: ...
     def pick(self, need: int, now: float) -> list[Any] | None: ...
     def first(self) -> Any | None: ...
@@ -70,7 +80,7 @@ class LruOrder:
     def add(self, entry: Any) -> None:
         self._pages[entry.digest] = entry
 
-    def touch(self, entry: Any) -> None:
+    def touch(self, entry: Any, moment: Any = None) -> None:
         if entry.digest in self._pages:
             self._pages.move_to_end(entry.digest)
 
@@ -94,13 +104,23 @@ class NextUseOrder:
 
     name = "future"
 
-    def __init__(self, next_use: NextUse) -> None:
+    def __init__(self, next_use: NextUse, moment: Callable[[], Any] | None = None) -> None:
+        """``moment()``: where the plans stand now, for a next use asked later as of now
+        (``next_use(pid, used, moment)``); without it, each read is placed as it happens."""
         self._next_use = next_use
+        self._moment = moment
         self._unknown: OrderedDict[str, Any] = OrderedDict()
         self._planned: dict[str, tuple[int, Any]] = {}  # digest -> (seq of its live heap items, entry)
         self._furthest: list[tuple[float, int, str]] = []  # max-heap of (-next use, seq, digest)
         self._stale_at: list[tuple[float, int, str]] = []  # min-heap of (use ends, seq, digest)
         self._seq = 0
+        # Pages read since the order last decided something, in read order, with the moment of
+        # the read: placed (their next use asked as of that moment) when it next decides
+        # (``_settle``), not per read. A warm epoch whose pages all fit decides nothing: its
+        # reads (thousands a second, reported by clients) cost a dict entry each instead of a
+        # plan lookup and two heap pushes (~5 us of the worker's Python a read, on the core the
+        # training process needs). The order it decides by is the one eager placing would give.
+        self._read: dict[str, tuple[Any, Any]] = {}
 
     def __len__(self) -> int:
         return len(self._unknown) + len(self._planned)
@@ -108,31 +128,68 @@ class NextUseOrder:
     def __contains__(self, digest: str) -> bool:
         return digest in self._unknown or digest in self._planned
 
-    def add(self, entry: Any) -> None:
-        self._place(entry, used=False)
-
-    def touch(self, entry: Any) -> None:
-        """A read: the page's use now is over, its next one counts."""
-        if entry.digest in self:
+    def touch(self, entry: Any, moment: Any = None) -> None:
+        """A read: the page's use now is over, its next one counts. ``moment``: the plans'
+        moment of the read (one for a batch of reads; taken here if None)."""
+        digest = entry.digest
+        if digest not in self:
+            return
+        if self._moment is None:
             self._place(entry, used=True)
+            return
+        read = self._read
+        read.pop(digest, None)  # to the end: the read order is the LRU order among unknown pages
+        read[digest] = (entry, self._moment() if moment is None else moment)
+        if len(read) > MAX_READ_BACKLOG:  # a pass over more pages than that: the oldest reads now
+            self._settle(SETTLE_CHUNK)
+
+    def moment(self) -> Any:
+        """The plans' moment now (None: this order places reads as they happen)."""
+        return None if self._moment is None else self._moment()
+
+    def add(self, entry: Any) -> None:
+        self._settle()  # reads before this page was added go before it in the LRU order
+        self._place(entry, used=False)
 
     def replan(self, entry: Any) -> None:
         """The plans changed: ask the page's next use again (its use now is not over)."""
         if entry.digest in self:
+            self._read.pop(entry.digest, None)
             self._place(entry, used=False)
 
     def remove(self, entry: Any) -> None:
+        self._read.pop(entry.digest, None)
         self._unknown.pop(entry.digest, None)
         self._planned.pop(entry.digest, None)  # its heap items are skipped when they surface
         self._compact()
 
     def key(self, entry: Any) -> float:
         """The page's next use as ordered now (math.inf: none known)."""
+        self._settle()
         return entry.next_use if entry.digest in self._planned else math.inf
 
-    def _place(self, entry: Any, used: bool) -> None:
+    def _settle(self, limit: int | None = None) -> None:
+        """Place the pages read since the last decision (the oldest ``limit``), in read order."""
+        read = self._read
+        if not read:
+            return
+        if limit is None or limit >= len(read):
+            self._read = {}
+            batch: Iterable[tuple[str, tuple[Any, Any]]] = read.items()
+        else:
+            batch = list(itertools.islice(read.items(), limit))
+            for digest, _ in batch:
+                del read[digest]
+        for digest, (entry, moment) in batch:
+            if digest in self._unknown or digest in self._planned:
+                self._place(entry, used=True, moment=moment)
+
+    def _place(self, entry: Any, used: bool, moment: Any = None) -> None:
         digest = entry.digest
-        when, stale_at = self._next_use(entry.pid, used)
+        if moment is None:
+            when, stale_at = self._next_use(entry.pid, used)
+        else:
+            when, stale_at = self._next_use(entry.pid, used, moment)
         entry.next_use = when
         if math.isinf(when):
             self._planned.pop(digest, None)
@@ -161,6 +218,7 @@ class NextUseOrder:
             heapq.heapify(self._stale_at)
 
     def pick(self, need: int, now: float) -> list[Any] | None:
+        self._settle()
         victims: list[Any] = []
         left = _pick_from(iter(self._unknown.values()), need, now, victims)  # removed by the caller after
         if left > 0:
@@ -187,15 +245,18 @@ class NextUseOrder:
 
     def furthest(self) -> float:
         """The next use of the page that would leave first among planned ones (-inf: none)."""
+        self._settle()
         heap = self._furthest
         while heap and self._live(heap[0][1], heap[0][2]) is None:
             heapq.heappop(heap)
         return -heap[0][0] if heap else -math.inf
 
     def has_unknown(self) -> bool:
+        self._settle()
         return bool(self._unknown)
 
     def first(self) -> Any | None:
+        self._settle()
         if self._unknown:
             return next(iter(self._unknown.values()))
         heap = self._furthest
@@ -207,13 +268,14 @@ class NextUseOrder:
         return None
 
     def stale(self, now: float) -> list[Any]:
-        """Pages whose planned use has ended (by the plan's clock) without a read moving them on."""
+        """Pages whose planned use has ended (by the plan's clock) without a read moving them on
+        (a page read since it was placed is placed anew when the order next decides)."""
         out: list[Any] = []
-        heap = self._stale_at
+        heap, read = self._stale_at, self._read
         while heap and heap[0][0] <= now:
             _, seq, digest = heapq.heappop(heap)
             entry = self._live(seq, digest)
-            if entry is not None:
+            if entry is not None and digest not in read:
                 out.append(entry)
         return out
 

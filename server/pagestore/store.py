@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from cachefs.localhost import HELD_CLOSE_SECONDS
 from cachefs.pagenames import page_digest
@@ -159,11 +160,12 @@ class PageStore:
 
     def __init__(
         self, dirs: Sequence[CacheDir], page_size: int = 1 << 20, *, flush_interval: float = 2.0,
-        next_use: NextUse | None = None, row_delay: float = 0.1, batch_rows: int = 512,
-        max_rows: int = 8192, access_granularity: float = ACCESS_GRANULARITY_S,
+        next_use: NextUse | None = None, plan_moment: Callable[[], Any] | None = None, row_delay: float = 0.1,
+        batch_rows: int = 512, max_rows: int = 8192, access_granularity: float = ACCESS_GRANULARITY_S,
     ) -> None:
         """With ``next_use`` (the worker's plan table, server/worker/plans.py), pages leave by
-        furthest next use (policy.NextUseOrder); without, least recently used first. Index rows
+        furthest next use (policy.NextUseOrder; with ``plan_moment``, reads are placed in that
+        order when it next decides, as of their moment); without, least recently used first. Index rows
         wait up to ``row_delay`` s for a batch of ``batch_rows``; a put that finds ``max_rows``
         queued writes them itself (the flush thread fell behind). A read's time reaches the
         index only once it is ``access_granularity`` s past the time the index holds (and at
@@ -214,7 +216,7 @@ class PageStore:
         self._dirs: list[DirHandle] = []
         try:
             for cfg, root in zip(dirs, roots):
-                order = NextUseOrder(next_use) if next_use is not None else None
+                order = NextUseOrder(next_use, plan_moment) if next_use is not None else None
                 self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size, order))
                 self._recover(self._dirs[-1])
         except BaseException:
@@ -468,11 +470,12 @@ class PageStore:
     def touch_digests(self, digests: Iterable[str]) -> int:
         """Reads made through held descriptors: count them as hits and as uses for eviction."""
         n = 0
+        moment = self._dirs[0].order.moment() if isinstance(self._dirs[0].order, NextUseOrder) else None
         with self._lock:
             for digest in digests:
                 entry = self._entries.get(digest)
                 if entry is not None and entry.state is _State.READY:
-                    self._touch(entry)
+                    self._touch(entry, moment)
                     n += 1
             self._hits += n
         return n
@@ -663,8 +666,8 @@ class PageStore:
         finally:
             self._leave()
 
-    def _touch(self, entry: _Entry) -> None:  # caller holds the lock
-        entry.dir.order.touch(entry)
+    def _touch(self, entry: _Entry, moment: Any = None) -> None:  # caller holds the lock
+        entry.dir.order.touch(entry, moment)
         now = entry.last_access = time.time()
         if now - entry.saved_access >= self._access_granularity and \
                 not self._rows.queued(entry.digest, entry):  # a queued row carries it: no second write

@@ -123,6 +123,14 @@ class _Job:
         return position + min(SLACK_SAMPLES, self.position // 4) < self.position // 2
 
 
+@dataclass(frozen=True)
+class PlanMoment:
+    """The plans' clock and each job's (job, position estimate, slack, rate) at one time."""
+
+    now: float
+    jobs: dict[str, tuple[_Job, float, float, float]]
+
+
 def _merge(positions: list[int]) -> tuple[list[int], list[int]]:
     starts: list[int] = []
     ends: list[int] = []
@@ -276,13 +284,21 @@ class PlanTable:
             self._on_change()
 
     # -- the page store's oracle ---------------------------------------------------------------------
-    def next_use(self, pid: Any, used: bool) -> tuple[float, float]:
+    def moment(self) -> PlanMoment:
+        """Where every job reads now: the page store asks a read's next use when it next decides
+        what to evict (policy.NextUseOrder), as of the read."""
+        now = self._clock()
+        return PlanMoment(now, {job.job: (job, job.estimate(now), job.slack(), job.rate)
+                                for job in list(self._jobs.values())})
+
+    def next_use(self, pid: Any, used: bool, moment: PlanMoment | None = None) -> tuple[float, float]:
         """(when the page is used next, when to look again if it is not read by then); math.inf
-        when no complete plan uses it again. ``used``: it is being read now (that use is over)."""
+        when no complete plan uses it again. ``used``: it is being read now (that use is over).
+        ``moment``: answer as of then (a job registered since is asked as of now)."""
         jobs = self._by_page.get((pid.mount, pid.key, pid.index))
         if not jobs:
             return math.inf, math.inf
-        now = self._clock()
+        now = self._clock() if moment is None else moment.now
         best, recheck = math.inf, math.inf
         for job in list(jobs):
             if not job.complete or job.expires <= now:
@@ -291,7 +307,11 @@ class PlanTable:
             if uses is None:
                 continue
             starts, ends = uses
-            here, slack = job.estimate(now), job.slack()
+            seen = None if moment is None else moment.jobs.get(job.job)
+            if seen is not None and seen[0] is job:
+                here, slack, rate = seen[1], seen[2], seen[3]
+            else:
+                here, slack, rate = job.estimate(now), job.slack(), job.rate
             i = bisect.bisect_left(ends, here)  # the first use not over yet (reads before `here` are done)
             if used and i < len(starts) and starts[i] <= here + slack:
                 i += 1  # this read is that use
@@ -300,7 +320,7 @@ class PlanTable:
             when = job.clock(starts[i])
             if when < best:
                 best = when
-                recheck = now + max(0.0, ends[i] + slack - here) / job.rate + STALE_GRACE_SECONDS
+                recheck = now + max(0.0, ends[i] + slack - here) / rate + STALE_GRACE_SECONDS
         return best, recheck
 
     def progress(self, job_id: str, position: int, reader: int = 0) -> None:
