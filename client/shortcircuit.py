@@ -45,6 +45,13 @@ NOT_CACHED_SECONDS = 0.5
 #: hang it there (forksafe.grpc_inherited).
 FORKED_FILL_PATIENCE = 15.0
 _NOT_CACHED_MAX = 4096
+#: A range of at least this many pages is read through descriptors held from the worker (asked
+#: for once, then one ``preadv`` a page) rather than opened by name (``open``, ``fstat``,
+#: ``preadv``, ``close`` a page, every read): 8 readers of 64 MiB objects read 0.83-0.86 of a
+#: local file's speed by name, 0.92-0.96 held (benchmarks/bench_read.py, docs/performance.md).
+#: Up to a quarter of the handles this process may hold; paths whose pages the worker will not
+#: let a client hold (plan-driven eviction: server/pagestore/store.py worth_holding) go by name.
+HOLD_RANGE_PAGES = 8
 
 
 class Prepared(NamedTuple):
@@ -90,6 +97,7 @@ class ShortCircuitReader:
         self.named: NamedPages | None = None  # from the same hello as the handle table
         self._not_cached: dict[str, float] = {}  # path -> until when reads skip this socket
         self._failed: dict[str, OSError] = {}  # path -> why the worker could not fill it at all
+        self._not_held: dict[str, None] = {}  # paths of large reads the worker did not let us hold
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -280,7 +288,8 @@ class ShortCircuitReader:
         Python) and the filled part of ``out`` is returned as the data.
         """
         found = self.handles.lookup(path, offset, length, version)
-        if found is None and self.named is not None:
+        hold = found is None and self._worth_holding(path, offset, length)
+        if found is None and self.named is not None and not hold:
             named = self._usable_named()
             by_name = named.open_range(path, offset, length, version) if named is not None else None
             if by_name is not None:
@@ -297,6 +306,8 @@ class ShortCircuitReader:
                 found = self._request_patiently((path, offset, length, version))
             if found is None:
                 return None
+            if hold and any(page.slot in (0, ONCE) for page in found[2]):  # handed out for this read only
+                self._note_not_held(path)
         elif self.handles.touched_pending() >= MAX_TOUCHED:
             self.report(wait=False)
         size, version, pages = found
@@ -307,6 +318,25 @@ class ShortCircuitReader:
             return got
         finally:
             self.handles.release(pages)
+
+    def _worth_holding(self, path: str, offset: int, length: int) -> bool:
+        """Whether a read that could go by name should ask for held descriptors instead: the
+        range (cut at the object's end, as the name index knows it) spans HOLD_RANGE_PAGES."""
+        ps = self.handles.page_size
+        if not self._holds or ps <= 0 or 0 <= length < HOLD_RANGE_PAGES * ps or path in self._not_held \
+                or not self.handles.usable():
+            return False
+        named = self._usable_named()
+        known = named.lookup(path) if named is not None else None
+        if known is None:
+            return False
+        want = known[0] - offset if length < 0 else min(length, known[0] - offset)
+        return HOLD_RANGE_PAGES * ps <= want <= self.handles.capacity // 4 * ps
+
+    def _note_not_held(self, path: str) -> None:
+        if len(self._not_held) >= _NOT_CACHED_MAX:
+            self._not_held.pop(next(iter(self._not_held)))
+        self._not_held[path] = None
 
     def _read_named(self, by_name: tuple[int, str, list[Page], list[str]], offset: int, length: int,
                     out: memoryview | None) -> tuple[Any, int, str] | None:

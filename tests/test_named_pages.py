@@ -794,3 +794,48 @@ def test_freeing_one_data_set_leaves_the_others_readable_by_name(local_store, ma
     assert messages == [] and reader.counts["named_hits"] == hits + 4
     assert fs.cat_file("cachefs://data/a/0") == payload(PAGE // 2, 90)  # its pages are gone: asked the worker
     assert reader.counts["named_hits"] == hits + 4 and len(messages) >= 1
+
+
+def test_large_reads_hold_descriptors_and_fall_back_to_names_where_holds_are_refused(local_store, make_worker,
+                                                                                   monkeypatch):
+    """A range of many pages is read through descriptors held from the worker (one message,
+    then one preadv a page on every later read) rather than opening each page file by name
+    every time; a small one still by name. Where the worker will not let the client hold the
+    pages, the path is read by name from then on."""
+    from cachefs.client.shortcircuit import HOLD_RANGE_PAGES
+
+    big = payload((HOLD_RANGE_PAGES + 2) * PAGE + 123, 71)
+    small = payload(2 * PAGE, 72)
+    other = payload((HOLD_RANGE_PAGES + 1) * PAGE, 73)
+    for name, data in (("big", big), ("small", small), ("other", other)):
+        local_store.add(name, data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    warm = _fs(worker)
+    for name, data in (("big", big), ("small", small), ("other", other)):
+        assert warm.cat_file(f"cachefs://data/{name}") == data
+    _settled(worker, ["data/big", "data/small", "data/other"], [len(big), len(small), len(other)])
+
+    fs = _fs(worker)
+    assert fs.cat_file("cachefs://data/small") == small  # the hello: the index and the handle table
+    reader = _reader(fs, worker)
+    assert reader.named is not None
+    messages = _count_messages(reader, monkeypatch)
+    held, named = reader.handles.held(), reader.counts["named_hits"]
+    out = bytearray(len(big))
+    assert fs.read_into("cachefs://data/big", out) == (len(big), len(big)) and bytes(out) == big
+    assert len(messages) == 1 and reader.handles.held() == held + HOLD_RANGE_PAGES + 3
+    hits = reader.counts["hits"]
+    out2 = bytearray(len(big))
+    assert fs.read_into("cachefs://data/big", out2) == (len(big), len(big)) and bytes(out2) == big
+    assert fs.cat_file("cachefs://data/big", 7, 5 * PAGE) == big[7:5 * PAGE]  # fewer pages: held already
+    assert len(messages) == 1  # no message after the first
+    assert reader.counts["hits"] == hits + HOLD_RANGE_PAGES + 3 + 5  # through the held descriptors
+    assert reader.counts["named_hits"] == named
+
+    monkeypatch.setattr(worker.pages, "held_bytes", lambda: 1 << 60)  # its holds at their bound
+    held = reader.handles.held()
+    out3 = bytearray(len(other))
+    assert fs.read_into("cachefs://data/other", out3) == (len(other), len(other)) and bytes(out3) == other
+    assert len(messages) == 2 and reader.handles.held() == held  # read once, not kept
+    assert fs.read_into("cachefs://data/other", out3) == (len(other), len(other)) and bytes(out3) == other
+    assert len(messages) == 2 and reader.counts["named_hits"] == named + HOLD_RANGE_PAGES + 1  # by name
