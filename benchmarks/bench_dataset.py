@@ -196,12 +196,18 @@ def epoch(loader: DataLoader, n: int, step: float = 0.0) -> dict[str, Any]:
 
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) a live process has used; 0.0 if it is gone."""
+    return sum(process_cpu_split(pid))
+
+
+def process_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a live process, all threads; zeros if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick  # utime, stime
 
 
 def own_cpu() -> float:
@@ -325,17 +331,21 @@ class Bench:
             return None
         return dict(ds._local.get().fs.session.counters())
 
-    def cpu(self, loader: str) -> tuple[float, float, float]:
-        """(this process tree's, the cachefs worker's, the store's) CPU seconds so far."""
-        worker = process_cpu(self.worker_pid) if loader.startswith("cachefs") else 0.0
-        return own_cpu(), worker, process_cpu(self.store_pid) if self.store_pid else 0.0
+    def cpu(self, loader: str) -> tuple[float, float, float, float]:
+        """(this process tree's, the cachefs worker's, the store's, the cachefs worker's system)
+        CPU seconds so far."""
+        user, system = process_cpu_split(self.worker_pid) if loader.startswith("cachefs") else (0.0, 0.0)
+        return own_cpu(), user + system, process_cpu(self.store_pid) if self.store_pid else 0.0, system
 
-    def cpu_row(self, loader: str, before: tuple[float, float, float], n: int) -> dict[str, float]:
+    def cpu_row(self, loader: str, before: tuple[float, float, float, float], n: int) -> dict[str, float]:
         """An epoch's CPU: the loader's own (client + DataLoader workers + the cachefs worker) and the
-        store's (moto), in seconds and per GB read."""
-        own, worker, store = (a - b for a, b in zip(self.cpu(loader), before))
+        store's (moto), in seconds and per GB read. The worker's system time is given apart: on a
+        VM it includes first touches of page-cache memory the host had taken back (a cold epoch
+        writes every page file into new memory; docs/performance.md)."""
+        own, worker, store, worker_sys = (a - b for a, b in zip(self.cpu(loader), before))
         gb = n * self.size / 1e9
-        return {"loader_s": round(own + worker, 3), "cachefs_worker_s": round(worker, 3), "store_s": round(store, 3),
+        return {"loader_s": round(own + worker, 3), "cachefs_worker_s": round(worker, 3),
+                "cachefs_worker_sys_s": round(worker_sys, 3), "store_s": round(store, 3),
                 "loader_s_per_gb": round((own + worker) / gb, 2), "store_s_per_gb": round(store / gb, 2)}
 
     @staticmethod
@@ -430,7 +440,8 @@ class Bench:
                 if name.startswith("cachefs"):
                     row["cachefs_worker_s_all"] = [r["cpu"]["cachefs_worker_s"] for r in ok]
             gb = sum(r["items"] for r in ok) * self.size / 1e9
-            total = {k: round(sum(r["cpu"][k] for r in ok), 3) for k in ("loader_s", "cachefs_worker_s", "store_s")}
+            total = {k: round(sum(r["cpu"][k] for r in ok), 3)
+                     for k in ("loader_s", "cachefs_worker_s", "cachefs_worker_sys_s", "store_s")}
             total["loader_s_per_gb"] = round(total["loader_s"] / gb, 2)
             total["store_s_per_gb"] = round(total["store_s"] / gb, 2)
             row["cpu"] = total
