@@ -43,6 +43,7 @@ from cachefs.client.hints import Hinter
 from cachefs.client.jobstats import CounterBlock, ProcessCounts, describe
 from cachefs.client.plans import PlanPublisher, PlanReport
 from cachefs.client.prefetch import Prefetcher
+from cachefs.client.runbuffers import RunBuffers
 from cachefs.client.sampling import EpochPlan
 from cachefs.client.session import SessionBootstrap
 from cachefs.client.shortcircuit import Prepared
@@ -64,6 +65,7 @@ class ProcessParts(NamedTuple):
     # "next": the side job getting the next batch's page handles (see _read_held_batch)
     ahead: dict[str, tuple[Future, int]]  # the next batch's prepare, and how many it asked for
     counts: ProcessCounts  # samples and time counted by the dataset itself (jobstats.py)
+    buffers: RunBuffers | None = None  # reused run buffers (the iterable dataset's tar blocks)
 
 
 class SampleReadError(OSError):

@@ -41,6 +41,7 @@ from cachefs.client.hints import Hinter
 from cachefs.client.indexcache import IndexCache, default_dir
 from cachefs.client.jobstats import CounterBlock
 from cachefs.client.prefetch import Prefetcher
+from cachefs.client.runbuffers import RunBuffers
 from cachefs.client.sampling import BlockPlan, known_block
 from cachefs.client.shardscan import ShardScan
 from cachefs.client.shards import FORMATS, ShardIndex, index_from_json, index_to_json
@@ -239,7 +240,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         fs = self._process_filesystem()
         prefetcher = Prefetcher(self._read_block, self._block_bytes, max_bytes=self.prefetch_bytes,
                                 max_depth=self.prefetch_blocks, threads=self.prefetch_threads, timeout=self.timeout)
-        return self._parts(fs, prefetcher)
+        # Blocks in flight (the prefetch window) and the one being handed out, reused (runbuffers.py).
+        return self._parts(fs, prefetcher)._replace(buffers=RunBuffers(self.prefetch_bytes + 32 * MiB))
 
     def _process(self) -> tuple[CacheFileSystem, Prefetcher, Hinter]:
         return self._local.get()  # type: ignore[return-value]
@@ -288,7 +290,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
 
     def _read_block(self, j: int) -> list[dict[str, Any]]:
         """Block ``j``'s samples: each run of nearby samples of a shard in one range read."""
-        fs = self._process()[0]
+        parts = self._local.get()
+        fs, pool = parts.fs, parts.buffers
         ids = [int(s) for s in self._block_ids(j)]
         shards, starts = self._index_covering(ids)
         where = [self._locate_in(starts, s) for s in ids]
@@ -305,7 +308,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         # boundaries, so every view is 64-byte aligned too): one copy per run, not per field.
         buffers: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for shard, start, end in runs:
-            run = torch.empty(end - start, dtype=torch.uint8)
+            run = pool.take(end - start) if pool is not None else torch.empty(end - start, dtype=torch.uint8)
             try:
                 with profiled("cachefs.read_into"):
                     got, _ = fs.read_into(shards[shard].path, run.numpy(), offset=start)

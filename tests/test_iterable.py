@@ -195,6 +195,55 @@ def test_fields_are_the_bytes_written_as_aligned_tensors(sharded):
     assert ds.prefetcher.stats["hits"] > 0
 
 
+def test_run_buffers_are_reused_only_once_no_sample_refers_to_them(sharded):
+    """Blocks are read into a few reused buffers (client/runbuffers.py): samples dropped as they
+    are consumed free theirs for the next blocks; samples kept keep their bytes, whatever is
+    read after them."""
+    shards, opts = sharded(60)
+    ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
+                                          rank=0, world_size=1, prefetch_blocks=2)
+    wanted = dict(_samples(60))
+    for _ in range(2):  # consumed one at a time, as a DataLoader does
+        n = 0
+        for s in ds:
+            assert bytes(s["bin"].numpy()) == wanted[s["__key__"]]["bin"]
+            n += 1
+        assert n == 60
+    pool = ds._local.get().buffers
+    assert pool.stats["reused"] > 0 and pool.nbytes <= pool.max_bytes
+    kept = list(ds)  # all of an epoch kept alive, then another epoch read over the pool
+    for s in ds:
+        s["bin"][:] = 0  # scribble on what the pool hands out: never on a kept sample
+    for s in kept:
+        assert bytes(s["bin"].numpy()) == wanted[s["__key__"]]["bin"]
+
+
+def test_run_buffer_pool_counts_views_and_keeps_to_its_bound():
+    from cachefs.client.runbuffers import RunBuffers
+
+    pool = RunBuffers(max_bytes=3 << 20)
+    a = pool.take(1000)
+    field = a[10:20]
+    del a
+    b = pool.take(1000)  # the first buffer still has a view alive: a second one
+    assert pool.stats == {"reused": 0, "new": 2, "unpooled": 0, "shared": 0}
+    assert b.data_ptr() % 64 == 0 and len(b) == 1000
+    del field
+    c = pool.take((1 << 20) - 5)  # the first buffer is free again
+    assert pool.stats["reused"] == 1 and pool.nbytes == 2 << 20
+    d = pool.take(1 << 20)
+    e = pool.take(5)  # past the bound: a fresh tensor, not kept
+    assert pool.stats["new"] == 3 and pool.stats["unpooled"] == 1 and pool.nbytes == 3 << 20
+    assert len({t.data_ptr() for t in (b, c, d, e)}) == 4
+    b.share_memory_()  # another process may read it now: out of the pool, room for a new one
+    del b, c, d, e
+    f = pool.take(100)
+    assert pool.stats["shared"] == 1 and pool.stats["reused"] == 2 and pool.nbytes == 2 << 20
+    del f
+    with pytest.raises(ValueError):
+        RunBuffers(max_bytes=-1)
+
+
 def test_uneven_count_gives_equal_ranks_and_a_seeded_order(sharded):
     shards, opts = sharded(45)
 
