@@ -166,6 +166,10 @@ class Prefetcher(forksafe.ForkHook):
         self._side = self._ensure_pool().submit(call)
         return self._side
 
+    def has(self, key: Hashable) -> bool:
+        """Whether ``key`` is in flight or done (a ``get`` of it would not read it now)."""
+        return key in self._entries
+
     # -- the one call --------------------------------------------------------------------------------
     def get(self, key: Hashable, upcoming: Iterable[Hashable]) -> Any:
         """The result for ``key`` (prefetched or read now); then keep ``upcoming`` in flight.

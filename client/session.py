@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -454,14 +454,19 @@ class ClientSession:
             return Prepared(0, 0)
         return state.bulk.prepare([(str(cp), offset, length, "") for cp, offset, length in ranges], fill)
 
-    def read_held(self, reads: list[tuple[CachePath, Any]]) -> list[tuple[int, int] | None]:
-        """Objects read whole into buffers ``(path, out)`` through page handles this process
-        holds (``prepare``), no message to any worker: per read (bytes read, object size), or
-        None where they are not all held (read that one with ``read_into``)."""
+    def read_held(self, reads: list[tuple[CachePath, Any]],
+                  offsets: Sequence[int] | None = None) -> list[tuple[int, int] | None]:
+        """Objects read whole (or from ``offsets``) into buffers ``(path, out)`` through page
+        handles this process holds (``prepare``) or page files opened by name, no message to any
+        worker: per read (bytes read, object size), or None where its pages are not all there
+        (read that one with ``read_into``)."""
         state = self._state.get()
         if not state.bulk.enabled or not reads:
             return [None] * len(reads)
-        return state.bulk.read_held([(str(cp), 0, memoryview(out).cast("B")) for cp, out in reads])
+        if offsets is None:
+            return state.bulk.read_held([(str(cp), 0, memoryview(out).cast("B")) for cp, out in reads])
+        return state.bulk.read_held([(str(cp), offset, memoryview(out).cast("B"))
+                                     for (cp, out), offset in zip(reads, offsets)])
 
     def report_reads(self) -> None:
         """Send the workers on this host the reads made through held page handles now, instead

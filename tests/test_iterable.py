@@ -244,6 +244,54 @@ def test_run_buffer_pool_counts_views_and_keeps_to_its_bound():
         RunBuffers(max_bytes=-1)
 
 
+def test_a_cached_epoch_is_read_in_the_calling_thread_and_anything_else_ahead(sharded, monkeypatch):
+    """Workers 0: blocks whose pages are all on this host are read in the training process's own
+    thread, with no prefetch thread and no hint; a block that is not (a cold epoch, a shard
+    freed since) sends the rest of the epoch back to the prefetch threads; so does a block
+    read as slowly as a disk reads. Every sample right, every way."""
+    import cachefs.client.iterable as iterable_module
+
+    shards, opts = sharded(60, shard_bytes=30_000)
+    ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
+                                          rank=0, world_size=1, prefetch_blocks=2)
+    wanted = dict(_samples(60))
+
+    def epoch() -> int:
+        n = 0
+        for s in ds:
+            assert bytes(s["bin"].numpy()) == wanted[s["__key__"]]["bin"]
+            n += 1
+        return n
+
+    assert epoch() == 60  # cold: through the prefetch threads
+    stats = ds.prefetcher.stats
+    paths = [sh.path.split("cachefs://", 1)[1] for sh in ds.shards]
+    with grpc.insecure_channel(opts["workers"]) as ch:  # every page written and vouched for
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        assert wait_for(lambda: list(stub.GetCached(worker_pb2.GetCachedRequest(paths=paths), timeout=TIMEOUT)
+                                     .cached_bytes) == [sh.size for sh in ds.shards], timeout=TIMEOUT)
+    cold = stats["submitted"] + stats["on_demand"]
+    assert cold > 0
+    hints = ds.hinter.stats["sent"]
+    assert epoch() == 60  # cached: every block here
+    assert stats["submitted"] + stats["on_demand"] == cold and ds.hinter.stats["sent"] == hints
+
+    worker = opts["workers"]
+    with grpc.insecure_channel(worker) as ch:  # one shard's pages leave the cache
+        freed = worker_pb2_grpc.WorkerServiceStub(ch).Free(
+            worker_pb2.FreeRequest(prefix=ds.shards[-1].path.split("cachefs://", 1)[1]), timeout=TIMEOUT)
+    assert freed.pages_freed > 0
+    assert epoch() == 60
+    assert stats["submitted"] + stats["on_demand"] > cold
+
+    assert epoch() == 60  # all cached again
+    before = stats["submitted"] + stats["on_demand"]
+    monkeypatch.setattr(iterable_module, "HERE_SLACK_NS", 0)  # any read looks slow
+    monkeypatch.setattr(iterable_module, "HERE_MIN_BYTES_PER_NS", 1e9)
+    assert epoch() == 60
+    assert stats["submitted"] + stats["on_demand"] > before
+
+
 def test_uneven_count_gives_equal_ranks_and_a_seeded_order(sharded):
     shards, opts = sharded(45)
 
