@@ -185,27 +185,36 @@ class BulkPaths:
         (their placed worker's), no message sent; per read (bytes read, object size) or None:
         not held there, read it another way."""
         results: list[tuple[int, int] | None] = [None] * len(reads)
-        by_handle: dict[int, tuple[Any, list[int]]] = {}
-        for i, handle in enumerate(self.workers.first_healthy([(path, offset) for path, offset, _out in reads])):
-            if handle is not None:
-                by_handle.setdefault(id(handle), (handle, []))[1].append(i)
-        for handle, indices in by_handle.values():
+        handles = self.workers.first_healthy([(path, offset) for path, offset, _out in reads])
+        by_handle: list[tuple[Any, list[int]]]
+        if handles and handles[0] is not None and handles.count(handles[0]) == len(handles):
+            by_handle = [(handles[0], list(range(len(reads))))]  # one local worker: the usual case
+        else:
+            grouped: dict[int, tuple[Any, list[int]]] = {}
+            for i, handle in enumerate(handles):
+                if handle is not None:
+                    grouped.setdefault(id(handle), (handle, []))[1].append(i)
+            by_handle = list(grouped.values())
+        for handle, indices in by_handle:
             reader = self._reader(handle)
             if reader is None or not hasattr(reader, "read_held_into"):
                 continue
             try:
-                got = reader.read_held_into([reads[i] for i in indices])
+                got = reader.read_held_into(reads if len(indices) == len(reads) else [reads[i] for i in indices])
             except Exception as exc:  # noqa: BLE001 - the reads find another way
                 log.debug("held read of %d ranges failed: %s", len(indices), exc)
                 continue
-            stats = self.stats[reader.kind]
+            n = nbytes = 0
             for i, one in zip(indices, got):
                 if one is not None:
                     results[i] = one
-                    stats["reads"] += 1
-                    stats["bytes"] += one[0]
-                    self.held["reads"] += 1
-                    self.held["bytes"] += one[0]
+                    n += 1
+                    nbytes += one[0]
+            stats = self.stats[reader.kind]
+            stats["reads"] += n
+            stats["bytes"] += nbytes
+            self.held["reads"] += n
+            self.held["bytes"] += nbytes
         return results
 
     def prepare(self, ranges: list[tuple[str, int, int, str]], fill: bool = True) -> Prepared:

@@ -523,7 +523,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         handles come in one message (fetched while the previous batch was read) and the samples
         are then read in one pass with no message and no thread hand-off. None: read it the
         usual way (prefetch, gRPC)."""
-        if not all(0 <= p < len(self.plan) for p in positions):
+        if not positions or min(positions) < 0 or max(positions) >= len(self.plan):
             return None
         parts = self._local.get()
         pending = parts.ahead.pop("next", None)
@@ -538,11 +538,16 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             except Exception:  # noqa: BLE001 - only a hint that the handles are there
                 uncached, quiet = True, False
         samples = self.plan.order[positions].tolist()  # one call for the batch
-        paths = [self._cache_path(parts, s) for s in samples]
-        if any(cp is None for cp in paths):
-            return None
+        known = parts.cache_paths
+        paths = [known.get(s, _UNPARSED) for s in samples]
+        for i, cp in enumerate(paths):
+            if cp is _UNPARSED:
+                paths[i] = cp = self._cache_path(parts, samples[i])
+            if cp is None:
+                return None
         session = parts.fs.session
-        outs = [torch.empty(size, dtype=torch.uint8) for size in self.sizes[samples].tolist()]
+        sizes = self.sizes[samples].tolist()
+        outs = [torch.empty(size, dtype=torch.uint8) for size in sizes]
         with profiled("cachefs.held_reads"):  # page handles held here: no message
             got = session.read_held([(cp, out.numpy()) for cp, out in zip(paths, outs)])
         missing = [i for i, g in enumerate(got) if g is None]
@@ -564,15 +569,18 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             [self.plan.sample(p) for p in itertools.islice(upcoming, len(positions))]
         if following:
             parts.ahead["next"] = (parts.prefetcher.run(lambda: self._prepare(parts, following)), len(following))
-        out = []
-        for position, sample, data, g in zip(positions, samples, outs, got):
-            size = len(data)
+        out = outs if self.transform is None else []
+        for i, (size, g) in enumerate(zip(sizes, got)):
+            data = outs[i]
             if g is None or g != (size, size):  # not cached, dropped meanwhile, or changed since listed
                 try:
-                    data = self._read_raw(sample)
+                    data = self._read_raw(samples[i])
                 except Exception as exc:
-                    raise self._error(sample, position, exc) from exc
-            out.append(self._apply(data))
+                    raise self._error(samples[i], positions[i], exc) from exc
+                if self.transform is None:
+                    outs[i] = data
+            if self.transform is not None:
+                out.append(self._apply(data))
         if uncached:  # all of it cached (the usual warm epoch): hints would only cost both sides
             self._hint(upcoming)
         return out

@@ -215,7 +215,11 @@ class HandleCache:
                 if page.slot == ONCE:  # its one read: closed when released
                     self._drop_locked(page)
             if len(self._touched) < 4 * MAX_TOUCHED:
-                self._touched.extend(p.slot for p in pages if p.slot != ONCE)
+                if len(pages) == 1:  # a sample of one page: the usual read
+                    if pages[0].slot != ONCE:
+                        self._touched.append(pages[0].slot)
+                else:
+                    self._touched.extend(p.slot for p in pages if p.slot != ONCE)
             self._touched_bytes += end - offset
             self.stats["held_reads"] += 1
         return obj.size, obj.version, pages
