@@ -251,18 +251,21 @@ def test_passing_pages_are_bounded_and_expire(monkeypatch):
     assert passing.get("d4") is None  # taken
 
 
+class _OrderEntry:
+    """What an eviction order needs of a page entry (unit tests of the order alone)."""
+
+    __slots__ = ("pid", "digest", "next_use", "size", "held_until")
+
+    def __init__(self, i: int) -> None:
+        self.pid, self.digest, self.next_use, self.size, self.held_until = i, str(i), 0.0, 1, 0.0
+
+
 def test_next_use_order_compacts_and_picks_furthest_first():
     """Per access a heap push and a dict update; stale heap items are compacted away (the cost at
     10 M pages is measured by benchmarks/bench_policy.py, not here)."""
     order = NextUseOrder(lambda pid, used: (float(hash(pid) % 1000), math.inf))
 
-    class E:
-        __slots__ = ("pid", "digest", "next_use", "size", "held_until")
-
-        def __init__(self, i: int) -> None:
-            self.pid, self.digest, self.next_use, self.size, self.held_until = i, str(i), 0.0, 1, 0.0
-
-    entries = [E(i) for i in range(20_000)]
+    entries = [_OrderEntry(i) for i in range(20_000)]
     for e in entries:
         order.add(e)
     for e in entries[:5_000]:
@@ -355,13 +358,7 @@ def test_reads_are_placed_when_the_order_decides_as_of_their_moment():
 
     order = NextUseOrder(next_use, moment=lambda: ("moment", now["t"]))
 
-    class E:
-        __slots__ = ("pid", "digest", "next_use", "size", "held_until")
-
-        def __init__(self, i: int) -> None:
-            self.pid, self.digest, self.next_use, self.size, self.held_until = i, str(i), 0.0, 1, 0.0
-
-    entries = [E(i) for i in range(60)]
+    entries = [_OrderEntry(i) for i in range(60)]
     for e in entries:
         order.add(e)
     calls.clear()
@@ -414,13 +411,7 @@ def test_unplaced_reads_are_bounded(monkeypatch):
 
     order = NextUseOrder(next_use, moment=lambda: None)
 
-    class E:
-        __slots__ = ("pid", "digest", "next_use", "size", "held_until")
-
-        def __init__(self, i: int) -> None:
-            self.pid, self.digest, self.next_use, self.size, self.held_until = i, str(i), 0.0, 1, 0.0
-
-    entries = [E(i) for i in range(500)]
+    entries = [_OrderEntry(i) for i in range(500)]
     for e in entries:
         order.add(e)
     asked.clear()
