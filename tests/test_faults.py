@@ -247,13 +247,9 @@ def _tmpfs(path: Path, size: str):
 
 
 def test_full_cache_disk_worker_keeps_serving_and_reports_degraded(local_store, tmp_path):
-    """The cache dir's file system (tmpfs of 1 MiB) is far smaller than its quota: ENOSPC for real.
-
-    Whole pages only: a dir is degraded until a page is written to it again, and a page of a few
-    bytes could still fit after the first ENOSPC (then the last state would depend on the order
-    the writes happened in, which a loaded machine changes)."""
+    """The cache dir's file system (tmpfs of 1 MiB) is far smaller than its quota: ENOSPC for real."""
     for i in range(12):
-        local_store.add(f"o{i:02d}.bin", payload(4 * PAGE, 200 + i))  # 3 MiB in all
+        local_store.add(f"o{i:02d}.bin", payload(4 * PAGE + i, 200 + i))  # ~3 MiB in all
     with _tmpfs(tmp_path / "disk", "1m") as disk:
         config = _worker_config(tmp_path / "w.toml", local_store.mount)
         with worker_process({}, str(disk / "cache"), quota="1GiB", extra=["--config", config],
