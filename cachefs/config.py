@@ -142,6 +142,9 @@ class WorkerConfig:
     readahead_pages: int = 8  # max read-ahead window for sequential readers
     store_timeout: float = 60.0  # seconds for one page fetch from the object store
     max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the cache disk, at most
+    # A cache dir that failed a write (disk full, EIO) stays degraded until a write succeeds and no
+    # disk error has followed for this many seconds (a full disk still takes the odd small page).
+    degraded_settle_s: float = 10.0
     # Freed memory the worker process keeps for reuse (malloc's trim threshold; blocks up to 64 MiB
     # from its heap) rather than faulting new memory in for every fetched page
     # (server/worker/heap.py); 0: the allocator's defaults.
@@ -203,7 +206,8 @@ class WorkerConfig:
         if not 4096 <= self.page_size <= 64 << 20 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [4 KiB, 64 MiB], got {self.page_size}")
         _check_unique_mounts(self.mounts)
-        for name in ("metadata_ttl", "metadata_stale_grace", "list_ttl", "store_timeout", "shutdown_grace"):
+        for name in ("metadata_ttl", "metadata_stale_grace", "list_ttl", "store_timeout", "shutdown_grace",
+                     "degraded_settle_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("fetch_threads", "write_threads", "rpc_threads", "parallel_pages", "fetch_group_pages"):

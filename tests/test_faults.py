@@ -246,6 +246,22 @@ def _tmpfs(path: Path, size: str):
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
+def _indexed_pages(cache: Path) -> int:
+    """Rows committed to a cache dir's page index (diskcache's SQLite file, opened read-only)."""
+    import sqlite3
+
+    db = cache / "index" / "cache.db"
+    if not db.exists():
+        return 0
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute("SELECT count(*) FROM Cache").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+    finally:
+        conn.close()
+
+
 def test_full_cache_disk_worker_keeps_serving_and_reports_degraded(local_store, tmp_path):
     """The cache dir's file system (tmpfs of 1 MiB) is far smaller than its quota: ENOSPC for real."""
     for i in range(12):
@@ -255,6 +271,11 @@ def test_full_cache_disk_worker_keeps_serving_and_reports_degraded(local_store, 
         with worker_process({}, str(disk / "cache"), quota="1GiB", extra=["--config", config],
                             log_path=str(tmp_path / "w.log")) as worker:
             fs = client(worker.address, timeout=10)
+            first = sorted(local_store.objects)[0]
+            assert fs.cat_file(f"data/{first}") == local_store.objects[first]
+            # Its pages are written and their index rows committed (rows are written behind;
+            # a row batch that hits ENOSPC drops its pages) before the rest fills the disk.
+            assert wait_for(lambda: _indexed_pages(disk / "cache") >= 4, timeout=30)
             for _ in range(2):
                 for key, data in local_store.objects.items():
                     assert fs.cat_file(f"data/{key}") == data
@@ -274,7 +295,7 @@ def test_failing_cache_disk_eio_passes_reads_through_then_recovers(local_store, 
 
     for i in range(6):
         local_store.add(f"o{i}.bin", payload(3 * PAGE + i, 300 + i))
-    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=3600)
+    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=3600, degraded_settle_s=0.5)
     fs = client(worker.address)
     keys = sorted(local_store.objects)
     assert fs.cat_file(f"data/{keys[0]}") == local_store.objects[keys[0]]  # cached while healthy
@@ -291,7 +312,7 @@ def test_failing_cache_disk_eio_passes_reads_through_then_recovers(local_store, 
     assert status.degraded and status.disk_errors >= len(keys)
     monkeypatch.undo()
     assert wait_for(lambda: fs.cat_file(f"data/{keys[1]}") == local_store.objects[keys[1]]
-                    and not _status(worker.address).degraded, timeout=10)
+                    and not _status(worker.address).degraded, timeout=30)
 
 
 def test_corrupted_and_truncated_page_files_under_a_worker_process(local_store, tmp_path):

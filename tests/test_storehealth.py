@@ -170,3 +170,32 @@ def test_decode_guard_answers_malformed_messages_with_invalid_argument():
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         server.stop(0)
+
+
+def test_disk_health_stays_degraded_until_writes_succeed_for_the_settle_time():
+    from cachefs.server.pagestore.health import DiskHealth
+
+    now = [100.0]
+    health = DiskHealth(settle_s=10.0, clock=lambda: now[0])
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert health.failed("/a", full, writing=True) and health.degraded
+    health.ok("/a")  # a small page fitted between ENOSPC errors
+    now[0] += 9.9
+    assert health.degraded and "/a" in health.reasons()
+    assert health.failed("/a", full, writing=True)  # the disk is still full: the clock restarts
+    now[0] += 9.9
+    health.ok("/a")
+    assert health.degraded
+    now[0] += 0.2
+    assert not health.degraded and health.reasons() == {} and health.errors == 2
+    now[0] += 100
+    health.ok("/a")  # a write with no error before it: nothing to clear, not degraded
+    assert not health.degraded
+    # Unwritten since the error: degraded however long ago it was; a read error that is not the
+    # disk's (a bad page) does not count.
+    assert health.failed("/b", OSError(errno.EIO, "I/O error"), writing=False)
+    assert not health.failed("/b", ValueError("bad trailer"), writing=False)
+    now[0] += 1000
+    assert health.degraded and list(health.reasons()) == ["/b"]
+    with pytest.raises(ValueError, match="settle_s"):
+        DiskHealth(settle_s=-1)

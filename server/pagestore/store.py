@@ -162,6 +162,7 @@ class PageStore:
         self, dirs: Sequence[CacheDir], page_size: int = 1 << 20, *, flush_interval: float = 2.0,
         next_use: NextUse | None = None, plan_moment: Callable[[], Any] | None = None, row_delay: float = 0.1,
         batch_rows: int = 512, max_rows: int = 8192, access_granularity: float = ACCESS_GRANULARITY_S,
+        degraded_settle_s: float = 0.0,
     ) -> None:
         """With ``next_use`` (the worker's plan table, server/worker/plans.py), pages leave by
         furthest next use (policy.NextUseOrder; with ``plan_moment``, reads are placed in that
@@ -169,7 +170,7 @@ class PageStore:
         wait up to ``row_delay`` s for a batch of ``batch_rows``; a put that finds ``max_rows``
         queued writes them itself (the flush thread fell behind). A read's time reaches the
         index only once it is ``access_granularity`` s past the time the index holds (and at
-        close)."""
+        close). A dir stays degraded ``degraded_settle_s`` s past its last disk error (health.py)."""
         if not dirs or not all(isinstance(d, CacheDir) for d in dirs):
             raise ValueError("dirs must be a non-empty sequence of CacheDir")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -212,7 +213,7 @@ class PageStore:
         self._hold_records: dict[str, tuple[float, int]] = {}
         self._holds_bytes = 0
         self._unlink_listener: Callable[[list[str]], None] | None = None
-        self.health = DiskHealth()
+        self.health = DiskHealth(degraded_settle_s)
         self._dirs: list[DirHandle] = []
         try:
             for cfg, root in zip(dirs, roots):

@@ -106,7 +106,8 @@ class Worker:
         self.plans = PlanTable(config.page_size, on_change=self._replan.set)
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size,
                                next_use=self.plans.next_use if config.eviction == "future" else None,
-                               plan_moment=self.plans.moment if config.eviction == "future" else None)
+                               plan_moment=self.plans.moment if config.eviction == "future" else None,
+                               degraded_settle_s=config.degraded_settle_s)
         self.objects.on_fetched = self._on_fetched
         self.objects.on_forgotten = self._on_forgotten
         self.objects.on_request = lambda kind: self.metrics.store_requests.labels(kind).inc()
