@@ -109,6 +109,11 @@ class CheckedPages:
     def add(self, digest: str, identity: tuple[int, ...]) -> None:
         self._seen[digest] = identity
 
+    @property
+    def seen(self) -> dict[str, tuple[int, ...] | None]:
+        """digest -> the identity of the file checked (None: read once, not checked yet)."""
+        return self._seen
+
 
 class NamedPages:
     """One worker's name index, mapped read-only, and the page files opened through it."""
@@ -153,6 +158,10 @@ class NamedPages:
         self._where: dict[str, tuple[int, int, list[int]]] = {}
         self._pages: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self._memo_pages = 0  # page file names in _pages (bounded by MEMO_ENTRIES: ~8 MiB)
+        # Per one-page object read whole: where its entry is and what it said (slot offset, seq,
+        # size, until), its page's digest (hex and raw) and file: while the slot's seq is the
+        # same the entry is unchanged, so a warm read checks one number, not the entry (read_whole).
+        self._whole: dict[str, tuple[int, int, int, int, str, bytes, str]] = {}
         # reads noted (a batch counts once), pages asked for by name but not there, and pages
         # read with no checksum pass (this process had checked the same file before)
         self.stats = {"named_reads": 0, "named_missing": 0, "named_unhashed": 0}
@@ -183,11 +192,23 @@ class NamedPages:
     def _entry(self, path: str) -> tuple[int, str, float, int] | None:
         """(size, version, mtime, until in monotonic ns) of the worker's entry for ``path``, run
         out or not, or None."""
+        found = self._locate(path)
+        return None if found is None else found[2:]
+
+    def _in_use(self) -> bool:
+        """False once the worker moved to a larger table (or this one was closed)."""
         try:
             if SUPERSEDED.unpack_from(self._map, SUPERSEDED_AT)[0]:
                 self.superseded = True  # the next message to the worker asks for the new table
-                return None
+                return False
         except ValueError:  # closed under us
+            return False
+        return True
+
+    def _locate(self, path: str) -> tuple[int, int, int, str, float, int] | None:
+        """(slot offset, seq, size, version, mtime, until in monotonic ns) of the worker's entry
+        for ``path``, run out or not, or None."""
+        if not self._in_use():
             return None
         where = self._where.get(path)
         if where is None:
@@ -212,7 +233,7 @@ class NamedPages:
             version = vbytes[:vlen].decode("utf-8", "surrogatepass")
             if SEQ.unpack_from(table, off)[0] != seq:  # rewritten while we read it
                 return None
-            return size, version, mtime, until_ns
+            return off, seq, size, version, mtime, until_ns
         return None
 
     def info(self, path: str) -> tuple[int, str, float] | None:
@@ -269,6 +290,76 @@ class NamedPages:
             self._failed(exc)
             return None
         return size, current, pages, [d for d, _n, _s, _l in names]
+
+    def read_whole(self, reads: list[tuple[str, int, memoryview]], results: list[tuple[int, int] | None]) -> int:
+        """The reads of ``reads`` not done yet (``results[i]`` None) that want a whole object of
+        one page, done here by name; returns how many (their pages are noted for the worker's
+        report). The rest are left to ``read_into`` (which also says why a page could not be opened).
+
+        Samples of one page are what an epoch reads, so this is ``read_into`` without its
+        generality: the entry is known unchanged by its slot's seq alone (the worker bumps it
+        on every write), the page file's name is remembered; then open, one ``preadv`` into the
+        sample's buffer (with the trailer and a checksum pass the first time this process reads
+        the file; an ``fstat`` to know the file again after that), close."""
+        if not self.enabled or not self._in_use():
+            return 0
+        table, memo, checked = self._map, self._whole, self._checked
+        now_ns = time.monotonic_ns()
+        seq_at, preadv, close, open_ = SEQ.unpack_from, os.preadv, os.close, os.open
+        trailer = bytearray(TRAILER_SIZE)
+        raw: list[bytes] = []
+        nbytes = unhashed = 0
+        for i, (path, offset, out) in enumerate(reads):
+            if results[i] is not None or offset:
+                continue
+            known = memo.get(path)
+            if known is None or seq_at(table, known[0])[0] != known[1]:  # new, or its entry rewritten
+                known = self._remember_whole(path)
+                if known is None:
+                    continue
+            _off, _seq, size, until_ns, digest, digest_raw, name = known
+            if len(out) != size or until_ns <= now_ns:
+                continue  # not the whole object, or past its entry's time (read_into knows what to do)
+            try:
+                fd = open_(name, _OPEN)
+            except OSError:
+                continue
+            try:
+                identity = checked.known(digest, fd, size)
+                if identity is True:  # the file checked before: its payload alone
+                    if preadv(fd, (out,), 0) != size:
+                        continue
+                    unhashed += 1
+                else:
+                    if preadv(fd, (out, trailer), 0) != size + TRAILER_SIZE:
+                        continue
+                    payload_len, checksum = decode_trailer(trailer)
+                    if payload_len != size or xxhash.xxh3_64_intdigest(out) != checksum:
+                        continue  # read_into finds it again, and the worker answers for it
+                    if identity is not None:
+                        checked.add(digest, identity)
+            except (OSError, CorruptPageError):
+                continue
+            finally:
+                close(fd)
+            results[i] = (size, size)
+            raw.append(digest_raw)
+            nbytes += size
+        if raw:
+            self.stats["named_unhashed"] += unhashed
+            self._note_raw(raw, nbytes)
+        return len(raw)
+
+    def _remember_whole(self, path: str) -> tuple[int, int, int, int, str, bytes, str] | None:
+        found = self._locate(path)
+        if found is None or not 0 < found[2] <= self.page_size:
+            return None
+        off, seq, size, version, _mtime, until_ns = found
+        digest, name = self._page_files(path, version, size, 0, 0)[0]
+        if len(self._whole) >= MEMO_ENTRIES:
+            self._whole.clear()
+        known = self._whole[path] = (off, seq, size, until_ns, digest, bytes.fromhex(digest), name)
+        return known
 
     def read_into(self, path: str, offset: int, out: memoryview) -> tuple[int, int, list[str]] | str | None:
         """The range ``[offset, offset + len(out))`` (cut at the object's end) read into ``out``,
@@ -373,9 +464,12 @@ class NamedPages:
 
     # -- reports ------------------------------------------------------------------------------------
     def note_read(self, digests: list[str], nbytes: int) -> None:
+        self._note_raw([bytes.fromhex(d) for d in digests], nbytes)
+
+    def _note_raw(self, digests: list[bytes], nbytes: int) -> None:
         with self._lock:
             if len(self._touched) < 2 * MAX_TOUCHED:  # 16 bytes each: a report stays well within MAX_MESSAGE
-                self._touched.extend(bytes.fromhex(d) for d in digests)
+                self._touched.extend(digests)
             self._touched_bytes += nbytes
             self.stats["named_reads"] += 1
 

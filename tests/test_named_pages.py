@@ -355,6 +355,75 @@ def test_a_page_file_read_again_is_checked_once_and_a_replaced_file_anew(tmp_pat
         assert client.stats["named_unhashed"] == 5 + 1 + 2 + 2  # page 1 checked once more, then trusted
 
 
+def test_one_page_samples_are_read_whole_checked_once_and_anything_else_left_to_read_into(tmp_path):
+    """read_whole: a batch's one-page objects read whole by name in one pass (a warm epoch's
+    samples). The first read of a page file checks its checksum, a file read again is known by
+    its identity; an entry rewritten (a new version) is seen at once by its slot's seq; reads
+    that are not a whole one-page object, an entry past its time, and a page file that is gone
+    or does not match its checksum are left for read_into (their results stay None)."""
+    with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
+        objects = {f"s{i}": payload(1000 + i, 30 + i) for i in range(4)}
+        big = payload(2 * 4096, 39)
+        for key, data in objects.items():
+            assert store.put(PageId("m", key, "v1", 0), data)
+            index.publish(f"m/{key}", "v1", len(data), 0.0, time.monotonic() + 60)
+        for i in range(2):
+            assert store.put(PageId("m", "big", "v1", i), big[i * 4096:(i + 1) * 4096])
+        index.publish("m/big", "v1", len(big), 0.0, time.monotonic() + 60)
+
+        def batch(keys, sizes=None):
+            outs = [bytearray(len(objects[k]) if sizes is None else sizes[n]) for n, k in enumerate(keys)]
+            reads = [(f"m/{k}", 0, memoryview(out)) for k, out in zip(keys, outs)]
+            results = [None] * len(reads)
+            return client.read_whole(reads, results), results, outs
+
+        keys = sorted(objects)
+        for expect_unhashed in (0, 0, 4):  # checked on the first two reads, then known by identity
+            done, results, outs = batch(keys)
+            assert done == 4 and results == [(len(objects[k]),) * 2 for k in keys]
+            assert [bytes(o) for o in outs] == [objects[k] for k in keys]
+            assert client.stats["named_unhashed"] == expect_unhashed
+        touched, nbytes = client.take_touched()
+        assert sorted(touched) == sorted([bytes.fromhex(page_digest("m", k, "v1", 0)) for k in keys] * 3)
+        assert nbytes == 3 * sum(map(len, objects.values()))
+
+        # Not for read_whole: an object of two pages, a buffer shorter than the object, a path not vouched for.
+        done, results, _outs = batch(["s0", "s1"], sizes=[10, len(objects["s1"])])
+        assert done == 1 and results == [None, (len(objects["s1"]),) * 2]
+        results = [None, None]
+        assert client.read_whole([("m/big", 0, memoryview(bytearray(len(big)))),
+                                  ("m/nope", 0, memoryview(bytearray(5)))], results) == 0
+        assert results == [None, None]
+
+        # A new version published (the entry rewritten): its page is read, not the old one's.
+        new = payload(1500, 50)
+        assert store.put(PageId("m", "s2", "v2", 0), new)
+        index.publish("m/s2", "v2", len(new), 0.0, time.monotonic() + 60)
+        out = bytearray(len(new))
+        results = [None]
+        assert client.read_whole([("m/s2", 0, memoryview(out))], results) == 1 and bytes(out) == new
+
+        # A page file replaced by one whose bytes do not match its checksum: refused.
+        path = client._file(page_digest("m", "s3", "v1", 0))
+        with open(path, "rb") as f:
+            bad = bytearray(f.read())
+        bad[3] ^= 0xFF
+        with open(path + ".tmp", "wb") as f:
+            f.write(bad)
+        os.rename(path + ".tmp", path)
+        results = [None]
+        assert client.read_whole([("m/s3", 0, memoryview(bytearray(len(objects["s3"]))))], results) == 0
+        assert results == [None]
+        os.unlink(client._file(page_digest("m", "s1", "v1", 0)))  # evicted: left to read_into
+        results = [None]
+        assert client.read_whole([("m/s1", 0, memoryview(bytearray(len(objects["s1"]))))], results) == 0
+
+        # Past its entry's time: left to read_into (which reads within the stale window and reports).
+        index.publish("m/s0", "v1", len(objects["s0"]), 1.0, time.monotonic() - 1)  # rewritten, run out
+        results = [None]
+        assert client.read_whole([("m/s0", 0, memoryview(bytearray(len(objects["s0"]))))], results) == 0
+
+
 def test_remembered_names_are_bounded_and_reads_stay_right_past_the_bound(tmp_path, monkeypatch):
     """Each path's slots and each object version's page file names are remembered per process,
     up to MEMO_ENTRIES of each; past it the memory starts over, and every read is still right."""
