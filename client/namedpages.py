@@ -355,7 +355,9 @@ class NamedPages:
         if found is None or not 0 < found[2] <= self.page_size:
             return None
         off, seq, size, version, _mtime, until_ns = found
-        digest, name = self._page_files(path, version, size, 0, 0)[0]
+        cp = parse_path(path)
+        digest = page_digest(cp.mount, cp.key, version, 0)
+        name = self._file(digest)
         if len(self._whole) >= MEMO_ENTRIES:
             self._whole.clear()
         known = self._whole[path] = (off, seq, size, until_ns, digest, bytes.fromhex(digest), name)
