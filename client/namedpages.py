@@ -294,7 +294,8 @@ class NamedPages:
     def read_whole(self, reads: list[tuple[str, int, memoryview]], results: list[tuple[int, int] | None]) -> int:
         """The reads of ``reads`` not done yet (``results[i]`` None) that want a whole object of
         one page, done here by name; returns how many (their pages are noted for the worker's
-        report). The rest are left to ``read_into`` (which also says why a page could not be opened).
+        report, and objects read past their entry's time, within the stale window, named to it
+        for a refresh, as ``read_into`` does). The rest are left to ``read_into`` (which also says why a page could not be opened).
 
         Samples of one page are what an epoch reads, so this is ``read_into`` without its
         generality: the entry is known unchanged by its slot's seq alone (the worker bumps it
@@ -308,6 +309,7 @@ class NamedPages:
         seq_at, preadv, close, open_ = SEQ.unpack_from, os.preadv, os.close, os.open
         trailer = bytearray(TRAILER_SIZE)
         raw: list[bytes] = []
+        stale: list[str] = []  # read past their entry's time, within the stale window: reported
         nbytes = unhashed = 0
         for i, (path, offset, out) in enumerate(reads):
             if results[i] is not None or offset:
@@ -318,8 +320,11 @@ class NamedPages:
                 if known is None:
                     continue
             _off, _seq, size, until_ns, digest, digest_raw, name = known
-            if len(out) != size or until_ns <= now_ns:
-                continue  # not the whole object, or past its entry's time (read_into knows what to do)
+            if len(out) != size:
+                continue  # not the whole object
+            past = until_ns <= now_ns  # as read_into does: within the stale window, read and report it
+            if past and now_ns - until_ns >= self.stale_window_ns:
+                continue
             try:
                 fd = open_(name, _OPEN)
             except OSError:
@@ -345,6 +350,11 @@ class NamedPages:
             results[i] = (size, size)
             raw.append(digest_raw)
             nbytes += size
+            if past:
+                stale.append(path)
+        if stale:
+            with self._lock:
+                self._stale.update(stale)
         if raw:
             self.stats["named_unhashed"] += unhashed
             self._note_raw(raw, nbytes)

@@ -733,6 +733,30 @@ def test_an_entry_past_its_time_is_read_within_the_stale_window_and_reported(tmp
         assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
 
 
+def test_read_whole_reads_within_the_stale_window_and_names_what_it_read_for_a_refresh(tmp_path):
+    """A batch read whole past its entries' time (a warm epoch longer than the metadata TTL):
+    within the window every sample is read and named once for a refresh; past the window none
+    is (read_into then asks the worker), and nothing is named for a read that did not happen."""
+    with _store_with_names(tmp_path, (1 << 20,), stale_window=30.0) as (store, index, client):
+        data = {f"s{i}": payload(2000 + i, 80 + i) for i in range(3)}
+        now = time.monotonic()
+        for key, d in data.items():
+            assert store.put(PageId("m", key, "v1", 0), d)
+            index.publish(f"m/{key}", "v1", len(d), 0.0, now - 5)  # ran out 5 s ago
+        keys = sorted(data)
+        outs = [bytearray(len(data[k])) for k in keys]
+        results = [None] * 3
+        assert client.read_whole([(f"m/{k}", 0, memoryview(o)) for k, o in zip(keys, outs)], results) == 3
+        assert [bytes(o) for o in outs] == [data[k] for k in keys]
+        assert sorted(client.take_stale()) == [f"m/{k}" for k in keys] and client.take_stale() == []
+        os.unlink(client._file(page_digest("m", "s0", "v1", 0)))  # gone: not read, not named
+        index.publish("m/s1", "v1", len(data["s1"]), 1.0, now - 31)  # rewritten, past the window
+        results = [None] * 3
+        assert client.read_whole([(f"m/{k}", 0, memoryview(bytearray(len(data[k])))) for k in keys],
+                                 results) == 1
+        assert results[:2] == [None, None] and client.take_stale() == ["m/s2"]
+
+
 def test_clear_all_forgets_every_entry_and_the_window_survives_growth():
     index = NameIndex(slots=4, max_slots=64, stale_window=2.5)
     try:
