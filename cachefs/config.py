@@ -188,7 +188,8 @@ class WorkerConfig:
     eviction: str = "future"
     # Which client S3 data reads take: "http" (cachefs/store/s3http.py: signed GETs on plain
     # sockets, the least CPU), "obstore" (its Rust client, if installed), "s3fs"; "auto" takes
-    # the first that a mount's options allow. Metadata, listings and writes are always s3fs's.
+    # the first that a mount's options allow; "http" also lists directories (the rest of the
+    # metadata and writes are always s3fs's).
     s3_client: str = "auto"
 
     def __post_init__(self) -> None:

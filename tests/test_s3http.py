@@ -383,3 +383,66 @@ def test_a_head_larger_than_the_first_buffer_is_read_and_one_too_large_refused()
         assert _get(client, 5, [BODY.__len__() - 5]) == [(0, BODY[5:])]
         with pytest.raises(OSError, match="too large"):
             _get(client, 0, [10])
+
+
+def _listing(keys: list[tuple[str, int, str]], prefixes: list[str] = (), token: str = "") -> Reply:
+    """A ListObjectsV2 reply (keys as S3 sends them with encoding-type=url: '+' for a space)."""
+    contents = "".join(f"<Contents><Key>{k}</Key><LastModified>2026-12-05T01:02:03.000Z</LastModified>"
+                       f"<ETag>&quot;{etag}&quot;</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass>"
+                       f"</Contents>" for k, size, etag in keys)
+    common = "".join(f"<CommonPrefixes><Prefix>{p}</Prefix></CommonPrefixes>" for p in prefixes)
+    more = f"<IsTruncated>true</IsTruncated><NextContinuationToken>{token}</NextContinuationToken>" if token \
+        else "<IsTruncated>false</IsTruncated>"
+    body = (f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bucket</Name>{more}{contents}'
+            f"{common}<EncodingType>url</EncodingType></ListBucketResult>").encode()
+    return lambda request: f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def test_a_listing_is_read_page_by_page_with_keys_decoded():
+    script = Script([_status(503, "Slow Down", "SlowDown"),
+                     _listing([("dir/a+b.bin", 5, "e1"), ("dir/c%2Bd%26e.bin", 7, "e2")], ["dir/sub/"],
+                              token="tok/1+2="),
+                     _listing([("dir/%C3%A9.bin", 9, "e3")])])
+    with scripted_server(script) as url:
+        client = _client(url, attempts=2)
+        objects, prefixes, token = client.list_page("bucket", "dir/")
+        assert objects == [("dir/a b.bin", 5, "e1", dt.datetime(2026, 12, 5, 1, 2, 3, tzinfo=dt.timezone.utc).timestamp()),
+                           ("dir/c+d&e.bin", 7, "e2", objects[1][3])]
+        assert prefixes == ["dir/sub/"] and token == "tok/1+2="
+        objects, prefixes, token = client.list_page("bucket", "dir/", token=token)
+        assert [o[0] for o in objects] == ["dir/\u00e9.bin"] and prefixes == [] and token == ""
+    assert len(script.requests) == 3  # the throttled first try, then the two pages
+    first, second = script.requests[1].line, script.requests[2].line
+    assert first == ("GET /bucket/?delimiter=%2F&encoding-type=url&list-type=2&max-keys=1000&prefix=dir%2F "
+                     "HTTP/1.1")
+    assert "continuation-token=tok%2F1%2B2%3D&" in second
+
+
+def test_a_listing_query_is_signed_as_botocore_signs_it():
+    botocore_auth = pytest.importorskip("botocore.auth")
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    when = dt.datetime(2026, 12, 5, 1, 2, 3, tzinfo=dt.timezone.utc)
+    query = "continuation-token=tok%2F1%2B2%3D&delimiter=%2F&encoding-type=url&list-type=2&prefix=d%20x%2F"
+    headers = {"host": "127.0.0.1:9000"}
+    _Signer().sign(("AKID", "SECRET", ""), "us-east-1", "/bucket/", query, headers, now=when)
+    request = AWSRequest(method="GET", url=f"http://127.0.0.1:9000/bucket/?{query}")
+    signer = botocore_auth.S3SigV4Auth(Credentials("AKID", "SECRET"), "s3", "us-east-1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(botocore_auth, "get_current_datetime", lambda: when.replace(tzinfo=None))
+        signer.add_auth(request)
+    assert headers["authorization"] == request.headers["Authorization"]
+
+
+def test_a_listing_error_is_the_exception_the_worker_expects():
+    for reply, error in ((_status(404, "Not Found", "NoSuchBucket"), FileNotFoundError),
+                         (_status(403, "Forbidden", "AccessDenied"), PermissionError)):
+        with scripted_server(Script([reply])) as url:
+            with pytest.raises(error):
+                _client(url, attempts=1).list_page("bucket", "dir/")
+    body = b"<ListBucketResult><IsTruncated>true</IsTruncated><Contents><Key>dir/a</Key></Contents></ListBucketResult>"
+    broken = lambda request: f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body  # noqa: E731
+    with scripted_server(Script([broken])) as url:
+        with pytest.raises(OSError, match="continuation token"):
+            _client(url, attempts=1).list_page("bucket", "dir/")

@@ -126,3 +126,38 @@ def test_the_worker_config_chooses_the_client(s3_store):
     assert type(_backend(_objects(s3_store, "s3fs"), CachePath("data", "k"))) is _S3Backend
     with pytest.raises(ValueError, match="s3_client"):
         _objects(s3_store, "boto")
+
+
+def test_directory_listings_through_the_lean_client_are_s3fs_listings(s3_store):
+    """ObjectStore.list of a directory (what refreshes stale metadata and lists a data set) goes
+    through the HTTP client's ListObjectsV2 pages where the mount uses it: the same entries,
+    sizes, versions and times as s3fs's listing, across pages and for keys that need escaping;
+    a file's path, an empty prefix and the bucket's root are left to s3fs."""
+    keys = ["d/a b.bin", "d/p+q.bin", "d/x&y<z>.bin", "d/\u00e9t\u00e9.bin", "d/sub/1.bin", "d/sub/2.bin",
+            "top.bin"] + [f"d/many/{i:04d}" for i in range(1100)]  # past one page (1,000 keys)
+    for i, key in enumerate(keys):
+        s3_store.add(key, payload(i % 7 + 1, i))
+    lean, plain = _objects(s3_store, "http"), _objects(s3_store, "s3fs")
+    assert isinstance(_backend(lean, CachePath("data", "d")), s3http.HttpS3Backend)
+    assert not isinstance(_backend(plain, CachePath("data", "d")), s3http.HttpS3Backend)
+    calls = []
+    real = s3http.S3HttpClient.list_page
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(s3http.S3HttpClient, "list_page", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+        for directory in ("d", "d/many", "d/sub"):
+            got = lean.list(CachePath("data", directory), refresh=True)
+            want = plain.list(CachePath("data", directory), refresh=True)
+            assert got == want and got
+        assert len(calls) == 1 + 2 + 1  # d/many took two pages
+        for path in ("top.bin", "nothing-here", ""):  # a file, no such prefix, the mount's root
+            try:
+                want = plain.list(CachePath("data", path), refresh=True)
+            except FileNotFoundError:
+                with pytest.raises(FileNotFoundError):
+                    lean.list(CachePath("data", path), refresh=True)
+                continue
+            assert lean.list(CachePath("data", path), refresh=True) == want
+    # A listing is a metadata refresh: what it says is what info says afterwards.
+    meta = lean.info(CachePath("data", "d/a b.bin"))
+    assert (meta.size, meta.version) == (plain.info(CachePath("data", "d/a b.bin"), refresh=True).size,
+                                         plain.info(CachePath("data", "d/a b.bin")).version)

@@ -47,6 +47,11 @@ def version_of(info: dict[str, Any]) -> str:
 class _Backend:
     """Generic fsspec store: the version cannot be checked on read (documented weakness)."""
 
+    def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
+        """A directory's entries (``fs.ls(detail=True)``), asked of the store itself."""
+        fs.invalidate_cache(store_path)  # we own the TTL, not the filesystem
+        return fs.ls(store_path, detail=True)
+
     def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
         fs.invalidate_cache(store_path)  # s3fs answers info() from its own listing cache otherwise
         info = fs.info(store_path)

@@ -317,8 +317,7 @@ class ObjectStore:
                 if recursive:
                     raw = list(fs.find(resolved.store_path, detail=True, withdirs=False).values())
                 else:
-                    fs.invalidate_cache(resolved.store_path)  # we own the TTL, not the filesystem
-                    raw = fs.ls(resolved.store_path, detail=True)
+                    raw = self._backend(resolved).ls(fs, resolved.store_path)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such directory") from exc
         entries = []

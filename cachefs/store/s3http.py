@@ -60,6 +60,41 @@ _IGNORED = frozenset({"skip_instance_cache", "use_listings_cache", "listings_exp
                       "asynchronous", "loop", "default_block_size", "default_fill_cache", "default_cache_type",
                       "cache_regions", "version_aware", "session"})
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+# ListObjectsV2 replies, read with regular expressions (botocore's XML parsing cost ~0.15 ms a key
+# here: a listing that refreshes 2,000 objects' metadata took 0.24-0.39 s of the worker's CPU).
+_CONTENTS = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
+_COMMON = re.compile(rb"<CommonPrefixes>\s*<Prefix>(.*?)</Prefix>\s*</CommonPrefixes>", re.S)
+_FIELDS = {name: re.compile(rb"<%s>(.*?)</%s>" % (name, name), re.S)
+           for name in (b"Key", b"Size", b"ETag", b"LastModified", b"IsTruncated", b"NextContinuationToken",
+                        b"EncodingType")}
+_XML_ENTITIES = {"&quot;": '"', "&apos;": "'", "&lt;": "<", "&gt;": ">"}
+_XML_ENTITY = re.compile(r"&(quot|apos|lt|gt|amp|#\d+|#x[0-9a-fA-F]+);")
+
+
+def _xml_text(raw: bytes) -> str:
+    text = raw.decode("utf-8")
+    if "&" not in text:
+        return text
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name == "amp":
+            return "&"
+        if name.startswith("#x"):
+            return chr(int(name[2:], 16))
+        if name.startswith("#"):
+            return chr(int(name[1:]))
+        return _XML_ENTITIES["&" + name + ";"]
+
+    return _XML_ENTITY.sub(one, text)
+
+
+def _listed_time(value: str) -> float:
+    """Seconds since the epoch of an ISO 8601 time as ListObjectsV2 gives it (UTC, ``Z``)."""
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -595,6 +630,60 @@ class S3HttpClient:
         else:
             self._done(reply)
 
+    def list_page(self, bucket: str, prefix: str, delimiter: str = "/", token: str = "",
+                  max_keys: int = 1000) -> tuple[list[tuple[str, int, str, float]], list[str], str]:
+        """One ListObjectsV2 page: (objects as (key, size, etag, mtime), common prefixes, the
+        token of the next page or ""). Keys travel URL-encoded (``encoding-type=url``)."""
+        where = f"s3://{bucket}/{prefix}"
+        query = {"list-type": "2", "prefix": prefix, "encoding-type": "url", "max-keys": str(max_keys)}
+        if delimiter:
+            query["delimiter"] = delimiter
+        if token:
+            query["continuation-token"] = token
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                reply = self._query(bucket, query)
+                if reply.status != 200:
+                    raise self._fail(reply, where, "")
+                try:
+                    body = reply.drain(limit=64 << 20)
+                except (ConnectionError, TimeoutError, ssl.SSLError) as exc:
+                    reply.sock.close()
+                    raise _Retry(ConnectionError(f"{where}: listing broke: {exc}")) from exc
+                self._done(reply)
+                return _parse_listing(body)
+            except _Retry as retry:
+                if attempt >= self.settings.attempts:
+                    raise retry.error from retry
+            self._pause(attempt)
+
+    def _query(self, bucket: str, params: dict[str, str]) -> _Reply:
+        """Send one signed GET of the bucket with query ``params``; read its head."""
+        credentials = self._credentials.get()
+        query = "&".join(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+                         for k, v in sorted(params.items()))
+        for _ in range(2):  # a learnt region, once
+            region = self._region(bucket)
+            scheme, host, port, host_header, path = self._target(bucket, "", region)
+            headers = {"host": host_header}
+            if self.settings.requester_pays:
+                headers["x-amz-request-payer"] = "requester"
+            if credentials is not None:
+                self._signer.sign(credentials, region, path, query, headers)
+            message = (f"GET {path}?{query} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+                       + "\r\n").encode("latin-1")
+            reply = self._exchange(scheme, host, port, message)
+            learnt = reply.headers.get("x-amz-bucket-region", "")
+            if reply.status in (301, 307, 400) and learnt and learnt != region:
+                reply.drain()
+                self._done(reply)
+                self._regions[bucket] = learnt
+                continue
+            return reply
+        return reply
+
     def first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, dict[str, str]]:
         """The first ``length`` bytes of whatever version is there (fewer for a smaller object),
         and the reply's headers (ETag, Content-Range, Last-Modified): a cold open in one GET."""
@@ -655,6 +744,31 @@ def _content_range(value: str) -> tuple[int, int, int | None] | None:
     return int(match.group(1)), int(match.group(2)), None if total == "*" else int(total)
 
 
+def _parse_listing(body: bytes) -> tuple[list[tuple[str, int, str, float]], list[str], str]:
+    """(objects, common prefixes, next token) of a ListObjectsV2 reply body."""
+    fields = _FIELDS
+    encoded = (m := fields[b"EncodingType"].search(body)) is not None and m.group(1).strip() == b"url"
+
+    def name(raw: bytes) -> str:
+        text = _xml_text(raw)
+        return urllib.parse.unquote_plus(text) if encoded else text
+
+    objects = []
+    for block in _CONTENTS.findall(body):
+        key, size, etag, modified = (fields[f].search(block) for f in (b"Key", b"Size", b"ETag", b"LastModified"))
+        if key is None:
+            raise OSError("a listing entry without a key")
+        objects.append((name(key.group(1)), int(size.group(1)) if size else 0,
+                        _xml_text(etag.group(1)).strip('"') if etag else "",
+                        _listed_time(modified.group(1).decode()) if modified else 0.0))
+    prefixes = [name(raw) for raw in _COMMON.findall(body)]
+    truncated = (m := fields[b"IsTruncated"].search(body)) is not None and m.group(1).strip() == b"true"
+    token = fields[b"NextContinuationToken"].search(body) if truncated else None
+    if truncated and token is None:
+        raise OSError("a truncated listing without a continuation token")
+    return objects, prefixes, _xml_text(token.group(1)) if token else ""
+
+
 def _xml_field(body: bytes, name: str) -> str:
     match = re.search(rb"<%s>([^<]{0,300})</%s>" % (name.encode(), name.encode()), body)
     return match.group(1).decode("utf-8", "replace") if match else ""
@@ -693,6 +807,32 @@ class HttpS3Backend(_S3Backend):
     def __init__(self, settings: S3Settings) -> None:
         self.settings = settings
         self.client = S3HttpClient(settings)
+
+    def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
+        """A directory's entries as s3fs's ``ls(detail=True)`` gives them, listed with lean
+        ListObjectsV2 requests; anything else (a bucket's root, a file's path, nothing found, an
+        error other than an unreachable store) is left to s3fs, which knows those cases."""
+        bucket, key = _split(fs, store_path)
+        if not bucket or not key.strip("/"):
+            return super().ls(fs, store_path)
+        prefix = key.rstrip("/") + "/"
+        entries: list[dict[str, Any]] = []
+        token = ""
+        try:
+            while True:
+                objects, prefixes, token = self.client.list_page(bucket, prefix, "/", token)
+                for name, size, etag, mtime in objects:  # a directory's marker ("d/") too, as s3fs lists it
+                    entries.append({"name": f"{bucket}/{name}", "size": size, "type": "file",
+                                    "ETag": f'"{etag}"', "LastModified": mtime})
+                for name in prefixes:
+                    entries.append({"name": f"{bucket}/{name.rstrip('/')}", "size": 0, "type": "directory"})
+                if not token:
+                    break
+        except ConnectionError:
+            raise
+        except Exception:  # noqa: BLE001 - s3fs answers it, or says what is wrong
+            return super().ls(fs, store_path)
+        return entries if entries else super().ls(fs, store_path)
 
     def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
         if end <= start:
