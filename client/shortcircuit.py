@@ -434,15 +434,10 @@ class ShortCircuitReader:
         named = self._usable_named()
         if named is None:
             return
-        whole = named.read_whole(reads, results)  # one-page samples checked before: the warm epoch
-        if None not in results:
-            self.counts["hits"] += whole
-            self.counts["named_hits"] += whole
-            if named.report_due():
-                self.report(wait=False)
-            return
+        # One-page samples read whole (a warm epoch) in one pass; the rest page by page below.
+        pages_read = named.read_whole(reads, results)  # already noted for the report
         digests: list[str] = []
-        nbytes, pages_read = 0, whole
+        nbytes = 0
         for i, (path, offset, out) in enumerate(reads):
             if results[i] is not None:
                 continue
@@ -472,7 +467,10 @@ class ShortCircuitReader:
         if pages_read:
             self.counts["hits"] += pages_read
             self.counts["named_hits"] += pages_read
-            self._note_named(digests, nbytes)
+            if digests:
+                named.note_read(digests, nbytes)
+            if named.report_due():
+                self.report(wait=False)
 
     def prepare(self, ranges: list[tuple[str, int, int, str]], fill: bool = True) -> Prepared:
         """Fetch handles for the ranges not held yet, in as few messages as the descriptor bound

@@ -30,6 +30,7 @@ import calendar
 import datetime as dt
 import email.utils
 import hashlib
+import html
 import hmac
 import os
 import random
@@ -67,26 +68,16 @@ _COMMON = re.compile(rb"<CommonPrefixes>\s*<Prefix>(.*?)</Prefix>\s*</CommonPref
 _FIELDS = {name: re.compile(rb"<%s>(.*?)</%s>" % (name, name), re.S)
            for name in (b"Key", b"Size", b"ETag", b"LastModified", b"IsTruncated", b"NextContinuationToken",
                         b"EncodingType")}
-_XML_ENTITIES = {"&quot;": '"', "&apos;": "'", "&lt;": "<", "&gt;": ">"}
-_XML_ENTITY = re.compile(r"&(quot|apos|lt|gt|amp|#\d+|#x[0-9a-fA-F]+);")
+
+
+def _encode_query(params: dict[str, str]) -> str:
+    """A query string as SigV4 signs it: names sorted, everything but unreserved characters escaped."""
+    return "&".join(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+                    for k, v in sorted(params.items()))
 
 
 def _xml_text(raw: bytes) -> str:
-    text = raw.decode("utf-8")
-    if "&" not in text:
-        return text
-
-    def one(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name == "amp":
-            return "&"
-        if name.startswith("#x"):
-            return chr(int(name[2:], 16))
-        if name.startswith("#"):
-            return chr(int(name[1:]))
-        return _XML_ENTITIES["&" + name + ";"]
-
-    return _XML_ENTITY.sub(one, text)
+    return html.unescape(raw.decode("utf-8"))
 
 
 def _listed_time(value: str) -> float:
@@ -461,19 +452,27 @@ class S3HttpClient:
         return "https", host, 443, host, f"/{bucket}/{quoted}"
 
     def _request(self, bucket: str, key: str, first: int, last: int | None, if_match: str) -> _Reply:
-        """Send one GET and read its head; a kept-alive connection closed meanwhile is redialled."""
+        """Send one ranged GET of a key (``if_match``: pinned to that ETag) and read its head."""
+        headers = {"range": f"bytes={first}-" + ("" if last is None else str(last))}
+        if if_match:
+            headers["if-match"] = f'"{if_match}"'
+        return self._send(bucket, key, "", headers)
+
+    def _send(self, bucket: str, key: str, query: str, extra: dict[str, str]) -> _Reply:
+        """Send one signed GET (``query``: already encoded, sorted as the signature wants it) and
+        read its head; a kept-alive connection closed meanwhile is redialled, a wrong region
+        learnt from the reply and asked again once."""
         credentials = self._credentials.get()
         for _ in range(2):  # a learnt region, once
             region = self._region(bucket)
             scheme, host, port, host_header, path = self._target(bucket, key, region)
-            headers = {"host": host_header, "range": f"bytes={first}-" + ("" if last is None else str(last))}
-            if if_match:
-                headers["if-match"] = f'"{if_match}"'
+            headers = {"host": host_header, **extra}
             if self.settings.requester_pays:
                 headers["x-amz-request-payer"] = "requester"
             if credentials is not None:
-                self._signer.sign(credentials, region, path, "", headers)
-            message = (f"GET {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+                self._signer.sign(credentials, region, path, query, headers)
+            target = f"{path}?{query}" if query else path
+            message = (f"GET {target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
                        + "\r\n").encode("latin-1")
             reply = self._exchange(scheme, host, port, message)
             learnt = reply.headers.get("x-amz-bucket-region", "")
@@ -644,7 +643,7 @@ class S3HttpClient:
         while True:
             attempt += 1
             try:
-                reply = self._query(bucket, query)
+                reply = self._send(bucket, "", _encode_query(query), {})
                 if reply.status != 200:
                     raise self._fail(reply, where, "")
                 try:
@@ -658,31 +657,6 @@ class S3HttpClient:
                 if attempt >= self.settings.attempts:
                     raise retry.error from retry
             self._pause(attempt)
-
-    def _query(self, bucket: str, params: dict[str, str]) -> _Reply:
-        """Send one signed GET of the bucket with query ``params``; read its head."""
-        credentials = self._credentials.get()
-        query = "&".join(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
-                         for k, v in sorted(params.items()))
-        for _ in range(2):  # a learnt region, once
-            region = self._region(bucket)
-            scheme, host, port, host_header, path = self._target(bucket, "", region)
-            headers = {"host": host_header}
-            if self.settings.requester_pays:
-                headers["x-amz-request-payer"] = "requester"
-            if credentials is not None:
-                self._signer.sign(credentials, region, path, query, headers)
-            message = (f"GET {path}?{query} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-                       + "\r\n").encode("latin-1")
-            reply = self._exchange(scheme, host, port, message)
-            learnt = reply.headers.get("x-amz-bucket-region", "")
-            if reply.status in (301, 307, 400) and learnt and learnt != region:
-                reply.drain()
-                self._done(reply)
-                self._regions[bucket] = learnt
-                continue
-            return reply
-        return reply
 
     def first_bytes(self, bucket: str, key: str, length: int) -> tuple[bytes, dict[str, str]]:
         """The first ``length`` bytes of whatever version is there (fewer for a smaller object),
