@@ -45,6 +45,10 @@ PREPARE_BATCH = 64
 _GLOB_CHARS = frozenset("*?[")
 
 FSSPEC_OPTIONS = frozenset({"use_listings_cache", "listings_expiry_time", "max_paths", "batch_size"})
+#: The event loop of a filesystem made without one, until something asks for it (``loop``): the
+#: reads of a DataLoader worker (a new process every epoch) never do, and fsspec's loop would
+#: start a thread in each of them.
+_NO_LOOP_YET: Any = object()
 
 
 class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFileSystem):
@@ -74,7 +78,8 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
         if args:
             raise TypeError("CacheFileSystem takes keyword options only (master=..., workers=...)")
         fsspec_options = {k: options.pop(k) for k in list(options) if k in FSSPEC_OPTIONS}
-        super().__init__(asynchronous=asynchronous, loop=loop, **fsspec_options)
+        super().__init__(asynchronous=asynchronous, loop=loop if loop is not None or asynchronous else _NO_LOOP_YET,
+                         **fsspec_options)
         if unmounted not in ("error", "direct"):
             raise ValueError(f"unmounted must be 'error' or 'direct', got {unmounted!r}")
         # What a main process learnt of the cluster, for the processes it starts (the datasets
@@ -99,7 +104,7 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        if self._pid != os.getpid():  # forked: the parent's loop thread does not exist here
+        if self._pid != os.getpid() or self._loop is _NO_LOOP_YET:  # forked: the parent's loop thread is not here
             self._pid = os.getpid()
             self._loop = fsspec.asyn.get_loop()
         return self._loop

@@ -45,6 +45,8 @@ NOT_CACHED_SECONDS = 0.5
 #: hang it there (forksafe.grpc_inherited).
 FORKED_FILL_PATIENCE = 15.0
 _NOT_CACHED_MAX = 4096
+#: After a hello that brought no name index (refused, or the worker away), reads ask again no sooner.
+HELLO_RETRY = 5.0
 #: A range of at least this many pages is read through descriptors held from the worker (asked
 #: for once, then one ``preadv`` a page) rather than opened by name (``open``, ``fstat``,
 #: ``preadv``, ``close`` a page, every read): 8 readers of 64 MiB objects read 0.83-0.86 of a
@@ -95,6 +97,7 @@ class ShortCircuitReader:
         self._reporting = False  # a report is being sent behind the reads (report(wait=False))
         self._by_name = by_name
         self.named: NamedPages | None = None  # from the same hello as the handle table
+        self._hello_after = 0.0  # a read asks for the name index itself from then on (_hello_for_names)
         self._not_cached: dict[str, float] = {}  # path -> until when reads skip this socket
         self._failed: dict[str, OSError] = {}  # path -> why the worker could not fill it at all
         self._not_held: dict[str, None] = {}  # paths of large reads the worker did not let us hold
@@ -392,6 +395,8 @@ class ShortCircuitReader:
         """Reads ``(path, offset, out)`` through pages this process holds, with no message and
         one lock for the batch; per read, (bytes read, object size), or None: not held (read
         it another way). A read that fails midway is None too (its ``out`` may be partly filled)."""
+        if self.named is None:
+            self._hello_for_names()
         found = self.handles.lookup_many([(path, offset, len(out)) for path, offset, out in reads])
         results: list[tuple[int, int] | None] = []
         used = misses = 0  # pages read, and of those fetched for the request that brought them
@@ -427,6 +432,20 @@ class ShortCircuitReader:
         if self.handles.touched_pending() >= MAX_TOUCHED:
             self.report(wait=False)
         return results
+
+    def _hello_for_names(self) -> None:
+        """A process's first read (a DataLoader worker's, every epoch): its hello alone brings the
+        name index, so that the batch is read by name at once, rather than first asked for as
+        descriptors (and each page file looked for), then read. At most one try per HELLO_RETRY."""
+        if not (self._by_name and self._want_hello) or self.handles.usable() \
+                or time.monotonic() < self._hello_after:
+            return
+        try:
+            self._request([], True, False)
+        except OSError as exc:  # the reads go on the usual way, which tells the caller what is wrong
+            log.debug("short-circuit hello failed: %s", exc)
+        if self.named is None:
+            self._hello_after = time.monotonic() + HELLO_RETRY
 
     def _read_named_into(self, reads: list[tuple[str, int, memoryview]],
                          results: list[tuple[int, int] | None]) -> None:

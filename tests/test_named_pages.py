@@ -863,6 +863,89 @@ def test_a_new_process_prepares_a_cached_batch_with_its_hello_alone(local_store,
     assert _reader(fs, worker).counts["named_hits"] == 8
 
 
+def test_a_new_process_reads_its_first_cached_batch_after_a_hello_alone(local_store, make_worker, monkeypatch):
+    """A DataLoader worker's first batch (every epoch): the read itself asks for the name index
+    (one hello, no ranges) and reads the batch by name, with no prepare before it (no descriptors
+    asked for, no page file looked for); a dataset's first batch there sends that hello only."""
+    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.shortcircuit import ShortCircuitReader
+    from cachefs.paths import parse_path
+
+    data = [payload(PAGE // 2, 120 + i) for i in range(8)]
+    for i, d in enumerate(data):
+        local_store.add(f"s/{i}", d)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    _fs(worker).cat([f"cachefs://data/s/{i}" for i in range(8)])
+    _settled(worker, [f"data/s/{i}" for i in range(8)], [len(d) for d in data])
+    sent: list = []
+    exchange = ShortCircuitReader._exchange
+    monkeypatch.setattr(ShortCircuitReader, "_exchange", lambda self, request: (sent.append(request),
+                                                                                  exchange(self, request))[1])
+    fs = _fs(worker)  # as a new process
+    fs.session.bootstrap()  # its worker's lean paths known (a DataLoader worker is handed them)
+    sent.clear()
+    outs = [bytearray(len(d)) for d in data]
+    got = fs.session.read_held([(parse_path(f"data/s/{i}"), out) for i, out in enumerate(outs)])
+    assert got == [(len(d), len(d)) for d in data] and [bytes(o) for o in outs] == data
+    assert len(sent) == 1 and sent[0].hello and not sent[0].ranges
+    assert _reader(fs, worker).counts["named_hits"] == 8
+
+    ds = CacheDataset([f"cachefs://data/s/{i}" for i in range(8)], storage_options={"workers": worker.address},
+                      shuffle=False, rank=0, world_size=1, plan_ahead=False, hint_samples=0)
+    ds._local.get().fs.session.bootstrap()
+    sent.clear()
+    batch = ds.__getitems__(list(range(8)))
+    assert [bytes(t.numpy()) for t in batch] == data
+    assert len(sent) == 1 and sent[0].hello and not sent[0].ranges
+
+
+def test_a_failed_hello_is_asked_again_only_after_a_while(local_store, make_worker, monkeypatch):
+    from cachefs.client import shortcircuit
+    from cachefs.paths import parse_path
+
+    data = payload(PAGE // 2, 7)
+    local_store.add("s/0", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    _fs(worker).cat_file("cachefs://data/s/0")
+    _settled(worker, ["data/s/0"], [len(data)])
+    fs = _fs(worker)
+    fs.session.bootstrap()
+    reader = _reader(fs, worker)
+    real, calls = reader._request, []
+
+    def refused(*args, **kwargs):  # the socket is away (a worker restarting)
+        calls.append(args)
+        raise ConnectionRefusedError("no worker on the socket")
+
+    monkeypatch.setattr(reader, "_request", refused)
+    now = [1000.0]
+    monkeypatch.setattr(shortcircuit.time, "monotonic", lambda: now[0])
+    out = bytearray(len(data))
+    for _ in range(3):
+        assert fs.session.read_held([(parse_path("data/s/0"), out)]) == [None]  # read another way
+    assert len(calls) == 1
+    now[0] += shortcircuit.HELLO_RETRY
+    monkeypatch.setattr(reader, "_request", real)
+    assert fs.session.read_held([(parse_path("data/s/0"), out)]) == [(len(data), len(data))]
+    assert bytes(out) == data and reader.named is not None
+
+
+def test_a_worker_that_offers_no_index_gets_one_hello_not_one_a_batch(local_store, make_worker, monkeypatch):
+    from cachefs.paths import parse_path
+
+    data = payload(PAGE // 2, 8)
+    local_store.add("s/0", data)
+    worker = make_worker(local_store.mount, page_size=PAGE, short_circuit_by_name=False)
+    _fs(worker).cat_file("cachefs://data/s/0")
+    fs = _fs(worker)
+    fs.session.bootstrap()
+    sent = _count_messages(_reader(fs, worker), monkeypatch)
+    out = bytearray(len(data))
+    for _ in range(3):
+        fs.session.read_held([(parse_path("data/s/0"), out)])
+    assert len([m for m in sent if m.hello]) == 1 and _reader(fs, worker).named is None
+
+
 def test_freeing_one_data_set_leaves_the_others_readable_by_name(local_store, make_worker, monkeypatch):
     """A free deletes the pages under its prefix (so nothing of it is read by name) and leaves
     every other object's entry alone: a benchmark freeing one data set before its cold epoch

@@ -215,3 +215,20 @@ def test_an_open_file_keeps_its_version_when_the_object_changes(served, local_st
             assert "version" in str(err).lower() or "changed" in str(err).lower() or "stale" in str(err).lower(), err
         else:
             assert bytes(buf[:n]) == objects["multi.bin"][:n]
+
+
+def test_a_filesystem_starts_its_event_loop_only_when_something_asks_for_it(local_store, make_worker):
+    """A DataLoader worker builds a filesystem every epoch and reads through sync paths only:
+    no fsspec IO thread for it. Whatever is async still runs (on the loop made at first use)."""
+    from cachefs.client import filesystem
+    from cachefs.client.filesystem import CacheFileSystem
+
+    local_store.add("d/a", b"abc")
+    worker = make_worker(local_store.mount)
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
+    assert fs.cat_file("cachefs://data/d/a") == b"abc" and fs.info("cachefs://data/d/a")["size"] == 3
+    assert fs._loop is filesystem._NO_LOOP_YET  # nothing asked for it (fsspec's would start a thread)
+    loop = fs.loop
+    assert loop.is_running() and fs.loop is loop
+    assert fs.exists("cachefs://data/d/a") and not fs.exists("cachefs://data/d/missing")
+    assert CacheFileSystem(workers=worker.address, skip_instance_cache=True, asynchronous=True)._loop is None
