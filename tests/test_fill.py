@@ -159,3 +159,46 @@ def test_a_cold_read_through_grpc_asks_the_store_for_the_rest_at_once(store, mak
                 for sample in family.samples if sample.name.endswith("_total")}
     assert sum(requests.values()) <= 3, requests  # the open, the first block's run, the rest
     assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") == len(data)
+
+
+def test_known_objects_are_waited_for_on_the_requests_thread_and_cold_ones_written_where_fetched(
+        store, make_worker, monkeypatch, request):
+    """A fill resolves only objects whose metadata is not known (a GET each, side by side on the
+    fill pool); a range of a known object needs no store call and is waited for on the request's
+    own thread. The pages a fill's GET brings with the metadata (S3: one GET for both) are written
+    on that thread, not queued to a writer: the fill waits for them to be cached anyway."""
+    import threading
+
+    from cachefs.paths import parse_path
+
+    objects = {f"k/{i}": payload(PAGE // 2, 70 + i) for i in range(8)}
+    for key, data in objects.items():
+        store.add(key, data)
+    worker = make_worker(store.mount, page_size=PAGE)
+    for key in list(objects)[:4]:  # metadata known, nothing cached
+        worker.objects.info(parse_path(f"data/{key}"))
+    ran: list[tuple[str, str]] = []
+    fill_one = worker.filler._fill_one
+    monkeypatch.setattr(worker.filler, "_fill_one", lambda wanted, *a: (
+        ran.append((wanted.path, threading.current_thread().name)), fill_one(wanted, *a))[1])
+    queued: list = []
+    queue_write = worker.reader._queue_write
+    monkeypatch.setattr(worker.reader, "_queue_write", lambda pid, *a: (queued.append(pid), queue_write(pid, *a))[1])
+    ranges = [shortcircuit_pb2.RangeRequest(path=f"data/{key}", offset=0, length=len(data), fill=True)
+              for key, data in objects.items()]
+    caller = threading.current_thread().name
+    assert worker.filler.fill(ranges)
+    assert _fills(worker)["filled"] == len(objects)
+    where = dict(ran)
+    assert all(where[f"data/{k}"] == caller for k in list(objects)[:4])
+    assert all(where[f"data/{k}"].startswith("cachefs-fill") for k in list(objects)[4:])
+    cold = {f"data/{k}" for k in list(objects)[4:]}
+    cold_queued = [pid for pid in queued if f"{pid.mount}/{pid.key}" in cold]
+    if request.node.callspec.params["store"] == "s3":
+        assert not cold_queued  # written where fetched
+    else:  # local files: metadata alone (a stat), the pages then fetched by the reader's pool
+        assert len(cold_queued) == len(cold)
+    fs = _fs(worker)
+    assert fs.cat([f"cachefs://data/{k}" for k in objects]) == {f"data/{k}": d for k, d in objects.items()}
+    assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") \
+        == sum(map(len, objects.values()))  # each fetched once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -201,7 +202,8 @@ class Worker:
                              self.pages.page_size, token)
         # Cold ranges asked for over the short-circuit socket are fetched into the page store and
         # handed out as pages (fill.py): resolved exactly as a gRPC read resolves them.
-        self.filler = RangeFiller(self.reader, servicer._file_meta, servicer._head_bytes,
+        self.filler = RangeFiller(self.reader, functools.partial(servicer._file_meta, write_here=True),
+                                  servicer._head_bytes,
                                   threads=self.config.fetch_threads, max_requests=FILL_REQUESTS,
                                   on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
         self.hint_loads = HintLoads(servicer.load_objects)

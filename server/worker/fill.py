@@ -99,13 +99,28 @@ class RangeFiller:
             self._count("requests")
             self._count("ranges", len(ranges))
             deadline = time.monotonic() + self.deadline_seconds
+            # A range whose object is known needs no store call here (its pages are cached, in
+            # flight, or fetched by the reader's pool): it is only waited for, on this thread.
+            # The others resolve their objects (a GET each) on the pool, side by side.
+            here = [self._known(r) for r in ranges]
             futures = [self._pool.submit(self._fill_one, r, deadline, None if fetched is None else fetched[i],
                                          failures, i)
-                       for i, r in enumerate(ranges)]
-            wait(futures, timeout=self.deadline_seconds)  # each range counts its own outcome
+                       for i, r in enumerate(ranges) if not here[i]]
+            for i, r in enumerate(ranges):
+                if here[i]:
+                    self._fill_one(r, deadline, None if fetched is None else fetched[i], failures, i)
+            wait(futures, timeout=max(0.0, deadline - time.monotonic()))  # each range counts its own outcome
             return True
         finally:
             self._slots.release()
+
+    def _known(self, wanted: Any) -> bool:
+        """Whether the range's object metadata is at hand (fresh, of the version asked for)."""
+        try:
+            meta = self.reader.objects.cached_info(parse_path(wanted.path))
+        except InvalidPathError:
+            return False
+        return meta is not None and not meta.is_dir and (not wanted.version or wanted.version == meta.version)
 
     def _fill_one(self, wanted: Any, deadline: float, fetched: set[Any] | None = None,
                   failures: list[OSError | None] | None = None, index: int = 0) -> None:

@@ -110,11 +110,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if len(paths) > MAX_JOB_PATHS:
             raise InvalidPathError(f"at most {MAX_JOB_PATHS} paths per request, got {len(paths)}")
 
-    def _file_meta(self, path: CachePath, version: str, head_bytes: int = 0) -> ObjectMeta:
+    def _file_meta(self, path: CachePath, version: str, head_bytes: int = 0, write_here: bool = False) -> ObjectMeta:
+        """The object's metadata for a read. ``write_here``: the caller waits for the pages to be
+        cached anyway (a fill), so the first pages a GET brings are written on its thread rather
+        than handed to a writer (a queue and two wake-ups a sample)."""
         if head_bytes > 0 and not version and not self.pages.holds_object(path.mount, path.key):
             # Nothing of it cached: one GET can bring the metadata and the first pages together.
             # (If pages are cached, a metadata-only request is cheaper than refetching a page.)
-            meta, _head = self.objects.open(path, head_bytes, adopt=self.reader.adopt)
+            adopt = self.reader.adopt if not write_here else \
+                (lambda meta, data: self.reader.adopt(meta, data, write_here=True))
+            meta, _head = self.objects.open(path, head_bytes, adopt=adopt)
         else:
             meta = self.objects.info(path)
         if version and meta.version != version:
