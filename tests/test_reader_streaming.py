@@ -154,18 +154,22 @@ def test_pages_that_arrived_before_a_store_error_are_served_and_cached(tmp_path)
 
 @pytest.mark.parametrize("write_here", [True, False], ids=["written-here", "queued"])
 def test_adopted_pages_are_cached_either_on_the_callers_thread_or_by_a_writer(tmp_path, write_here):
-    """A load's resolve thread writes the head it adopted itself (no writer hand-off); a request
-    thread queues it. Either way every whole page lands and settles, nothing stays pending."""
+    """A load's resolve thread (or a fill) writes the head it adopted itself once its open is over
+    (no writer hand-off); a request thread queues it. Either way every whole page lands and
+    settles, nothing stays pending."""
     data = payload(2 * PAGE + 100, 8)
     pages = PageStore([CacheDir(str(tmp_path / "cache"), 1 << 30)], PAGE)
     reader = PageReader(pages, _HalfStore(data), WorkerMetrics(),  # type: ignore[arg-type]
                         ReaderOptions(readahead_pages=0, fetch_group_pages=8))
     meta = ObjectMeta(CachePath("m", "k"), len(data), "v1", 0.0)
     try:
-        assert reader.adopt(meta, data, write_here=write_here)
+        later: list | None = [] if write_here else None
+        assert reader.adopt(meta, data, later)
         ids = [PageId("m", "k", "v1", i) for i in range(3)]
-        if write_here:  # done before adopt returned
-            assert all(pages.contains(pid) for pid in ids) and not reader._inflight
+        if write_here:  # left to the caller: in flight (served from memory) until it writes them
+            assert [pid for pid, _ in later] == ids and all(pid in reader._inflight for pid in ids)
+            reader.write_adopted(later)
+            assert all(pages.contains(pid) for pid in ids) and not reader._inflight and later == []
         assert all(reader.wait_settled(pid, time.monotonic() + 10) for pid in ids)
         assert all(pages.contains(pid) for pid in ids)
         assert reader._pending_write_bytes == 0

@@ -307,15 +307,16 @@ class PageReader:
             return self._wait_locked(settled, deadline)
 
     # -- a range ------------------------------------------------------------------------------
-    def adopt(self, meta: ObjectMeta, data: bytes, write_here: bool = False) -> bool:
+    def adopt(self, meta: ObjectMeta, data: bytes, later: list[tuple[PageId, bytes]] | None = None) -> bool:
         """Take the first pages of an object that arrived with its metadata (see ObjectStore.open).
 
         Every whole page in ``data`` (and a short last page at the object's end) is served and
         written like a fetched one. False if the first page was not taken (not a whole page, or
         already in flight); later pages already in flight are left to their fetch.
-        ``write_here``: the caller is a background thread (a load resolving cold objects), so
-        it writes the pages itself rather than hand them to a writer (a wake-up, a future and
-        a queue per small object, for a write that local readers wait for anyway).
+        ``later``: the caller will write the pages itself (``write_adopted``, always, once the
+        open is over): a load or a fill that waits for them to be cached anyway, rather than
+        hand them to a writer (a wake-up, a future and a queue per small object). Not inside the
+        open: readers joining it would wait for the disk.
         """
         first_end = self._page_bounds(meta, 0)[1]
         if not data or len(data) < first_end:
@@ -339,11 +340,18 @@ class PageReader:
                     taken.append((pid, page))
         for pid, page in taken:
             self.metrics.bytes_from_store.inc(len(page))
-            if write_here:
-                self._write_now(pid, page)
+            if later is not None:
+                later.append((pid, page))
             else:
                 self._queue_write(pid, page)
         return True
+
+    def write_adopted(self, pages: list[tuple[PageId, bytes]]) -> None:
+        """Write the pages ``adopt`` left to the caller (in a ``finally``: a page adopted and never
+        written would stay in flight)."""
+        for pid, page in pages:
+            self._write_now(pid, page)
+        pages.clear()
 
     def _write_now(self, pid: PageId, data: bytes) -> None:
         """A page written on this thread, counted as pending while it is (as a queued one)."""

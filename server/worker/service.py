@@ -112,14 +112,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _file_meta(self, path: CachePath, version: str, head_bytes: int = 0, write_here: bool = False) -> ObjectMeta:
         """The object's metadata for a read. ``write_here``: the caller waits for the pages to be
-        cached anyway (a fill), so the first pages a GET brings are written on its thread rather
-        than handed to a writer (a queue and two wake-ups a sample)."""
+        cached anyway (a fill), so the first pages a GET brings are written on its thread (once
+        the open is over) rather than handed to a writer (a queue and two wake-ups a sample)."""
         if head_bytes > 0 and not version and not self.pages.holds_object(path.mount, path.key):
             # Nothing of it cached: one GET can bring the metadata and the first pages together.
             # (If pages are cached, a metadata-only request is cheaper than refetching a page.)
-            adopt = self.reader.adopt if not write_here else \
-                (lambda meta, data: self.reader.adopt(meta, data, write_here=True))
-            meta, _head = self.objects.open(path, head_bytes, adopt=adopt)
+            adopted: list = []
+            adopt = self.reader.adopt if not write_here else (lambda m, data: self.reader.adopt(m, data, adopted))
+            try:
+                meta, _head = self.objects.open(path, head_bytes, adopt=adopt)
+            finally:
+                self.reader.write_adopted(adopted)
         else:
             meta = self.objects.info(path)
         if version and meta.version != version:
