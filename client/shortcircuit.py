@@ -442,7 +442,7 @@ class ShortCircuitReader:
             return
         try:
             self._request([], True, False)
-        except OSError as exc:  # the reads go on the usual way, which tells the caller what is wrong
+        except Exception as exc:  # noqa: BLE001 - the reads go on the usual way, which tells the caller what is wrong
             log.debug("short-circuit hello failed: %s", exc)
         if self.named is None:
             self._hello_after = time.monotonic() + HELLO_RETRY

@@ -11,6 +11,7 @@ import mmap
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -834,14 +835,12 @@ def test_past_the_metadata_ttl_reads_by_name_go_on_and_the_worker_refreshes_what
     assert wait_for(gone, timeout=30)
 
 
-def test_a_new_process_prepares_a_cached_batch_with_its_hello_alone(local_store, make_worker, monkeypatch):
-    """A DataLoader worker is a new process every epoch: its first batch's prepare sends one
-    hello with no ranges (the name index comes with it), and the cached samples are then read by
-    name, not handed over as 32 descriptors."""
+def _cached_samples_and_messages(local_store, make_worker, monkeypatch, seed: int) -> tuple[list[bytes], Any, list]:
+    """Eight one-page samples cached by a worker, and the list every short-circuit request of
+    this process is appended to from now on."""
     from cachefs.client.shortcircuit import ShortCircuitReader
-    from cachefs.paths import parse_path
 
-    data = [payload(PAGE // 2, 80 + i) for i in range(8)]
+    data = [payload(PAGE // 2, seed + i) for i in range(8)]
     for i, d in enumerate(data):
         local_store.add(f"s/{i}", d)
     worker = make_worker(local_store.mount, page_size=PAGE)
@@ -851,6 +850,16 @@ def test_a_new_process_prepares_a_cached_batch_with_its_hello_alone(local_store,
     exchange = ShortCircuitReader._exchange
     monkeypatch.setattr(ShortCircuitReader, "_exchange", lambda self, request: (sent.append(request),
                                                                                   exchange(self, request))[1])
+    return data, worker, sent
+
+
+def test_a_new_process_prepares_a_cached_batch_with_its_hello_alone(local_store, make_worker, monkeypatch):
+    """A DataLoader worker is a new process every epoch: its first batch's prepare sends one
+    hello with no ranges (the name index comes with it), and the cached samples are then read by
+    name, not handed over as 32 descriptors."""
+    from cachefs.paths import parse_path
+
+    data, worker, sent = _cached_samples_and_messages(local_store, make_worker, monkeypatch, 80)
     fs = _fs(worker)  # as a new process, holding handles by default
     ranges = [(parse_path(f"data/s/{i}"), 0, len(d)) for i, d in enumerate(data)]
     prepared = fs.session.prepare(ranges)
@@ -868,19 +877,9 @@ def test_a_new_process_reads_its_first_cached_batch_after_a_hello_alone(local_st
     (one hello, no ranges) and reads the batch by name, with no prepare before it (no descriptors
     asked for, no page file looked for); a dataset's first batch there sends that hello only."""
     from cachefs.client.dataset import CacheDataset
-    from cachefs.client.shortcircuit import ShortCircuitReader
     from cachefs.paths import parse_path
 
-    data = [payload(PAGE // 2, 120 + i) for i in range(8)]
-    for i, d in enumerate(data):
-        local_store.add(f"s/{i}", d)
-    worker = make_worker(local_store.mount, page_size=PAGE)
-    _fs(worker).cat([f"cachefs://data/s/{i}" for i in range(8)])
-    _settled(worker, [f"data/s/{i}" for i in range(8)], [len(d) for d in data])
-    sent: list = []
-    exchange = ShortCircuitReader._exchange
-    monkeypatch.setattr(ShortCircuitReader, "_exchange", lambda self, request: (sent.append(request),
-                                                                                  exchange(self, request))[1])
+    data, worker, sent = _cached_samples_and_messages(local_store, make_worker, monkeypatch, 120)
     fs = _fs(worker)  # as a new process
     fs.session.bootstrap()  # its worker's lean paths known (a DataLoader worker is handed them)
     sent.clear()
