@@ -497,10 +497,10 @@ class ShortCircuitReader:
         the worker's page store first); returns how many are now held, and how many were filled."""
         missing = []
         named = self._usable_named()
-        if named is None and self._by_name and self._want_hello and not self.handles.usable():
+        if named is None:
             # A new process (a DataLoader worker each epoch): its hello alone brings the name index,
             # and the ranges cached are then read by name, not handed over as descriptors.
-            self._request([], True, fill)
+            self._hello_for_names()
             named = self._usable_named()
         for r in ranges:
             found = self.handles.lookup(*r, read=False)

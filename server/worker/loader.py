@@ -299,11 +299,7 @@ def resolve_for_load(objects: ObjectStore, path: CachePath,
     fetched = 0
     if reader is not None and objects.cached_info(path) is None \
             and not reader.pages.holds_object(path.mount, path.key):
-        adopted: list = []
-        try:
-            meta, head = objects.open(path, reader.page_size, adopt=lambda m, data: reader.adopt(m, data, adopted))
-        finally:
-            reader.write_adopted(adopted)  # here, as the load waits for them anyway
+        meta, head = reader.open_writing_head(path, reader.page_size)  # the load waits for them anyway
         if head is not None:  # this load's GET, and the reader took its pages
             fetched = len(head)
     else:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from cachefs.config import WorkerConfig
 from cachefs.errors import DeadlineExceededError, StaleObjectError, StoreUnavailableError, WorkerUnavailableError
 from cachefs.server.worker.metrics import WorkerMetrics
+from cachefs.paths import CachePath
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
@@ -345,6 +346,15 @@ class PageReader:
             else:
                 self._queue_write(pid, page)
         return True
+
+    def open_writing_head(self, path: CachePath, head_bytes: int) -> tuple[ObjectMeta, bytes | None]:
+        """``ObjectStore.open`` for a caller that waits for the pages to be cached anyway (a load,
+        a fill): the head's pages are adopted and written on this thread once the open is over."""
+        adopted: list[tuple[PageId, bytes]] = []
+        try:
+            return self.objects.open(path, head_bytes, adopt=lambda meta, data: self.adopt(meta, data, adopted))
+        finally:
+            self.write_adopted(adopted)
 
     def write_adopted(self, pages: list[tuple[PageId, bytes]]) -> None:
         """Write the pages ``adopt`` left to the caller (in a ``finally``: a page adopted and never

@@ -117,12 +117,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if head_bytes > 0 and not version and not self.pages.holds_object(path.mount, path.key):
             # Nothing of it cached: one GET can bring the metadata and the first pages together.
             # (If pages are cached, a metadata-only request is cheaper than refetching a page.)
-            adopted: list = []
-            adopt = self.reader.adopt if not write_here else (lambda m, data: self.reader.adopt(m, data, adopted))
-            try:
-                meta, _head = self.objects.open(path, head_bytes, adopt=adopt)
-            finally:
-                self.reader.write_adopted(adopted)
+            if write_here:
+                meta, _head = self.reader.open_writing_head(path, head_bytes)
+            else:
+                meta, _head = self.objects.open(path, head_bytes, adopt=self.reader.adopt)
         else:
             meta = self.objects.info(path)
         if version and meta.version != version:
