@@ -160,8 +160,10 @@ class NamedPages:
         self._memo_pages = 0  # page file names in _pages (bounded by MEMO_ENTRIES: ~8 MiB)
         # Per one-page object read whole: where its entry is and what it said (slot offset, seq,
         # size, until), its page's digest (hex and raw) and file: while the slot's seq is the
-        # same the entry is unchanged, so a warm read checks one number, not the entry (read_whole).
-        self._whole: dict[str, tuple[int, int, int, int, str, bytes, str]] = {}
+        # same the entry is unchanged, so a warm read checks one number, not the entry (read_whole);
+        # and the version it named (an entry rewritten for the same version, as a metadata
+        # refresh of a long epoch does, keeps its page's name: only the entry is read again).
+        self._whole: dict[str, tuple[int, int, int, int, str, bytes, str, str]] = {}
         # reads noted (a batch counts once), pages asked for by name but not there, and pages
         # read with no checksum pass (this process had checked the same file before)
         self.stats = {"named_reads": 0, "named_missing": 0, "named_unhashed": 0}
@@ -319,7 +321,7 @@ class NamedPages:
                 known = self._remember_whole(path)
                 if known is None:
                     continue
-            _off, _seq, size, until_ns, digest, digest_raw, name = known
+            _off, _seq, size, until_ns, digest, digest_raw, name, _version = known
             if len(out) != size:
                 continue  # not the whole object
             past = until_ns <= now_ns  # as read_into does: within the stale window, read and report it
@@ -360,17 +362,21 @@ class NamedPages:
             self._note_raw(raw, nbytes)
         return len(raw)
 
-    def _remember_whole(self, path: str) -> tuple[int, int, int, int, str, bytes, str] | None:
+    def _remember_whole(self, path: str) -> tuple[int, int, int, int, str, bytes, str, str] | None:
         found = self._locate(path)
         if found is None or not 0 < found[2] <= self.page_size:
             return None
         off, seq, size, version, _mtime, until_ns = found
+        before = self._whole.get(path)
+        if before is not None and before[7] == version:  # the entry extended: the same page file
+            known = self._whole[path] = (off, seq, size, until_ns, *before[4:])
+            return known
         cp = parse_path(path)
         digest = page_digest(cp.mount, cp.key, version, 0)
         name = self._file(digest)
         if len(self._whole) >= MEMO_ENTRIES:
             self._whole.clear()
-        known = self._whole[path] = (off, seq, size, until_ns, digest, bytes.fromhex(digest), name)
+        known = self._whole[path] = (off, seq, size, until_ns, digest, bytes.fromhex(digest), name, version)
         return known
 
     def read_into(self, path: str, offset: int, out: memoryview) -> tuple[int, int, list[str]] | str | None:

@@ -13,7 +13,7 @@ from cachefs.mounts import MountTable
 from cachefs.paths import CachePath
 from cachefs.priority import BACKGROUND_NICE
 from cachefs.store.objects import ObjectStore
-from cachefs.store.revalidate import LIST_MIN_STALE, Revalidator, parent_of
+from cachefs.store.revalidate import LIST_MIN_STALE, LIST_OBJECTS_PER_STALE, SYNC_LIST_MAX, Revalidator, parent_of
 from helpers import payload, wait_for
 
 
@@ -127,6 +127,170 @@ def test_a_failed_listing_leaves_no_object_waiting():
     _run(fakes, wanted, dir_size=20)
     assert fakes.lists  # tried
     assert sorted(set(fakes.one), key=str) == sorted(wanted, key=str)  # then each on its own
+
+
+def _past_grace(objects: ObjectStore, paths: list[CachePath]) -> bool:
+    return all(objects._meta.get_with_expiry(p) is None for p in paths)
+
+
+def test_reads_past_the_grace_wait_for_one_listing_instead_of_a_head_each(s3_store):
+    """An epoch longer than TTL + grace: nothing is left to serve from. After a few HEADs, one
+    listing refreshes the directory; a change and a deletion in the store are still seen."""
+    n = 40
+    for i in range(n):
+        s3_store.add(f"p/o{i:03d}.bin", payload(100 + i, i))
+    objects = ObjectStore(MountTable([s3_store.mount]), metadata_ttl=2.0, stale_grace=0.5)
+    paths = [e.path for e in objects.list(CachePath("data", "p"))]
+    assert len(paths) == n
+    s3_store.add("p/o030.bin", payload(300, 99))  # changed meanwhile
+    s3_store.delete("p/o031.bin")  # deleted meanwhile
+    assert wait_for(lambda: _past_grace(objects, paths), timeout=30)
+    requests: Counter[str] = Counter()
+    objects.on_request = lambda kind: requests.update([kind])
+    for p in paths:
+        if p.key == "p/o031.bin":
+            with pytest.raises(FileNotFoundError):
+                objects.info(p)
+        else:
+            assert objects.info(p).size == (300 if p.key == "p/o030.bin" else 100 + int(p.key[3:6]))
+    assert requests["list"] == 1, requests
+    assert requests["info"] <= LIST_MIN_STALE, requests  # the first few alone, and the deleted one
+    assert objects.revalidator.stats["expired_by_listing"] == 1  # the read that listed; the rest found it fresh
+
+
+def _expired_fakes(names: list[str], dir_size: int | None) -> tuple[_Fakes, Revalidator]:
+    fakes = _Fakes(names)
+    fakes.gate.set()
+    reval = Revalidator(fakes.refresh_one, fakes.list_dir, fakes.is_fresh)
+    if dir_size is not None:
+        reval.note_listing(CachePath("m", "d"), dir_size)
+    return fakes, reval
+
+
+def test_a_run_out_directory_is_listed_once_enough_reads_found_it_run_out():
+    names = [f"o{i}" for i in range(20)]
+    fakes, reval = _expired_fakes(names, dir_size=20)
+    try:
+        paths = [CachePath("m", f"d/{n}") for n in names]
+        got = [reval.refresh_expired(p) for p in paths[:LIST_MIN_STALE]]
+        assert got == [False] * (LIST_MIN_STALE - 1) + [True]  # the first ones ask alone; then one listing
+        assert fakes.lists == [CachePath("m", "d")]
+        assert all(reval.refresh_expired(p) is False for p in [CachePath("m", "d/new")])  # counts anew
+        assert fakes.lists == [CachePath("m", "d")] and fakes.one == []
+    finally:
+        reval.close()
+
+
+def test_reads_that_find_a_listing_under_way_wait_for_it():
+    names = [f"o{i}" for i in range(20)]
+    fakes = _Fakes(names)
+    fakes.gate.set()
+    release = threading.Event()
+
+    def slow_list(directory: CachePath) -> set[CachePath]:
+        assert release.wait(30)
+        return fakes.list_dir(directory)
+
+    reval = Revalidator(fakes.refresh_one, slow_list, fakes.is_fresh)
+    reval.note_listing(CachePath("m", "d"), 20)
+    paths = [CachePath("m", f"d/{n}") for n in names]
+    try:
+        for p in paths[:LIST_MIN_STALE - 1]:
+            assert reval.refresh_expired(p) is False
+        results: dict[CachePath, bool] = {}
+
+        def read(p: CachePath) -> None:
+            results[p] = reval.refresh_expired(p)
+
+        lister = threading.Thread(target=read, args=(paths[LIST_MIN_STALE - 1],))
+        lister.start()
+        assert wait_for(lambda: CachePath("m", "d") in reval._listing, timeout=30)
+        waiters = [threading.Thread(target=read, args=(p,)) for p in paths[LIST_MIN_STALE:]]
+        for t in waiters:
+            t.start()
+        release.set()
+        for t in [lister, *waiters]:
+            t.join(30)
+            assert not t.is_alive()
+        assert fakes.lists == [CachePath("m", "d")]  # one listing for all of them
+        assert all(results[p] for p in paths[LIST_MIN_STALE - 1:])
+        assert fakes.one == []
+    finally:
+        release.set()
+        reval.close()
+
+
+def test_run_out_reads_of_an_unlisted_directory_ask_alone_and_leave_nothing_behind():
+    fakes, reval = _expired_fakes([f"o{i}" for i in range(50)], dir_size=None)
+    try:
+        assert not any(reval.refresh_expired(CachePath("m", f"d/o{i}")) for i in range(50))
+        assert fakes.lists == [] and reval._expired == {}
+    finally:
+        reval.close()
+
+
+def test_a_directory_too_large_to_wait_for_is_listed_behind_the_reads():
+    size = 2 * SYNC_LIST_MAX
+    fakes, reval = _expired_fakes(["o0"], dir_size=size)
+    try:
+        needed = -(-size // LIST_OBJECTS_PER_STALE)
+        got = [reval.refresh_expired(CachePath("m", f"d/x{i}")) for i in range(needed)]
+        assert got == [False] * needed  # every one asks alone ...
+        assert wait_for(lambda: fakes.lists == [CachePath("m", "d")], timeout=30)  # ... and one listing ran behind
+        assert wait_for(lambda: CachePath("m", "d") not in reval._listing, timeout=30)
+    finally:
+        reval.close()
+
+
+def test_a_failed_listing_sends_the_run_out_reads_to_the_store_alone():
+    names = [f"o{i}" for i in range(20)]
+    fakes, reval = _expired_fakes(names, dir_size=20)
+
+    def broken(directory: CachePath) -> set[CachePath]:
+        with fakes.lock:
+            fakes.lists.append(directory)
+        raise ConnectionError("listing refused")
+
+    reval._list_dir = broken  # type: ignore[method-assign]
+    try:
+        got = [reval.refresh_expired(CachePath("m", f"d/{n}")) for n in names[:LIST_MIN_STALE]]
+        assert got == [False] * LIST_MIN_STALE and fakes.lists == [CachePath("m", "d")]
+        assert reval._listing == {}
+    finally:
+        reval.close()
+
+
+def _store_requests(worker) -> Counter[str]:
+    return Counter({sample.labels["kind"]: sample.value for family in worker.metrics.store_requests.collect()
+                    for sample in family.samples if sample.name.endswith("_total")})
+
+
+def test_a_warm_epoch_longer_than_ttl_and_grace_lists_the_directory_not_a_head_per_object(s3_store, make_worker):
+    """End to end (a worker, a client reading through it): the second pass over a cached
+    directory comes after its metadata ran out entirely, as every epoch longer than TTL + grace
+    does; it is served from the cache with one listing, not a store request per object."""
+    from cachefs.client.filesystem import CacheFileSystem
+
+    objects = {f"d/o{i:02d}": payload(1000 + i, 40 + i) for i in range(24)}
+    for name, data in objects.items():
+        s3_store.add(name, data)
+    worker = make_worker(s3_store.mount, metadata_ttl=1.0, metadata_stale_grace=0.5)
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
+    try:
+        assert len(fs.ls("cachefs://data/d")) == len(objects)  # as a dataset's listing: the directory's size known
+        for name, data in objects.items():
+            assert fs.cat_file(f"cachefs://data/{name}") == data
+        paths = [CachePath("data", n) for n in objects]
+        assert wait_for(lambda: _past_grace(worker.objects, paths), timeout=30)
+        before = _store_requests(worker)
+        for name, data in objects.items():
+            assert fs.cat_file(f"cachefs://data/{name}") == data
+        sent = _store_requests(worker) - before
+        assert sent["list"] == 1, sent
+        assert sent["info"] <= LIST_MIN_STALE - 1, sent  # the first few before the listing
+        assert sent["open"] == sent["read"] == 0, sent  # the bytes came from the cache
+    finally:
+        fs.close()
 
 
 def test_parent_of():

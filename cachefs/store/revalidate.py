@@ -9,6 +9,14 @@ directory wait to be refreshed, and the directory is not much larger than that (
 known from an earlier listing), the directory is listed once instead: the same freshness for a
 fraction of the requests. An object missing from the listing is asked for by itself (a HEAD,
 which also finds it gone).
+
+Past the grace too (an epoch longer than TTL + grace, 10.5 minutes by default: most real ones)
+nothing is left to serve from, and each read asked the store for its object alone before it went
+on: every warm epoch of 2,000 objects in moto sent 2,000 HEADs and read ~190 items/s from a full
+cache. Such reads now count toward a listing of their directory as background refreshes do
+(``refresh_expired``): once enough of a directory of known size ran out, one read lists it and
+the others wait for that listing instead of asking alone; a directory too large to wait for is
+listed behind the reads.
 """
 
 from __future__ import annotations
@@ -31,6 +39,12 @@ LIST_MIN_STALE = 8
 #: A listing is used while the directory holds at most this many objects per waiting one (a
 #: listing page holds 1,000 objects, a HEAD one: below 1,000 the listing sends fewer requests).
 LIST_OBJECTS_PER_STALE = 250
+#: Reads wait for a listing of a directory of up to this many objects (a few listing pages); a
+#: larger one is listed in the background while they ask for their objects alone.
+SYNC_LIST_MAX = 5_000
+#: How long a read waits for another's listing before it asks the store alone.
+SYNC_LIST_WAIT = 60.0
+_MAX_DIRS = 100_000  # directories whose size (and run-out reads) are remembered
 
 
 def parent_of(path: CachePath) -> CachePath:
@@ -50,17 +64,62 @@ class Revalidator:
         self._threads = threads
         self._lock = threading.Lock()
         self._pending: dict[CachePath, set[CachePath]] = {}  # directory -> objects waiting
-        self._listing: set[CachePath] = set()  # directories being listed now
+        self._listing: dict[CachePath, threading.Event] = {}  # directories being listed now: set when done
         self._dir_sizes: dict[CachePath, int] = {}  # objects a listing found there, last time
+        self._expired: dict[CachePath, int] = {}  # reads that found metadata run out, since the last listing
         self._pool: ThreadPoolExecutor | None = None
-        self.stats = {"refreshed_one": 0, "listings": 0, "refreshed_by_listing": 0}
+        self.stats = {"refreshed_one": 0, "listings": 0, "refreshed_by_listing": 0, "expired_by_listing": 0}
 
     def note_listing(self, directory: CachePath, objects: int) -> None:
         """A listing of ``directory`` found ``objects`` objects directly in it."""
         with self._lock:
-            if len(self._dir_sizes) >= 100_000 and directory not in self._dir_sizes:
+            if len(self._dir_sizes) >= _MAX_DIRS and directory not in self._dir_sizes:
                 self._dir_sizes.pop(next(iter(self._dir_sizes)))
             self._dir_sizes[directory] = objects
+            self._expired.pop(directory, None)  # what ran out before is fresh again
+
+    @staticmethod
+    def _worth_listing(size: int | None, waiting: int) -> bool:
+        return size is not None and waiting >= LIST_MIN_STALE and size <= waiting * LIST_OBJECTS_PER_STALE
+
+    def refresh_expired(self, path: CachePath, wait: float = SYNC_LIST_WAIT) -> bool:
+        """A read needs ``path``'s metadata now and none is left (past the stale grace, or never
+        known): True if a listing of its directory refreshed it (this thread listed it, or waited
+        for another's listing); False: ask the store for it alone. Cheap when not worth a listing."""
+        directory = parent_of(path)
+        pool: ThreadPoolExecutor | None = None
+        with self._lock:
+            event = self._listing.get(directory)
+            mine = event is None
+            if mine:
+                size = self._dir_sizes.get(directory)
+                if size is None:  # never listed: a HEAD each, as before
+                    return False
+                count = self._expired.get(directory, 0) + 1
+                if not self._worth_listing(size, count):
+                    if len(self._expired) >= _MAX_DIRS and directory not in self._expired:
+                        self._expired.pop(next(iter(self._expired)))
+                    self._expired[directory] = count
+                    return False
+                self._expired.pop(directory, None)
+                event = self._listing[directory] = threading.Event()
+                behind = size > SYNC_LIST_MAX
+                pool = self._ensure_pool() if behind else None
+        if mine:
+            if pool is not None:  # too large to wait for: this read asks alone meanwhile
+                try:
+                    pool.submit(self._list_and_settle, directory, None, event)
+                except RuntimeError:  # closed meanwhile
+                    self._list_and_settle(directory, None, event, listing=False)
+                return False
+            if not self._list_and_settle(directory, None, event):
+                return False
+        elif not event.wait(wait):
+            return False
+        fresh = self._is_fresh(path)
+        if fresh:
+            self.stats["expired_by_listing"] += 1
+        return fresh
 
     def submit(self, path: CachePath) -> None:
         """Refresh ``path`` in the background (nothing if it is already waiting)."""
@@ -70,13 +129,17 @@ class Revalidator:
             if path in waiting:
                 return
             waiting.add(path)
-            if self._pool is None:
-                # Nothing waits on a refresh (the stale entry serves meanwhile): below the
-                # threads that serve reads (cachefs/priority.py).
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="cachefs-revalidate",
-                                                initializer=lower_this_thread)
-            pool = self._pool
+            pool = self._ensure_pool()
         pool.submit(self._run, path, directory)
+
+    def _ensure_pool(self) -> ThreadPoolExecutor:
+        """(with the lock held)"""
+        if self._pool is None:
+            # Nothing waits on a background refresh (the stale entry serves meanwhile): below
+            # the threads that serve reads (cachefs/priority.py).
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="cachefs-revalidate",
+                                            initializer=lower_this_thread)
+        return self._pool
 
     def _run(self, path: CachePath, directory: CachePath, may_list: bool = True) -> None:
         done = True
@@ -103,28 +166,36 @@ class Revalidator:
         with self._lock:
             if directory in self._listing:
                 return None
-            waiting = len(self._pending.get(directory, ()))
-            size = self._dir_sizes.get(directory)
-            if size is None or waiting < LIST_MIN_STALE or size > waiting * LIST_OBJECTS_PER_STALE:
+            if not self._worth_listing(self._dir_sizes.get(directory), len(self._pending.get(directory, ()))):
                 return False
-            self._listing.add(directory)
+            event = self._listing[directory] = threading.Event()
+        return self._list_and_settle(directory, path, event)
+
+    def _list_and_settle(self, directory: CachePath, own: CachePath | None, event: threading.Event,
+                         listing: bool = True) -> bool:
+        """List ``directory`` (marked as being listed, under ``event``), then settle the objects
+        waiting for a background refresh there: those the listing did not find asked for alone,
+        all of them one at a time if it failed (but ``own``: the caller asks for that one).
+        True if the listing went through."""
+        listed: set[CachePath] | None = None
         try:
-            listed = self._list_dir(directory)
-            self.stats["listings"] += 1
+            if listing:
+                listed = self._list_dir(directory)
+                self.stats["listings"] += 1
         except Exception as exc:  # noqa: BLE001 - one at a time instead
             log.debug("listing %s to revalidate it failed: %s", directory, exc)
+        finally:
             with self._lock:
-                self._listing.discard(directory)
-                joined = [p for p in self._pending.get(directory, ()) if p != path]
+                self._listing.pop(directory, None)
+                waiting_now = set(self._pending.get(directory, ()))
                 pool = self._pool
-            for other in joined:  # those that waited for this listing: one request each
+            event.set()
+        if listed is None:
+            for other in waiting_now - {own}:  # those that waited for this listing: one request each
                 if pool is not None:
                     with contextlib.suppress(RuntimeError):  # closed meanwhile
                         pool.submit(self._run, other, directory, False)
             return False
-        with self._lock:
-            self._listing.discard(directory)
-            waiting_now = set(self._pending.get(directory, ()))
         refreshed = waiting_now & listed
         self.stats["refreshed_by_listing"] += len(refreshed)
         for missing in waiting_now - listed:  # not listed: gone, or new since; ask for it alone
