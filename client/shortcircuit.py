@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import multiprocessing.util
 import os
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -66,6 +68,22 @@ class Prepared(NamedTuple):
     asked: int = 0
 
 
+#: How long an exiting process waits for the worker to take its last report.
+EXIT_REPORT_TIMEOUT = 2.0
+#: Before multiprocessing's own finalizers of priority 0 (queues, pools), after none that matter.
+EXIT_PRIORITY = 10
+
+
+def _report_at_exit(ref: "weakref.ref[ShortCircuitReader]") -> None:
+    reader = ref()
+    if reader is None:
+        return
+    try:
+        reader.report_at_exit()
+    except Exception as exc:  # noqa: BLE001 - counts and refreshes only: never fail an exit
+        log.debug("report of reads at exit to %s failed: %s", reader.path, exc)
+
+
 class ShortCircuitReader:
     """Connections to one local worker's socket (one request at a time on each) and the page
     handles this process holds from that worker (client/handles.py)."""
@@ -101,6 +119,9 @@ class ShortCircuitReader:
         self._not_cached: dict[str, float] = {}  # path -> until when reads skip this socket
         self._failed: dict[str, OSError] = {}  # path -> why the worker could not fill it at all
         self._not_held: dict[str, None] = {}  # paths of large reads the worker did not let us hold
+        # Run as the process exits: by multiprocessing in its children (a DataLoader worker), by
+        # atexit in a main process; dropped with this reader if it goes first.
+        multiprocessing.util.Finalize(self, _report_at_exit, args=(weakref.ref(self),), exitpriority=EXIT_PRIORITY)
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -561,15 +582,44 @@ class ShortCircuitReader:
             except RuntimeError:  # interpreter shutting down: the next request carries them
                 self._reporting = False
             return
+        request = self._report_request()
+        if request is not None:
+            _message, fds = self._exchange(request)
+            for fd in fds:
+                os.close(fd)
+
+    def _report_request(self) -> Any | None:
+        """A message with the reads not reported yet (taken), or None if there are none."""
         touched, touched_bytes = self.handles.take_touched()
         request = shortcircuit_pb2.ShortCircuitRequest(token=self.token, touched=touched,
                                                        touched_bytes=touched_bytes)
         self._add_named(request)
-        if touched or request.touched_pages or request.stale_paths:
-            self._add_progress(request)
-            _message, fds = self._exchange(request)
+        if not (touched or request.touched_pages or request.stale_paths):
+            return None
+        self._add_progress(request)
+        return request
+
+    def report_at_exit(self) -> None:
+        """The reads not reported yet, sent as this process exits, on a connection of its own
+        with a short deadline (exit never waits long on a hung worker). A DataLoader worker
+        leaves after its epoch without closing anything: without this its reads by name never
+        reached the worker's recency and counters, nor did the objects it read past their
+        entries' time, which the worker refreshes (else the next epoch finds them run out)."""
+        if self._pid != os.getpid() or self.named is None and not self.handles.touched_pending():
+            return
+        request = self._report_request()
+        if request is None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(EXIT_REPORT_TIMEOUT)
+        try:
+            sock.connect(self.path)
+            sock.send(request.SerializeToString())
+            _message, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_PAGES + 1)
             for fd in fds:
                 os.close(fd)
+        finally:
+            sock.close()
 
     def _report_behind(self) -> None:
         try:

@@ -1014,3 +1014,75 @@ def test_large_reads_hold_descriptors_and_fall_back_to_names_where_holds_are_ref
     assert len(messages) == 2 and reader.handles.held() == held  # read once, not kept
     assert fs.read_into("cachefs://data/other", out3) == (len(other), len(other)) and bytes(out3) == other
     assert len(messages) == 2 and reader.counts["named_hits"] == named + HOLD_RANGE_PAGES + 1  # by name
+
+
+def _child_reads_and_exits(fs, paths: list[str], conn) -> None:
+    try:
+        sizes = [len(fs.cat_file(p)) for p in paths]
+        conn.send((sizes, fs.session.counters()["named_hits"]))
+    finally:  # then returns: nothing closed, as a DataLoader worker
+        conn.close()
+
+
+def test_a_dataloader_worker_s_reads_by_name_reach_the_worker_as_it_exits(local_store, make_worker):
+    """A DataLoader worker reads its epoch by name (no message a read), then exits without
+    closing anything. What it read still reaches the worker: its pages' reads (recency, hit
+    counters) and the objects it read past their entries' time, which the worker then refreshes
+    (else the next epoch finds them run out and must wait for the store)."""
+    import multiprocessing
+
+    from cachefs.paths import parse_path
+
+    objects = {f"o{i}": payload(PAGE // 2 + i, 90 + i) for i in range(6)}
+    for name, data in objects.items():
+        local_store.add(name, data)
+    worker = make_worker(local_store.mount, page_size=PAGE, metadata_ttl=1.0, metadata_stale_grace=600)
+    fs = _fs(worker, short_circuit_handles=0)
+    for name, data in objects.items():
+        assert fs.cat_file(f"cachefs://data/{name}") == data
+    _settled(worker, [f"data/{n}" for n in objects], [len(d) for d in objects.values()])
+    cps = [parse_path(f"data/{n}") for n in objects]
+    assert wait_for(lambda: not any(worker.objects._fresh(cp) for cp in cps), timeout=30)  # past the TTL
+    before = _named_reads(worker)
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_reads_and_exits, args=(fs, [f"cachefs://data/{n}" for n in objects], child_end))
+    proc.start()
+    child_end.close()
+    try:
+        assert parent_end.poll(60), "the child did not read in 60 s"
+        sizes, by_name = parent_end.recv()
+        assert sizes == [len(d) for d in objects.values()]
+        assert by_name >= len(objects) - 1  # (the first may come with the hello's request)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+    # Each page read by name in the child, reported as it exited, not lost with it
+    assert wait_for(lambda: _named_reads(worker) == before + by_name, timeout=30)
+    # ... and the objects it read past their time refreshed (a listing or a HEAD each)
+    assert wait_for(lambda: all(worker.objects._fresh(cp) for cp in cps), timeout=30)
+
+
+def test_the_exit_report_gives_up_on_a_worker_that_never_answers(tmp_path):
+    """An exiting process never waits long on a hung worker: the report is dropped at its deadline."""
+    import socket
+    import weakref
+
+    from cachefs.client import shortcircuit
+
+    path = str(tmp_path / "hung.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(4)  # connections queue; nothing reads them
+    reader = shortcircuit.ShortCircuitReader(path)
+    try:
+        reader.handles._touched.append(1)  # a read through a held handle, not reported yet
+        started = time.monotonic()
+        shortcircuit._report_at_exit(weakref.ref(reader))  # what runs at exit: logs, never raises
+        assert time.monotonic() - started < shortcircuit.EXIT_REPORT_TIMEOUT + 5
+        assert reader.handles.touched_pending() == 0  # taken for the report, not sent twice
+    finally:
+        reader.close()
+        server.close()
