@@ -161,7 +161,7 @@ def test_reads_past_the_grace_wait_for_one_listing_instead_of_a_head_each(s3_sto
 def _expired_fakes(names: list[str], dir_size: int | None) -> tuple[_Fakes, Revalidator]:
     fakes = _Fakes(names)
     fakes.gate.set()
-    reval = Revalidator(fakes.refresh_one, fakes.list_dir, fakes.is_fresh)
+    reval = Revalidator(fakes.refresh_one, fakes.list_dir, fakes.is_fresh, relist_after=0)
     if dir_size is not None:
         reval.note_listing(CachePath("m", "d"), dir_size)
     return fakes, reval
@@ -191,7 +191,7 @@ def test_reads_that_find_a_listing_under_way_wait_for_it():
         assert release.wait(30)
         return fakes.list_dir(directory)
 
-    reval = Revalidator(fakes.refresh_one, slow_list, fakes.is_fresh)
+    reval = Revalidator(fakes.refresh_one, slow_list, fakes.is_fresh, relist_after=0)
     reval.note_listing(CachePath("m", "d"), 20)
     paths = [CachePath("m", f"d/{n}") for n in names]
     try:
@@ -217,6 +217,25 @@ def test_reads_that_find_a_listing_under_way_wait_for_it():
         assert fakes.one == []
     finally:
         release.set()
+        reval.close()
+
+
+def test_a_directory_listed_within_the_ttl_is_not_listed_again_for_objects_it_did_not_have():
+    """Reads of objects a fresh listing did not find (missing, or new since) ask alone: a loop of
+    ``exists()`` over missing names must not list the directory every few calls."""
+    now = [100.0]
+    fakes = _Fakes([f"o{i}" for i in range(20)])
+    fakes.gate.set()
+    reval = Revalidator(fakes.refresh_one, fakes.list_dir, fakes.is_fresh, relist_after=30.0, clock=lambda: now[0])
+    try:
+        reval.note_listing(CachePath("m", "d"), 20)
+        missing = [CachePath("m", f"d/missing{i}") for i in range(4 * LIST_MIN_STALE)]
+        assert not any(reval.refresh_expired(p) for p in missing)
+        assert fakes.lists == []
+        now[0] += 31.0  # the listing is as old as the TTL: what runs out now is listed again
+        assert [reval.refresh_expired(p) for p in missing[:LIST_MIN_STALE]] == [False] * LIST_MIN_STALE
+        assert fakes.lists == [CachePath("m", "d")]  # (the fakes' listing does not note its size)
+    finally:
         reval.close()
 
 

@@ -126,7 +126,7 @@ class ObjectStore:
         # Stale-while-revalidate: past its TTL (within the grace) an entry is still used, and
         # refreshed in the background, one refresh per object at a time, many of one directory
         # by one listing (revalidate.py).
-        self.revalidator = Revalidator(self._refresh_one, self._list_to_refresh, self._fresh)
+        self.revalidator = Revalidator(self._refresh_one, self._list_to_refresh, self._fresh, relist_after=metadata_ttl)
         self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
         self._backends: dict[int, _Backend] = {}
         # Called with each object's metadata fresh from the store: the worker drops the pages of

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,12 +57,17 @@ class Revalidator:
     """Background refreshes, at most one per object at a time, batched by directory."""
 
     def __init__(self, refresh_one: Callable[[CachePath], None], list_dir: Callable[[CachePath], set[CachePath]],
-                 is_fresh: Callable[[CachePath], bool], threads: int = 2) -> None:
+                 is_fresh: Callable[[CachePath], bool], threads: int = 2, relist_after: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``refresh_one(path)`` asks the store about one object; ``list_dir(dir)`` lists a
         directory, refreshing what it lists, and returns the paths listed; ``is_fresh(path)``:
-        its metadata needs no refresh now."""
+        its metadata needs no refresh now. ``relist_after``: a directory listed more recently
+        than this is not listed again for reads that find nothing known (the metadata TTL: what
+        such a listing did not refresh is missing or new, and a HEAD each is the answer)."""
         self._refresh_one, self._list_dir, self._is_fresh = refresh_one, list_dir, is_fresh
         self._threads = threads
+        self._relist_after, self._clock = relist_after, clock
+        self._listed_at: dict[CachePath, float] = {}  # when a listing last found each directory's size
         self._lock = threading.Lock()
         self._pending: dict[CachePath, set[CachePath]] = {}  # directory -> objects waiting
         self._listing: dict[CachePath, threading.Event] = {}  # directories being listed now: set when done
@@ -76,6 +82,10 @@ class Revalidator:
             if len(self._dir_sizes) >= _MAX_DIRS and directory not in self._dir_sizes:
                 self._dir_sizes.pop(next(iter(self._dir_sizes)))
             self._dir_sizes[directory] = objects
+            self._listed_at.pop(directory, None)
+            self._listed_at[directory] = self._clock()  # (kept in listing order: the oldest first)
+            if len(self._listed_at) > _MAX_DIRS:
+                self._listed_at.pop(next(iter(self._listed_at)))
             self._expired.pop(directory, None)  # what ran out before is fresh again
 
     @staticmethod
@@ -95,6 +105,8 @@ class Revalidator:
                 size = self._dir_sizes.get(directory)
                 if size is None:  # never listed: a HEAD each, as before
                     return False
+                if self._clock() - self._listed_at.get(directory, float("-inf")) < self._relist_after:
+                    return False  # listed just now: what it did not refresh is missing, or new
                 count = self._expired.get(directory, 0) + 1
                 if not self._worth_listing(size, count):
                     if len(self._expired) >= _MAX_DIRS and directory not in self._expired:
