@@ -143,6 +143,42 @@ def test_a_full_window_replaces_the_entry_that_runs_out_first_and_forget_frees_a
         index.close()
 
 
+def test_an_entry_clients_may_still_read_past_its_time_keeps_its_slot():
+    """Within the stale window a run-out entry is still read by name (reported for a refresh): a
+    new path must not take its slot (the table grows instead), nor may growing leave it behind;
+    one past the window is free."""
+    index = NameIndex(slots=2, max_slots=8, stale_window=600)  # one window of both slots
+    try:
+        now = time.monotonic()
+        index.publish("m/a", "va", 1, 0.0, now - 1)  # run out: clients read it and report it
+        index.publish("m/b", "vb", 2, 0.0, now + 60)
+        index.publish("m/c", "vc", 3, 0.0, now + 60)  # no free slot: the table grows
+        assert index.grown == 1
+        client = _client(index)
+        try:
+            assert client._usable("m/a") == (1, "va", 0.0)  # still there, past its time
+            assert client.lookup("m/b") == (2, "vb", 0.0) and client.lookup("m/c") == (3, "vc", 0.0)
+        finally:
+            client.close()
+    finally:
+        index.close()
+    index = NameIndex(slots=2, max_slots=8, stale_window=1.0)
+    try:
+        now = time.monotonic()
+        index.publish("m/dead", "vd", 1, 0.0, now - 5)  # past its time and the window
+        index.publish("m/b", "vb", 2, 0.0, now + 60)
+        index.publish("m/c", "vc", 3, 0.0, now + 60)  # takes the dead entry's slot
+        assert index.grown == 0
+        client = _client(index)
+        try:
+            assert client._entry("m/dead") is None
+            assert client.lookup("m/b") == (2, "vb", 0.0) and client.lookup("m/c") == (3, "vc", 0.0)
+        finally:
+            client.close()
+    finally:
+        index.close()
+
+
 def test_a_full_table_grows_keeping_its_entries_and_the_old_one_says_so():
     index = NameIndex(slots=16, max_slots=4096)
     old = _client(index)

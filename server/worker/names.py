@@ -40,6 +40,9 @@ class _Table:
     def __init__(self, slots: int, stale_window: float = 0.0) -> None:
         self.slots = slots
         self.size = NAMES_HEADER.size + slots * ENTRY.size
+        # An entry past its time is still read by name for this long (clients report it): only
+        # after that is its slot free for another path, or is it left behind when the table grows.
+        self.stale_window_ns = int(stale_window * 1e9)
         self.fd = os.memfd_create("cachefs-names", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.size)
@@ -62,22 +65,26 @@ class _Table:
         return None
 
     def room(self, h: int, check: int, now_ns: int) -> tuple[int, bool]:
-        """Where a new entry goes, and whether it pushes out a valid one: a free or run-out slot
-        of its window, else the entry that runs out first."""
+        """Where a new entry goes, and whether it pushes out one clients may still read: a free
+        slot of its window, or one whose entry is past its time and its stale window, else the
+        entry that runs out first."""
         best, best_until = 0, None
+        dead_before = now_ns - self.stale_window_ns
         for off in self.offsets(h, check):
             kh, kc, _size, until = ENTRY.unpack_from(self.map, off)[1:5]
-            if (kh, kc) == (0, 0) or until <= now_ns:
+            if (kh, kc) == (0, 0) or until <= dead_before:
                 return off, False
             if best_until is None or until < best_until:
                 best, best_until = off, until
         return best, True
 
     def live(self, now_ns: int) -> list[tuple]:
-        """Every entry still valid (fields as ENTRY packs them)."""
+        """Every entry clients may still read: valid, or past its time within the stale window
+        (fields as ENTRY packs them)."""
+        dead_before = now_ns - self.stale_window_ns
         view = memoryview(self.map)[NAMES_HEADER.size:self.size]
         try:
-            return [e for e in ENTRY.iter_unpack(view) if not e[0] & 1 and (e[1], e[2]) != (0, 0) and e[4] > now_ns]
+            return [e for e in ENTRY.iter_unpack(view) if not e[0] & 1 and (e[1], e[2]) != (0, 0) and e[4] > dead_before]
         finally:
             view.release()
 
