@@ -15,8 +15,9 @@ by default) standing in for the real ones, and a ``CacheDataset`` epoch through 
 * ``within_grace``: past the TTL, within the grace (an epoch of 30 s to 10.5 min);
 * ``past_grace``: past both (a longer epoch: most real ones).
 
-Per epoch: items/s, the first batch's wait, and the store requests the worker sent, by kind
-(from its metrics): a warm epoch should cost a listing or two, not a request per object.
+Per epoch: items/s, the first batch's wait, the worker's CPU seconds (the epoch's own; a
+refresh still running after it is not counted) and the store requests it sent, by kind (from its
+metrics): a warm epoch should cost a listing or two, not a request per object.
 Medians over the epochs of each case. Writes benchmarks/results/long-epochs-<timestamp>.json (and
 latest-long-epochs.json) and a PNG.
 """
@@ -55,6 +56,13 @@ def store_requests(metrics_url: str) -> dict[str, float]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pause_for(case: str, ttl: float, grace: float) -> float:
     if case == "back_to_back":
         return 0.0
@@ -63,8 +71,9 @@ def pause_for(case: str, ttl: float, grace: float) -> float:
     return ttl + grace + 1.5
 
 
-def one_epoch(loader: Any, batch: int, n: int, metrics_url: str) -> dict[str, Any]:
+def one_epoch(loader: Any, batch: int, n: int, metrics_url: str, worker_pid: int) -> dict[str, Any]:
     before = store_requests(metrics_url)
+    cpu_before = cpu_seconds(worker_pid)
     seen: list[int] = []
     t0 = time.perf_counter()
     first = None
@@ -73,12 +82,13 @@ def one_epoch(loader: Any, batch: int, n: int, metrics_url: str) -> dict[str, An
             first = time.perf_counter() - t0
         seen.extend(ids)
     wall = time.perf_counter() - t0
+    worker_cpu = cpu_seconds(worker_pid) - cpu_before
     after = store_requests(metrics_url)
     if sorted(seen) != list(range(n)):
         raise RuntimeError(f"an epoch read {len(seen)} samples, {len(set(seen))} distinct, of {n}")
     sent = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
     return {"items_per_s": round(n / wall, 1), "seconds": round(wall, 4),
-            "first_batch_s": round(first or 0.0, 4), "store_requests": sent,
+            "first_batch_s": round(first or 0.0, 4), "worker_cpu_s": round(worker_cpu, 3), "store_requests": sent,
             "store_requests_per_sample": round(sum(sent.values()) / n, 4)}
 
 
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for w in workers:
             loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=w,
                                                  collate_fn=sample_ids)
-            cold = one_epoch(loader, args.batch_size, n, metrics_url) if w == workers[0] else None
+            cold = one_epoch(loader, args.batch_size, n, metrics_url, worker.proc.pid) if w == workers[0] else None
             if cold is not None:
                 results.append({"num_workers": w, "case": "cold", **cold})
                 print(json.dumps(results[-1]), flush=True)
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 pause = pause_for(case, args.ttl, args.grace)
                 for e in range(epochs):
                     time.sleep(pause)
-                    got = one_epoch(loader, args.batch_size, n, metrics_url)
+                    got = one_epoch(loader, args.batch_size, n, metrics_url, worker.proc.pid)
                     results.append({"num_workers": w, "case": case, "epoch": e, "pause_s": pause, **got})
                     print(json.dumps(results[-1]), flush=True)
     finally:
@@ -169,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"workers={w} {case}"] = {
                 "items_per_s": statistics.median(r["items_per_s"] for r in rows),
                 "first_batch_s": statistics.median(r["first_batch_s"] for r in rows),
+                "worker_cpu_s": statistics.median(r["worker_cpu_s"] for r in rows),
                 "store_requests_per_epoch": {k: statistics.median(r["store_requests"].get(k, 0.0) for r in rows)
                                              for k in kinds}}
     ratios = {}
