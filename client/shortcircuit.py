@@ -123,9 +123,9 @@ class ShortCircuitReader:
         # atexit in a main process; dropped with this reader if it goes first.
         multiprocessing.util.Finalize(self, _report_at_exit, args=(weakref.ref(self),), exitpriority=EXIT_PRIORITY)
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, timeout: float | None = None) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(self.timeout)
+        sock.settimeout(self.timeout if timeout is None else timeout)
         try:
             sock.connect(self.path)
         except BaseException:
@@ -605,15 +605,11 @@ class ShortCircuitReader:
         leaves after its epoch without closing anything: without this its reads by name never
         reached the worker's recency and counters, nor did the objects it read past their
         entries' time, which the worker refreshes (else the next epoch finds them run out)."""
-        if self._pid != os.getpid() or self.named is None and not self.handles.touched_pending():
-            return
-        request = self._report_request()
+        request = self._report_request() if self._pid == os.getpid() else None
         if request is None:
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(EXIT_REPORT_TIMEOUT)
+        sock = self._connect(EXIT_REPORT_TIMEOUT)
         try:
-            sock.connect(self.path)
             sock.send(request.SerializeToString())
             _message, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_PAGES + 1)
             for fd in fds:

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import fsspec
@@ -81,6 +82,12 @@ def scrape(metrics_port: int) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def store_requests(worker) -> Counter:
+    """An in-process worker's requests to its store so far, by kind (info, open, read, list)."""
+    return Counter({sample.labels["kind"]: sample.value for family in worker.metrics.store_requests.collect()
+                    for sample in family.samples if sample.name.endswith("_total")})
 
 
 class SlowMemoryFileSystem(MemoryFileSystem):

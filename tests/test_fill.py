@@ -12,7 +12,7 @@ import pytest
 
 from cachefs.client.filesystem import CacheFileSystem
 from cachefs.proto import shortcircuit_pb2
-from helpers import payload
+from helpers import payload, store_requests
 
 PAGE = 64 << 10
 RangeReply = shortcircuit_pb2.RangeReply
@@ -140,8 +140,7 @@ def test_a_cold_range_of_many_pages_is_one_store_request(store, make_worker):
     worker = make_worker(store.mount, page_size=PAGE, fetch_group_pages=4)
     fs = _fs(worker)
     assert fs.cat_file("cachefs://data/big") == data
-    requests = {sample.labels["kind"]: sample.value for family in worker.metrics.store_requests.collect()
-                for sample in family.samples if sample.name.endswith("_total")}
+    requests = store_requests(worker)
     # the cold open's GET brings the metadata and the first pages, one more request the rest
     assert sum(requests.values()) <= 2, requests
     assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") == len(data)
@@ -155,8 +154,7 @@ def test_a_cold_read_through_grpc_asks_the_store_for_the_rest_at_once(store, mak
     worker = make_worker(store.mount, page_size=PAGE, fetch_group_pages=4, parallel_pages=4)
     fs = _fs(worker, short_circuit=False, data_port=False)
     assert fs.cat_file("cachefs://data/remote") == data
-    requests = {sample.labels["kind"]: sample.value for family in worker.metrics.store_requests.collect()
-                for sample in family.samples if sample.name.endswith("_total")}
+    requests = store_requests(worker)
     assert sum(requests.values()) <= 3, requests  # the open, the first block's run, the rest
     assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") == len(data)
 

@@ -14,20 +14,27 @@ from cachefs.paths import CachePath
 from cachefs.priority import BACKGROUND_NICE
 from cachefs.store.objects import ObjectStore
 from cachefs.store.revalidate import LIST_MIN_STALE, LIST_OBJECTS_PER_STALE, SYNC_LIST_MAX, Revalidator, parent_of
-from helpers import payload, wait_for
+from helpers import payload, store_requests, wait_for
 
 
 def _expired(objects: ObjectStore, paths: list[CachePath]) -> bool:
     return not any(objects._fresh(p) for p in paths)
 
 
-def test_many_expired_objects_of_a_directory_are_refreshed_by_one_listing(s3_store):
-    n = 40
+def _listed_directory(s3_store, n: int, **settings) -> tuple[ObjectStore, list[CachePath]]:
+    """``n`` objects of one directory in moto, listed once by a new ObjectStore (its metadata
+    known, the directory's size too)."""
     for i in range(n):
         s3_store.add(f"p/o{i:03d}.bin", payload(100 + i, i))
-    objects = ObjectStore(MountTable([s3_store.mount]), metadata_ttl=0.3, stale_grace=600)
+    objects = ObjectStore(MountTable([s3_store.mount]), **settings)
     paths = [e.path for e in objects.list(CachePath("data", "p"))]
     assert len(paths) == n
+    return objects, paths
+
+
+def test_many_expired_objects_of_a_directory_are_refreshed_by_one_listing(s3_store):
+    n = 40
+    objects, paths = _listed_directory(s3_store, n, metadata_ttl=0.3, stale_grace=600)
     versions = {p: objects.cached_info(p).version for p in paths}
     s3_store.add("p/o005.bin", payload(200, 99))  # changed meanwhile: the refresh must see it
     s3_store.delete("p/o007.bin")  # deleted meanwhile: not listed, asked for alone, found gone
@@ -136,12 +143,7 @@ def _past_grace(objects: ObjectStore, paths: list[CachePath]) -> bool:
 def test_reads_past_the_grace_wait_for_one_listing_instead_of_a_head_each(s3_store):
     """An epoch longer than TTL + grace: nothing is left to serve from. After a few HEADs, one
     listing refreshes the directory; a change and a deletion in the store are still seen."""
-    n = 40
-    for i in range(n):
-        s3_store.add(f"p/o{i:03d}.bin", payload(100 + i, i))
-    objects = ObjectStore(MountTable([s3_store.mount]), metadata_ttl=2.0, stale_grace=0.5)
-    paths = [e.path for e in objects.list(CachePath("data", "p"))]
-    assert len(paths) == n
+    objects, paths = _listed_directory(s3_store, 40, metadata_ttl=2.0, stale_grace=0.5)
     s3_store.add("p/o030.bin", payload(300, 99))  # changed meanwhile
     s3_store.delete("p/o031.bin")  # deleted meanwhile
     assert wait_for(lambda: _past_grace(objects, paths), timeout=30)
@@ -279,11 +281,6 @@ def test_a_failed_listing_sends_the_run_out_reads_to_the_store_alone():
         reval.close()
 
 
-def _store_requests(worker) -> Counter[str]:
-    return Counter({sample.labels["kind"]: sample.value for family in worker.metrics.store_requests.collect()
-                    for sample in family.samples if sample.name.endswith("_total")})
-
-
 def test_a_warm_epoch_longer_than_ttl_and_grace_lists_the_directory_not_a_head_per_object(s3_store, make_worker):
     """End to end (a worker, a client reading through it): the second pass over a cached
     directory comes after its metadata ran out entirely, as every epoch longer than TTL + grace
@@ -301,10 +298,10 @@ def test_a_warm_epoch_longer_than_ttl_and_grace_lists_the_directory_not_a_head_p
             assert fs.cat_file(f"cachefs://data/{name}") == data
         paths = [CachePath("data", n) for n in objects]
         assert wait_for(lambda: _past_grace(worker.objects, paths), timeout=30)
-        before = _store_requests(worker)
+        before = store_requests(worker)
         for name, data in objects.items():
             assert fs.cat_file(f"cachefs://data/{name}") == data
-        sent = _store_requests(worker) - before
+        sent = store_requests(worker) - before
         assert sent["list"] == 1, sent
         assert sent["info"] <= LIST_MIN_STALE - 1, sent  # the first few before the listing
         assert sent["open"] == sent["read"] == 0, sent  # the bytes came from the cache

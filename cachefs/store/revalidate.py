@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from cachefs.paths import CachePath
 from cachefs.priority import lower_this_thread
@@ -48,6 +49,14 @@ SYNC_LIST_WAIT = 60.0
 _MAX_DIRS = 100_000  # directories whose size (and run-out reads) are remembered
 
 
+def _put_bounded(table: dict, key: Any, value: Any) -> None:
+    """``table[key] = value``, the entry put longest ago dropped first past _MAX_DIRS."""
+    table.pop(key, None)
+    table[key] = value
+    if len(table) > _MAX_DIRS:
+        table.pop(next(iter(table)))
+
+
 def parent_of(path: CachePath) -> CachePath:
     """The directory ``path`` is listed in (the mount's root for a top-level key)."""
     return CachePath(path.mount, path.key.rpartition("/")[0])
@@ -67,11 +76,10 @@ class Revalidator:
         self._refresh_one, self._list_dir, self._is_fresh = refresh_one, list_dir, is_fresh
         self._threads = threads
         self._relist_after, self._clock = relist_after, clock
-        self._listed_at: dict[CachePath, float] = {}  # when a listing last found each directory's size
         self._lock = threading.Lock()
         self._pending: dict[CachePath, set[CachePath]] = {}  # directory -> objects waiting
         self._listing: dict[CachePath, threading.Event] = {}  # directories being listed now: set when done
-        self._dir_sizes: dict[CachePath, int] = {}  # objects a listing found there, last time
+        self._dirs: dict[CachePath, tuple[int, float]] = {}  # objects a listing found there last, and when
         self._expired: dict[CachePath, int] = {}  # reads that found metadata run out, since the last listing
         self._pool: ThreadPoolExecutor | None = None
         self.stats = {"refreshed_one": 0, "listings": 0, "refreshed_by_listing": 0, "expired_by_listing": 0}
@@ -79,14 +87,12 @@ class Revalidator:
     def note_listing(self, directory: CachePath, objects: int) -> None:
         """A listing of ``directory`` found ``objects`` objects directly in it."""
         with self._lock:
-            if len(self._dir_sizes) >= _MAX_DIRS and directory not in self._dir_sizes:
-                self._dir_sizes.pop(next(iter(self._dir_sizes)))
-            self._dir_sizes[directory] = objects
-            self._listed_at.pop(directory, None)
-            self._listed_at[directory] = self._clock()  # (kept in listing order: the oldest first)
-            if len(self._listed_at) > _MAX_DIRS:
-                self._listed_at.pop(next(iter(self._listed_at)))
+            _put_bounded(self._dirs, directory, (objects, self._clock()))
             self._expired.pop(directory, None)  # what ran out before is fresh again
+
+    def _dir_size(self, directory: CachePath) -> int | None:
+        known = self._dirs.get(directory)
+        return None if known is None else known[0]
 
     @staticmethod
     def _worth_listing(size: int | None, waiting: int) -> bool:
@@ -102,16 +108,15 @@ class Revalidator:
             event = self._listing.get(directory)
             mine = event is None
             if mine:
-                size = self._dir_sizes.get(directory)
-                if size is None:  # never listed: a HEAD each, as before
+                known = self._dirs.get(directory)
+                if known is None:  # never listed: a HEAD each, as before
                     return False
-                if self._clock() - self._listed_at.get(directory, float("-inf")) < self._relist_after:
+                size, listed_at = known
+                if self._clock() - listed_at < self._relist_after:
                     return False  # listed just now: what it did not refresh is missing, or new
                 count = self._expired.get(directory, 0) + 1
                 if not self._worth_listing(size, count):
-                    if len(self._expired) >= _MAX_DIRS and directory not in self._expired:
-                        self._expired.pop(next(iter(self._expired)))
-                    self._expired[directory] = count
+                    _put_bounded(self._expired, directory, count)
                     return False
                 self._expired.pop(directory, None)
                 event = self._listing[directory] = threading.Event()
@@ -121,8 +126,10 @@ class Revalidator:
             if pool is not None:  # too large to wait for: this read asks alone meanwhile
                 try:
                     pool.submit(self._list_and_settle, directory, None, event)
-                except RuntimeError:  # closed meanwhile
-                    self._list_and_settle(directory, None, event, listing=False)
+                except RuntimeError:  # closed meanwhile: no listing after all
+                    with self._lock:
+                        self._listing.pop(directory, None)
+                    event.set()
                 return False
             if not self._list_and_settle(directory, None, event):
                 return False
@@ -178,22 +185,20 @@ class Revalidator:
         with self._lock:
             if directory in self._listing:
                 return None
-            if not self._worth_listing(self._dir_sizes.get(directory), len(self._pending.get(directory, ()))):
+            if not self._worth_listing(self._dir_size(directory), len(self._pending.get(directory, ()))):
                 return False
             event = self._listing[directory] = threading.Event()
         return self._list_and_settle(directory, path, event)
 
-    def _list_and_settle(self, directory: CachePath, own: CachePath | None, event: threading.Event,
-                         listing: bool = True) -> bool:
+    def _list_and_settle(self, directory: CachePath, own: CachePath | None, event: threading.Event) -> bool:
         """List ``directory`` (marked as being listed, under ``event``), then settle the objects
         waiting for a background refresh there: those the listing did not find asked for alone,
         all of them one at a time if it failed (but ``own``: the caller asks for that one).
         True if the listing went through."""
         listed: set[CachePath] | None = None
         try:
-            if listing:
-                listed = self._list_dir(directory)
-                self.stats["listings"] += 1
+            listed = self._list_dir(directory)
+            self.stats["listings"] += 1
         except Exception as exc:  # noqa: BLE001 - one at a time instead
             log.debug("listing %s to revalidate it failed: %s", directory, exc)
         finally:
