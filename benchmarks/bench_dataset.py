@@ -22,8 +22,11 @@ with DataLoader workers 0 and 2, batch 32:
 Cold cachefs epochs start from an empty cache (the worker's ``Free``). Every epoch checks that
 each sample came exactly once, and records CPU seconds: the loader's own (this process, its
 DataLoader workers, and for cachefs the worker process) and the store's (moto), also per GB read;
-for cachefs the worker's store requests by kind and bytes fetched, and with workers 0 this
-process's reads by the path they took (``client``: held descriptors, by name, the worker). Then the data-stall share: a warm epoch with a simulated step of
+for cachefs the worker's store requests by kind and bytes fetched and the CPU its page-file writes took, and with workers 0 this
+process's reads by the path they took (``client``: held descriptors, by name, the worker). During
+each cold epoch an outside process writes a new 256 KiB file every 50 ms and times it
+(``write_probe``): what new page-cache memory costs on the machine then, whoever runs (on this VM
+~1 ms while moto serves, 0.08 idle). Then the data-stall share: a warm epoch with a simulated step of
 2x the sample's read time (``time.sleep``, as a GPU step leaves the CPU free) per batch.
 
 ``--delay-ms D`` puts moto D ms away each way (benchmarks/netem.py: a network namespace + veth +
@@ -68,7 +71,8 @@ MOUNT = "bench"
 PER_OBJECT_PEERS = ("s3fs", "s3torchconnector")  # --peer-samples bounds what these read
 WORKER_COUNTERS = ("cachefs_worker_bytes_from_store_total", "cachefs_worker_bytes_from_cache_total",
                    "cachefs_worker_page_reads_total", "cachefs_worker_load_bytes_total",
-                   "cachefs_worker_store_requests_total", "cachefs_worker_page_writes_dropped_total")
+                   "cachefs_worker_store_requests_total", "cachefs_worker_page_writes_dropped_total",
+                   "cachefs_worker_cache_page_write_cpu_seconds_total")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ID = 8  # every sample starts with its index as 8 ASCII digits
 
@@ -238,6 +242,44 @@ def quiesce(deadline_s: float = 10.0, window_s: float = 0.2, busy: float = 0.1) 
             return round(time.monotonic() - start, 2)
 
 
+# An outside writer, in a process of its own (its CPU is nobody's loader CPU): every 50 ms it
+# writes a new 256 KiB file (kept until it stops, as page files are) and times the write in
+# thread CPU. What it pays is what writing new page-cache memory costs on the machine at that
+# moment, whichever loader runs: 0.07-0.09 ms on this VM when idle, ~1 ms while moto serves a
+# cold epoch (docs/performance.md).
+_PROBE = r"""
+import json, os, sys, threading, time
+d = sys.argv[1]; os.makedirs(d, exist_ok=True)
+buf = os.urandom(256 << 10); spent = []; stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+while not stop.wait(0.05):
+    fd = os.open(os.path.join(d, str(len(spent))), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    t = time.thread_time(); os.write(fd, buf); spent.append(time.thread_time() - t); os.close(fd)
+for name in os.listdir(d):
+    os.unlink(os.path.join(d, name))
+spent.sort()
+print(json.dumps({"writes": len(spent), "median_ms": round(spent[len(spent) // 2] * 1e3, 3) if spent else None,
+                  "p90_ms": round(spent[len(spent) * 9 // 10] * 1e3, 3) if spent else None}))
+"""
+
+
+@contextlib.contextmanager
+def write_probe(directory: str) -> Iterator[dict[str, Any]]:
+    """Runs the outside writer (see _PROBE) while the block runs; its figures land in the dict."""
+    out: dict[str, Any] = {}
+    proc = subprocess.Popen([sys.executable, "-c", _PROBE, directory], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield out
+    finally:
+        try:
+            stdout, _ = proc.communicate("", timeout=60)
+            out.update(json.loads(stdout))
+        except (subprocess.TimeoutExpired, ValueError):
+            proc.kill()
+            proc.wait()
+
+
 def own_memory() -> dict[str, int]:
     """This process's resident memory (MB) and thread count: DataLoader workers are forked from
     it, and a larger parent costs each fork more (page tables, copy-on-write faults after)."""
@@ -404,20 +446,25 @@ class Bench:
     def items(self, loader: str) -> int:
         return self.peer_n if loader in PER_OBJECT_PEERS else self.n
 
-    def _one(self, name: str, w: int) -> dict[str, Any]:
-        """One warm epoch, with the CPU and worker counters it moved (or its error)."""
+    def _one(self, name: str, w: int, probe: bool = False) -> dict[str, Any]:
+        """One epoch, with the CPU and worker counters it moved (or its error); ``probe``: with
+        the outside writer running (write_probe)."""
         make = self._loaders[name][0]
         try:
             waited = quiesce()
             before = self.counters() if name.startswith("cachefs") else None
             client = self.client_counters(name) if w == 0 else None
-            cpu = self.cpu(name)
-            run = epoch(make(w), self.items(name))
-            run["cpu"] = self.cpu_row(name, cpu, self.items(name))
+            with write_probe(os.path.join(self.tmp, "probe")) if probe else contextlib.nullcontext({}) as wrote:
+                cpu = self.cpu(name)
+                run = epoch(make(w), self.items(name))
+                run["cpu"] = self.cpu_row(name, cpu, self.items(name))
+            if wrote:
+                run["write_probe"] = wrote
             run["quiesce_s"] = waited
             if before is not None:
                 run["worker"] = {k: v - before.get(k, 0.0) for k, v in self.counters().items()
                                  if v != before.get(k, 0.0)}
+                run["cpu"]["page_write_s"] = round(run["worker"].get("cache_page_write_cpu_seconds_total", 0.0), 3)
             if client is not None:
                 run["client"] = {k: v - client.get(k, 0) for k, v in self.client_counters(name).items()
                                  if v != client.get(k, 0)}
@@ -433,16 +480,19 @@ class Bench:
             row["error"] = runs[0]["error"] if runs else "no epoch ran"
         else:
             median = sorted(ok, key=lambda r: r["items_per_s"])[len(ok) // 2]
-            row.update({k: v for k, v in median.items() if k not in ("cpu", "worker", "quiesce_s")})
+            row.update({k: v for k, v in median.items() if k not in ("cpu", "worker", "quiesce_s", "write_probe")})
+            if any("write_probe" in r for r in ok):
+                row["write_probe"] = [r.get("write_probe") for r in ok]
             row["quiesce_s"] = [r["quiesce_s"] for r in ok]  # how long the machine took to go quiet before each
             if len(ok) > 1:
                 row["items_per_s_all"] = [r["items_per_s"] for r in ok]
                 if name.startswith("cachefs"):
                     row["cachefs_worker_s_all"] = [r["cpu"]["cachefs_worker_s"] for r in ok]
             gb = sum(r["items"] for r in ok) * self.size / 1e9
-            total = {k: round(sum(r["cpu"][k] for r in ok), 3)
-                     for k in ("loader_s", "cachefs_worker_s", "cachefs_worker_sys_s", "store_s")}
+            total = {k: round(sum(r["cpu"].get(k, 0.0) for r in ok), 3)
+                     for k in ("loader_s", "cachefs_worker_s", "cachefs_worker_sys_s", "store_s", "page_write_s")}
             total["loader_s_per_gb"] = round(total["loader_s"] / gb, 2)
+            total["page_write_s_per_gb"] = round(total["page_write_s"] / gb, 2)
             total["store_s_per_gb"] = round(total["store_s"] / gb, 2)
             row["cpu"] = total
             for part in ("worker", "client"):
@@ -467,7 +517,7 @@ class Bench:
             for name, (_make, make_cold) in loaders.items():
                 make_cold()
                 recycle_memory(self.args.recycle_mb << 20)
-                self._record(name, w, "cold", [self._one(name, w)])
+                self._record(name, w, "cold", [self._one(name, w, probe=True)])
             os.sync()  # the cold epochs' files (caches, downloads) written back before warm ones
             names = list(loaders)
             rounds = self.args.warm_epochs
@@ -522,6 +572,12 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["CPU s per GB of a cold epoch, loader's own / store's (moto)"] = {
         f"{r['loader']} workers={r['num_workers']}": f"{r['cpu']['loader_s_per_gb']} / {r['cpu']['store_s_per_gb']}"
         for r in results if r["phase"] == "cold" and "cpu" in r}
+    out["cachefs worker's page-file writes, CPU s per cold GB (in the loader's own)"] = {
+        f"{r['loader']} workers={r['num_workers']}": r["cpu"]["page_write_s_per_gb"]
+        for r in results if r["phase"] == "cold" and r["loader"].startswith("cachefs") and "cpu" in r}
+    out["outside writer during the cold epoch, ms of CPU per new 256 KiB file (median; ~0.08 idle here)"] = {
+        f"{r['loader']} workers={r['num_workers']}": (r.get("write_probe") or [{}])[0].get("median_ms")
+        for r in results if r["phase"] == "cold"}
     return out
 
 

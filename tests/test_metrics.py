@@ -26,6 +26,7 @@ def test_metrics_endpoint_reports_the_read_path(local_store, make_worker):
     assert 0 < m["cachefs_worker_cache_used_bytes"] <= m["cachefs_worker_cache_capacity_bytes"]
     assert m["cachefs_worker_cache_evictions_total"] == 0
     assert m["cachefs_worker_cache_corrupt_pages_total"] == 0
+    assert m["cachefs_worker_cache_page_write_cpu_seconds_total"] == worker.pages.stats().write_cpu_s > 0
     assert m['cachefs_worker_requests_total{code="OK",method="ReadBlock"}'] == 2
     assert m['cachefs_worker_request_seconds_count{method="ReadBlock"}'] == 2
     assert m["cachefs_worker_store_fetch_seconds_count"] >= 1

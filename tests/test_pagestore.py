@@ -105,6 +105,18 @@ def test_round_trip_various_sizes(tmp_path):
             s.put(pid(100), b"x" * (PAGE + 1))
 
 
+def test_page_write_cpu_is_counted_for_written_pages_only(tmp_path):
+    with open_store(tmp_path) as s:
+        assert s.stats().write_cpu_s == 0.0
+        for i in range(8):
+            assert s.put(pid(i), payload(i))
+        spent = s.stats().write_cpu_s
+        assert spent > 0.0
+        assert s.put(pid(0), payload(0))  # already cached: kept, nothing written
+        assert s.get(pid(1)) == payload(1)  # reads are not writes
+        assert s.stats().write_cpu_s == spent
+
+
 def test_page_file_layout_and_modes(tmp_path):
     with open_store(tmp_path) as s:
         data = payload(1, 1000)

@@ -124,6 +124,9 @@ class PageStoreStats:
     policy: str = "lru"  # which page leaves first: "lru" or "future" (policy.py)
     passing_dropped: int = 0  # pages not admitted that left memory before their reader took them
     index_pending: int = 0  # index rows and deletions not yet committed (rows.py): a crash loses those pages
+    # CPU seconds the writing threads spent in page-file writes (payload copied into the page
+    # cache, trailer, rename): what caching a cold byte costs, apart from fetching it
+    write_cpu_s: float = 0.0
 
 
 class _State(enum.Enum):
@@ -193,6 +196,7 @@ class PageStore:
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access is to be written at the next flush
         self._rows = RowQueue(self._lock, batch_rows=batch_rows, max_rows=max_rows, delay=row_delay)
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
+        self._write_cpu_s = 0.0
         self._bypassed = 0  # pages used later than every cached one: served from memory, not admitted
         quota = sum(d.quota_bytes for d in dirs)
         # Pages not admitted wait here for their reader: fetched for a read under way, or ahead of
@@ -589,6 +593,7 @@ class PageStore:
                 policy=self.policy,
                 passing_dropped=self._passing.dropped,
                 index_pending=self._rows.pending,
+                write_cpu_s=self._write_cpu_s,
             )
 
     def close(self) -> None:
@@ -692,13 +697,16 @@ class PageStore:
         if stuck:  # a victim file would not go away: its bytes stay used, this put gives up
             return self._abort(entry, released=entry.size - sum(v.size for v in stuck))
         tmp = os.path.join(d.tmp, f"{entry.digest}.{os.getpid()}-{next(self._tmp_names)}.tmp")
+        began = time.thread_time()
         try:
             entry.checksum = write_page_file(tmp, entry.path, payload)
         except OSError as exc:
             self.health.failed(d.root, exc, writing=True, what=f"cannot write page {entry.path}")
             return self._abort(entry, released=entry.size)
+        spent = time.thread_time() - began
         self.health.ok(d.root)
         with self._lock:
+            self._write_cpu_s += spent
             cancelled = entry.cancelled
             if not cancelled:
                 entry.state = _State.READY

@@ -75,6 +75,12 @@ class _PageStoreCollector(Collector):
             "(a later read fetches them again).",
             value=s.passing_dropped,
         )
+        yield CounterMetricFamily(
+            "cachefs_worker_cache_page_write_cpu_seconds",
+            "CPU seconds spent writing page files (the payload copied into the page cache, its "
+            "trailer, the rename): what caching cold bytes costs beyond fetching them.",
+            value=s.write_cpu_s,
+        )
         yield GaugeMetricFamily(
             "cachefs_worker_cache_index_pending",
             "Page index rows and deletions queued, not yet written (a crash now loses those pages; "
