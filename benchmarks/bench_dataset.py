@@ -25,8 +25,8 @@ DataLoader workers, and for cachefs the worker process) and the store's (moto), 
 for cachefs the worker's store requests by kind and bytes fetched and the CPU its page-file writes took, and with workers 0 this
 process's reads by the path they took (``client``: held descriptors, by name, the worker). During
 each cold epoch an outside process writes a new 256 KiB file every 50 ms and times it
-(``write_probe``): what new page-cache memory costs on the machine then, whoever runs (on this VM
-~1 ms while moto serves, 0.08 idle). Then the data-stall share: a warm epoch with a simulated step of
+(``write_probe``): what new page-cache memory costs on the machine then (on this VM 0.07-0.1 ms
+when little else is written, up to ~1 ms while an epoch writes its cache). Then the data-stall share: a warm epoch with a simulated step of
 2x the sample's read time (``time.sleep``, as a GPU step leaves the CPU free) per batch.
 
 ``--delay-ms D`` puts moto D ms away each way (benchmarks/netem.py: a network namespace + veth +
@@ -245,8 +245,8 @@ def quiesce(deadline_s: float = 10.0, window_s: float = 0.2, busy: float = 0.1) 
 # An outside writer, in a process of its own (its CPU is nobody's loader CPU): every 50 ms it
 # writes a new 256 KiB file (kept until it stops, as page files are) and times the write in
 # thread CPU. What it pays is what writing new page-cache memory costs on the machine at that
-# moment, whichever loader runs: 0.07-0.09 ms on this VM when idle, ~1 ms while moto serves a
-# cold epoch (docs/performance.md).
+# moment: 0.07-0.1 ms on this VM when little else is written, up to ~1 ms while an epoch writes
+# its cache (docs/performance.md).
 _PROBE = r"""
 import json, os, sys, threading, time
 d = sys.argv[1]; os.makedirs(d, exist_ok=True)
@@ -575,7 +575,7 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["cachefs worker's page-file writes, CPU s per cold GB (in the loader's own)"] = {
         f"{r['loader']} workers={r['num_workers']}": r["cpu"]["page_write_s_per_gb"]
         for r in results if r["phase"] == "cold" and r["loader"].startswith("cachefs") and "cpu" in r}
-    out["outside writer during the cold epoch, ms of CPU per new 256 KiB file (median; ~0.08 idle here)"] = {
+    out["outside writer during the cold epoch, ms of CPU per new 256 KiB file (median; 0.07-0.1 quiet here)"] = {
         f"{r['loader']} workers={r['num_workers']}": (r.get("write_probe") or [{}])[0].get("median_ms")
         for r in results if r["phase"] == "cold"}
     return out
