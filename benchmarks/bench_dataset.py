@@ -31,7 +31,8 @@ when little else is written, up to ~1 ms while an epoch writes its cache). Then 
 
 ``--delay-ms D`` puts moto D ms away each way (benchmarks/netem.py: a network namespace + veth +
 ``tc netem``, else a delay proxy; the endpoint's note and a measured GET time go into the JSON).
-As per-object peers then crawl, ``--peer-samples`` bounds what s3fs and s3torchconnector read per
+``--store-mbps M`` also bounds each store connection to M MB/s (the same proxy), as S3 bounds a
+single stream: whole-shard GETs then pay for it, parallel ranged GETs do not. As per-object peers then crawl, ``--peer-samples`` bounds what s3fs and s3torchconnector read per
 epoch (64 by default with ``--quick`` and a delay; their rows' ``items`` say how many).
 
 Writes benchmarks/results/dataset-<timestamp>.json (and latest-dataset.json) and a PNG.
@@ -637,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="one-way delay to moto in each direction (RTT 2x; moto closes every connection, so"
                         " ~4x to a request's first byte): netns + veth + tc netem, else a delay proxy")
+    p.add_argument("--store-mbps", type=float, default=0.0,
+                   help="each store connection's bandwidth per direction, MB/s (S3 serves one stream at"
+                        " ~50-100 MB/s; moto on loopback far faster): through the delay proxy (0: unbounded)")
     p.add_argument("--peer-samples", type=int,
                    help="samples s3fs and s3torchconnector read per epoch (default all; 64 with --quick and a delay)")
     p.add_argument("--recycle-mb", type=int, default=None,
@@ -666,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp_fs = _file_system(tmp)
     started = dt.datetime.now(dt.timezone.utc)
     try:
-        with moto_endpoint(args.delay_ms, env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(512 << 20)}) as moto:
+        with moto_endpoint(args.delay_ms, env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(512 << 20)},
+                           conn_mbps=args.store_mbps) as moto:
             endpoint = moto
             print(f"object store: {moto.note}", flush=True)
             for k, v in {"S3_ENDPOINT_URL": moto.url, "AWS_ACCESS_KEY_ID": "testing",

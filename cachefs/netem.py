@@ -67,10 +67,13 @@ sys.stdin.read()  # until the parent closes our stdin (or dies)
 server.stop()
 """
 
-# Forwards 127.0.0.1:<free> to UPSTREAM, holding each chunk DELAY seconds per direction.
+# Forwards 127.0.0.1:<free> to UPSTREAM, holding each chunk DELAY seconds per direction, and with
+# RATE > 0 pacing each connection's chunks to RATE bytes/s per direction (a store that serves one
+# connection at a bounded speed, as S3 does: parallel ranged GETs are how clients go faster).
 _PROXY_MAIN = r"""
 import asyncio, os, sys, threading, time
 up_host, up_port, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+rate = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0  # bytes/s per connection and direction (0: any)
 
 async def pump(reader, writer, earliest, both):
     queue = asyncio.Queue(256)  # bounded: a full queue stops reading, as a full window would
@@ -81,8 +84,11 @@ async def pump(reader, writer, earliest, both):
             if not data:
                 return
     async def drain():
+        free = 0.0  # when the capped link has sent what went before
         while True:
             due, data = await queue.get()
+            if rate and data:
+                free = due = max(free, due) + len(data) / rate
             if due > time.monotonic():
                 await asyncio.sleep(due - time.monotonic())
             if not data:
@@ -137,6 +143,7 @@ class Endpoint:
     mode: str = "loopback"  # "netem", "proxy" or "loopback"
     netns: str = ""  # the namespace moto runs in (netem mode)
     store_pid: int = 0  # moto's process (its CPU is the store's, reported apart from the loaders')
+    conn_mbps: float = 0.0  # each connection's bandwidth per direction, MB/s (0: unbounded); proxy only
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options for this endpoint (fake credentials)."""
@@ -336,21 +343,28 @@ def _remove_veth(v: _Veth, timeout: float = 10.0) -> None:
 # -- the endpoint ------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def moto_endpoint(delay_ms: float = 0.0, *, python: str = sys.executable, env: dict[str, str] | None = None,
-                  proxy_fallback: bool = True, timeout: float = 60.0, netem: bool = True) -> Iterator[Endpoint]:
+                  proxy_fallback: bool = True, timeout: float = 60.0, netem: bool = True,
+                  conn_mbps: float = 0.0) -> Iterator[Endpoint]:
     """A moto S3 server in its own process, ``delay_ms`` away each way (see the module docstring).
 
     ``python`` runs moto (it needs the ``test`` extra); ``env`` is laid over os.environ, fake AWS
     credentials and MOTO_S3_DEFAULT_KEY_BUFFER_SIZE for it. ``proxy_fallback=False`` falls back to
     plain loopback when netem cannot be set up. ``netem=False`` goes straight to the userspace proxy
-    (the demo: it never touches the host's network configuration, root or not).
+    (the demo: it never touches the host's network configuration, root or not). ``conn_mbps`` > 0
+    bounds each connection to that many MB/s per direction, as S3 bounds one stream (the proxy
+    does it, so it is used even without a delay and never netem).
     """
     if delay_ms < 0:
         raise ValueError(f"delay_ms must be >= 0, got {delay_ms}")
+    if conn_mbps < 0:
+        raise ValueError(f"conn_mbps must be >= 0, got {conn_mbps}")
     child_env = {**os.environ, **FAKE_CREDENTIALS, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(KEY_BUFFER_SIZE),
                  **(env or {})}
     with contextlib.ExitStack() as stack:
         endpoint, why = None, "no delay asked (delay_ms=0)"
-        if delay_ms > 0 and not netem:
+        if conn_mbps > 0:
+            why = "a bandwidth per connection asked for (the proxy paces it; netem cannot)"
+        elif delay_ms > 0 and not netem:
             why = "netem not asked for (netem=False)"
         elif delay_ms > 0:
             remove_stale()
@@ -359,7 +373,8 @@ def moto_endpoint(delay_ms: float = 0.0, *, python: str = sys.executable, env: d
             except (NetemUnavailable, RuntimeError, OSError) as exc:
                 why = f"netem not possible here: {exc}"
         if endpoint is None:
-            endpoint = _loopback(stack, delay_ms if proxy_fallback else 0.0, why, python, child_env, timeout)
+            endpoint = _loopback(stack, delay_ms if proxy_fallback or conn_mbps > 0 else 0.0, why, python,
+                                 child_env, timeout, conn_mbps)
         yield endpoint  # outside any try: the caller's exceptions only unwind the stack
 
 
@@ -381,21 +396,23 @@ def _netem(stack: contextlib.ExitStack, delay_ms: float, python: str, env: dict[
 
 
 def _loopback(stack: contextlib.ExitStack, delay_ms: float, why: str, python: str, env: dict[str, str],
-              timeout: float) -> Endpoint:
-    """moto on 127.0.0.1, behind the delay proxy when delay_ms > 0."""
+              timeout: float, conn_mbps: float = 0.0) -> Endpoint:
+    """moto on 127.0.0.1, behind the delay proxy when delay_ms > 0 or conn_mbps > 0."""
     proc, port = _start([python, "-c", _MOTO_MAIN, "127.0.0.1"], env, timeout)
     stack.callback(_stop, proc)
     url = f"http://127.0.0.1:{port}"
     _wait_answers(url, timeout)
-    if delay_ms <= 0:
+    if delay_ms <= 0 and conn_mbps <= 0:
         rtt = measure_rtt(url)
         return Endpoint(url, 0.0, f"loopback, no delay: {why} (one GET {rtt} ms measured)", rtt, "loopback",
                         store_pid=proc.pid)
-    proxy, pport = _start([python, "-c", _PROXY_MAIN, "127.0.0.1", str(port), str(delay_ms / 1000)], env, timeout)
+    proxy, pport = _start([python, "-c", _PROXY_MAIN, "127.0.0.1", str(port), str(delay_ms / 1000),
+                           str(conn_mbps * 1e6)], env, timeout)
     stack.callback(_stop, proxy)
     url = f"http://127.0.0.1:{pport}"
     _wait_answers(url, timeout)
     rtt = measure_rtt(url)
+    cap = f", {conn_mbps:g} MB/s per connection each way" if conn_mbps > 0 else ""
     return Endpoint(url, float(delay_ms), f"moto on loopback behind a userspace TCP delay proxy, {delay_ms:g} ms "
-                    f"each way (RTT {2 * delay_ms:g} ms set; one GET {rtt} ms measured); {why}", rtt, "proxy",
-                    store_pid=proc.pid)
+                    f"each way{cap} (RTT {2 * delay_ms:g} ms set; one GET {rtt} ms measured); {why}", rtt, "proxy",
+                    store_pid=proc.pid, conn_mbps=float(conn_mbps))

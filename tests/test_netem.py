@@ -6,6 +6,7 @@ Real processes and real sockets: moto in its own process, namespaces and veths m
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import subprocess
@@ -159,3 +160,29 @@ def test_stale_namespaces_of_dead_runs_are_removed() -> None:
     finally:
         for cmd in (["netns", "del", stale_ns], ["netns", "del", live_ns], ["link", "del", stale_link]):
             subprocess.run(["ip", *cmd], capture_output=True, timeout=10)
+
+
+def test_a_bandwidth_per_connection_paces_each_stream_but_not_their_sum() -> None:
+    """``conn_mbps``: one GET of 4 MB through a 2 MB/s connection takes at least 2 s; four at
+    once, each on its own connection, take about as long as one (a cap on their sum would put the
+    last at 8 s): clients of such a store go faster with parallel ranged GETs."""
+    body = bytes(4_000_000)
+    with netem.moto_endpoint(0, conn_mbps=2) as ep:
+        assert ep.mode == "proxy" and ep.conn_mbps == 2 and "2 MB/s per connection" in ep.note
+        client = ep.client()
+        bucket = ep.new_bucket("netem")
+        client.put_object(Bucket=bucket, Key="k", Body=body)
+
+        def get(_: int) -> float:
+            own = ep.client()  # a client (and connection) of its own
+            began = time.monotonic()
+            assert own.get_object(Bucket=bucket, Key="k")["Body"].read() == body
+            return time.monotonic() - began
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            four = list(pool.map(get, range(4)))
+        assert min(four) >= 1.95  # paced, whatever else the machine does
+        assert max(four) < 5.0  # side by side: the cap is each connection's, not the store's
+    with pytest.raises(ValueError, match="conn_mbps"):
+        with netem.moto_endpoint(0, conn_mbps=-1):
+            pass
