@@ -139,6 +139,10 @@ class WorkerConfig:
     rpc_threads: int = 32
     parallel_pages: int = 32  # pages of one read in flight (bounds a read's memory)
     fetch_group_pages: int = 8  # consecutive missing pages fetched in one store request
+    # The largest store request of a load, a fill or read-ahead: a bigger object (a shard) is
+    # fetched as several extents side by side, since a store serves each connection at a bounded
+    # speed (S3: tens of MB/s a stream) and one GET per shard would be held to it.
+    extent_size: int = 16 << 20
     readahead_pages: int = 8  # max read-ahead window for sequential readers
     store_timeout: float = 60.0  # seconds for one page fetch from the object store
     max_pending_write_bytes: int = 256 << 20  # fetched pages waiting for the cache disk, at most
@@ -206,6 +210,8 @@ class WorkerConfig:
             raise ValueError("cache dirs must be distinct")
         if not 4096 <= self.page_size <= 64 << 20 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [4 KiB, 64 MiB], got {self.page_size}")
+        if not self.page_size <= self.extent_size <= 1 << 30:
+            raise ValueError(f"extent_size must be in [page_size ({self.page_size}), 1 GiB], got {self.extent_size}")
         _check_unique_mounts(self.mounts)
         for name in ("metadata_ttl", "metadata_stale_grace", "list_ttl", "store_timeout", "shutdown_grace",
                      "degraded_settle_s"):
@@ -344,7 +350,7 @@ _COMPLEX_FIELDS = {
     "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
 }
-_SIZE_FIELDS = {"page_size", "max_pending_write_bytes", "heap_keep_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
+_SIZE_FIELDS = {"page_size", "extent_size", "max_pending_write_bytes", "heap_keep_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:

@@ -81,6 +81,8 @@ def test_documented_example_config_loads(tmp_path):
         ({"metadata_ttl": -1}, "metadata_ttl"),
         ({"fetch_threads": 0}, "fetch_threads"),
         ({"heap_keep_bytes": -1}, "heap_keep_bytes"),
+        ({"extent_size": "512KiB"}, "extent_size"),  # below the 1 MiB page
+        ({"extent_size": "2GiB"}, "extent_size"),
         ({"port": "eighty"}, "port"),
         ({"no_such_setting": 1}, "unknown"),
     ],
@@ -88,6 +90,15 @@ def test_documented_example_config_loads(tmp_path):
 def test_bad_values_are_refused_with_the_field_named(flags, message):
     with pytest.raises(ValueError, match=message):
         load_worker_config(None, environ={}, flags=flags)
+
+
+def test_extent_size_takes_a_size_and_reaches_the_reader():
+    from cachefs.server.worker.reader import ReaderOptions
+
+    config = load_worker_config(None, environ={"CACHEFS_WORKER_EXTENT_SIZE": "32MiB"}, flags={})
+    assert config.extent_size == 32 << 20
+    assert ReaderOptions.from_config(config).extent_size == 32 << 20
+    assert load_worker_config(None, environ={}, flags={}).extent_size == 16 << 20
 
 
 def test_mount_spec_parsing():

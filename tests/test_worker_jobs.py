@@ -103,9 +103,26 @@ def test_load_coalesces_missing_pages_into_few_store_requests(make_worker):
     result = _load(worker, "mem/obj.bin")
     assert result.objects_loaded == 1 and result.bytes_skipped == PAGE
     fetched = sorted((s, e) for p, s, e in SlowMemoryFileSystem.reads if p.endswith("obj.bin"))
-    # Each run of missing pages is one request, however long (up to an extent: fill.EXTENT_BYTES),
+    # Each run of missing pages is one request, however long (up to an extent: extent_size),
     # not one per fetch_group_pages: a load takes whole objects.
     assert fetched == [(0, 3 * PAGE), (4 * PAGE, len(data))]
+
+
+def test_load_fetches_a_large_object_as_extents_side_by_side(make_worker, monkeypatch):
+    # A store serves each connection at a bounded speed: a shard is several extent-sized GETs in
+    # flight at once, not one GET held to one stream's speed.
+    root = f"/load-{uuid.uuid4().hex[:8]}"
+    data = payload(20 * PAGE + 5, 6)
+    SlowMemoryFileSystem().pipe_file(f"{root}/obj.bin", data)
+    monkeypatch.setattr(SlowMemoryFileSystem, "delay", 0.5)  # every read overlaps those started with it
+    worker = make_worker(MountSpec("mem", f"slowmem://{root}"), page_size=PAGE, extent_size=8 * PAGE)
+    SlowMemoryFileSystem.reset_counters()
+    result = _load(worker, "mem/obj.bin")
+    assert (result.objects_loaded, result.bytes_loaded) == (1, len(data))
+    fetched = sorted((s, e) for p, s, e in SlowMemoryFileSystem.reads if p.endswith("obj.bin"))
+    assert fetched == [(0, 8 * PAGE), (8 * PAGE, 16 * PAGE), (16 * PAGE, len(data))]
+    assert SlowMemoryFileSystem.max_active >= 2
+    assert client(worker.address).cat_file("mem/obj.bin") == data
 
 
 def test_load_waits_for_page_writes_instead_of_dropping_them(make_worker):

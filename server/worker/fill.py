@@ -29,7 +29,7 @@ from typing import Any
 
 from cachefs.errors import InvalidPathError
 from cachefs.paths import CachePath, parse_path
-from cachefs.server.worker.reader import EXTENT_BYTES, PageReader
+from cachefs.server.worker.reader import READ_AHEAD_BYTES, PageReader
 from cachefs.store.meta import ObjectMeta
 
 log = logging.getLogger(__name__)
@@ -157,11 +157,14 @@ class RangeFiller:
                 failures[index] = failed_for_good(exc)
 
     def _read_ahead(self, meta: ObjectMeta, offset: int, end: int, last: int) -> None:
-        """For a sequential reader, claim what follows the range as one extent (not waited for)."""
+        """For a sequential reader, claim what follows the range, READ_AHEAD_BYTES of it in extents
+        fetched side by side (not waited for)."""
         if end >= meta.size or not self.reader.sequential(meta, offset, end):
             return
-        extent = max(1, EXTENT_BYTES // self.reader.page_size)
-        self.reader.claim(meta, last + 1, min((meta.size - 1) // self.reader.page_size, last + extent), group=extent)
+        page_size = self.reader.page_size
+        extent = max(1, self.reader.options.extent_size // page_size)
+        ahead = max(extent, READ_AHEAD_BYTES // page_size)
+        self.reader.claim(meta, last + 1, min((meta.size - 1) // page_size, last + ahead), group=extent)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -35,7 +35,6 @@ from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.server.worker.metrics import WorkerMetrics
-from cachefs.server.worker.reader import EXTENT_BYTES
 from cachefs.server.worker.reader import PageReader
 
 log = logging.getLogger(__name__)
@@ -167,8 +166,9 @@ class Loader:
         obj.claiming = True
         index, last = 0, obj.last_page
         while index <= last and not obj.error:
-            # Whole objects in extents of up to EXTENT_BYTES: a shard is one GET, not one per 8 MiB.
-            count = min(max(self.reader.options.fetch_group_pages, EXTENT_BYTES // self.page_size),
+            # Whole objects in extents of up to extent_size, claimed one after another without
+            # waiting: a shard's extents are fetched side by side (within the window).
+            count = min(max(self.reader.options.fetch_group_pages, self.reader.options.extent_size // self.page_size),
                         last - index + 1, max(1, self.window // self.page_size))
             claim_bytes = self._bytes(obj.meta, index, index + count)
             self._make_room(claim_bytes)

@@ -36,11 +36,9 @@ _WORKER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
 WRITE_WAIT_SECONDS = 10.0
 
 
-#: A range's missing pages (and a sequential reader's next ones) are fetched as one store request
-#: of up to this much: a tar or MDS shard of up to 64 MiB (MosaicML's default) costs one GET, as
-#: streaming's whole-shard downloads do, and a store that reads a whole object for every ranged
-#: GET (moto) does that work once, not once per 8 MiB run.
-EXTENT_BYTES = 64 << 20
+#: How far ahead a sequential reader's pages are claimed, in extents (``extent_size``) fetched side
+#: by side: a tar or MDS shard of up to 64 MiB (MosaicML's default) is in flight at once.
+READ_AHEAD_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -51,6 +49,7 @@ class ReaderOptions:
     write_threads: int = _WORKER_DEFAULTS["write_threads"]
     parallel_pages: int = _WORKER_DEFAULTS["parallel_pages"]
     fetch_group_pages: int = _WORKER_DEFAULTS["fetch_group_pages"]
+    extent_size: int = _WORKER_DEFAULTS["extent_size"]
     readahead_pages: int = _WORKER_DEFAULTS["readahead_pages"]
     store_timeout: float = _WORKER_DEFAULTS["store_timeout"]
     max_pending_write_bytes: int = _WORKER_DEFAULTS["max_pending_write_bytes"]
@@ -91,7 +90,7 @@ class PageReader:
         # The missing pages of a range (and of its read-ahead) as one store request, streamed, up
         # to an extent; fetch_group_pages when read-ahead is off.
         self.page_size = pages.page_size
-        self.extent_pages = max(1, EXTENT_BYTES // self.page_size) if options.readahead_pages > 0 else 0
+        self.extent_pages = max(1, options.extent_size // self.page_size) if options.readahead_pages > 0 else 0
         # Labelled children looked up once: labels() costs a lock and a dict walk per page otherwise.
         self._page_reads = {outcome: metrics.page_reads.labels(outcome)
                             for outcome in ("hit", "miss", "joined", "prefetch")}
