@@ -210,8 +210,8 @@ class WorkerConfig:
             raise ValueError("cache dirs must be distinct")
         if not 4096 <= self.page_size <= 64 << 20 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [4 KiB, 64 MiB], got {self.page_size}")
-        if not self.page_size <= self.extent_size <= 1 << 30:
-            raise ValueError(f"extent_size must be in [page_size ({self.page_size}), 1 GiB], got {self.extent_size}")
+        if not 4096 <= self.extent_size <= 1 << 30:  # below page_size: one page a request
+            raise ValueError(f"extent_size must be in [4 KiB, 1 GiB], got {self.extent_size}")
         _check_unique_mounts(self.mounts)
         for name in ("metadata_ttl", "metadata_stale_grace", "list_ttl", "store_timeout", "shutdown_grace",
                      "degraded_settle_s"):

@@ -81,7 +81,7 @@ def test_documented_example_config_loads(tmp_path):
         ({"metadata_ttl": -1}, "metadata_ttl"),
         ({"fetch_threads": 0}, "fetch_threads"),
         ({"heap_keep_bytes": -1}, "heap_keep_bytes"),
-        ({"extent_size": "512KiB"}, "extent_size"),  # below the 1 MiB page
+        ({"extent_size": "1KiB"}, "extent_size"),
         ({"extent_size": "2GiB"}, "extent_size"),
         ({"port": "eighty"}, "port"),
         ({"no_such_setting": 1}, "unknown"),
@@ -99,6 +99,9 @@ def test_extent_size_takes_a_size_and_reaches_the_reader():
     assert config.extent_size == 32 << 20
     assert ReaderOptions.from_config(config).extent_size == 32 << 20
     assert load_worker_config(None, environ={}, flags={}).extent_size == 16 << 20
+    # Pages larger than the default extent: each request is one page, not an error.
+    big = load_worker_config(None, environ={}, flags={"page_size": "64MiB"})
+    assert big.extent_size == 16 << 20 and big.page_size == 64 << 20
 
 
 def test_mount_spec_parsing():
