@@ -62,7 +62,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from read_common import machine_info  # noqa: E402
+from read_common import machine_info, process_cpu, process_cpu_split  # noqa: E402
 
 from cachefs.local import toml_value  # noqa: E402
 
@@ -197,22 +197,6 @@ def epoch(loader: DataLoader, n: int, step: float = 0.0) -> dict[str, Any]:
             "wait_s": round(wait, 4), "first_batch_s": round(first, 4),
             "stall_share": round(wait / seconds, 4) if step else None,
             "stall_share_after_first_batch": round(steady, 4) if steady is not None else None}
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a live process has used; 0.0 if it is gone."""
-    return sum(process_cpu_split(pid))
-
-
-def process_cpu_split(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of a live process, all threads; zeros if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick  # utime, stime
 
 
 def own_cpu() -> float:

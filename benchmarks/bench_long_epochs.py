@@ -38,7 +38,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from read_common import machine_info  # noqa: E402
+from read_common import machine_info, process_cpu  # noqa: E402
 
 MOUNT = "bench"
 CASES = ("back_to_back", "within_grace", "past_grace")
@@ -56,13 +56,6 @@ def store_requests(metrics_url: str) -> dict[str, float]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pause_for(case: str, ttl: float, grace: float) -> float:
     if case == "back_to_back":
         return 0.0
@@ -73,7 +66,7 @@ def pause_for(case: str, ttl: float, grace: float) -> float:
 
 def one_epoch(loader: Any, batch: int, n: int, metrics_url: str, worker_pid: int) -> dict[str, Any]:
     before = store_requests(metrics_url)
-    cpu_before = cpu_seconds(worker_pid)
+    cpu_before = process_cpu(worker_pid)
     seen: list[int] = []
     t0 = time.perf_counter()
     first = None
@@ -82,7 +75,7 @@ def one_epoch(loader: Any, batch: int, n: int, metrics_url: str, worker_pid: int
             first = time.perf_counter() - t0
         seen.extend(ids)
     wall = time.perf_counter() - t0
-    worker_cpu = cpu_seconds(worker_pid) - cpu_before
+    worker_cpu = process_cpu(worker_pid) - cpu_before
     after = store_requests(metrics_url)
     if sorted(seen) != list(range(n)):
         raise RuntimeError(f"an epoch read {len(seen)} samples, {len(set(seen))} distinct, of {n}")

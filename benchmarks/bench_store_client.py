@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netem import moto_endpoint  # noqa: E402
-from read_common import machine_info  # noqa: E402
+from read_common import machine_info, process_cpu  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,15 +37,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def own_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def process_cpu(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def s3fs_reader(endpoint: Any, bucket: str) -> Callable[[str, int, str], bytes]:

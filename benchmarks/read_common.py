@@ -51,6 +51,22 @@ def human(n: float) -> str:
     return str(n)
 
 
+def process_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a live process, all threads; zeros if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick  # utime, stime
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used; 0.0 if it is gone."""
+    return sum(process_cpu_split(pid))
+
+
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     """A uint8 buffer whose first byte is ``align``-aligned (np.empty is only 64-byte aligned)."""
     raw = np.empty(nbytes + align, dtype=np.uint8)

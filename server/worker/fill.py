@@ -161,8 +161,7 @@ class RangeFiller:
         fetched side by side (not waited for)."""
         if end >= meta.size or not self.reader.sequential(meta, offset, end):
             return
-        page_size = self.reader.page_size
-        extent = max(1, self.reader.options.extent_size // page_size)
+        page_size, extent = self.reader.page_size, self.reader.extent_run
         ahead = max(extent, READ_AHEAD_BYTES // page_size)
         self.reader.claim(meta, last + 1, min((meta.size - 1) // page_size, last + ahead), group=extent)
 

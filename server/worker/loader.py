@@ -168,7 +168,7 @@ class Loader:
         while index <= last and not obj.error:
             # Whole objects in extents of up to extent_size, claimed one after another without
             # waiting: a shard's extents are fetched side by side (within the window).
-            count = min(max(self.reader.options.fetch_group_pages, self.reader.options.extent_size // self.page_size),
+            count = min(max(self.reader.options.fetch_group_pages, self.reader.extent_run),
                         last - index + 1, max(1, self.window // self.page_size))
             claim_bytes = self._bytes(obj.meta, index, index + count)
             self._make_room(claim_bytes)

@@ -90,7 +90,8 @@ class PageReader:
         # The missing pages of a range (and of its read-ahead) as one store request, streamed, up
         # to an extent; fetch_group_pages when read-ahead is off.
         self.page_size = pages.page_size
-        self.extent_pages = max(1, options.extent_size // self.page_size) if options.readahead_pages > 0 else 0
+        self.extent_run = max(1, options.extent_size // self.page_size)  # pages in one extent's request
+        self.extent_pages = self.extent_run if options.readahead_pages > 0 else 0
         # Labelled children looked up once: labels() costs a lock and a dict walk per page otherwise.
         self._page_reads = {outcome: metrics.page_reads.labels(outcome)
                             for outcome in ("hit", "miss", "joined", "prefetch")}
