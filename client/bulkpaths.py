@@ -46,6 +46,34 @@ def _worker_away(exc: BaseException) -> bool:
     return callable(code) and getattr(code(), "name", "") == "UNAVAILABLE"
 
 
+
+class PlanProgress:
+    """Where this process reads in its registered plan, and the furthest it read since the last
+    request took it: a pass read by name sends no message, so without the furthest a worker
+    would see the next pass begin (position 0) after a reader that seemed to stand still, not a
+    rewind. Advisory: a race between threads at most loses one furthest; with several local
+    workers the next request to any of them carries it."""
+
+    def __init__(self) -> None:
+        self._job = ""
+        self._position = 0
+        self._furthest = 0
+
+    def note(self, job: str, position: int) -> None:
+        if job != self._job:
+            self._job, self._furthest = job, position
+        self._position = position
+        if position > self._furthest:
+            self._furthest = position
+
+    def take(self) -> tuple[str, int, int] | None:
+        """(job, position, furthest since the last take), or None before any plan read."""
+        if not self._job:
+            return None
+        position, furthest = self._position, self._furthest
+        self._furthest = position
+        return self._job, position, furthest
+
 class Reader(Protocol):
     kind: str
 
@@ -85,7 +113,7 @@ class BulkPaths:
         self.held = {"reads": 0, "bytes": 0}
         # Where this process's dataset reads in its registered plan (client/plans.py), told to
         # local workers with every short-circuit request.
-        self.plan_progress: tuple[str, int] | None = None
+        self.plan_progress = PlanProgress()
 
     @property
     def enabled(self) -> bool:
@@ -117,7 +145,7 @@ class BulkPaths:
                 and os.path.exists(status.short_circuit_socket):
             return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout,
                                       handles=config.short_circuit_handles, counts=self.stats["short_circuit"],
-                                      progress=lambda: self.plan_progress, by_name=config.short_circuit_by_name,
+                                      progress=self.plan_progress.take, by_name=config.short_circuit_by_name,
                                       huge_pages=config.huge_pages)
         if config.data_port and status.data_port and not config.tls.enabled:
             return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout,

@@ -544,7 +544,7 @@ class ClientSession:
     def note_progress(self, job: str, position: int) -> None:
         """This process reads sample ``position`` of read plan ``job`` now (client/plans.py): local
         workers learn it with the next short-circuit request, to tell read pages from coming ones."""
-        self._state.get().bulk.plan_progress = (job, int(position))
+        self._state.get().bulk.plan_progress.note(job, int(position))
 
     def close(self) -> None:
         """Close this process's channels and sockets and stop following the master."""

@@ -92,9 +92,10 @@ class ShortCircuitReader:
 
     def __init__(self, path: str, token: str = "", timeout: float = 30.0, max_idle: int = 8,
                  handles: int = 4096, counts: dict[str, int] | None = None,
-                 progress: Callable[[], tuple[str, int] | None] | None = None, by_name: bool = True,
+                 progress: Callable[[], tuple[str, int, int] | None] | None = None, by_name: bool = True,
                  huge_pages: bool = True) -> None:
-        """``progress()``: the reading job's (plan job, position), sent with each request.
+        """``progress()``: the reading job's (plan job, position, furthest since the last call),
+        sent with each request.
         ``by_name``: open cached page files by name where the worker offers it (namedpages.py).
         ``huge_pages``: large results in transparent huge pages (rawbytes.py)."""
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
@@ -241,7 +242,9 @@ class ShortCircuitReader:
     def _add_progress(self, request: Any) -> None:
         progress = self._progress() if self._progress is not None else None
         if progress is not None:
-            request.plan_job, request.plan_position = progress
+            request.plan_job, request.plan_position, furthest = progress
+            if furthest > request.plan_position:
+                request.plan_furthest = furthest
             request.plan_reader = self._pid
 
     def _note_failed(self, path: str, got: Any) -> None:

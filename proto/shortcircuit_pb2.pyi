@@ -25,7 +25,7 @@ class RangeRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., ahead: _Optional[bool] = ..., fill: _Optional[bool] = ...) -> None: ...
 
 class ShortCircuitRequest(_message.Message):
-    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load", "plan_job", "plan_position", "plan_reader", "touched_pages", "touched_pages_bytes", "by_name", "stale_paths")
+    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load", "plan_job", "plan_position", "plan_reader", "plan_furthest", "touched_pages", "touched_pages_bytes", "by_name", "stale_paths")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ShortCircuitRequest(_message.Message):
     PLAN_JOB_FIELD_NUMBER: _ClassVar[int]
     PLAN_POSITION_FIELD_NUMBER: _ClassVar[int]
     PLAN_READER_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FURTHEST_FIELD_NUMBER: _ClassVar[int]
     TOUCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOUCHED_PAGES_BYTES_FIELD_NUMBER: _ClassVar[int]
     BY_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -48,11 +49,12 @@ class ShortCircuitRequest(_message.Message):
     plan_job: str
     plan_position: int
     plan_reader: int
+    plan_furthest: int
     touched_pages: _containers.RepeatedScalarFieldContainer[bytes]
     touched_pages_bytes: int
     by_name: bool
     stale_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ..., plan_reader: _Optional[int] = ..., touched_pages: _Optional[_Iterable[bytes]] = ..., touched_pages_bytes: _Optional[int] = ..., by_name: _Optional[bool] = ..., stale_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ..., plan_reader: _Optional[int] = ..., plan_furthest: _Optional[int] = ..., touched_pages: _Optional[_Iterable[bytes]] = ..., touched_pages_bytes: _Optional[int] = ..., by_name: _Optional[bool] = ..., stale_paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RangeReply(_message.Message):
     __slots__ = ("code", "message", "errno", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "fetched", "once")

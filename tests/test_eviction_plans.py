@@ -162,6 +162,23 @@ class _NoWorkers:
         return []
 
 
+def test_requests_carry_the_furthest_position_read_since_the_last_one():
+    """A pass read by name sends no message: the next request tells where that pass got to,
+    once, so the worker sees a new pass begin rather than a reader that stood still."""
+    from cachefs.client.bulkpaths import PlanProgress
+
+    progress = PlanProgress()
+    assert progress.take() is None  # no plan read yet: nothing to send
+    for position in range(0, 48, 4):
+        progress.note("job", position)
+    progress.note("job", 0)  # the next pass begins
+    assert progress.take() == ("job", 0, 44)
+    assert progress.take() == ("job", 0, 0)  # said once
+    progress.note("job", 8)
+    progress.note("other", 3)  # another plan (a set_epoch): its own furthest
+    assert progress.take() == ("other", 3, 3)
+
+
 def test_plan_positions_count_from_the_start_again_on_a_replay():
     """The job's sample count keeps growing across passes (one process, or persistent DataLoader
     workers); past the plan's own epoch with no new plan, positions are those of the pass again."""

@@ -231,9 +231,12 @@ class Worker:
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
 
-    def _plan_progress(self, job: str, position: int, reader: int = 0) -> None:
+    def _plan_progress(self, job: str, position: int, reader: int = 0, furthest: int = 0) -> None:
         """A local reader's position in its plan (with its short-circuit requests): what it reads
-        next is fetched ahead by the plan."""
+        next is fetched ahead by the plan. ``furthest``: where it got to since its last request
+        (reads by name send none), applied first, so that a new pass shows as one."""
+        if furthest > position:
+            self.plans.progress(job, furthest, reader)
         self.plans.progress(job, position, reader)
         servicer = self.servicer
         if servicer is not None:

@@ -67,7 +67,7 @@ class ShortCircuitServer(ConnectionServer):
                  on_handed_out: Callable[[int], None] | None = None,
                  on_load: Callable[[list[str]], int] | None = None,
                  passing: Callable[[str], bool] | None = None,
-                 on_progress: Callable[[str, int, int], None] | None = None,
+                 on_progress: Callable[[str, int, int, int], None] | None = None,
                  names: NameIndex | None = None, page_dirs: list[tuple[str, int]] | None = None,
                  on_named: Callable[[list[str], int], None] | None = None,
                  on_stale: Callable[[list[str]], None] | None = None, **limits: Any) -> None:
@@ -158,7 +158,8 @@ class ShortCircuitServer(ConnectionServer):
         reply = Reply(answered=True)
         by_name = request.by_name and self._names_for(peer)
         if request.plan_job and self._on_progress is not None:
-            self._on_progress(request.plan_job, request.plan_position, request.plan_reader)
+            self._on_progress(request.plan_job, request.plan_position, request.plan_reader,
+                              request.plan_furthest)
         if request.load and self._on_load is not None:
             reply.loading = self._on_load(list(request.load))
         if request.hello and self.table is not None:
