@@ -496,6 +496,11 @@ class ClientConfig:
     # Read cached pages of other hosts' workers through their data port (TCP, sendfile; see
     # server/worker/dataport.py), not through gRPC. Never with TLS (the port is plaintext).
     data_port: bool = True
+    # Whole objects read in their directory's listing order (cat_file, open, read_into from the
+    # start) get the next ones hinted to the cache, a window that grows while the order holds
+    # (client/scanahead.py): a plain Dataset with shuffle=False stops waiting on the store for
+    # each object. Off: no listing, no hints.
+    scan_ahead: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", _split_addresses(self.workers))

@@ -143,7 +143,9 @@ class PerProcessParts:
 
     @staticmethod
     def _filesystem(storage_options: dict[str, Any]) -> CacheFileSystem:
-        return CacheFileSystem(skip_instance_cache=True, **storage_options)
+        # The datasets tell the workers their order themselves (hints, plans): no read-ahead
+        # guessed from the order of their reads on top (client/scanahead.py).
+        return CacheFileSystem(skip_instance_cache=True, **{"scan_ahead": False, **storage_options})
 
     def learn_cluster(self) -> None:
         """Learn, in this (main) process, what DataLoader workers will need to start reading."""

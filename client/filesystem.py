@@ -29,6 +29,8 @@ from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from cachefs.client.fscompat import S3CompatMethods, s3_fields
+from cachefs.client.hints import Hinter
+from cachefs.client.scanahead import ScanAhead
 from cachefs.client.session import ClientSession, SessionBootstrap
 from cachefs.client.urlmap import UrlMap
 from cachefs.client.writer import CacheWriteFile, WriteMethods, Writes, check_write_mode
@@ -96,6 +98,7 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
         self._unmounted = unmounted
         self._urlmap_cached: UrlMap | None = None
         self._direct_fs: Any = None
+        self._scan: ScanAhead | None = None  # read-ahead across objects (client/scanahead.py)
 
     @staticmethod
     def option_names() -> frozenset[str]:
@@ -206,7 +209,29 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
             end = None if end is None else max(0, size + end) if end < 0 else end
         offset = start or 0
         length = -1 if end is None else max(0, end - offset)
+        if offset == 0:
+            self._scan_note(cp)
         return self.session.read(cp, offset, length, version)[0]
+
+    def _scan_note(self, cp: CachePath) -> None:
+        """An object read from its start: the objects after it in its directory's order are
+        hinted once such reads keep to that order (client/scanahead.py)."""
+        if not self.config.scan_ahead:
+            return
+        scan = self._scan
+        if scan is None:
+            hinter = Hinter(self.session)
+
+            def hint(keys: list[str]) -> int:
+                hinter.reset()  # the scan sends each name once itself; the hinter's memory stays small
+                return hinter.hint(keys)
+
+            def list_dir(directory: CachePath) -> list[str]:
+                return [e["name"].rsplit("/", 1)[-1] for e in self.session.list(directory, recursive=False)
+                        if e["type"] == "file"]
+
+            scan = self._scan = ScanAhead(list_dir, hint)
+        scan.note(cp)
 
     def prepare(self, ranges: Iterable[tuple[str, int, int | None]], fill: bool = True) -> int:
         """Get ready to read ranges ``(path, start, end)`` (end None: to the object's end): the
@@ -276,6 +301,8 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
             data = direct.cat_file(path, start=offset, end=offset + len(view))
             view[:len(data)] = data
             return len(data), int(direct.info(path)["size"])
+        if offset == 0:
+            self._scan_note(cp)
         return self.session.read_into(cp, out, offset)
 
     def read_range(self, cp: CachePath, offset: int, length: int, version: str = "") -> bytes:
@@ -317,6 +344,7 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
         # handles come in one message (client/handles.py), not an info RPC and then the read.
         # Only size, version and name are needed here: the s3fs-style fields (ETag, LastModified)
         # come with ``f.details``, built when asked for (~7 us an open otherwise).
+        self._scan_note(cp)
         info = self.session.info(cp, read_ahead=block_size or self.config.block_size)
         if info["type"] != "file":
             raise IsADirectoryError(f"{path} is a directory")
@@ -325,6 +353,8 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
 
     def close(self) -> None:
         """Close this process's channels and sockets and stop following the master."""
+        if self._scan is not None:
+            self._scan.close()
         self.session.close()
 
 

@@ -605,7 +605,7 @@ class _ShardIndexer:
 
     def __init__(self, storage_options: dict[str, Any] | None, format: str) -> None:
         self.format = FORMATS[format]
-        self.fs = CacheFileSystem(skip_instance_cache=True, **dict(storage_options or {}))
+        self.fs = CacheFileSystem(skip_instance_cache=True, **{"scan_ahead": False, **dict(storage_options or {})})
 
     def __call__(self, path: str, size: int) -> ShardIndex:
         samples = self.format.scan(lambda off, n: self.fs.cat_file(path, off, off + n), size)

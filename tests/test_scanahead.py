@@ -1,0 +1,197 @@
+"""Read-ahead across objects (client/scanahead.py): objects read in their directory's order get the
+next ones hinted; reads out of order get nothing, and cost no listing."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import grpc
+import pytest
+
+from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.scanahead import ScanAhead
+from cachefs.paths import CachePath
+from cachefs.proto import worker_pb2, worker_pb2_grpc
+from helpers import payload, wait_for
+
+PAGE = 64 << 10
+
+
+class _Fake:
+    """A directory listing and a hint sink, both recorded."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.listed: list[CachePath] = []
+        self.hints: list[list[str]] = []
+        self.listing_done = threading.Event()
+
+    def list_dir(self, directory: CachePath) -> list[str]:
+        self.listed.append(directory)
+        self.listing_done.set()
+        return list(self.names)
+
+    def hint(self, keys: list[str]) -> int:
+        self.hints.append(keys)
+        return len(keys)
+
+
+def _scan(names: list[str], **kw) -> tuple[ScanAhead, _Fake]:
+    fake = _Fake(names)
+    return ScanAhead(fake.list_dir, fake.hint, **kw), fake
+
+
+def _listed(scan: ScanAhead) -> bool:
+    return wait_for(lambda: scan.stats["listed"] + scan.stats["too_large"] + scan.stats["list_failed"] > 0,
+                    timeout=30)
+
+
+def test_reads_in_order_hint_what_follows_in_growing_windows():
+    names = [f"{i:04d}.bin" for i in range(400)]
+    scan, fake = _scan(list(reversed(names)))  # the listing's own order does not matter
+    read = [CachePath("m", f"val/{n}") for n in names]
+    scan.note(read[0])
+    scan.note(read[1])  # two reads going up: the directory is listed (once, in the background)
+    assert _listed(scan) and fake.listed == [CachePath("m", "val")]
+    assert fake.hints == []  # nothing hinted before the listing and two adjacent reads
+    for cp in read[2:200]:
+        scan.note(cp)
+    hinted = [k for keys in fake.hints for k in keys]
+    assert hinted == [f"m/val/{n}" for n in names[4:4 + len(hinted)]]  # in order, each once
+    assert 200 + 16 <= 4 + len(hinted) <= 200 + 64  # ahead of the reader, never past the window
+    assert all(len(keys) <= 64 for keys in fake.hints)
+    assert len(fake.hints) <= 200 // 16  # a stretch at a time, not a message per read
+    assert fake.listed == [CachePath("m", "val")]
+
+
+def test_reads_out_of_order_hint_nothing_and_reads_going_down_list_nothing():
+    names = [f"{i:04d}.bin" for i in range(300)]
+    scan, fake = _scan(names)
+    for n in names[::3]:  # going up, never adjacent: listed once, nothing hinted
+        scan.note(CachePath("m", f"a/{n}"))
+    assert _listed(scan)
+    for n in names[::3]:
+        scan.note(CachePath("m", f"a/{n}"))
+    assert fake.listed == [CachePath("m", "a")] and fake.hints == []
+    for n in reversed(names):  # going down: not even a listing
+        scan.note(CachePath("m", f"b/{n}"))
+    assert fake.listed == [CachePath("m", "a")] and fake.hints == []
+
+
+def test_a_jump_starts_the_window_over_and_hints_nothing_twice():
+    names = [f"{i:04d}" for i in range(500)]
+    scan, fake = _scan(names, first_window=4, max_window=16)
+    scan.note(CachePath("m", "d/0000"))
+    scan.note(CachePath("m", "d/0001"))
+    assert _listed(scan)
+    for i in range(0, 40):
+        scan.note(CachePath("m", f"d/{i:04d}"))
+    first = [k for keys in fake.hints for k in keys]
+    assert first and len(set(first)) == len(first)
+    before = len(fake.hints)
+    scan.note(CachePath("m", "d/0300"))  # a jump: no hint for it alone
+    assert len(fake.hints) == before
+    scan.note(CachePath("m", "d/0301"))  # in order again: the window starts small
+    assert fake.hints[-1] == [f"m/d/{i:04d}" for i in range(302, 306)]
+    hinted = [k for keys in fake.hints for k in keys]
+    assert len(set(hinted)) == len(hinted)
+
+
+def test_a_directory_too_large_to_list_is_left_alone_and_bad_windows_are_refused():
+    scan, fake = _scan([f"{i}" for i in range(50)], max_listing=10)
+    for i in range(30):
+        scan.note(CachePath("m", f"big/{i:02d}"))
+    assert _listed(scan) and scan.stats["too_large"] == 1
+    assert fake.hints == []
+    with pytest.raises(ValueError):
+        ScanAhead(fake.list_dir, fake.hint, first_window=0)
+    with pytest.raises(ValueError):
+        ScanAhead(fake.list_dir, fake.hint, first_window=32, max_window=8)
+
+
+def _cached(worker, keys: list[str]) -> bool:
+    return all(worker.pages.holds_object("data", k) for k in keys)
+
+
+def test_a_plain_loop_over_a_directory_finds_the_objects_ahead_of_it_cached(local_store, make_worker):
+    """cat_file in name order, one object at a time (a Dataset with shuffle=False): after the
+    first reads, objects it has not read yet are in the worker's cache, fetched by hints."""
+    data = {f"val/{i:03d}.bin": payload(PAGE // 2 + i, 500 + i) for i in range(60)}
+    for key, d in data.items():
+        local_store.add(key, d)
+    local_store.add("other/x.bin", payload(100, 1))
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
+    keys = sorted(data)
+    for key in keys[:3]:
+        assert fs.cat_file(f"cachefs://data/{key}") == data[key]
+    assert wait_for(lambda: fs._scan.stats["listed"] == 1, timeout=30)
+    assert fs.cat_file(f"cachefs://data/{keys[3]}") == data[keys[3]]
+    assert fs.cat_file(f"cachefs://data/{keys[4]}") == data[keys[4]]
+    ahead = keys[5:13]  # never read: hinted
+    assert wait_for(lambda: _cached(worker, ahead), timeout=30)
+    assert not worker.pages.holds_object("data", keys[-1])  # the window, not the directory
+    for key in keys[5:]:  # and what it reads is right
+        assert fs.cat_file(f"cachefs://data/{key}") == data[key]
+    fs.close()
+
+
+def test_shuffled_reads_send_no_hints_and_the_option_turns_it_off(local_store, make_worker):
+    data = {f"train/{i:03d}.bin": payload(300 + i, 700 + i) for i in range(40)}
+    for key, d in data.items():
+        local_store.add(key, d)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    off = CacheFileSystem(workers=worker.address, skip_instance_cache=True, scan_ahead=False)
+    for key in sorted(data)[:10]:
+        assert off.cat_file(f"cachefs://data/{key}") == data[key]
+    assert off._scan is None  # off: no listing, no hints
+    with grpc.insecure_channel(worker.address) as ch:  # cold again
+        worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/train/"), timeout=30)
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
+    order = sorted(data)
+    random.Random(3).shuffle(order)
+    order = [k for i, k in enumerate(order) if i == 0 or int(k[6:9]) != int(order[i - 1][6:9]) + 1]
+    for key in order:
+        with fs.open(f"cachefs://data/{key}") as f:
+            assert f.read() == data[key]
+    assert fs._scan.stats["hinted"] == 0
+    off.close()
+    fs.close()
+
+
+def test_what_the_cache_refuses_is_offered_again_with_the_next_read():
+    names = [f"{i:03d}" for i in range(100)]
+    fake = _Fake(names)
+    answers = iter([0, 0])  # busy twice (a worker's hint slots full), then taken
+
+    def busy_then_taken(keys: list[str]) -> int:
+        fake.hints.append(keys)
+        return next(answers, len(keys))
+
+    scan = ScanAhead(fake.list_dir, busy_then_taken, first_window=4, max_window=16)
+    for i in range(2):
+        scan.note(CachePath("m", f"d/{i:03d}"))
+    assert _listed(scan)
+    for i in range(2, 6):
+        scan.note(CachePath("m", f"d/{i:03d}"))
+    assert fake.hints[0][0] == "m/d/004" and fake.hints[1][0] == "m/d/005"  # refused: offered again
+    assert fake.hints[2][0] == "m/d/006"  # taken from here on
+    assert scan.stats["hinted"] == len(fake.hints[2]) + sum(len(k) for k in fake.hints[3:])
+
+
+def test_a_jump_into_what_was_hinted_keeps_the_window_as_interleaved_dataloader_workers_need():
+    names = [f"{i:04d}" for i in range(400)]
+    scan, fake = _scan(names, first_window=4, max_window=32)
+    scan.note(CachePath("m", "d/0000"))
+    scan.note(CachePath("m", "d/0001"))
+    assert _listed(scan)
+    for i in range(0, 8):  # a batch of 8 (this process's)
+        scan.note(CachePath("m", f"d/{i:04d}"))
+    hinted_to = 2 + sum(len(k) for k in fake.hints)
+    assert hinted_to > 16
+    for i in range(16, 24):  # the next batch of its own: the other process read 8..15
+        scan.note(CachePath("m", f"d/{i:04d}"))
+    hinted = [k for keys in fake.hints for k in keys]
+    assert len(set(hinted)) == len(hinted)
+    assert 2 + len(hinted) >= 24 + 16  # kept ahead by more than a first window
