@@ -39,6 +39,10 @@ def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
     # Scanned shard indexes are kept per test (client/indexcache.py), never in the user's ~/.cache.
     monkeypatch.setenv("CACHEFS_INDEX_CACHE", tempfile.mkdtemp(prefix="cachefs-index-"))
+    # Read-ahead across objects (client/scanahead.py) hints what follows reads in name order, in
+    # the background: tests of other mechanisms count exact fetches, fills and hits, so it is off
+    # unless a test asks for it (tests/test_scanahead.py, the demo's end-to-end test).
+    monkeypatch.setenv("CACHEFS_SCAN_AHEAD", "false")
 
 
 @pytest.fixture

@@ -122,7 +122,7 @@ def test_a_plain_loop_over_a_directory_finds_the_objects_ahead_of_it_cached(loca
         local_store.add(key, d)
     local_store.add("other/x.bin", payload(100, 1))
     worker = make_worker(local_store.mount, page_size=PAGE)
-    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True, scan_ahead=True)
     keys = sorted(data)
     for key in keys[:3]:
         assert fs.cat_file(f"cachefs://data/{key}") == data[key]
@@ -148,7 +148,7 @@ def test_shuffled_reads_send_no_hints_and_the_option_turns_it_off(local_store, m
     assert off._scan is None  # off: no listing, no hints
     with grpc.insecure_channel(worker.address) as ch:  # cold again
         worker_pb2_grpc.WorkerServiceStub(ch).Free(worker_pb2.FreeRequest(prefix="data/train/"), timeout=30)
-    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True, scan_ahead=True)
     order = sorted(data)
     random.Random(3).shuffle(order)
     order = [k for i, k in enumerate(order) if i == 0 or int(k[6:9]) != int(order[i - 1][6:9]) + 1]
@@ -195,3 +195,13 @@ def test_a_jump_into_what_was_hinted_keeps_the_window_as_interleaved_dataloader_
     hinted = [k for keys in fake.hints for k in keys]
     assert len(set(hinted)) == len(hinted)
     assert 2 + len(hinted) >= 24 + 16  # kept ahead by more than a first window
+
+
+def test_on_by_default_and_off_by_option_or_environment(monkeypatch):
+    from cachefs.config import ClientConfig
+
+    monkeypatch.delenv("CACHEFS_SCAN_AHEAD")  # the suite turns it off for the other tests (conftest.py)
+    assert ClientConfig.from_options({"workers": "127.0.0.1:1"}).scan_ahead is True
+    assert ClientConfig.from_options({"workers": "127.0.0.1:1", "scan_ahead": False}).scan_ahead is False
+    monkeypatch.setenv("CACHEFS_SCAN_AHEAD", "false")
+    assert ClientConfig.from_options({"workers": "127.0.0.1:1"}).scan_ahead is False
