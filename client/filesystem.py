@@ -99,6 +99,7 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
         self._urlmap_cached: UrlMap | None = None
         self._direct_fs: Any = None
         self._scan: ScanAhead | None = None  # read-ahead across objects (client/scanahead.py)
+        self._scan_hinter: Hinter | None = None
 
     @staticmethod
     def option_names() -> frozenset[str]:
@@ -220,11 +221,17 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
             return
         scan = self._scan
         if scan is None:
-            hinter = Hinter(self.session)
+            hinter = self._scan_hinter = Hinter(self.session)
 
             def hint(keys: list[str]) -> int:
+                # What a worker here vouches for is cached already (a warm pass): not sent, and
+                # counted as taken. (A socket hint's reply does not say, so no backing off there.)
+                cold = [k for k in keys if not self.session.vouched(k)]
+                if not cold:
+                    return len(keys)
                 hinter.reset()  # the scan sends each name once itself; the hinter's memory stays small
-                return hinter.hint(keys)
+                sent = hinter.hint(cold)
+                return len(keys) if sent == len(cold) else sent
 
             def list_dir(directory: CachePath) -> list[str]:
                 return [e["name"].rsplit("/", 1)[-1] for e in self.session.list(directory, recursive=False)

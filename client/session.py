@@ -541,6 +541,12 @@ class ClientSession:
         """Ask ``handle``'s worker to cache ``keys`` (a hint: metadata and first page in one GET)."""
         return handle.stub().Load.future(worker_pb2.LoadRequest(paths=keys, hint=True), timeout=timeout)
 
+    def vouched(self, key: str) -> bool:
+        """Whether a worker on this host vouches for object ``key`` here and now (pages of it
+        handed to this process, or its name index), with no message: cached, as far as is known."""
+        state = self._state.get()
+        return state.bulk.enabled and state.bulk.info(key, 0) is not None
+
     def note_progress(self, job: str, position: int) -> None:
         """This process reads sample ``position`` of read plan ``job`` now (client/plans.py): local
         workers learn it with the next short-circuit request, to tell read pages from coming ones."""

@@ -134,7 +134,20 @@ def test_a_plain_loop_over_a_directory_finds_the_objects_ahead_of_it_cached(loca
     assert not worker.pages.holds_object("data", keys[-1])  # the window, not the directory
     for key in keys[5:]:  # and what it reads is right
         assert fs.cat_file(f"cachefs://data/{key}") == data[key]
+    assert fs._scan_hinter.stats["paths"] > 0
     fs.close()
+    assert wait_for(lambda: _cached(worker, keys), timeout=30)
+    # A warm pass in a new process (a DataLoader worker's next epoch): the worker here vouches for
+    # every object, so nothing is hinted, though the reads keep to the order.
+    again = CacheFileSystem(workers=worker.address, skip_instance_cache=True, scan_ahead=True)
+    assert again.cat_file(f"cachefs://data/{keys[0]}") == data[keys[0]]
+    assert wait_for(lambda: again.session.vouched(f"data/{keys[1]}"), timeout=30)  # its hello: the index
+    assert again.cat_file(f"cachefs://data/{keys[1]}") == data[keys[1]]
+    assert wait_for(lambda: again._scan.stats["listed"] == 1, timeout=30)  # in order: listed
+    for key in keys[2:]:
+        assert again.cat_file(f"cachefs://data/{key}") == data[key]
+    assert again._scan_hinter is not None and again._scan_hinter.stats["paths"] == 0
+    again.close()
 
 
 def test_shuffled_reads_send_no_hints_and_the_option_turns_it_off(local_store, make_worker):
