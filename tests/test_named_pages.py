@@ -648,37 +648,6 @@ def test_a_dataset_batch_in_a_new_process_reads_by_name(local_store, make_worker
     assert reader.counts["named_hits"] == named + 24
 
 
-def test_what_a_load_caches_is_read_by_name_with_no_message_before_anyone_read_it(local_store, make_worker,
-                                                                                   monkeypatch):
-    """A hint's (a cold epoch's) objects are published as each load ends cached, not only when a
-    short-circuit answer hands their pages out: the first read of a hinted sample takes no message."""
-    objects = {f"h{i}": payload(PAGE // 2 + 3 * PAGE * (i % 2) + i, 60 + i) for i in range(6)}
-    for name, data in objects.items():
-        local_store.add(name, data)
-    local_store.add("first", payload(100, 70))
-    worker = make_worker(local_store.mount, page_size=PAGE)
-    published = worker.name_index.published
-    with grpc.insecure_channel(worker.address) as ch:
-        reply = worker_pb2_grpc.WorkerServiceStub(ch).Load(
-            worker_pb2.LoadRequest(paths=[f"data/{n}" for n in objects] + ["data/missing"], hint=True), timeout=60)
-    assert reply.objects_loaded == len(objects) and len(reply.failed) == 1  # the missing one, unpublished
-    assert worker.name_index.published == published + len(objects)
-
-    fs = _fs(worker, short_circuit_handles=0)
-    assert fs.cat_file("cachefs://data/first") == payload(100, 70)  # its hello brings the index
-    reader = _reader(fs, worker)
-    assert reader.named is not None
-    messages = _count_messages(reader, monkeypatch)
-    named = reader.counts["named_hits"]
-    for name, data in objects.items():
-        assert fs.cat_file(f"cachefs://data/{name}") == data
-    assert messages == []  # no object was ever handed out by the worker, yet none needed a message
-    pages = sum((len(d) + PAGE - 1) // PAGE for d in objects.values())
-    assert reader.counts["named_hits"] == named + pages
-    with pytest.raises(FileNotFoundError):
-        fs.cat_file("cachefs://data/missing")
-
-
 def test_nothing_is_read_by_name_after_a_free_or_once_the_version_is_not_vouched_for(local_store, make_worker):
     local_store.add("obj", payload(2 * PAGE, 50))
     local_store.add("other", payload(PAGE, 51))

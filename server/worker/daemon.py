@@ -209,8 +209,6 @@ class Worker:
         self.hint_loads = HintLoads(servicer.load_objects)
         servicer.prefetch = self.hint_loads.submit
         servicer.short_circuit_socket = self._start_short_circuit(cached)
-        if self.name_index is not None:
-            servicer.on_loaded = self._publish_loaded
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
         server.start()
@@ -342,17 +340,6 @@ class Worker:
             log.warning("reads by name are off: %s", exc)
             return None
         return self.name_index
-
-    def _publish_loaded(self, meta: ObjectMeta) -> None:
-        """An object a load (a hint, a cluster load) has just cached whole: local clients may read
-        it by name from now on, so a cold epoch's hinted samples need no message to this worker,
-        as a warm epoch's do not. Published only on fresh metadata of that same version, until
-        it expires (as the short-circuit answers publish what they hand out)."""
-        names = self.name_index
-        known = self.objects.cached_info_until(meta.path) if names is not None else None
-        if known is None or known[2] or known[0].version != meta.version or meta.is_dir:
-            return
-        names.publish(str(meta.path), meta.version, meta.size, meta.mtime, known[1])
 
     def _read_by_name(self, digests: list[str], nbytes: int) -> None:
         """Pages local clients read by name: the store's recency and hits, and the metrics."""

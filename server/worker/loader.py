@@ -17,9 +17,6 @@ What a load adds is pacing and accounting:
   page store when the load ends. A page that did not stay (dropped or failed write, evicted by
   other traffic) gets one more pass; then the object is reported as failed.
 * **Bounded time.** Every wait ends at the deadline; what is unfinished then is reported failed.
-* **Told as it lands.** ``on_cached`` hears of each object the moment all its pages are in the
-  page store (the worker publishes it for reads by name: a hinted sample is then read with no
-  message to the worker at all), not when the whole load ends.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -91,10 +87,8 @@ class Loader:
     """Runs one Load request; not shared between requests."""
 
     def __init__(self, reader: PageReader, pages: PageStore, metrics: WorkerMetrics,
-                 deadline: float, window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 on_cached: Callable[[ObjectMeta], None] | None = None) -> None:
+                 deadline: float, window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
         self.reader = reader
-        self.on_cached = on_cached
         self.pages = pages
         self.metrics = metrics
         self.page_size = pages.page_size
@@ -247,14 +241,7 @@ class Loader:
         """Once every claimed page settled: loaded, another pass, or failed."""
         if obj.claiming or obj.outstanding or obj.error:
             return
-        if self._complete(obj):
-            obj.done = True
-            if self.on_cached is not None:
-                try:
-                    self.on_cached(obj.meta)
-                except Exception:  # noqa: BLE001 - only news: the object is loaded either way
-                    log.warning("on_cached failed for %s", obj.meta.path, exc_info=True)
-        elif self._staged(obj):
+        if self._complete(obj) or self._staged(obj):
             obj.done = True
         elif obj.passes < MAX_PASSES and not self._not_admitted(obj):
             self._queue.append(obj)  # a page did not stay (dropped or evicted): once more

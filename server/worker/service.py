@@ -66,8 +66,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.plans = plans if plans is not None else PlanTable(pages.page_size, on_change=pages.replan)
         # Set by the daemon: load objects in the background (hintloads.py); the plans' next reads go there.
         self.prefetch: Callable[[list[str]], int] | None = None
-        # Set by the daemon: an object a load has just cached whole (published for reads by name).
-        self.on_loaded: Callable[[ObjectMeta], None] | None = None
         self.short_circuit_socket = ""  # set by the daemon when it listens for short-circuit reads
         self.data_port = 0  # set by the daemon when its data port listens
         self.writes = WriteHandler(objects, pages, stall_timeout=max_rpc_seconds)
@@ -259,8 +257,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 failed.append(failure(raw, error))
             elif path is not None and meta is not None and path not in metas:
                 metas[path], heads[path] = meta, head
-        result = Loader(self.reader, self.pages, self.metrics, deadline,
-                        on_cached=self.on_loaded).run(list(metas.values()), heads)
+        result = Loader(self.reader, self.pages, self.metrics, deadline).run(list(metas.values()), heads)
         return worker_pb2.LoadResponse(
             objects_loaded=result.objects_loaded, bytes_loaded=result.bytes_loaded,
             bytes_skipped=result.bytes_skipped, failed=failed + result.failed,
