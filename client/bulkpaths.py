@@ -46,7 +46,6 @@ def _worker_away(exc: BaseException) -> bool:
     return callable(code) and getattr(code(), "name", "") == "UNAVAILABLE"
 
 
-
 class PlanProgress:
     """Where this process reads in its registered plan, and the furthest it read since the last
     request took it: a pass read by name sends no message, so without the furthest a worker
@@ -73,6 +72,7 @@ class PlanProgress:
         position, furthest = self._position, self._furthest
         self._furthest = position
         return self._job, position, furthest
+
 
 class Reader(Protocol):
     kind: str

@@ -71,8 +71,6 @@ class ScanAhead:
         """``cp`` is being read from its start (a read of the whole object, as a sample is)."""
         slash = cp.key.rfind("/")
         where, name = (cp.mount, cp.key[:slash] if slash >= 0 else ""), cp.key[slash + 1:]
-        wanted: list[str] = []
-        d = None
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's state and thread are not ours
                 self._dirs, self._pool, self._pid = OrderedDict(), None, os.getpid()

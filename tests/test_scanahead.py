@@ -42,6 +42,13 @@ def _scan(names: list[str], **kw) -> tuple[ScanAhead, _Fake]:
     return ScanAhead(fake.list_dir, fake.hint, **kw), fake
 
 
+def _started(scan: ScanAhead, directory: str, first: str, second: str) -> None:
+    """Two reads going up in ``directory``: its listing is asked for; wait until it is in."""
+    scan.note(CachePath("m", f"{directory}/{first}"))
+    scan.note(CachePath("m", f"{directory}/{second}"))
+    assert _listed(scan)
+
+
 def _listed(scan: ScanAhead) -> bool:
     return wait_for(lambda: scan.stats["listed"] + scan.stats["too_large"] + scan.stats["list_failed"] > 0,
                     timeout=30)
@@ -82,9 +89,7 @@ def test_reads_out_of_order_hint_nothing_and_reads_going_down_list_nothing():
 def test_a_jump_starts_the_window_over_and_hints_nothing_twice():
     names = [f"{i:04d}" for i in range(500)]
     scan, fake = _scan(names, first_window=4, max_window=16)
-    scan.note(CachePath("m", "d/0000"))
-    scan.note(CachePath("m", "d/0001"))
-    assert _listed(scan)
+    _started(scan, "d", "0000", "0001")
     for i in range(0, 40):
         scan.note(CachePath("m", f"d/{i:04d}"))
     first = [k for keys in fake.hints for k in keys]
@@ -183,9 +188,7 @@ def test_what_the_cache_refuses_is_offered_again_with_the_next_read():
         return next(answers, len(keys))
 
     scan = ScanAhead(fake.list_dir, busy_then_taken, first_window=4, max_window=16)
-    for i in range(2):
-        scan.note(CachePath("m", f"d/{i:03d}"))
-    assert _listed(scan)
+    _started(scan, "d", "000", "001")
     for i in range(2, 6):
         scan.note(CachePath("m", f"d/{i:03d}"))
     assert fake.hints[0][0] == "m/d/004" and fake.hints[1][0] == "m/d/005"  # refused: offered again
@@ -196,9 +199,7 @@ def test_what_the_cache_refuses_is_offered_again_with_the_next_read():
 def test_a_jump_into_what_was_hinted_keeps_the_window_as_interleaved_dataloader_workers_need():
     names = [f"{i:04d}" for i in range(400)]
     scan, fake = _scan(names, first_window=4, max_window=32)
-    scan.note(CachePath("m", "d/0000"))
-    scan.note(CachePath("m", "d/0001"))
-    assert _listed(scan)
+    _started(scan, "d", "0000", "0001")
     for i in range(0, 8):  # a batch of 8 (this process's)
         scan.note(CachePath("m", f"d/{i:04d}"))
     hinted_to = 2 + sum(len(k) for k in fake.hints)
