@@ -21,7 +21,6 @@ so the quota still bounds the disk.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 import time
@@ -40,6 +39,7 @@ from cachefs.localhost import (
     TABLE_WORD_SLOTS,
     TABLE_WORD_STATE,
 )
+from cachefs.memseal import sealed_table
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,8 @@ class HandleTable:
         self.instance = uuid.uuid4().hex
         self._on_touched = on_touched
         size = (TABLE_HEADER_WORDS + slots) * 8
-        self._fd = os.memfd_create("cachefs-handles", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self._fd, size)
-            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self._fd)
-            raise
+        # Sealed: clients get read-only descriptors and cannot reopen them writable (memseal.py).
+        self._fd, self._map, self.sealed = sealed_table("cachefs-handles", size)
         self._words = memoryview(self._map).cast("Q")
         self._words[TABLE_WORD_MAGIC] = TABLE_MAGIC
         self._words[TABLE_WORD_SLOTS] = slots

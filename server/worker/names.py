@@ -18,12 +18,12 @@ whole path off.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 import time
 from typing import Any
 
+from cachefs.memseal import sealed_table
 from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
                                SUPERSEDED_AT, VERSION_BYTES, name_hashes, probe_slots)
 
@@ -43,13 +43,8 @@ class _Table:
         # An entry past its time is still read by name for this long (clients report it): only
         # after that is its slot free for another path, or is it left behind when the table grows.
         self.stale_window_ns = int(stale_window * 1e9)
-        self.fd = os.memfd_create("cachefs-names", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.size)
-            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        # Sealed: clients get read-only descriptors and cannot reopen them writable (memseal.py).
+        self.fd, self.map, self.sealed = sealed_table("cachefs-names", self.size)
         NAMES_HEADER.pack_into(self.map, 0, NAMES_MAGIC, slots, ENTRY.size, 0)
         STALE_WINDOW.pack_into(self.map, STALE_WINDOW_AT, int(stale_window * 1e9))
 
