@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from cachefs.errors import StaleObjectError
-from cachefs.store.s3http import S3HttpClient, S3Settings, _Signer, settings_for
+from cachefs.store.s3http import S3HttpClient, S3Settings, _Signer
 
 Reply = Callable[["Request"], bytes | None]  # raw bytes to send (None: close without a word)
 
@@ -295,23 +295,32 @@ def test_a_refused_connection_is_a_connection_error(dead_port):
         _get(client, 0, [10])
 
 
-@pytest.mark.parametrize("options, expected", [
+@pytest.mark.parametrize("options, ours", [
     ({"key": "a", "secret": "b", "token": "t", "endpoint_url": "http://127.0.0.1:9000",
-      "client_kwargs": {"region_name": "eu-west-1"}, "skip_instance_cache": True},
-     S3Settings(endpoint="http://127.0.0.1:9000", region="eu-west-1", key="a", secret="b", token="t")),
-    ({"anon": True, "requester_pays": True, "profile": "training",
-      "client_kwargs": {"verify": "/etc/ca.pem"},
-      "config_kwargs": {"connect_timeout": 3, "read_timeout": 60, "retries": {"max_attempts": 4, "mode": "standard"}}},
-     S3Settings(anon=True, requester_pays=True, profile="training", verify="/etc/ca.pem", connect_timeout=3.0,
-                read_timeout=60.0, attempts=4)),
-    ({}, S3Settings()),
-    ({"key": "a", "secret": "b", "config_kwargs": {"max_pool_connections": 50}}, None),
-    ({"client_kwargs": {"region_name": "x", "proxies": {"https": "p"}}}, None),
-    ({"s3_additional_kwargs": {"SSECustomerKey": "k"}}, None),
-    ({"endpoint_url": "ftp://host"}, None),
+      "client_kwargs": {"region_name": "eu-west-1"}, "skip_instance_cache": True}, True),
+    ({"anon": True, "requester_pays": True, "client_kwargs": {"verify": False},
+      "config_kwargs": {"connect_timeout": 3, "read_timeout": 60, "retries": {"max_attempts": 4, "mode": "standard"},
+                        "max_pool_connections": 50, "s3": {"addressing_style": "path"}}}, True),
+    ({"key": "a", "secret": "b"}, True),
+    ({"key": "a", "secret": "b", "config_kwargs": {"proxies": {"https": "http://proxy:3128",
+                                                                "http": "http://proxy:3128"}}}, False),
+    ({"s3_additional_kwargs": {"SSECustomerKey": "k"}}, False),
+    ({"endpoint_url": "ftp://host"}, False),
 ])
-def test_mount_options_translate_or_stay_with_another_client(options, expected):
-    assert settings_for(options) == expected
+def test_the_http_client_takes_a_mount_only_where_it_sends_what_s3fs_would(options, ours, aws_env):
+    """No option is translated by hand: botocore resolves them all (s3config.py); a mount whose
+    requests botocore would send through a proxy, or with extra request parameters, stays on s3fs."""
+    import s3fs
+
+    from cachefs.store.s3http import HttpS3Backend, http_backend_for
+
+    backend = http_backend_for(s3fs.S3FileSystem(**options))
+    assert isinstance(backend, HttpS3Backend) is ours
+    if ours and "config_kwargs" in options:
+        resolution = backend.resolution
+        # botocore's max_attempts counts retries: 4 of them, 5 requests in all
+        assert (resolution.connect_timeout, resolution.read_timeout, resolution.attempts) == (3.0, 60.0, 5)
+        assert resolution.verify is False and resolution.requester_pays and resolution.credentials() is None
 
 
 def test_credentials_and_region_of_a_named_profile(tmp_path, monkeypatch):
@@ -330,7 +339,7 @@ def test_credentials_and_region_of_a_named_profile(tmp_path, monkeypatch):
     assert "/eu-central-1/s3/aws4_request" in script.requests[0].headers["authorization"]
     with scripted_server(Script([])) as url:
         anonymous = S3HttpClient(S3Settings(endpoint=url, anon=True))
-        assert anonymous._credentials.get() is None
+        assert anonymous.resolution.credentials() is None
 
 
 def test_a_forked_child_never_uses_its_parents_connections():

@@ -114,7 +114,7 @@ def test_obstore_options_translate_or_keep_s3fs(options, expected):
 
 def test_a_mount_whose_options_do_not_translate_reads_through_s3fs(aws_env):
     mounts = MountTable([MountSpec("m", "s3://bucket", {"key": "k", "secret": "s",
-                                                        "config_kwargs": {"max_pool_connections": 50},
+                                                        "s3_additional_kwargs": {"SSECustomerKey": "k"},
                                                         "endpoint_url": "http://127.0.0.1:1"})])
     for client in ("auto", "http", "obstore", "s3fs"):
         backend = _backend(ObjectStore(mounts, s3_client=client), CachePath("m", "k"))

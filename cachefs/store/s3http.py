@@ -16,12 +16,13 @@ connection the server closed meanwhile is redialled at once; 5xx, throttling and
 are retried ``attempts`` times in all with backoff, a broken stream from the first piece it did
 not deliver. A wrong region is learnt from the reply (``x-amz-bucket-region``) and asked again.
 
-Mount options (s3fs's) translated by :func:`settings_for`: ``key``/``secret``/``token``,
-``anon``, ``profile``, ``requester_pays``, ``endpoint_url``, ``client_kwargs``' ``region_name``,
-``endpoint_url`` and ``verify``, ``config_kwargs``' ``connect_timeout``, ``read_timeout`` and
-``retries.max_attempts``. Credentials not given come from botocore's chain (environment, shared
-files, instance and container roles; refreshed as they expire), as s3fs's would. Any other
-option keeps the mount on the next backend (obstore, then s3fs).
+Nothing here reads a mount's options (#49): botocore resolves them as it does for s3fs
+(cachefs/store/s3config.py), and the client takes from that resolution each bucket's URL
+(endpoint, addressing style, region: ``AWS_ENDPOINT_URL*``, profiles and ``services`` sections
+included), the signing region, the credentials (the whole chain, refreshed by botocore), the CA
+bundle, the timeouts and the attempts. Signing is ours (SigV4, the same signature botocore makes,
+tested side by side). A mount botocore would send through a proxy or with another auth scheme, or
+one with ``s3_additional_kwargs`` (e.g. SSE-C keys) reads through s3fs.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ import fsspec
 from cachefs import rawbytes
 from cachefs.errors import StaleObjectError
 from cachefs.store.backends import PieceSink, _mtime_of, _S3Backend
+from cachefs.store.s3config import S3Resolution, resolve, resolve_fs
 
-__all__ = ["HttpS3Backend", "S3Settings", "http_backend_for", "settings_for"]
+__all__ = ["HttpS3Backend", "S3Settings", "http_backend_for"]
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
@@ -60,9 +62,21 @@ _MAX_IDLE = 64  # idle connections kept per host
 _IGNORED = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                       "asynchronous", "loop", "default_block_size", "default_fill_cache", "default_cache_type",
                       "cache_regions", "version_aware", "session"})
-_DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 # ListObjectsV2 replies, read with regular expressions (botocore's XML parsing cost ~0.15 ms a key
 # here: a listing that refreshes 2,000 objects' metadata took 0.24-0.39 s of the worker's CPU).
+# An AWS region name (us-east-1, us-gov-west-1, cn-north-1, us-isob-east-1): what a region learnt
+# from a reply must be before it goes into a Host header (s3.<region>.amazonaws.com).
+_REGION = re.compile(r"[a-z]{2}(-[a-z0-9]+)+-[0-9]{1,2}")
+
+
+def check_region(region: str) -> str:
+    """``region`` if it is an AWS region name, else ValueError (a reply naming another host)."""
+    if len(region) > 32 or not _REGION.fullmatch(region):
+        raise ValueError(f"the store answered with x-amz-bucket-region {region[:64]!r}, which is not an AWS "
+                         "region name (like us-east-1): not followed")
+    return region
+
+
 _CONTENTS = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
 _COMMON = re.compile(rb"<CommonPrefixes>\s*<Prefix>(.*?)</Prefix>\s*</CommonPrefixes>", re.S)
 _FIELDS = {name: re.compile(rb"<%s>(.*?)</%s>" % (name, name), re.S)
@@ -90,9 +104,9 @@ def _listed_time(value: str) -> float:
 
 @dataclass(frozen=True)
 class S3Settings:
-    """How to reach one S3 endpoint; from a mount's s3fs options by :func:`settings_for`."""
+    """A shorthand for tests and benchmarks: :meth:`options` are s3fs options, which botocore resolves."""
 
-    endpoint: str = ""  # "" = AWS (virtual-hosted per region); else path style, as for MinIO or moto
+    endpoint: str = ""  # "" = wherever botocore resolves (AWS_ENDPOINT_URL*, a profile, else AWS)
     region: str = ""  # "" = botocore's configured region, else us-east-1
     key: str = ""
     secret: str = ""
@@ -118,82 +132,40 @@ class S3Settings:
             raise ValueError("key and secret go together")
 
 
-def settings_for(options: dict[str, Any]) -> S3Settings | None:
-    """S3Settings for a mount's s3fs options, or None where an option is not ours to translate."""
-    values: dict[str, Any] = {}
-    client_kwargs = dict(options.get("client_kwargs") or {})
-    endpoint = options.get("endpoint_url") or client_kwargs.pop("endpoint_url", None)
-    client_kwargs.pop("endpoint_url", None)
-    if "region_name" in client_kwargs:
-        values["region"] = str(client_kwargs.pop("region_name") or "")
-    if "verify" in client_kwargs:
-        verify = client_kwargs.pop("verify")
-        values["verify"] = verify if isinstance(verify, str) else bool(verify)
-    if client_kwargs:
-        return None  # e.g. a botocore config object, a proxy: s3fs honours them, this would not
-    if endpoint:
-        values["endpoint"] = str(endpoint)
-    for name, value in options.items():
-        if name in _IGNORED or name in ("client_kwargs", "endpoint_url", "config_kwargs"):
-            continue
-        if name in ("key", "secret", "token", "profile"):
-            values[name] = str(value or "")
-        elif name in ("anon", "requester_pays"):
-            values[name] = bool(value)
-        elif name == "use_ssl":
-            if not value and not endpoint:
-                return None  # plain HTTP to AWS: not a case worth a path of its own
-        elif value not in (None, "", False, {}):
-            return None  # s3_additional_kwargs, fixed_upload_size, ...
-    config = dict(options.get("config_kwargs") or {})
-    for name in ("connect_timeout", "read_timeout"):
-        if name in config:
-            values[name] = float(config.pop(name))
-    retries = dict(config.pop("retries", None) or {})
-    attempts = retries.pop("total_max_attempts", retries.pop("max_attempts", None))
-    retries.pop("mode", None)
-    if attempts is not None:
-        values["attempts"] = max(1, int(attempts))
-    if config or retries:
-        return None  # other botocore settings
-    try:
-        return S3Settings(**values)
-    except ValueError:
-        return None  # let s3fs say what is wrong with them
+    def options(self) -> dict[str, Any]:
+        """The s3fs options these settings stand for."""
+        out: dict[str, Any] = {"anon": self.anon, "requester_pays": self.requester_pays,
+                               "config_kwargs": {"connect_timeout": self.connect_timeout,
+                                                 "read_timeout": self.read_timeout,
+                                                 "retries": {"total_max_attempts": self.attempts,
+                                                             "mode": "standard"}}}
+        client_kwargs: dict[str, Any] = {"verify": self.verify}
+        if self.region:
+            client_kwargs["region_name"] = self.region
+        out["client_kwargs"] = client_kwargs
+        for name in ("endpoint_url", "key", "secret", "token", "profile"):
+            value = getattr(self, "endpoint" if name == "endpoint_url" else name)
+            if value:
+                out[name] = value
+        return out
+
+
+# s3fs options that change a GET beyond what botocore resolves: those mounts read through s3fs.
+_NOT_OURS = ("s3_additional_kwargs", "session")
 
 
 def http_backend_for(fs: fsspec.AbstractFileSystem) -> "HttpS3Backend | None":
-    settings = settings_for(dict(getattr(fs, "storage_options", {}) or {}))
-    return None if settings is None else HttpS3Backend(settings)
-
-
-class _Credentials:
-    """Static keys, none (anonymous), or botocore's chain, refreshed as it expires."""
-
-    def __init__(self, settings: S3Settings) -> None:
-        self._static = (settings.key, settings.secret, settings.token) if settings.key else None
-        self._anon = settings.anon
-        self._profile = settings.profile
-        self._lock = threading.Lock()
-        self._chain: Any = None
-        self.region = ""  # botocore's configured region, if the chain was asked
-
-    def get(self) -> tuple[str, str, str] | None:
-        if self._anon:
-            return None
-        if self._static is not None:
-            return self._static
-        with self._lock:
-            if self._chain is None:
-                import botocore.session  # s3fs's dependency: here only where keys are not given
-
-                session = botocore.session.Session(profile=self._profile or None)
-                self.region = session.get_config_variable("region") or ""
-                self._chain = session.get_credentials()
-                if self._chain is None:
-                    raise PermissionError("no AWS credentials found (keys, environment, shared files or a role)")
-        frozen = self._chain.get_frozen_credentials()
-        return frozen.access_key, frozen.secret_key, frozen.token or ""
+    """The HTTP client's backend for an s3fs filesystem, None where it cannot send what s3fs would."""
+    options = dict(getattr(fs, "storage_options", {}) or {})
+    if any(options.get(name) for name in _NOT_OURS):
+        return None
+    try:
+        resolution = resolve_fs(fs)
+    except Exception:  # noqa: BLE001 - an option botocore refuses: s3fs says which, on first use
+        return None
+    if resolution.unsupported():
+        return None
+    return HttpS3Backend(resolution)
 
 
 class _Signer:
@@ -348,7 +320,7 @@ class _Reply:
 class _Pool:
     """Idle connections per (scheme, host, port): most recently used first."""
 
-    def __init__(self, settings: S3Settings) -> None:
+    def __init__(self, settings: S3Resolution) -> None:
         self._settings = settings
         self._idle: dict[tuple[str, str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
@@ -420,36 +392,27 @@ class _Retry(Exception):
 class S3HttpClient:
     """Ranged GETs of one S3 endpoint; thread-safe (a connection per request in flight)."""
 
-    def __init__(self, settings: S3Settings) -> None:
-        self.settings = settings
-        self._credentials = _Credentials(settings)
+    def __init__(self, settings: "S3Resolution | S3Settings") -> None:
+        if isinstance(settings, S3Settings):
+            settings = resolve(settings.options())
+        self.resolution = settings
+        self.attempts = settings.attempts
+        self.read_timeout = settings.read_timeout
+        self.requester_pays = settings.requester_pays
         self._signer = _Signer()
         self._pool = _Pool(settings)
         self._regions: dict[str, str] = {}  # bucket -> region learnt from a redirect
         self._sleep: Callable[[float], None] = time.sleep
-        self._endpoint: tuple[str, str, int, str, str] | None = None  # (scheme, host, port, netloc, path)
-        if settings.endpoint:
-            url = urllib.parse.urlsplit(settings.endpoint)
-            self._endpoint = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80),
-                              url.netloc, url.path.rstrip("/"))
 
     def close(self) -> None:
         self._pool.close()
 
-    def _region(self, bucket: str) -> str:
-        return self._regions.get(bucket) or self.settings.region or self._credentials.region or "us-east-1"
-
-    def _target(self, bucket: str, key: str, region: str) -> tuple[str, str, int, str, str]:
-        """(scheme, host, port, Host header, path) for a key."""
-        quoted = urllib.parse.quote(key, safe="/~")
-        if self._endpoint is not None:
-            scheme, host, port, netloc, base = self._endpoint
-            return scheme, host, port, netloc, f"{base}/{bucket}/{quoted}"
-        if _DNS_BUCKET.match(bucket) and "." not in bucket:
-            host = f"{bucket}.s3.{region}.amazonaws.com"
-            return "https", host, 443, host, f"/{quoted}"
-        host = f"s3.{region}.amazonaws.com"
-        return "https", host, 443, host, f"/{bucket}/{quoted}"
+    def _target(self, bucket: str, key: str) -> tuple[str, str, int, str, str, str]:
+        """(scheme, host, port, Host header, path, signing region) for a key, where botocore
+        would send it (a region learnt from a redirect re-resolved as botocore's redirector does)."""
+        target = self.resolution.target(bucket, self._regions.get(bucket, ""))
+        return (target.scheme, target.host, target.port, target.netloc,
+                f"{target.base}/{urllib.parse.quote(key, safe='/~')}", target.region)
 
     def _request(self, bucket: str, key: str, first: int, last: int | None, if_match: str) -> _Reply:
         """Send one ranged GET of a key (``if_match``: pinned to that ETag) and read its head."""
@@ -462,12 +425,11 @@ class S3HttpClient:
         """Send one signed GET (``query``: already encoded, sorted as the signature wants it) and
         read its head; a kept-alive connection closed meanwhile is redialled, a wrong region
         learnt from the reply and asked again once."""
-        credentials = self._credentials.get()
+        credentials = self.resolution.credentials()
         for _ in range(2):  # a learnt region, once
-            region = self._region(bucket)
-            scheme, host, port, host_header, path = self._target(bucket, key, region)
+            scheme, host, port, host_header, path, region = self._target(bucket, key)
             headers = {"host": host_header, **extra}
-            if self.settings.requester_pays:
+            if self.requester_pays:
                 headers["x-amz-request-payer"] = "requester"
             if credentials is not None:
                 self._signer.sign(credentials, region, path, query, headers)
@@ -479,7 +441,7 @@ class S3HttpClient:
             if reply.status in (301, 307, 400) and learnt and learnt != region:
                 reply.drain()
                 self._done(reply)
-                self._regions[bucket] = learnt
+                self._regions[bucket] = check_region(learnt)  # it goes into the Host header
                 continue
             return reply
         return reply
@@ -498,7 +460,7 @@ class S3HttpClient:
                 if reused and isinstance(exc, (ConnectionError, ssl.SSLError)) and not isinstance(exc, _Started):
                     continue  # the server closed an idle connection: a fresh one, not an attempt
                 if isinstance(exc, TimeoutError):
-                    raise _Retry(TimeoutError(f"no reply from {host}:{port} in {self.settings.read_timeout:g} s"))
+                    raise _Retry(TimeoutError(f"no reply from {host}:{port} in {self.read_timeout:g} s"))
                 raise _Retry(ConnectionError(f"{host}:{port}: {exc}")) from exc
 
     @staticmethod
@@ -585,7 +547,7 @@ class S3HttpClient:
                     version = progress.etag  # the rest must be of the same version
             except _Retry as retry:
                 error = retry.error
-            if attempt >= self.settings.attempts:
+            if attempt >= self.attempts:
                 raise error from None
             self._pause(attempt)
 
@@ -654,7 +616,7 @@ class S3HttpClient:
                 self._done(reply)
                 return _parse_listing(body)
             except _Retry as retry:
-                if attempt >= self.settings.attempts:
+                if attempt >= self.attempts:
                     raise retry.error from retry
             self._pause(attempt)
 
@@ -687,7 +649,7 @@ class S3HttpClient:
                 self._done(reply)
                 return piece, reply.headers
             except _Retry as retry:
-                if attempt >= self.settings.attempts:
+                if attempt >= self.attempts:
                     raise retry.error from retry
             self._pause(attempt)
 
@@ -778,9 +740,9 @@ def _split(fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[str, str]:
 class HttpS3Backend(_S3Backend):
     """``_S3Backend`` with its data reads over :class:`S3HttpClient` (one per mount's settings)."""
 
-    def __init__(self, settings: S3Settings) -> None:
-        self.settings = settings
+    def __init__(self, settings: "S3Resolution | S3Settings") -> None:
         self.client = S3HttpClient(settings)
+        self.resolution = self.client.resolution
 
     def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
         """A directory's entries as s3fs's ``ls(detail=True)`` gives them, listed with lean
