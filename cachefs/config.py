@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 
 from cachefs.addresses import split_address, split_addresses
 from cachefs.mounts import MountSpec
+from cachefs.runtimedir import cache_root, state_root
 from cachefs.tls import TLSConfig
 
 #: The worker's choices of client for S3 data reads (WorkerConfig.s3_client; cachefs/store/backends.py).
@@ -82,7 +82,7 @@ class CacheDirSpec:
 
 
 def _default_cache_dir() -> tuple[CacheDirSpec, ...]:
-    base = Path(tempfile.gettempdir()) / f"cachefs-{os.getuid()}" / "pages"
+    base = Path(cache_root()) / "pages"  # never a predictable name in /tmp (cachefs/runtimedir.py)
     return (CacheDirSpec(str(base), 8 * 1024**3),)
 
 
@@ -168,6 +168,11 @@ class WorkerConfig:
     # Unix socket for short-circuit reads by clients on this host ("auto": in the first cache
     # dir, or the temp dir if that path is too long for a socket; "": off).
     short_circuit_socket: str = "auto"
+    # Who may connect to the short-circuit socket besides this worker's own uid and root (checked
+    # with SO_PEERCRED at accept; others are closed before a byte is read): uids (a list, or
+    # "1000,1001" in env), and members of one group (a gid or a group name; -1: none).
+    allowed_uids: tuple[int, ...] = ()
+    allowed_gid: int = -1
     # Slots in the shared table of pages handed to local clients to keep open and read again
     # without asking (server/worker/handles.py); 0: clients read each descriptor once.
     short_circuit_handles: int = 1 << 16
@@ -253,7 +258,7 @@ def _check_address(address: str, what: str) -> None:
 
 
 def _default_master_dir() -> str:
-    return str(Path(tempfile.gettempdir()) / f"cachefs-{os.getuid()}" / "master")
+    return str(Path(state_root()) / "master")  # never a predictable name in /tmp (cachefs/runtimedir.py)
 
 
 @dataclass(frozen=True)
@@ -348,9 +353,24 @@ _COMPLEX_FIELDS = {
     "workers": lambda v: _split_addresses(v),
     "etcd": lambda v: _split_addresses(v),
     "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
+    "allowed_uids": lambda v: tuple(int(u) for u in (v.split(",") if isinstance(v, str) else v) if str(u).strip()),
+    "allowed_gid": lambda v: _gid(v),
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
 }
 _SIZE_FIELDS = {"page_size", "extent_size", "max_pending_write_bytes", "heap_keep_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
+
+
+def _gid(value: Any) -> int:
+    """A group id, or a group's name -> its id."""
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    import grp
+
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"allowed_gid: no group named {text!r}") from None
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:

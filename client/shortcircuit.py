@@ -31,6 +31,7 @@ from cachefs.client import forksafe
 from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView, file_identity
 from cachefs.client.namedpages import PARTIAL, NamedPages
 from cachefs.client.socketpool import SocketPool
+from cachefs.peercred import check_server
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 
@@ -129,6 +130,7 @@ class ShortCircuitReader:
         sock.settimeout(self.timeout if timeout is None else timeout)
         try:
             sock.connect(self.path)
+            check_server(sock, self.path)  # before any byte (the token) goes out: UntrustedServerError
         except BaseException:
             sock.close()
             raise

@@ -19,6 +19,7 @@ from typing import Any
 
 from cachefs.errors import UnknownMountError
 from cachefs.mounts import MountSpec
+from cachefs.runtimedir import private_dir, private_file
 
 DB_NAME = "master.db"
 _SCHEMA = """
@@ -39,15 +40,15 @@ CREATE TABLE IF NOT EXISTS jobs (
 
 
 def _private_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
+    """0o700, ours, not a symlink: a state dir pre-created by another user is refused."""
+    private_dir(path, mode=0o700)
     os.chmod(path, 0o700)
 
 
 def _private_file(path: Path) -> None:
-    """Create ``path`` 0o600 before SQLite opens it (SQLite gives -wal/-shm the same mode)."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    os.close(fd)
-    os.chmod(path, 0o600)
+    """Create ``path`` 0o600 before SQLite opens it (SQLite gives -wal/-shm the same mode); one
+    owned by another user, or a symlink, is refused (cachefs/runtimedir.py)."""
+    private_file(path, 0o600)
 
 
 class MasterState:
@@ -79,7 +80,7 @@ class MasterState:
         for suffix in ("-wal", "-shm"):
             side = path.with_name(path.name + suffix)
             if side.exists():
-                os.chmod(side, 0o600)
+                private_file(side, 0o600)
 
     # -- sqlite helpers (caller holds the lock) --
 

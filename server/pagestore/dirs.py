@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import diskcache
 
 from cachefs.pagenames import PAGES_SUBDIR, dir_score, page_file
+from cachefs.runtimedir import private_dir
 from cachefs.server.pagestore.policy import EvictionOrder, LruOrder
 
 __all__ = ["INDEX_ERRORS", "CacheDirInUseError", "DirHandle", "remove_path"]
@@ -83,7 +84,7 @@ class DirHandle:
         self.tmp = os.path.join(root, "tmp")
         self.used = 0  # bytes of READY + WRITING + not-yet-released REMOVING pages
         self.order: EvictionOrder = order if order is not None else LruOrder()  # READY pages
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        private_dir(root)  # ours, not a symlink; refused if another user made it (cachefs/runtimedir.py)
         lock_path = os.path.join(root, "lock")
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

@@ -50,6 +50,7 @@ from typing import Any
 
 from cachefs.localhost import HELD_CLOSE_SECONDS
 from cachefs.pagenames import page_digest
+from cachefs.runtimedir import trusted_path
 from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
 from cachefs.server.pagestore.health import DiskHealth
 from cachefs.server.pagestore.passing import PassingPages
@@ -183,7 +184,7 @@ class PageStore:
         if not access_granularity >= 0:
             raise ValueError(f"access_granularity must be >= 0 seconds, got {access_granularity!r}")
         self._access_granularity = float(access_granularity)
-        roots = [os.path.realpath(d.path) for d in dirs]
+        roots = [os.path.realpath(trusted_path(d.path)) for d in dirs]  # no other user's symlink on the way
         if len(set(roots)) != len(roots):
             raise ValueError("cache dirs must be distinct")
         self.page_size = page_size

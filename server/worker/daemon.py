@@ -7,7 +7,6 @@ import hashlib
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -21,6 +20,8 @@ from cachefs.config import WorkerConfig
 from cachefs.mounts import MountTable
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.paths import CachePath, parse_path
+from cachefs.peercred import PeerPolicy
+from cachefs.runtimedir import check_socket_dir, runtime_dir
 from cachefs.proto import worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.heap import keep_freed_memory
@@ -290,7 +291,7 @@ class Worker:
         if len(os.fsencode(path)) < 100:
             return path
         digest = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:16]
-        return os.path.join(tempfile.gettempdir(), f"cachefs-{digest}.sock")
+        return os.path.join(runtime_dir(), f"worker-{digest}.sock")  # private: never a name in /tmp
 
     def _start_short_circuit(self, cached: CachedPages) -> str:
         """The short-circuit socket (server/worker/shortcircuit.py); "" when off or unavailable."""
@@ -299,6 +300,7 @@ class Worker:
             return ""
         self.touches = TouchQueue(self.pages.touch_digests)  # what its clients report reading
         try:
+            check_socket_dir(path)  # not in a directory another user owns (cachefs/runtimedir.py)
             table = self._handle_table()
             names = self._name_index() if table is not None else None
             self.short_circuit = ShortCircuitServer(
@@ -308,6 +310,8 @@ class Worker:
                 on_load=self.hint_loads.submit, passing=self.pages.passing, on_progress=self._plan_progress,
                 names=names, page_dirs=self.pages.dirs(), on_named=self._read_by_name,
                 on_stale=self._read_stale).start()
+            # Who may connect at all (cachefs/peercred.py): until this line, this uid and root only.
+            self.short_circuit.peers = PeerPolicy(self.config.allowed_uids, self.config.allowed_gid)
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()

@@ -20,12 +20,12 @@ import contextlib
 import errno
 import os
 import socket
-import struct
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
 from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
+from cachefs.peercred import PeerPolicy
 from cachefs.proto import shortcircuit_pb2
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import OK, CachedPages, token_checker
@@ -41,7 +41,6 @@ RangeReply = shortcircuit_pb2.RangeReply
 
 #: How long a client may keep a handed-out descriptor at most, whatever the metadata TTL.
 MAX_HOLD_SECONDS = 300.0
-_PEERCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 #: A client's connect fails at once (EAGAIN) while the backlog is full, and its reads then go to
 #: gRPC for a while: leave room for a burst (many loader processes starting at once).
 LISTEN_BACKLOG = 512
@@ -58,6 +57,9 @@ def _dir_id(path: str) -> str:
 
 class ShortCircuitServer(ConnectionServer):
     name = "shortcircuit"
+    #: Who may connect at all (cachefs/peercred.py; the daemon's allowed_uids / allowed_gid):
+    #: others are closed before a byte is read. Default: this process's uid and root.
+    peers: PeerPolicy = PeerPolicy()
 
     def __init__(self, path: str, pages: CachedPages, mode: int = 0o660,
                  on_served: Callable[[int, int], None] | None = None, table: HandleTable | None = None,
@@ -113,7 +115,7 @@ class ShortCircuitServer(ConnectionServer):
             os.unlink(self.path)
 
     def _peer(self, sock: socket.socket, address: Any) -> Hashable:
-        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        pid, uid, _gid = self.peers.check(sock)  # PeerNotAllowedError (an OSError): the connection is closed
         return uid, pid  # the client process
 
     def _read_request(self, conn: Connection) -> bytes | None:
