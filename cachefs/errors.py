@@ -245,9 +245,13 @@ def parse_detail(err: Any) -> dict[str, str]:
         if key == ERROR_METADATA:
             if isinstance(value, bytes):
                 value = value.decode("ascii", "replace")
-            fields = dict(part.partition("=")[::2] for part in str(value).split(";") if part)
-            return {k.strip(): v.strip() for k, v in fields.items()}
+            return _detail_fields(str(value))
     return {}
+
+
+def _detail_fields(value: str) -> dict[str, str]:
+    fields = dict(part.partition("=")[::2] for part in value.split(";") if part)
+    return {k.strip(): v.strip() for k, v in fields.items()}
 
 
 def _code_name(err: Any) -> str:
@@ -297,8 +301,26 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> OSError:
     its ``__cause__``. ValueError and NotImplementedError come back as themselves (not OSErrors)."""
     code_name = _code_name(err)
     details = (err.details() if hasattr(err, "details") else None) or code_name
+    exc = _rebuild_error(code_name, parse_detail(err), details, what)
+    exc.grpc_code = err.code() if hasattr(err, "code") else _code("UNKNOWN")  # type: ignore[attr-defined]
+    exc.__cause__ = err
+    return exc
+
+
+def wire_error(exc: BaseException) -> tuple[str, str, str]:
+    """``exc`` as a server sends it outside gRPC (the worker's sockets: server/worker/metaops.py):
+    its status code's name, its error detail and its message."""
+    return _row(exc)[1], error_detail(exc), str(exc) or type(exc).__name__
+
+
+def from_wire_error(code_name: str, detail: str, message: str, what: str = "") -> OSError:
+    """The exception :func:`wire_error` describes, as :func:`from_rpc_error` would build it
+    (without ``grpc_code``: this needs no grpc)."""
+    return _rebuild_error(code_name or "UNKNOWN", _detail_fields(detail), message or code_name, what)
+
+
+def _rebuild_error(code_name: str, detail: dict[str, str], details: str, what: str) -> OSError:
     message = f"{what}: {details}" if what else details
-    detail = parse_detail(err)
     row = _BY_NAME.get(detail.get("type", ""))
     exc_type = row[0] if row else _bare_type(code_name)
     fault = detail.get("fault")
@@ -314,9 +336,7 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> OSError:
         exc = exc_type(number if isinstance(number, int) else default, message)
     else:  # ValueError, NotImplementedError
         exc = exc_type(message)
-    exc.grpc_code = err.code() if hasattr(err, "code") else _code("UNKNOWN")  # type: ignore[attr-defined]
     exc.cachefs_fault = fault  # type: ignore[attr-defined]
-    exc.__cause__ = err
     return exc  # type: ignore[return-value]
 
 

@@ -6,6 +6,12 @@ descriptors, usable when the worker runs on this host (client/shortcircuit.py), 
 port that sends page files with sendfile (client/dataport.py). A read tries the path of the
 worker placed first for the range; None from here means "read through gRPC", so these paths
 can make a read faster but never fail it.
+
+A process that must not use gRPC (forked from one that had loaded it: client/forksafe.py) has
+only these paths: it learns them from the cluster view (each worker's ``LeanPaths``) or from
+the process it was forked from, never by a GetStatus; its reads ask the worker to fill what is
+not cached, go on to the ring's next workers when one fails, and its info, listings and newer
+cluster views come over the same sockets (``meta``; server/worker/metaops.py).
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import time
 from typing import Any, Protocol
 
 from cachefs.addresses import split_address
+from cachefs.client import forksafe
 from cachefs.client.dataport import DataPortReader
-from cachefs.client.shortcircuit import Prepared, ShortCircuitReader
+from cachefs.client.shortcircuit import FORKED_FILL_PATIENCE, Prepared, ShortCircuitReader
+from cachefs.errors import REQUEST, WorkerUnavailableError, from_wire_error
 from cachefs.localhost import host_id
-from cachefs.proto import worker_pb2
+from cachefs.proto import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +41,9 @@ SOCKET_TIMEOUT = 5.0
 _HOST_ID = host_id()
 #: Seconds before asking again a worker that was away (refused, socket gone, gRPC unavailable).
 AWAY_RETRY = 2.0
+#: In a process without gRPC, seconds before a worker's lean path that failed is tried again:
+#: it has no other way to that worker (reads go to the ring's next workers meanwhile).
+NO_GRPC_RETRY = 0.2
 
 
 def _worker_away(exc: BaseException) -> bool:
@@ -103,6 +114,13 @@ class BulkPaths:
         # worker's lean path fails; a probe after that asks again.
         self._statuses: dict[str, Any] = {}
         self._handed_down: dict[str, Any] = dict(known or {})
+        # Each worker's lean paths as the cluster view publishes them (LeanPaths, as a WorkerStatus):
+        # what a process that must not use gRPC probes with instead of asking.
+        self._from_view: dict[str, Any] = {}
+        # Called with a serialized ClusterView newer than any this process had, learnt from a
+        # worker's reply (a process that cannot watch the master: the session applies it).
+        self.on_view: Any = None
+        self._view_known = 0
         self._warned: set[str] = set()
         # Per lean path: reads, bytes, reads sent to gRPC (fallbacks, errors), and pages read by
         # hit or miss as the worker knew them (the readers count those: shortcircuit.py, dataport.py).
@@ -122,10 +140,23 @@ class BulkPaths:
     def _status(self, handle: Any) -> Any:
         # Kept (threads of this process may probe at once) until this worker's lean path fails.
         status = self._handed_down.get(handle.address)
+        if status is None and forksafe.grpc_inherited():
+            status = self._from_view.get(handle.address) or self._statuses.get(handle.address)
+            if status is None:
+                raise WorkerUnavailableError(f"worker {handle.address}: the cluster view names no socket of it "
+                                             "(a worker older than this client?), and this forked process "
+                                             "cannot ask it through gRPC")
         if status is None:
             status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
         self._statuses[handle.address] = status
         return status
+
+    def note_view(self, view: Any) -> None:
+        """A cluster view: its workers' lean paths (for a process that must not use gRPC)."""
+        self._from_view = {w.address: worker_pb2.WorkerStatus(host_id=w.lean.host_id, data_port=w.lean.data_port,
+                                                              short_circuit_socket=w.lean.short_circuit_socket)
+                           for w in view.workers if w.HasField("lean")}
+        self._view_known = max(self._view_known, view.version)
 
     def learn(self, handles: list[Any]) -> None:
         """Probe the workers not probed yet."""
@@ -161,7 +192,9 @@ class BulkPaths:
             reader = self._probe(handle)
         except Exception as exc:  # an old worker, an unreachable one: gRPC only
             log.debug("probe of %s for lean read paths failed: %s", handle.address, exc)
-            if _worker_away(exc):
+            if forksafe.grpc_inherited():
+                since -= PROBE_RETRY - NO_GRPC_RETRY
+            elif _worker_away(exc):
                 since -= PROBE_RETRY - AWAY_RETRY
         with self._lock:
             self._readers[handle.address] = (reader, since)
@@ -173,8 +206,10 @@ class BulkPaths:
 
         Any failure of a lean path (a socket error, a bad or undecodable reply, a bug) sends the
         read to gRPC, is counted, and drops that worker's lean path for a while; the first one
-        per worker is logged at warning.
+        per worker is logged at warning. In a process that must not use gRPC: ``_read_no_grpc``.
         """
+        if forksafe.grpc_inherited():
+            return self._read_no_grpc(path, offset, length, version, out)
         candidates = self.workers.candidates(path, offset, include_broken=False)
         if not candidates:
             return None
@@ -186,20 +221,7 @@ class BulkPaths:
         try:
             got = reader.read(path, offset, length, version, out)
         except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
-            stats["errors"] += 1
-            # A wedged socket is given up on for a while; a worker that is away (restarting: its
-            # socket refused or gone) is asked again soon, as its gRPC port will be.
-            since = time.monotonic() - (PROBE_RETRY - AWAY_RETRY if _worker_away(exc) else 0.0)
-            with self._lock:
-                self._readers[handle.address] = (None, since)
-                self._handed_down.pop(handle.address, None)  # the next probe asks the worker
-                first = handle.address not in self._warned
-                self._warned.add(handle.address)
-            log.log(logging.WARNING if first else logging.DEBUG,
-                    "%s read from %s failed (%s: %s); reading through gRPC for %.0f s", reader.kind,
-                    handle.address, type(exc).__name__, exc, PROBE_RETRY - (time.monotonic() - since))
-            with contextlib.suppress(Exception):
-                reader.close()
+            self._failed(handle, reader, exc, "reading through gRPC")
             got = None
         if got is None:
             stats["fallbacks"] += 1
@@ -207,6 +229,98 @@ class BulkPaths:
         stats["reads"] += 1
         stats["bytes"] += len(got[0])
         return got
+
+    def _failed(self, handle: Any, reader: Any, exc: BaseException, then: str) -> None:
+        """``handle``'s lean path failed: counted, dropped, asked again later (the first failure
+        per worker logged at warning). A wedged socket is given up on for a while; a worker that
+        is away (restarting: its socket refused or gone) is asked again soon, as its gRPC port
+        will be; a process without gRPC asks again at once (it has no other way)."""
+        self.stats[reader.kind]["errors"] += 1
+        no_grpc = forksafe.grpc_inherited()
+        retry = NO_GRPC_RETRY if no_grpc else AWAY_RETRY if _worker_away(exc) else PROBE_RETRY
+        since = time.monotonic() - (PROBE_RETRY - retry)
+        with self._lock:
+            self._readers[handle.address] = (None, since)
+            if not no_grpc:
+                self._handed_down.pop(handle.address, None)  # the next probe asks the worker
+            first = handle.address not in self._warned
+            self._warned.add(handle.address)
+        log.log(logging.WARNING if first else logging.DEBUG, "%s request to %s failed (%s: %s); %s for %.1f s",
+                reader.kind, handle.address, type(exc).__name__, exc, then, retry)
+        with contextlib.suppress(Exception):
+            reader.close()
+
+    def _read_no_grpc(self, path: str, offset: int, length: int, version: str,
+                      out: memoryview | None) -> tuple[Any, int, str] | None:
+        """A read in a process that must not use gRPC: from the placed workers' lean paths in ring
+        order, each asked to fill what is not cached, again with back-off (0.02 s doubling to
+        0.5 s) for up to FORKED_FILL_PATIENCE while none serves it; None if none did. An error
+        about the object itself (no such object, denied) is raised at once."""
+        deadline = time.monotonic() + FORKED_FILL_PATIENCE
+        pause = 0.02
+        while True:
+            for handle in self.workers.candidates(path, offset, include_broken=True):
+                reader = self._reader(handle)
+                if reader is None:
+                    continue
+                stats = self.stats[reader.kind]
+                try:
+                    if isinstance(reader, DataPortReader):
+                        got = reader.read(path, offset, length, version, out, fill=True)
+                    else:
+                        got = reader.read(path, offset, length, version, out)
+                except Exception as exc:  # noqa: BLE001 - the next worker may serve it
+                    if getattr(exc, "cachefs_fault", None) == REQUEST:
+                        raise
+                    self._failed(handle, reader, exc, "trying the next worker")
+                    continue
+                self._follow_view(reader)
+                if got is not None:
+                    stats["reads"] += 1
+                    stats["bytes"] += len(got[0])
+                    return got
+                stats["fallbacks"] += 1
+            if time.monotonic() + pause >= deadline:
+                return None
+            time.sleep(pause)
+            pause = min(0.5, pause * 2)
+
+    def meta(self, key: str, request: Any, what: str) -> Any:
+        """A metadata operation (common_pb2.MetaRequest) answered by the first of the workers
+        placed for ``key`` whose lean path answers (a process that must not use gRPC); raises
+        the error the worker reported, or WorkerUnavailableError if none answered."""
+        last: BaseException | None = None
+        for handle in self.workers.candidates(key, 0, include_broken=True):
+            reader = self._reader(handle)
+            if reader is None:
+                continue
+            try:
+                reply = reader.meta(request)
+            except Exception as exc:  # noqa: BLE001 - the next worker may answer
+                self._failed(handle, reader, exc, "trying the next worker")
+                last = exc
+                continue
+            self._follow_view(reader)
+            if reply.error_code:
+                raise from_wire_error(reply.error_code, reply.error_detail, reply.error_message, what)
+            return reply
+        raise WorkerUnavailableError(f"{what}: no worker's socket answered" + (f" (last: {last})" if last else ""))
+
+    def _follow_view(self, reader: Any) -> None:
+        """A reply said its worker has a newer cluster view than this process: ask it for that
+        view (once per version) and hand it to ``on_view``."""
+        version = getattr(reader, "view_version", 0)
+        if version <= self._view_known or self.on_view is None:
+            return
+        self._view_known = version
+        try:
+            reply = reader.meta(common_pb2.MetaRequest(op=common_pb2.MetaRequest.VIEW))
+        except Exception as exc:  # noqa: BLE001 - the next reply says so again
+            log.debug("fetching the cluster view %d from a worker failed: %s", version, exc)
+            self._view_known = version - 1
+            return
+        if reply.view:
+            self.on_view(reply.view)
 
     def read_held(self, reads: list[tuple[str, int, memoryview]]) -> list[tuple[int, int] | None]:
         """Many reads ``(path, offset, out)`` through page handles held from local workers

@@ -10,14 +10,17 @@ caller reads through gRPC instead.
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
 
 from cachefs import rawbytes
 from cachefs.client.socketpool import SocketPool
+from cachefs.errors import REQUEST
 from cachefs.proto import dataport_pb2
 
 Reply = dataport_pb2.DataReply
@@ -76,6 +79,7 @@ class DataPortReader:
         self.counts = counts if counts is not None else {}
         self.counts.setdefault("hits", 0)
         self._pool = SocketPool(self._connect, max_idle)
+        self.view_version = 0  # the newest cluster view version a reply said the worker has
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
@@ -89,14 +93,47 @@ class DataPortReader:
         return sock
 
     def read(self, path: str, offset: int, length: int, version: str,
-             out: memoryview | None = None) -> tuple[Any, int, str] | None:
+             out: memoryview | None = None, fill: bool = False) -> tuple[Any, int, str] | None:
         """(data, object size, version) of the range, or None: read it through gRPC instead.
 
         With ``out`` (at least as long as what the range holds), the bytes land in it and the
-        filled part of ``out`` is returned as the data.
+        filled part of ``out`` is returned as the data. ``fill``: the worker fetches what is not
+        cached first (a process that must not use gRPC); a range it cannot fill at all (no such
+        object, no permission) raises that error.
         """
-        body = dataport_pb2.DataRequest(path=path, offset=offset, length=length, version=version,
-                                        token=self.token).SerializeToString()
+        request = dataport_pb2.DataRequest(path=path, offset=offset, length=length, version=version,
+                                           token=self.token, fill=fill)
+        failure: list[OSError] = []
+
+        def receive(sock: socket.socket, reply: Any) -> Any:
+            if reply.code == Reply.OK:
+                return self._receive(sock, reply, offset, length, out, self.huge_pages)
+            if reply.code == Reply.FAILED:  # nothing follows the header: the connection stays in step
+                message = reply.message if path in reply.message else f"{path}: {reply.message}"
+                failed = OSError(reply.errno or errno.EIO, message)
+                failed.cachefs_fault = REQUEST  # type: ignore[attr-defined]  # the object's, not the socket's
+                failure.append(failed)
+            return None
+
+        result, reply = self._roundtrip(request, receive)
+        if failure:
+            raise failure[0]
+        if result is not None:
+            self.counts["hits"] += len(reply.segments)
+        return result
+
+    def meta(self, request: Any) -> Any:
+        """The worker's answer to a metadata operation (a common_pb2.MetaRequest: metaops.py)."""
+        result, reply = self._roundtrip(dataport_pb2.DataRequest(token=self.token, meta=request),
+                                        lambda _sock, reply: reply)
+        if reply.code != Reply.OK:
+            raise ConnectionError(f"data port {self.host}:{self.port} refused a metadata request: {reply.message}")
+        return result.meta
+
+    def _roundtrip(self, request: Any, receive: Callable[[socket.socket, Any], Any]) -> tuple[Any, Any]:
+        """Send one request, read its reply header and hand both to ``receive`` (which takes
+        whatever follows the header off the socket); returns what it returned, and the header."""
+        body = request.SerializeToString()
         frame = FRAME.pack(len(body)) + body
         for attempt in (0, 1):
             sock = self._pool.idle() if attempt == 0 else None
@@ -116,14 +153,14 @@ class DataPortReader:
                 if size > MAX_REPLY:
                     raise ConnectionError(f"data port reply header of {size} bytes")
                 reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
-                result = self._receive(sock, reply, offset, length, out, self.huge_pages) if reply.code == Reply.OK else None
+                if reply.view_version > self.view_version:
+                    self.view_version = reply.view_version
+                result = receive(sock, reply)
             except BaseException:
                 sock.close()  # out of step with the stream, or gone: never reused
                 raise
             self._pool.give_back(sock)
-            if result is not None:
-                self.counts["hits"] += len(reply.segments)
-            return result
+            return result, reply
         raise AssertionError("unreachable")
 
     @staticmethod

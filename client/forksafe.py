@@ -10,15 +10,15 @@ is not the child's to use (grpc's own threads are gone). The rules, for every cl
   descriptors, shared-memory maps, counter blocks) lives in a :class:`ProcessLocal`: built on
   first use in each process, dropped (never used, never closed in ways that reach the parent)
   in a forked child, and never pickled (a spawned child builds its own).
-- What must act around a fork (a thread inside a gRPC call that would wedge the child) is a
-  :class:`ForkHook`: it quiesces before the fork and resumes in the parent after it. Every
-  channel a session opens passes its calls through an :class:`RpcGate`, so that no thread is
-  inside gRPC at the fork and gRPC's own fork handlers run. Those handlers exist only with
-  grpcio's fork support on, which importing ``cachefs.client`` turns on where it can
-  (client/__init__.py); a fork through a gate without it logs one warning with the remedies.
-- One ``os.register_at_fork`` handler calls them all. It (with the once-per-process fork-support
-  warning) is this module's only process-wide state, and it has to be: at-fork handlers are
-  process-wide by nature.
+- What must act around a fork is a :class:`ForkHook`: it quiesces before the fork and resumes
+  in the parent after it.
+- A process forked from one that had loaded gRPC never calls gRPC (:func:`forbid_grpc`: a stub
+  or a view watcher asked for there raises :class:`GrpcInheritedError` at once). Its copy of
+  gRPC's core holds the parent's threads' state mid-call, and grpcio's fork support, whose
+  handlers are meant to reset it, hung DataLoader workers at every epoch start. Such a process
+  reads, lists and follows the view over the workers' own sockets (client/bulkpaths.py).
+- One ``os.register_at_fork`` handler calls them all. It is this module's only process-wide
+  state, and it has to be: at-fork handlers are process-wide by nature.
 
 The S3 Connector for PyTorch keeps its client the same way (one per-process holder, rebuilt by
 pid); this module generalises it to every resource a cachefs client holds.
@@ -117,9 +117,22 @@ os.register_at_fork(before=_HOOKS.before, after_in_parent=_HOOKS.after_in_parent
 def grpc_inherited() -> bool:
     """Whether this process was forked from one that had loaded gRPC. Its first gRPC channel
     can then hang, holding the GIL, so the whole process stops (seen in about 1 of 10 DataLoader
-    worker starts, with grpcio's fork support on or off): such a process keeps gRPC for what has
-    no other way (session.SessionBootstrap, hints over the short-circuit socket)."""
+    worker starts, with grpcio's fork support on or off): such a process never calls gRPC
+    (:func:`forbid_grpc`) and reads over the workers' sockets instead."""
     return _HOOKS.forks_seen > 0 and "grpc" in sys.modules
+
+
+class GrpcInheritedError(RuntimeError):
+    """gRPC was asked for in a process forked from one that had loaded it (see the module doc)."""
+
+
+def forbid_grpc(what: str) -> None:
+    """Raise :class:`GrpcInheritedError` naming ``what`` if this process must not call gRPC."""
+    if grpc_inherited():
+        raise GrpcInheritedError(
+            f"{what}: this process was forked from one that had loaded gRPC, and gRPC is never used "
+            "in such a process (it can hang there); this operation has no other path yet. Use the "
+            "DataLoader's multiprocessing_context='spawn' or 'forkserver' for it, or do it in the main process")
 
 
 def register(hook: ForkHook) -> None:
@@ -139,7 +152,8 @@ def grpc_fork_support() -> bool:
 
 
 class _ForkSupportWarning:
-    """Says once per process that a fork is happening without gRPC's fork handlers."""
+    """Says once per process that grpcio's fork support is on while this process forks: its
+    at-fork child handler can block a DataLoader worker before the worker runs any code."""
 
     def __init__(self) -> None:
         self.said = False
@@ -152,11 +166,11 @@ class _ForkSupportWarning:
             enabled = grpc_fork_support()
         except Exception:  # noqa: BLE001 - an odd grpcio build: say nothing rather than fail a fork
             return
-        if not enabled:
-            log.warning("forking a process that uses gRPC with grpcio's fork support off: a child's first "
-                        "channel can hang. Set GRPC_ENABLE_FORK_SUPPORT=1 before grpc is imported (importing "
-                        "cachefs.client first does it), or give the DataLoader "
-                        "multiprocessing_context='forkserver'")
+        if enabled:
+            log.warning("forking with grpcio's fork support on (GRPC_ENABLE_FORK_SUPPORT=1 in the environment "
+                        "when grpc was imported): its at-fork handler can hang the child (a DataLoader worker) "
+                        "before it runs any code. Unset GRPC_ENABLE_FORK_SUPPORT, or give the DataLoader "
+                        "multiprocessing_context='spawn' or 'forkserver'")
 
 
 _FORK_SUPPORT_WARNING = _ForkSupportWarning()

@@ -25,7 +25,7 @@ import grpc
 
 from cachefs import rawbytes
 from cachefs.client.bulkpaths import BulkPaths
-from cachefs.client.shortcircuit import Prepared
+from cachefs.client.shortcircuit import FORKED_FILL_PATIENCE, Prepared
 from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
@@ -112,13 +112,17 @@ class _ProcessState:
                        "store_reads": 0, "store_bytes": 0, "failovers": 0, "errors": 0}
         self.lock = threading.Lock()
         self.watcher: ViewWatcher | None = None
+        self.bulk.on_view = self.view_from_worker
         known_view = bootstrap.cluster_view() if bootstrap is not None else None
         if known_view is not None:
             self.apply_view(known_view)
-        if config.master and known_view is not None and forksafe.grpc_inherited():
-            # A DataLoader worker forked from a gRPC process: its first channel could hang the
-            # whole process (forksafe.py), so it routes by the view it was handed, unwatched.
-            log.debug("keeping the handed-down view %d in this forked process", known_view.version)
+        if config.master and forksafe.grpc_inherited():
+            # A DataLoader worker forked from a gRPC process never calls gRPC (forksafe.py): it
+            # routes by the view it was handed and learns newer ones from the workers' replies.
+            if known_view is None and not self.workers:
+                forksafe.forbid_grpc(f"the cluster view from master {config.master} (this filesystem was not "
+                                     "used before the fork, so this process was handed no view)")
+            log.debug("following the cluster view through the workers in this forked process")
         elif config.master:
             self.watcher = ViewWatcher(config.master, self.apply_view, timeout=config.timeout,
                                        tls=config.tls, token=config.token, known=known_view)
@@ -143,8 +147,17 @@ class _ProcessState:
             # bet: dead ones fail fast behind their breakers, and fallback still applies.
             log.warning("cluster view %d has no workers; keeping the last %d", view.version,
                         len(self.workers.addresses))
+        self.bulk.note_view(view)
         self.view = view
         log.debug("cluster view %d: %d workers", view.version, len(view.workers))
+
+    def view_from_worker(self, data: bytes) -> None:
+        """A serialized view a worker relayed (a process that does not watch the master)."""
+        view = master_pb2.ClusterView()
+        view.ParseFromString(data)
+        if self.view is None or view.version > self.view.version or (
+                view.master_id != self.view.master_id and not view.leader_epoch):
+            self.apply_view(view)
 
     def close(self) -> None:
         if self.watcher is not None:
@@ -237,6 +250,10 @@ class ClientSession:
         Returns None when no worker answered and fallback is on; raises otherwise.
         """
         state = self._state.get()
+        if forksafe.grpc_inherited():
+            if self.config.fallback:
+                return None
+            forksafe.forbid_grpc(what)
         last_error: grpc.RpcError | None = None
         for handle in state.workers.candidates(key, offset, include_broken=not self.config.fallback):
             try:
@@ -280,12 +297,18 @@ class ClientSession:
         """The object's info. A file whose pages a worker on this host handed out is answered from
         what came with them (never staler than the worker's own metadata); with ``read_ahead``
         (a read follows: open()), its first bytes' handles are asked for in the same message."""
+        state = self._state.get()
         if not refresh:
-            state = self._state.get()
             known = state.bulk.info(str(cp), read_ahead) if state.bulk.enabled else None
             if known is not None:
                 size, version, mtime = known
                 return {"name": str(cp), "size": size, "type": "file", "version": version, "mtime": mtime}
+        if forksafe.grpc_inherited() and state.bulk.enabled:  # over the workers' sockets (bulkpaths.py)
+            reply = self._meta_no_grpc(state, str(cp), common_pb2.MetaRequest(
+                op=common_pb2.MetaRequest.INFO, path=str(cp), refresh=refresh), f"info {cp}")
+            if reply is not None:
+                return info_dict(reply.info)
+            return meta_dict(self.fallback_store().info(cp, refresh))
         request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
         msg = self.call(str(cp), lambda stub: stub.GetInfo(request, timeout=self.config.timeout), f"info {cp}")
         if msg is not None:
@@ -293,6 +316,20 @@ class ClientSession:
         return meta_dict(self.fallback_store().info(cp, refresh))
 
     def list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
+        state = self._state.get()
+        if forksafe.grpc_inherited() and state.bulk.enabled:  # pages over the workers' sockets
+            out: list[dict[str, Any]] = []
+            after = ""
+            while True:
+                reply = self._meta_no_grpc(state, str(cp), common_pb2.MetaRequest(
+                    op=common_pb2.MetaRequest.LIST, path=str(cp), recursive=recursive, refresh=refresh and not after,
+                    start_after=after), f"list {cp}")
+                if reply is None:
+                    return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
+                out.extend(info_dict(e) for e in reply.entries)
+                if not reply.next_after:
+                    return out
+                after = reply.next_after
         request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh)
 
         def call(stub: worker_pb2_grpc.WorkerServiceStub) -> list[dict[str, Any]]:
@@ -302,6 +339,16 @@ class ClientSession:
         if entries is not None:
             return entries
         return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
+
+    def _meta_no_grpc(self, state: _ProcessState, key: str, request: Any, what: str) -> Any:
+        """A metadata operation over the workers' sockets; None: none answered, read the store
+        (fallback on); raises the worker's error, or WorkerUnavailableError (fallback off)."""
+        try:
+            return state.bulk.meta(key, request, what)
+        except WorkerUnavailableError:
+            if self.config.fallback:
+                return None
+            raise
 
     def public_mounts(self) -> list[MountSpec]:
         """The mount table without secrets: from the cluster view, else from a worker."""
@@ -378,6 +425,13 @@ class ClientSession:
             if got is not None:
                 self._learn_mounts(state)  # (a worker answered: as in call)
                 return got
+        if forksafe.grpc_inherited() and not self.config.fallback:
+            state.counts["errors"] += 1
+            raise WorkerUnavailableError(
+                f"read {cp}: no worker's socket served it within {FORKED_FILL_PATIENCE:.0f} s (this process "
+                "was forked from one that had loaded gRPC, so it reads over the workers' sockets only)"
+                if state.bulk.enabled else f"read {cp}: short_circuit and data_port are both off, and this "
+                "process was forked from one that had loaded gRPC, so it has no way to a worker")
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
         timeout = self.read_timeout(length)
 

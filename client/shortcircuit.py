@@ -31,6 +31,7 @@ from cachefs.client import forksafe
 from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView, file_identity
 from cachefs.client.namedpages import PARTIAL, NamedPages
 from cachefs.client.socketpool import SocketPool
+from cachefs.errors import REQUEST
 from cachefs.peercred import check_server
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
@@ -121,6 +122,7 @@ class ShortCircuitReader:
         self._not_cached: dict[str, float] = {}  # path -> until when reads skip this socket
         self._failed: dict[str, OSError] = {}  # path -> why the worker could not fill it at all
         self._not_held: dict[str, None] = {}  # paths of large reads the worker did not let us hold
+        self.view_version = 0  # the newest cluster view version a reply said the worker has
         # Run as the process exits: by multiprocessing in its children (a DataLoader worker), by
         # atexit in a main process; dropped with this reader if it goes first.
         multiprocessing.util.Finalize(self, _report_at_exit, args=(weakref.ref(self),), exitpriority=EXIT_PRIORITY)
@@ -161,6 +163,22 @@ class ShortCircuitReader:
             return message, fds
         raise AssertionError("unreachable")
 
+    def _note_view(self, reply: Any) -> None:
+        if reply.view_version > self.view_version:
+            self.view_version = reply.view_version
+
+    def meta(self, request: Any) -> Any:
+        """The worker's answer to a metadata operation (a common_pb2.MetaRequest: metaops.py)."""
+        message, fds = self._exchange(shortcircuit_pb2.ShortCircuitRequest(token=self.token, meta=request))
+        for fd in fds:
+            os.close(fd)
+        reply = Reply()
+        reply.ParseFromString(message)
+        if reply.refused:
+            raise ConnectionError(f"short-circuit socket {self.path} refused a metadata request: {reply.message}")
+        self._note_view(reply)
+        return reply.meta
+
     def request(self, ranges: list[tuple[str, int, int, str]], ahead: bool = False,
                 fill: bool = True) -> list[tuple[int, str, list[Page]] | None]:
         """Ask for several ranges in one message; per range, (size, version, pages referenced:
@@ -192,6 +210,7 @@ class ShortCircuitReader:
             if reply.refused:
                 log.debug("short-circuit request refused: %s", reply.message)
                 return [None] * len(ranges), 0
+            self._note_view(reply)
             pos = 0
             if hello and reply.instance:
                 if not fds:
@@ -258,7 +277,9 @@ class ShortCircuitReader:
         if len(self._failed) >= _NOT_CACHED_MAX:
             self._failed = {}
         message = got.message if path in got.message else f"{path}: {got.message}"
-        self._failed[path] = OSError(got.errno or errno.EIO, message)
+        failure = OSError(got.errno or errno.EIO, message)
+        failure.cachefs_fault = REQUEST  # type: ignore[attr-defined]  # the object's, not the socket's
+        self._failed[path] = failure
 
     def _raise_if_failed(self, path: str) -> None:
         failure = self._failed.pop(path, None)

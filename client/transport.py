@@ -19,6 +19,7 @@ import grpc
 import grpc.experimental
 
 from cachefs.auth import WrappedChannel
+from cachefs.client import forksafe
 from cachefs.client.forksafe import RpcGate
 from cachefs.proto import worker_pb2_grpc
 from cachefs.ring import HashRing, RingConfig
@@ -151,7 +152,9 @@ class WorkerHandle:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stub(self) -> worker_pb2_grpc.WorkerServiceStub:
-        """The worker's stub; one channel per process, shared by all threads (channels are thread-safe)."""
+        """The worker's stub; one channel per process, shared by all threads (channels are thread-safe).
+        Raises forksafe.GrpcInheritedError in a process that must not call gRPC."""
+        forksafe.forbid_grpc(f"worker {self.address} through gRPC")
         stub = self._stub
         if stub is None:
             with self._lock:

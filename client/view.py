@@ -102,6 +102,7 @@ class ViewWatcher(forksafe.ForkHook):
     @property
     def _stub(self) -> master_pb2_grpc.MasterServiceStub:
         """The master's stub, its channel opened on first use (by whichever thread needs it)."""
+        forksafe.forbid_grpc(f"the cluster view from master {self.master}")
         with self._channel_lock:
             if self._stub_value is None:
                 self._channel = open_channel(self._addresses[self._index], self._tls, options=[OWN_CONNECTIONS, SINGLE_THREADED_STREAMS],
@@ -137,6 +138,7 @@ class ViewWatcher(forksafe.ForkHook):
         return False
 
     def start(self) -> "ViewWatcher":
+        forksafe.forbid_grpc(f"watching the cluster view of master {self.master}")
         self._thread = threading.Thread(target=self._run, name="cachefs-view", daemon=True)
         self._thread.start()
         return self

@@ -24,17 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/common.proto\x12\ncachefs.v1\"l\n\nObjectInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\r\n\x05mtime\x18\x04 \x01(\x01\x12\"\n\x04type\x18\x05 \x01(\x0e\x32\x14.cachefs.v1.FileType\"O\n\tMountInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x11\n\tread_only\x18\x04 \x01(\x08*>\n\x08\x46ileType\x12\x19\n\x15\x46ILE_TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ILE\x10\x01\x12\r\n\tDIRECTORY\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hefs/proto/common.proto\x12\ncachefs.v1\"l\n\nObjectInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\r\n\x05mtime\x18\x04 \x01(\x01\x12\"\n\x04type\x18\x05 \x01(\x0e\x32\x14.cachefs.v1.FileType\"O\n\tMountInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x11\n\tread_only\x18\x04 \x01(\x08\"\xcb\x01\n\x0bMetaRequest\x12&\n\x02op\x18\x01 \x01(\x0e\x32\x1a.cachefs.v1.MetaRequest.Op\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07refresh\x18\x03 \x01(\x08\x12\x11\n\trecursive\x18\x04 \x01(\x08\x12\x13\n\x0bstart_after\x18\x05 \x01(\t\x12\x13\n\x0bmax_entries\x18\x06 \x01(\r\"8\n\x02Op\x12\x08\n\x04NONE\x10\x00\x12\x08\n\x04INFO\x10\x01\x12\x08\n\x04LIST\x10\x02\x12\x08\n\x04VIEW\x10\x03\x12\n\n\x06STATUS\x10\x04\"\xcd\x01\n\tMetaReply\x12\x12\n\nerror_code\x18\x01 \x01(\t\x12\x14\n\x0c\x65rror_detail\x18\x02 \x01(\t\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12$\n\x04info\x18\x04 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\'\n\x07\x65ntries\x18\x05 \x03(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12\x12\n\nnext_after\x18\x06 \x01(\t\x12\x0c\n\x04view\x18\x07 \x01(\x0c\x12\x0e\n\x06status\x18\x08 \x01(\x0c*>\n\x08\x46ileType\x12\x19\n\x15\x46ILE_TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46ILE\x10\x01\x12\r\n\tDIRECTORY\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachefs.proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FILETYPE']._serialized_start=233
-  _globals['_FILETYPE']._serialized_end=295
+  _globals['_FILETYPE']._serialized_start=647
+  _globals['_FILETYPE']._serialized_end=709
   _globals['_OBJECTINFO']._serialized_start=42
   _globals['_OBJECTINFO']._serialized_end=150
   _globals['_MOUNTINFO']._serialized_start=152
   _globals['_MOUNTINFO']._serialized_end=231
+  _globals['_METAREQUEST']._serialized_start=234
+  _globals['_METAREQUEST']._serialized_end=437
+  _globals['_METAREQUEST_OP']._serialized_start=381
+  _globals['_METAREQUEST_OP']._serialized_end=437
+  _globals['_METAREPLY']._serialized_start=440
+  _globals['_METAREPLY']._serialized_end=645
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -39,3 +41,51 @@ class MountInfo(_message.Message):
     options_json: str
     read_only: bool
     def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., options_json: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
+
+class MetaRequest(_message.Message):
+    __slots__ = ("op", "path", "refresh", "recursive", "start_after", "max_entries")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NONE: _ClassVar[MetaRequest.Op]
+        INFO: _ClassVar[MetaRequest.Op]
+        LIST: _ClassVar[MetaRequest.Op]
+        VIEW: _ClassVar[MetaRequest.Op]
+        STATUS: _ClassVar[MetaRequest.Op]
+    NONE: MetaRequest.Op
+    INFO: MetaRequest.Op
+    LIST: MetaRequest.Op
+    VIEW: MetaRequest.Op
+    STATUS: MetaRequest.Op
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    op: MetaRequest.Op
+    path: str
+    refresh: bool
+    recursive: bool
+    start_after: str
+    max_entries: int
+    def __init__(self, op: _Optional[_Union[MetaRequest.Op, str]] = ..., path: _Optional[str] = ..., refresh: _Optional[bool] = ..., recursive: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ...) -> None: ...
+
+class MetaReply(_message.Message):
+    __slots__ = ("error_code", "error_detail", "error_message", "info", "entries", "next_after", "view", "status")
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    error_code: str
+    error_detail: str
+    error_message: str
+    info: ObjectInfo
+    entries: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
+    next_after: str
+    view: bytes
+    status: bytes
+    def __init__(self, error_code: _Optional[str] = ..., error_detail: _Optional[str] = ..., error_message: _Optional[str] = ..., info: _Optional[_Union[ObjectInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., next_after: _Optional[str] = ..., view: _Optional[bytes] = ..., status: _Optional[bytes] = ...) -> None: ...

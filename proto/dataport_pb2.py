@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from cachefs.proto import common_pb2 as cachefs_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63\x61\x63hefs/proto/dataport.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"[\n\x0b\x44\x61taRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05token\x18\x05 \x01(\t\"Q\n\x0b\x44\x61taSegment\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06length\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x10\n\x08verified\x18\x04 \x01(\x08\"\xc4\x01\n\tDataReply\x12(\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1a.cachefs.v1.DataReply.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12)\n\x08segments\x18\x04 \x03(\x0b\x32\x17.cachefs.v1.DataSegment\"+\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x0e\n\nNOT_CACHED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63\x61\x63hefs/proto/dataport.proto\x12\ncachefs.v1\x1a\x1a\x63\x61\x63hefs/proto/common.proto\"\x90\x01\n\x0b\x44\x61taRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05token\x18\x05 \x01(\t\x12\x0c\n\x04\x66ill\x18\x06 \x01(\x08\x12%\n\x04meta\x18\x07 \x01(\x0b\x32\x17.cachefs.v1.MetaRequest\"Q\n\x0b\x44\x61taSegment\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06length\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x10\n\x08verified\x18\x04 \x01(\x08\"\xaa\x02\n\tDataReply\x12(\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1a.cachefs.v1.DataReply.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x04info\x18\x03 \x01(\x0b\x32\x16.cachefs.v1.ObjectInfo\x12)\n\x08segments\x18\x04 \x03(\x0b\x32\x17.cachefs.v1.DataSegment\x12\r\n\x05\x65rrno\x18\x05 \x01(\x05\x12#\n\x04meta\x18\x06 \x01(\x0b\x32\x15.cachefs.v1.MetaReply\x12\x14\n\x0cview_version\x18\x07 \x01(\x03\x12\x0e\n\x06\x66illed\x18\x08 \x01(\x08\"7\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x0e\n\nNOT_CACHED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachefs.proto.dataport_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATAREQUEST']._serialized_start=72
-  _globals['_DATAREQUEST']._serialized_end=163
-  _globals['_DATASEGMENT']._serialized_start=165
-  _globals['_DATASEGMENT']._serialized_end=246
-  _globals['_DATAREPLY']._serialized_start=249
-  _globals['_DATAREPLY']._serialized_end=445
-  _globals['_DATAREPLY_CODE']._serialized_start=402
-  _globals['_DATAREPLY_CODE']._serialized_end=445
+  _globals['_DATAREQUEST']._serialized_start=73
+  _globals['_DATAREQUEST']._serialized_end=217
+  _globals['_DATASEGMENT']._serialized_start=219
+  _globals['_DATASEGMENT']._serialized_end=300
+  _globals['_DATAREPLY']._serialized_start=303
+  _globals['_DATAREPLY']._serialized_end=601
+  _globals['_DATAREPLY_CODE']._serialized_start=546
+  _globals['_DATAREPLY_CODE']._serialized_end=601
 # @@protoc_insertion_point(module_scope)

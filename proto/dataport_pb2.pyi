@@ -9,18 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DataRequest(_message.Message):
-    __slots__ = ("path", "offset", "length", "version", "token")
+    __slots__ = ("path", "offset", "length", "version", "token", "fill", "meta")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FILL_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
     version: str
     token: str
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    fill: bool
+    meta: _common_pb2.MetaRequest
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., token: _Optional[str] = ..., fill: _Optional[bool] = ..., meta: _Optional[_Union[_common_pb2.MetaRequest, _Mapping]] = ...) -> None: ...
 
 class DataSegment(_message.Message):
     __slots__ = ("offset", "length", "checksum", "verified")
@@ -35,21 +39,31 @@ class DataSegment(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class DataReply(_message.Message):
-    __slots__ = ("code", "message", "info", "segments")
+    __slots__ = ("code", "message", "info", "segments", "errno", "meta", "view_version", "filled")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[DataReply.Code]
         NOT_CACHED: _ClassVar[DataReply.Code]
         REFUSED: _ClassVar[DataReply.Code]
+        FAILED: _ClassVar[DataReply.Code]
     OK: DataReply.Code
     NOT_CACHED: DataReply.Code
     REFUSED: DataReply.Code
+    FAILED: DataReply.Code
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ERRNO_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FILLED_FIELD_NUMBER: _ClassVar[int]
     code: DataReply.Code
     message: str
     info: _common_pb2.ObjectInfo
     segments: _containers.RepeatedCompositeFieldContainer[DataSegment]
-    def __init__(self, code: _Optional[_Union[DataReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ...) -> None: ...
+    errno: int
+    meta: _common_pb2.MetaReply
+    view_version: int
+    filled: bool
+    def __init__(self, code: _Optional[_Union[DataReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., errno: _Optional[int] = ..., meta: _Optional[_Union[_common_pb2.MetaReply, _Mapping]] = ..., view_version: _Optional[int] = ..., filled: _Optional[bool] = ...) -> None: ...

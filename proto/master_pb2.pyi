@@ -176,20 +176,32 @@ class WorkerStats(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_from_cache: _Optional[int] = ..., bytes_from_store: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., plans: _Optional[int] = ..., bypassed_admissions: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "stats", "registered_at", "last_heartbeat", "version")
+    __slots__ = ("worker_id", "address", "stats", "registered_at", "last_heartbeat", "version", "lean")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEAN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     stats: WorkerStats
     registered_at: float
     last_heartbeat: float
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., registered_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    lean: LeanPaths
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., registered_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., version: _Optional[str] = ..., lean: _Optional[_Union[LeanPaths, _Mapping]] = ...) -> None: ...
+
+class LeanPaths(_message.Message):
+    __slots__ = ("host_id", "short_circuit_socket", "data_port")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHORT_CIRCUIT_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    short_circuit_socket: str
+    data_port: int
+    def __init__(self, host_id: _Optional[str] = ..., short_circuit_socket: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class RingSettings(_message.Message):
     __slots__ = ("vnodes", "stripe_size")

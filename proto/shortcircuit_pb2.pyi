@@ -25,7 +25,7 @@ class RangeRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., ahead: _Optional[bool] = ..., fill: _Optional[bool] = ...) -> None: ...
 
 class ShortCircuitRequest(_message.Message):
-    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load", "plan_job", "plan_position", "plan_reader", "plan_furthest", "touched_pages", "touched_pages_bytes", "by_name", "stale_paths")
+    __slots__ = ("ranges", "token", "hello", "touched", "touched_bytes", "load", "plan_job", "plan_position", "plan_reader", "plan_furthest", "touched_pages", "touched_pages_bytes", "by_name", "stale_paths", "meta")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ShortCircuitRequest(_message.Message):
     TOUCHED_PAGES_BYTES_FIELD_NUMBER: _ClassVar[int]
     BY_NAME_FIELD_NUMBER: _ClassVar[int]
     STALE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[RangeRequest]
     token: str
     hello: bool
@@ -54,7 +55,8 @@ class ShortCircuitRequest(_message.Message):
     touched_pages_bytes: int
     by_name: bool
     stale_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ..., plan_reader: _Optional[int] = ..., plan_furthest: _Optional[int] = ..., touched_pages: _Optional[_Iterable[bytes]] = ..., touched_pages_bytes: _Optional[int] = ..., by_name: _Optional[bool] = ..., stale_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    meta: _common_pb2.MetaRequest
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ..., token: _Optional[str] = ..., hello: _Optional[bool] = ..., touched: _Optional[_Iterable[int]] = ..., touched_bytes: _Optional[int] = ..., load: _Optional[_Iterable[str]] = ..., plan_job: _Optional[str] = ..., plan_position: _Optional[int] = ..., plan_reader: _Optional[int] = ..., plan_furthest: _Optional[int] = ..., touched_pages: _Optional[_Iterable[bytes]] = ..., touched_pages_bytes: _Optional[int] = ..., by_name: _Optional[bool] = ..., stale_paths: _Optional[_Iterable[str]] = ..., meta: _Optional[_Union[_common_pb2.MetaRequest, _Mapping]] = ...) -> None: ...
 
 class RangeReply(_message.Message):
     __slots__ = ("code", "message", "errno", "info", "page_offsets", "page_lengths", "slots", "generations", "valid_ms", "filled", "fetched", "once")
@@ -95,7 +97,7 @@ class RangeReply(_message.Message):
     def __init__(self, code: _Optional[_Union[RangeReply.Code, str]] = ..., message: _Optional[str] = ..., errno: _Optional[int] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., page_offsets: _Optional[_Iterable[int]] = ..., page_lengths: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., valid_ms: _Optional[int] = ..., filled: _Optional[bool] = ..., fetched: _Optional[_Iterable[bool]] = ..., once: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ShortCircuitReply(_message.Message):
-    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading", "names_slots", "page_dirs", "page_dir_quotas", "page_dir_ids")
+    __slots__ = ("ranges", "message", "refused", "instance", "table_slots", "page_size", "answered", "loading", "names_slots", "page_dirs", "page_dir_quotas", "page_dir_ids", "meta", "view_version")
     RANGES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,8 @@ class ShortCircuitReply(_message.Message):
     PAGE_DIRS_FIELD_NUMBER: _ClassVar[int]
     PAGE_DIR_QUOTAS_FIELD_NUMBER: _ClassVar[int]
     PAGE_DIR_IDS_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[RangeReply]
     message: str
     refused: bool
@@ -120,4 +124,6 @@ class ShortCircuitReply(_message.Message):
     page_dirs: _containers.RepeatedScalarFieldContainer[str]
     page_dir_quotas: _containers.RepeatedScalarFieldContainer[int]
     page_dir_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., answered: _Optional[bool] = ..., loading: _Optional[int] = ..., names_slots: _Optional[int] = ..., page_dirs: _Optional[_Iterable[str]] = ..., page_dir_quotas: _Optional[_Iterable[int]] = ..., page_dir_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    meta: _common_pb2.MetaReply
+    view_version: int
+    def __init__(self, ranges: _Optional[_Iterable[_Union[RangeReply, _Mapping]]] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., instance: _Optional[str] = ..., table_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., answered: _Optional[bool] = ..., loading: _Optional[int] = ..., names_slots: _Optional[int] = ..., page_dirs: _Optional[_Iterable[str]] = ..., page_dir_quotas: _Optional[_Iterable[int]] = ..., page_dir_ids: _Optional[_Iterable[str]] = ..., meta: _Optional[_Union[_common_pb2.MetaReply, _Mapping]] = ..., view_version: _Optional[int] = ...) -> None: ...

@@ -111,11 +111,12 @@ def _paths(objects: dict[str, bytes]) -> list[str]:
     return [f"cachefs://data/{k}" for k in objects]
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "grpc"])
+@pytest.mark.parametrize("lean", [True, False], ids=["short-circuit", "data-port"])
 def test_fork_while_reads_are_in_flight(served, lean):
-    """Threads inside gRPC calls and short-circuit socket exchanges at the moment of the fork."""
+    """Threads inside gRPC calls and socket exchanges at the moment of the fork; the child reads
+    (and fills what is not cached) over the worker's Unix socket or its data port, never gRPC."""
     objects, worker = served
-    fs = client(worker.address, short_circuit=lean, data_port=False)
+    fs = client(worker.address, short_circuit=lean, data_port=not lean)
     paths = _paths(objects)
     want = list(objects.values())
     with _Busy(lambda: [fs.cat_file(p) for p in paths]):
@@ -319,40 +320,74 @@ def test_session_channels_go_through_the_gate(served):
     assert seen and max(seen) >= 1 and gate.inside == 0
 
 
-def _fork_support_in_fresh_process(code: str, env_value: str | None) -> str:
+def test_importing_the_client_changes_no_grpc_setting() -> None:
+    """grpcio's fork support hung DataLoader workers at every epoch start: the client must not
+    turn it on (it did at import, for processes that imported it before grpc)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
-    if env_value is not None:
-        env["GRPC_ENABLE_FORK_SUPPORT"] = env_value
-    probe = code + "\nfrom cachefs.client import forksafe\nprint(forksafe.grpc_fork_support())"
+    probe = ("import os, cachefs, cachefs.client.filesystem, cachefs.client.dataset\n"
+             "from cachefs.client import forksafe\n"
+             "print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'), forksafe.grpc_fork_support())")
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip().splitlines()[-1]
+    assert done.stdout.strip().splitlines()[-1] == "None False"
 
 
-@pytest.mark.parametrize(("code", "env_value", "expected"), [
-    ("import cachefs.client.filesystem", None, "True"),  # a training process: client first
-    ("import cachefs.client.dataset", "0", "False"),  # the user said no
-    ("import grpc\nimport cachefs.client.filesystem", None, "False"),  # too late: grpc read it already
-])
-def test_grpc_fork_support_is_on_where_the_client_comes_first(code: str, env_value: str | None,
-                                                              expected: str) -> None:
-    assert _fork_support_in_fresh_process(code, env_value) == expected
+def _in_forked_child(work: Callable[[], object]) -> object:
+    """``work()`` in a forked child: what it returned, or the exception it raised (pickled back)."""
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+
+    def run() -> None:
+        try:
+            child_end.send(work())
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            child_end.send(exc)
+
+    proc = ctx.Process(target=run)
+    proc.start()
+    child_end.close()
+    try:
+        assert parent_end.poll(CHILD_DEADLINE), "the forked child did not answer"
+        return parent_end.recv()
+    finally:
+        proc.join(CHILD_DEADLINE)
+        if proc.is_alive():
+            proc.kill()
 
 
-def test_a_fork_without_grpc_fork_support_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    assert not forksafe.grpc_fork_support()  # this process imported grpc first (conftest.py)
-    gate = forksafe.RpcGate()
-    warning = forksafe._ForkSupportWarning()
-    with caplog.at_level("WARNING", logger="cachefs.client.forksafe"):
-        warning.check()
-        warning.check()
-    said = [r for r in caplog.records if "fork support off" in r.getMessage()]
-    assert len(said) == 1 and "GRPC_ENABLE_FORK_SUPPORT=1" in said[0].getMessage()
-    gate.before_fork(time.monotonic() + 1)  # the gate's hook checks too, and still lets the fork go
-    gate.after_fork_in_parent()
+def test_a_forked_child_never_calls_grpc(served):
+    """A stub or a view watcher asked for in a process forked from one that had loaded gRPC
+    raises at once, naming what was asked for; the parent's are untouched."""
+    objects, worker = served
+    fs = client(worker.address, short_circuit=False, data_port=False)
+    assert fs.cat_file(_paths(objects)[0]) == objects["obj0.bin"]  # the parent has a channel open
+    handle = fs.session.workers.candidates_all()[0]
+
+    def ask_stub() -> object:
+        t0 = time.monotonic()
+        try:
+            handle.stub()
+        except forksafe.GrpcInheritedError as exc:
+            return ("raised", str(exc), time.monotonic() - t0)
+        return ("no error",)
+
+    got = _in_forked_child(ask_stub)
+    assert got[0] == "raised" and worker.address in got[1] and "forked" in got[1] and got[2] < 1.0, got
+
+    from cachefs.client.view import ViewWatcher
+
+    watcher = ViewWatcher("127.0.0.1:1", lambda view: None)
+    got = _in_forked_child(lambda: watcher.start())
+    assert isinstance(got, forksafe.GrpcInheritedError) and "127.0.0.1:1" in str(got), got
+    # Reads with both socket paths off: a precise error at once, not a gRPC call.
+    t0 = time.monotonic()
+    got = _in_forked_child(lambda: fs.cat_file(_paths(objects)[1]))
+    assert isinstance(got, ConnectionError) and "short_circuit and data_port are both off" in str(got), got
+    assert time.monotonic() - t0 < 10
+    assert fs.cat_file(_paths(objects)[1]) == objects["obj1.bin"]  # the parent still reads through gRPC
 
 
 # -- DataLoader workers on a worker's host: no gRPC on their data path ------------------------------

@@ -11,6 +11,7 @@ the same workers. Heartbeat statistics stay in the leader's memory (not a write 
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cachefs.errors import ControlPlaneUnavailableError
+from cachefs.proto import master_pb2
 from cachefs.server.etcd import api
 from cachefs.server.etcd.client import EtcdClient
 from cachefs.server.master.etcdstate import EtcdState, MemberKey
@@ -62,11 +64,14 @@ class EtcdMembership:
                 self._stats.pop(wid, None)
             self._known = current
 
-    def register(self, worker_id: str, address: str, version: str = "", stats: Any = None) -> Member:
+    def register(self, worker_id: str, address: str, version: str = "", stats: Any = None,
+                 lean: Any = None) -> Member:
         """Write the worker's key on a fresh lease (leader only, fenced)."""
         wall = time.time()
         lease = self.client.grant(math.ceil(self.lease_seconds))
-        value = json.dumps({"address": address, "version": version, "registered_at": wall}).encode()
+        lean_bytes = lean.SerializeToString() if lean is not None else b""
+        value = json.dumps({"address": address, "version": version, "registered_at": wall,
+                            "lean": base64.b64encode(lean_bytes).decode()}).encode()
         key = self.state.key("members", worker_id)
         old = self.state.members().get(worker_id)
         try:
@@ -87,7 +92,7 @@ class EtcdMembership:
             self._stats[worker_id] = (stats, wall)
         if old is None or old.address != address:
             log.info("worker %s %s at %s", worker_id, "joined" if old is None else "moved", address)
-        return self._member(MemberKey(worker_id, address, version, wall, lease, resp.header.revision))
+        return self._member(MemberKey(worker_id, address, version, wall, lease, resp.header.revision, lean_bytes))
 
     def heartbeat(self, worker_id: str, stats: Any = None) -> bool:
         """Renew the worker's lease. False: its key is gone (expired), it must register again."""
@@ -111,8 +116,12 @@ class EtcdMembership:
         # when it last beat, so it says 0 ("not known here") rather than a stale time.
         with self._lock:
             stats, beat = self._stats.get(key.worker_id, (None, 0.0))
+        lean = None
+        if key.lean:
+            lean = master_pb2.LeanPaths()
+            lean.ParseFromString(key.lean)
         return Member(key.worker_id, key.address, key.version, stats, registered_at=key.registered_at,
-                      last_heartbeat=beat)
+                      last_heartbeat=beat, lean=lean)
 
     def live(self) -> list[Member]:
         members = self.state.members()

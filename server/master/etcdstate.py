@@ -5,7 +5,8 @@ Layout (``<prefix>`` is ``etcd_prefix``, ``/cachefs/default/`` by default)::
     <prefix>leader             the leading master (election.py), tied to its lease
     <prefix>mounts/<name>      {"url", "options", "read_only"}: the mount table (with credentials)
     <prefix>jobs/<job_id>      a job's record (jobs.py), progress written about once a second
-    <prefix>members/<worker>   {"address", "version", "registered_at"}, tied to the worker's lease
+    <prefix>members/<worker>   {"address", "version", "registered_at", "lean"}, tied to the worker's lease
+                               ("lean": its LeanPaths message, base64)
     <prefix>masters/<master>   the master's address, tied to its election lease (who is up)
 
 Every master keeps the mounts and members in memory, loaded once and then followed by one
@@ -17,6 +18,8 @@ Writes are leader-only and fenced (:meth:`Election.fence`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import os
@@ -46,6 +49,7 @@ class MemberKey:
     registered_at: float
     lease: int
     revision: int
+    lean: bytes = b""  # a serialized master_pb2.LeanPaths
 
 
 def local_master_id(state_dir: str) -> str:
@@ -194,8 +198,9 @@ class EtcdState:
         try:
             data = json.loads(kv.value)
             return wid, MemberKey(wid, str(data["address"]), str(data.get("version", "")),
-                                  float(data.get("registered_at", 0.0)), kv.lease, kv.mod_revision)
-        except (ValueError, KeyError, TypeError):
+                                  float(data.get("registered_at", 0.0)), kv.lease, kv.mod_revision,
+                                  base64.b64decode(data.get("lean", ""), validate=True))
+        except (ValueError, KeyError, TypeError, binascii.Error):
             log.warning("ignoring an unreadable member record %r in etcd", wid)
             return None
 

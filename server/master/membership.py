@@ -33,6 +33,7 @@ class Member:
     registered_at: float = 0.0  # wall clock, for people
     last_heartbeat: float = 0.0  # wall clock, for people
     renewed: float = 0.0  # membership clock: when the lease was last renewed
+    lean: Any = None  # its sockets besides gRPC (master_pb2.LeanPaths, opaque here): in the view
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,17 @@ class Membership:
     def version(self) -> int:
         return self.versions.value
 
-    def register(self, worker_id: str, address: str, version: str = "", stats: Any = None) -> Member:
+    def register(self, worker_id: str, address: str, version: str = "", stats: Any = None,
+                 lean: Any = None) -> Member:
         """Join (or re-join: a known id gets the new address and stats and a fresh lease)."""
         now, wall = self._clock(), self._wall()
         with self._lock:
             old = self._members.get(worker_id)
-            member = Member(worker_id, address, version, stats, registered_at=wall, last_heartbeat=wall, renewed=now)
+            member = Member(worker_id, address, version, stats, registered_at=wall, last_heartbeat=wall, renewed=now,
+                            lean=lean)
             self._members[worker_id] = member
             self._registrations += 1
-            changed = old is None or old.address != address
+            changed = old is None or old.address != address or old.lean != lean
             if changed:
                 self.versions.bump()
         if changed:

@@ -65,6 +65,8 @@ def worker_info(member: Member) -> master_pb2.WorkerInfo:
     )
     if member.stats is not None:
         info.stats.CopyFrom(member.stats)
+    if member.lean is not None:
+        info.lean.CopyFrom(member.lean)
     return info
 
 
@@ -214,7 +216,11 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         check_address(info.address)
         stats = master_pb2.WorkerStats()
         stats.CopyFrom(info.stats)
-        self.membership.register(info.worker_id, info.address, info.version, stats)
+        lean = None
+        if info.HasField("lean"):
+            lean = master_pb2.LeanPaths()
+            lean.CopyFrom(info.lean)
+        self.membership.register(info.worker_id, info.address, info.version, stats, lean=lean)
         return master_pb2.RegisterWorkerResponse(
             lease_seconds=self.config.lease_seconds,
             heartbeat_seconds=self.config.heartbeat_seconds,

@@ -22,7 +22,7 @@ from cachefs.pagefile import TRAILER_SIZE
 from cachefs.paths import CachePath, parse_path
 from cachefs.peercred import PeerPolicy
 from cachefs.runtimedir import check_socket_dir, runtime_dir
-from cachefs.proto import worker_pb2_grpc
+from cachefs.proto import master_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.heap import keep_freed_memory
 from cachefs.server.worker.metrics import WorkerMetrics
@@ -32,9 +32,10 @@ from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
 from cachefs.server.worker.reader import PageReader, ReaderOptions
-from cachefs.server.worker.registration import Registrar, worker_stats
+from cachefs.server.worker.metaops import MetaOps
+from cachefs.server.worker.registration import Registrar, ViewRelay, worker_stats
 from cachefs.server.worker.plans import PlanTable
-from cachefs.server.worker.service import WorkerServicer
+from cachefs.server.worker.service import HOST_ID, WorkerServicer
 from cachefs.server.worker.bulkpath import CachedPages, token_checker
 from cachefs.server.worker.dataport import DataPortServer
 from cachefs.server.worker.handles import HandleTable
@@ -209,6 +210,10 @@ class Worker:
                                   on_outcome=lambda outcome, n: self.metrics.fill_ranges.labels(outcome).inc(n))
         self.hint_loads = HintLoads(servicer.load_objects)
         servicer.prefetch = self.hint_loads.submit
+        # Metadata on the same sockets, for clients that must not use gRPC (metaops.py).
+        self.view_relay = ViewRelay()
+        self.meta_ops = MetaOps(self.objects, lambda: WorkerServicer.GetStatus.__wrapped__(
+            servicer, worker_pb2.GetStatusRequest(), None).SerializeToString(), self.view_relay.get)
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -225,6 +230,9 @@ class Worker:
                 token=outgoing_token(self.config.access_token, self.config.cluster_token),
                 on_mounts_changed=self._on_mounts_changed, tls=self.config.tls,
                 on_epoch=servicer.epochs.observe,
+                lean=master_pb2.LeanPaths(host_id=HOST_ID, short_circuit_socket=servicer.short_circuit_socket,
+                                          data_port=servicer.data_port),
+                view=self.view_relay,
             ).start()
         threading.Thread(target=self._expire_plans, name="cachefs-plans", daemon=True).start()
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
@@ -309,7 +317,7 @@ class Worker:
                 filler=self.filler, on_handed_out=self.metrics.handed_out_bytes.inc,
                 on_load=self.hint_loads.submit, passing=self.pages.passing, on_progress=self._plan_progress,
                 names=names, page_dirs=self.pages.dirs(), on_named=self._read_by_name,
-                on_stale=self._read_stale).start()
+                on_stale=self._read_stale, meta=self.meta_ops).start()
             # Who may connect at all (cachefs/peercred.py): until this line, this uid and root only.
             self.short_circuit.peers = PeerPolicy(self.config.allowed_uids, self.config.allowed_gid)
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
@@ -391,7 +399,8 @@ class Worker:
             return 0
         try:
             self.data_port_server = DataPortServer(self.config.host, self.config.data_port, cached,
-                                                   on_served=self.metrics.served_data_port).start()
+                                                   on_served=self.metrics.served_data_port, filler=self.filler,
+                                                   meta=self.meta_ops).start()
         except OSError as exc:  # port taken: bulk bytes go through gRPC
             log.warning("data port off: cannot listen on %s:%s: %s", self.config.host, self.config.data_port, exc)
             return 0

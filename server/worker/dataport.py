@@ -8,8 +8,11 @@ straight into its buffer (proto/dataport.proto has the framing). Whole pages go 
 lie on disk with the checksum their trailer records, which the client checks; a page of which
 only a small part is wanted is read and checked here and only that part is sent.
 
-Same rules as short-circuit reads (bulkpath.py): cached ranges only, the worker's own metadata,
-the access token in every request, NOT_CACHED for anything else (the client then uses gRPC).
+Same rules as short-circuit reads (bulkpath.py): the worker's own metadata, the access token in
+every request, NOT_CACHED for a range not cached (the client then uses gRPC) unless the request
+asks for it to be filled (fill.py: a client that must not use gRPC, a forked DataLoader worker).
+Metadata operations (info, listing pages, the view, the worker's status) go through the same
+framing (metaops.py).
 Plain TCP: a worker serving TLS does not open this port (daemon.py).
 """
 
@@ -28,8 +31,10 @@ import xxhash
 from cachefs.proto import dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
-from cachefs.server.worker.bulkpath import OK, CachedPages, OpenedRange
+from cachefs.server.worker.bulkpath import NOT_CACHED, OK, CachedPages, OpenedRange
 from cachefs.server.worker.connections import SEND_TIMEOUT, Connection, ConnectionServer
+from cachefs.server.worker.fill import RangeFiller
+from cachefs.server.worker.metaops import MetaOps
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
@@ -69,10 +74,14 @@ class DataPortServer(ConnectionServer):
     name = "dataport"
 
     def __init__(self, host: str, port: int, pages: CachedPages,
-                 on_served: Callable[[int, int], None] | None = None, **limits: Any) -> None:
-        """``limits``: ConnectionServer's (max_connections, max_per_peer, threads, timeouts)."""
+                 on_served: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
+                 meta: MetaOps | None = None, **limits: Any) -> None:
+        """``filler``: ranges asked for with ``fill`` are fetched into the page store first
+        (fill.py); ``meta``: metadata operations (metaops.py), and the view version in every reply.
+        ``limits``: ConnectionServer's (max_connections, max_per_peer, threads, timeouts)."""
         super().__init__(**limits)
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
+        self.filler, self.meta = filler, meta
 
     def _listen(self) -> socket.socket:
         host = "" if self.host in ("0.0.0.0", "::") else self.host.strip("[]")
@@ -148,17 +157,39 @@ class DataPortServer(ConnectionServer):
         if not self.pages.token_ok(request.token):
             self._send_reply(conn, Reply(code=Reply.REFUSED, message="UNAUTHENTICATED: missing or wrong access token"))
             return
+        view_version = self.meta.view_version() if self.meta is not None else 0
+        if request.HasField("meta"):
+            if self.meta is None:
+                self._send_reply(conn, Reply(code=Reply.REFUSED, message="no metadata operations here"))
+            else:
+                self._send_reply(conn, Reply(code=Reply.OK, meta=self.meta.answer(request.meta),
+                                             view_version=view_version))
+            return
         opened = self.pages.open(request)
+        filled = False
+        if opened.code == NOT_CACHED and request.fill and self.filler is not None:
+            fetched: list[set[Any]] = [set()]
+            failures: list[OSError | None] = [None]
+            if self.filler.fill([request], fetched, failures):
+                if failures[0] is not None:  # no use asking again: the client raises it
+                    failure = failures[0]
+                    self._send_reply(conn, Reply(code=Reply.FAILED, errno=failure.errno or errno.EIO,
+                                                 message=failure.strerror or str(failure),
+                                                 view_version=view_version))
+                    return
+                opened, filled = self.pages.open(request), True
         try:
             info = info_message(opened.meta) if opened.meta is not None else None
             if opened.code != OK:
-                self._send_reply(conn, Reply(code=opened.code, message=opened.message, info=info))
+                self._send_reply(conn, Reply(code=opened.code, message=opened.message, info=info,
+                                             view_version=view_version))
                 return
             plan = self._plan(opened)
             if plan is None:  # a page is bad: gRPC reads it, finds it bad, drops and refetches it
                 self._send_reply(conn, Reply(code=Reply.NOT_CACHED, info=info))
                 return
-            self._send_reply(conn, Reply(code=Reply.OK, info=info, segments=[seg for seg, _ in plan]))
+            self._send_reply(conn, Reply(code=Reply.OK, info=info, segments=[seg for seg, _ in plan],
+                                         view_version=view_version, filled=filled))
             sent = 0
             for (seg, part), fd in zip(plan, opened.fds):
                 if part is not None:

@@ -25,6 +25,20 @@ from cachefs.tls import PLAINTEXT, TLSConfig
 log = logging.getLogger(__name__)
 
 
+class ViewRelay:
+    """The cluster view this worker last had from the master, relayed on its own sockets to
+    clients that cannot watch the master (server/worker/metaops.py): (version, serialized view)."""
+
+    def __init__(self) -> None:
+        self._known: tuple[int, bytes] = (0, b"")  # replaced whole: readers never see half of it
+
+    def get(self) -> tuple[int, bytes]:
+        return self._known
+
+    def set(self, version: int, data: bytes) -> None:
+        self._known = (version, data)
+
+
 class Registrar:
     """Runs the heartbeat loop on a thread of its own; ``stop()`` ends it."""
 
@@ -40,7 +54,11 @@ class Registrar:
         rpc_timeout: float = 5.0,
         tls: TLSConfig = PLAINTEXT,
         on_epoch: Callable[[int], None] | None = None,
+        lean: master_pb2.LeanPaths | None = None,
+        view: ViewRelay | None = None,
     ) -> None:
+        """``lean``: this worker's sockets besides gRPC, published in the view; ``view``: where
+        the view the master has is kept for clients (fetched when a heartbeat says it moved)."""
         self.master = master
         self.worker_id = worker_id
         self.address = address
@@ -52,6 +70,8 @@ class Registrar:
         # Several masters (etcd): any answers (a standby forwards to the leader); a dead one is passed over.
         self._masters = MasterList(master, tls)
         self._on_epoch = on_epoch
+        self._lean = lean
+        self.view = view if view is not None else ViewRelay()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registered = threading.Event()
@@ -99,13 +119,14 @@ class Registrar:
         self._mounts_version = -1  # maybe a master that lost its state: re-read whatever the number
         self._sync_mounts(None)
         info = master_pb2.WorkerInfo(worker_id=self.worker_id, address=self.address, stats=self._stats(),
-                                     version=__version__)
+                                     version=__version__, lean=self._lean)
         resp = self._masters.call("RegisterWorker", master_pb2.RegisterWorkerRequest(worker=info),
                                   timeout=self._rpc_timeout, metadata=self._metadata)
         self._epoch(resp.leader_epoch)
         self.heartbeat_seconds = max(0.05, resp.heartbeat_seconds or self.heartbeat_seconds)
         self._sync_mounts(resp.mounts_version)  # a mount may have changed in between
         self.registered.set()
+        self._follow_view(resp.view_version)
         log.info("registered with master %s as %s (%s)", self.master, self.worker_id, self.address)
 
     def _heartbeat(self) -> None:
@@ -118,6 +139,21 @@ class Registrar:
             self._register()
             return
         self._sync_mounts(resp.mounts_version)
+        self._follow_view(resp.view_version)
+
+    def _follow_view(self, version: int) -> None:
+        """Fetch the master's view when its version moved (for ViewRelay); a failure waits for
+        the next heartbeat, never fails this one."""
+        if not version or version == self.view.get()[0]:
+            return
+        try:
+            view = self._masters.call("GetView", master_pb2.GetViewRequest(), timeout=self._rpc_timeout,
+                                      metadata=self._metadata)
+        except grpc.RpcError as err:
+            log.debug("master %s: GetView failed (%s); the relayed view stays at %d", self.master,
+                      err.code().name, self.view.get()[0])
+            return
+        self.view.set(view.version, view.SerializeToString())
 
     def _epoch(self, epoch: int) -> None:
         if epoch and self._on_epoch is not None:

@@ -32,6 +32,7 @@ from cachefs.server.worker.bulkpath import OK, CachedPages, token_checker
 from cachefs.server.worker.connections import Connection, ConnectionServer
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.handles import HandleTable
+from cachefs.server.worker.metaops import MetaOps
 from cachefs.server.worker.names import NameIndex
 
 __all__ = ["ShortCircuitServer", "token_checker"]
@@ -72,7 +73,8 @@ class ShortCircuitServer(ConnectionServer):
                  on_progress: Callable[[str, int, int, int], None] | None = None,
                  names: NameIndex | None = None, page_dirs: list[tuple[str, int]] | None = None,
                  on_named: Callable[[list[str], int], None] | None = None,
-                 on_stale: Callable[[list[str]], None] | None = None, **limits: Any) -> None:
+                 on_stale: Callable[[list[str]], None] | None = None, meta: MetaOps | None = None,
+                 **limits: Any) -> None:
         """With a ``table``, pages are handed out to be held: ``hold(digests, until, by_name)``
         charges them to the quota while clients may hold them (False: hand them out for one read;
         ``by_name``: the client can open them by name later),
@@ -82,7 +84,9 @@ class ShortCircuitServer(ConnectionServer):
         With ``names`` (names.py) and the page store's ``page_dirs`` (root, quota), clients of this
         process's user may open cached page files by name; ``on_named(digests, bytes)`` hears
         of the pages they read that way, ``on_stale(paths)`` of the objects they read so past
-        their entries' time (within the table's stale window: to be refreshed)."""
+        their entries' time (within the table's stale window: to be refreshed). With ``meta``
+        (metaops.py), a request's metadata operation is answered and every reply carries the
+        worker's view version."""
         super().__init__(**limits)
         self.path, self.mode, self.pages, self._on_served = path, mode, pages, on_served
         self.table, self._hold, self._still_cached, self._on_touched = table, hold, still_cached, on_touched
@@ -92,6 +96,7 @@ class ShortCircuitServer(ConnectionServer):
         self._on_progress = on_progress  # a reading job's position in its plan (worker/plans.py)
         self.names, self._page_dirs, self._on_named = names, page_dirs or [], on_named
         self._on_stale = on_stale
+        self.meta = meta
         self._uid = os.getuid()
 
     def _listen(self) -> socket.socket:
@@ -158,6 +163,10 @@ class ShortCircuitServer(ConnectionServer):
         if request.stale_paths and self._on_stale is not None:
             self._on_stale(list(request.stale_paths))
         reply = Reply(answered=True)
+        if self.meta is not None:
+            reply.view_version = self.meta.view_version()
+            if request.HasField("meta"):
+                reply.meta.CopyFrom(self.meta.answer(request.meta))
         by_name = request.by_name and self._names_for(peer)
         if request.plan_job and self._on_progress is not None:
             self._on_progress(request.plan_job, request.plan_position, request.plan_reader,

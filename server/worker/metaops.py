@@ -1,0 +1,106 @@
+"""The metadata a worker answers on its own sockets, one request table for both of them.
+
+A process forked from one that had loaded gRPC must not touch gRPC (client/forksafe.py): a
+DataLoader worker reads pages over the short-circuit socket (shortcircuit.py) or the data port
+(dataport.py), and asks for what else it needs the same way: an object's info, a listing (in
+pages: a reply of the short-circuit socket is one 64 KiB message), the cluster view the worker
+last had from the master, the worker's status. Each socket server parses its own framing and
+hands the ``MetaRequest`` here; errors go back as gRPC would have carried them (status code
+name, the ``cachefs-error`` detail, the message: cachefs/errors.py), so the client raises the
+same exception either way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cachefs.errors import wire_error
+from cachefs.paths import parse_path
+from cachefs.proto import common_pb2
+from cachefs.server.rpc import info_message
+
+log = logging.getLogger(__name__)
+
+MetaRequest = common_pb2.MetaRequest
+MetaReply = common_pb2.MetaReply
+
+#: Entries in one listing page at most, and their encoded bytes at most: a short-circuit reply
+#: is one SOCK_SEQPACKET message of 64 KiB (cachefs/localhost.py MAX_MESSAGE) with its header.
+LIST_PAGE_ENTRIES = 1000
+LIST_PAGE_BYTES = 48 << 10
+
+
+class MetaOps:
+    """Answers ``MetaRequest``s with the worker's object store and what it knows of the cluster."""
+
+    def __init__(self, objects: Any, status: Callable[[], bytes],
+                 view: Callable[[], tuple[int, bytes]] | None = None) -> None:
+        """``objects``: the worker's ObjectStore (its metadata and listing caches);
+        ``status()``: its serialized WorkerStatus; ``view()``: (version, serialized ClusterView)
+        of the view it last had from the master ((0, b"") without one)."""
+        self._objects, self._status = objects, status
+        self._view = view or (lambda: (0, b""))
+        # The last listing sorted by name: the pages of one listing are asked for one after the
+        # other, and the store's listing cache hands back the same list object while it is fresh.
+        self._sorted_lock = threading.Lock()
+        self._sorted: tuple[Any, list[str], list[Any]] | None = None
+
+    def view_version(self) -> int:
+        return self._view()[0]
+
+    def answer(self, request: Any) -> Any:
+        """The reply to one request (never raises for a bad request or a store failure)."""
+        try:
+            if request.op == MetaRequest.INFO:
+                return MetaReply(info=info_message(self._objects.info(parse_path(request.path),
+                                                                       refresh=request.refresh)))
+            if request.op == MetaRequest.LIST:
+                return self._list_page(request)
+            if request.op == MetaRequest.VIEW:
+                return MetaReply(view=self._view()[1])
+            if request.op == MetaRequest.STATUS:
+                return MetaReply(status=self._status())
+            raise ValueError(f"unknown metadata operation {request.op}")
+        except Exception as exc:  # noqa: BLE001 - every failure goes back as the error it is
+            if not isinstance(exc, (OSError, ValueError, NotImplementedError)):
+                log.exception("metadata operation %s on %r failed", request.op, request.path)
+            code, detail, message = wire_error(exc)
+            return MetaReply(error_code=code, error_detail=detail, error_message=message)
+
+    def _list_page(self, request: Any) -> Any:
+        path = parse_path(request.path)
+        if not request.start_after:  # a new listing: the store's cache decides how fresh
+            entries = self._objects.list(path, recursive=request.recursive, refresh=request.refresh)
+        else:  # a later page: the same listing (cached), never a refresh in the middle
+            entries = self._objects.list(path, recursive=request.recursive)
+        names, ordered = self._by_name(entries)
+        start = bisect.bisect_right(names, request.start_after) if request.start_after else 0
+        limit = min(LIST_PAGE_ENTRIES, request.max_entries or LIST_PAGE_ENTRIES)
+        reply = MetaReply()
+        size = 0
+        end = start
+        while end < len(ordered) and end - start < limit:
+            entry = info_message(ordered[end])
+            size += entry.ByteSize() + 4
+            if size > LIST_PAGE_BYTES and end > start:
+                break
+            reply.entries.append(entry)
+            end += 1
+        if end < len(ordered):
+            reply.next_after = names[end - 1]
+        return reply
+
+    def _by_name(self, entries: list[Any]) -> tuple[list[str], list[Any]]:
+        with self._sorted_lock:
+            known = self._sorted
+            if known is not None and known[0] is entries:
+                return known[1], known[2]
+        ordered = sorted(entries, key=lambda m: str(m.path))
+        names = [str(m.path) for m in ordered]
+        with self._sorted_lock:
+            self._sorted = (entries, names, ordered)
+        return names, ordered

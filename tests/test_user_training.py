@@ -1,0 +1,116 @@
+"""Training as the README shows it, run the way a user runs it.
+
+The daemons are started as the README starts them (``cachefs local --workers 2 --mount
+data=DIR``, a command of its own); the training script runs in a process of its own that imports
+only what the README's example imports (``torch`` and ``cachefs``), with nothing of this test
+suite loaded first (the suite imports grpc before the client, which once hid a hang at every
+epoch start: DataLoader workers stuck in grpc's at-fork handler). Every epoch must finish within
+the DataLoader's timeout with every sample's bytes right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+SAMPLES = 96
+EPOCHS = 3
+
+TRAIN = textwrap.dedent('''
+    import json, sys, zlib
+    import torch, cachefs
+
+    master, kind, workers, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    options = {"master": master}
+
+    def crc(sample):
+        return zlib.crc32(sample.numpy().tobytes() if hasattr(sample, "numpy") else bytes(sample))
+
+    if kind == "map":
+        ds = cachefs.CacheDataset.from_prefix("cachefs://data/train", storage_options=options,
+                                              transform=crc, seed=0)
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler(), num_workers=workers,
+                                             timeout=30 if workers else 0)
+    else:
+        ds = cachefs.CacheIterableDataset.from_prefix("cachefs://data/shards", batch_size=8,
+                                                      storage_options=options, transform=lambda s: crc(s["bin"]))
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=workers, timeout=30 if workers else 0)
+    for epoch in range(epochs):
+        if hasattr(ds, "set_epoch"):
+            ds.set_epoch(epoch)
+        crcs = sorted(int(x) for batch in loader for x in batch)
+        print(json.dumps({"epoch": epoch, "crcs": crcs}), flush=True)
+    from grpc._cython import cygrpc
+    print(json.dumps({"grpc_fork_support": bool(cygrpc.is_fork_support_enabled()),
+                      "env": __import__("os").environ.get("GRPC_ENABLE_FORK_SUPPORT")}), flush=True)
+''')
+
+
+def _user_environment() -> dict[str, str]:
+    """The environment a user's shell would have: none of the suite's cachefs or gRPC settings."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("CACHEFS_") and not k.startswith("GRPC_") and k != "PYTHONPATH"}
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user")
+    data = root / "data"
+    (data / "train").mkdir(parents=True)
+    blobs = {}
+    for i in range(SAMPLES):
+        blob = os.urandom(3000 + 37 * i)
+        (data / "train" / f"s{i:04d}.bin").write_bytes(blob)
+        blobs[f"s{i:04d}"] = blob
+    import cachefs
+
+    cachefs.write_tar_shards(((k, {"bin": v}) for k, v in blobs.items()), str(data / "shards"),
+                             shard_bytes=64 << 10)
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "local", "--workers", "2", "--mount",
+                             f"data={data}", "--dir", str(root / "cluster")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_user_environment())
+    master = ""
+    seen: list[str] = []
+    deadline = time.monotonic() + 90
+    try:
+        while not master and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "export CACHEFS_MASTER=" in line:
+                master = line.split("=", 1)[1].strip()
+        assert master, f"`cachefs local` printed no master address:\n{''.join(seen)}"
+        yield master, sorted(zlib.crc32(b) for b in blobs.values())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.parametrize(("kind", "workers"), [("map", 2), ("map", 0), ("iter", 2)])
+def test_the_readme_training_loop_runs_every_epoch(local_cluster, tmp_path: Path, kind: str, workers: int):
+    master, want = local_cluster
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    done = subprocess.run([sys.executable, str(script), master, kind, str(workers), str(EPOCHS)],
+                          capture_output=True, text=True, timeout=240, env=_user_environment(), cwd=tmp_path)
+    assert done.returncode == 0, f"the training script failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    epochs = [line for line in lines if "epoch" in line]
+    assert [e["epoch"] for e in epochs] == list(range(EPOCHS))
+    for e in epochs:
+        assert e["crcs"] == want, f"epoch {e['epoch']}: wrong or missing samples"
+    assert lines[-1] == {"grpc_fork_support": False, "env": None}  # the client turned nothing on
