@@ -26,8 +26,10 @@ def _worker_flags(args: argparse.Namespace) -> dict:
     }
     if args.cache_dir:
         flags["cache_dirs"] = args.cache_dir
-    if args.mount:
-        flags["mounts"] = args.mount
+    if args.mount or args.mount_option:
+        from cachefs.mountflags import mounts_from_flags
+
+        flags["mounts"] = mounts_from_flags(args.mount, args.mount_option)
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -50,13 +52,17 @@ def cmd_master(args: argparse.Namespace) -> int:
     flags = {
         "host": args.host, "port": args.port, "metrics_port": args.metrics_port, "state_dir": args.state_dir,
         "lease_seconds": args.lease_seconds, "heartbeat_seconds": args.heartbeat_seconds,
-        "cluster_token": args.cluster_token, "mounts": args.mount,
+        "cluster_token": args.cluster_token,
         "metadata_ttl": args.metadata_ttl, "list_ttl": args.list_ttl, "job_threads": args.job_threads,
         "etcd": args.etcd, "etcd_prefix": args.etcd_prefix, "etcd_ca_file": args.etcd_ca_file,
         "etcd_cert_file": args.etcd_cert_file, "etcd_key_file": args.etcd_key_file, "etcd_user": args.etcd_user,
         "election_lease_seconds": args.election_lease_seconds, "advertise_address": args.advertise_address,
     }
     try:
+        if args.mount or args.mount_option:
+            from cachefs.mountflags import mounts_from_flags
+
+            flags["mounts"] = mounts_from_flags(args.mount, args.mount_option)
         config = load_master_config(args.config, flags={k: v for k, v in flags.items() if v is not None})
     except (ValueError, OSError) as exc:
         print(f"cachefs master: bad configuration: {exc}", file=sys.stderr)
@@ -72,13 +78,14 @@ def cmd_local(args: argparse.Namespace) -> int:
 
     from cachefs.local import LocalCluster, Supervisor
 
-    mounts = {}
-    for item in args.mount or []:
-        name, sep, url = item.partition("=")
-        if not sep:
-            print(f"cachefs local: --mount {item!r}: expected NAME=URL", file=sys.stderr)
-            return 2
-        mounts[name] = url
+    from cachefs.mountflags import mounts_from_flags
+
+    try:
+        mounts = {m["name"]: {"url": m["url"], "options": m["options"]} if m["options"] else m["url"]
+                  for m in mounts_from_flags(args.mount, args.mount_option)}
+    except ValueError as exc:
+        print(f"cachefs local: {exc}", file=sys.stderr)
+        return 2
     workdir = args.dir or tempfile.mkdtemp(prefix="cachefs-local-")
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -153,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, help="gRPC port (0 = pick a free one)")
     w.add_argument("--metrics-port", type=int, help="Prometheus port (-1 = off, 0 = pick a free one)")
     w.add_argument("--cache-dir", action="append", metavar="PATH:QUOTA", help="cache directory and its quota, e.g. /nvme/cachefs:100GiB (repeatable)")
-    w.add_argument("--mount", action="append", metavar="NAME=URL", help="mount an fsspec URL, e.g. data=s3://bucket/prefix (repeatable)")
+    w.add_argument("--mount", action="append", metavar="NAME=URL", help="mount an fsspec URL, e.g. data=s3://bucket/prefix, options as a query string: ...?endpoint_url=http://minio:9000 (repeatable)")
+    w.add_argument("--mount-option", action="append", metavar="NAME:KEY=VALUE", help="an option of a --mount, e.g. data:endpoint_url=http://minio:9000 or data:client_kwargs.region_name=eu-west-1 (repeatable; secrets: the config file or the environment)")
     w.add_argument("--data-port", type=int, help="TCP port sending cached pages with sendfile (0 = pick a free one, -1 = off)")
     w.add_argument("--page-size", help="page size, e.g. 1MiB")
     w.add_argument("--metadata-ttl", type=float, help="seconds an object's size/version is trusted")
@@ -176,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lease-seconds", type=float, help="a worker silent this long leaves the view")
     m.add_argument("--heartbeat-seconds", type=float, help="heartbeat interval given to workers")
     m.add_argument("--cluster-token", help="shared secret workers must present (or CACHEFS_MASTER_CLUSTER_TOKEN)")
-    m.add_argument("--mount", action="append", metavar="NAME=URL", help="mount to add at start if absent (repeatable)")
+    m.add_argument("--mount", action="append", metavar="NAME=URL", help="mount to add at start if absent, options as a query string: data=s3://bucket?endpoint_url=http://minio:9000 (repeatable)")
+    m.add_argument("--mount-option", action="append", metavar="NAME:KEY=VALUE", help="an option of a --mount, e.g. data:endpoint_url=http://minio:9000 or data:client_kwargs.region_name=eu-west-1 (repeatable; secrets: the config file or the environment)")
     m.add_argument("--metadata-ttl", type=float, help="seconds the master trusts an object's size/version")
     m.add_argument("--list-ttl", type=float, help="seconds the master trusts a listing")
     m.add_argument("--job-threads", type=int, help="cluster jobs (load, free) running at once")
@@ -193,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     loc = sub.add_parser("local", help="a master and N workers on this machine, restarted if they exit, until Ctrl-C")
     loc.add_argument("--workers", type=int, default=2, help="number of worker processes")
-    loc.add_argument("--mount", action="append", metavar="NAME=URL", help="mount an fsspec URL (repeatable)")
+    loc.add_argument("--mount", action="append", metavar="NAME=URL", help="mount an fsspec URL, options as a query string: data=s3://bucket?endpoint_url=http://minio:9000 (repeatable)")
+    loc.add_argument("--mount-option", action="append", metavar="NAME:KEY=VALUE", help="an option of a --mount, e.g. data:endpoint_url=http://minio:9000 or data:client_kwargs.region_name=eu-west-1 (repeatable; secrets: the config file or the environment)")
     loc.add_argument("--dir", help="state and cache directory (default: a new temporary one)")
     loc.add_argument("--quota", default="2GiB", help="cache quota per worker")
     loc.set_defaults(func=cmd_local)

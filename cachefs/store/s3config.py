@@ -172,3 +172,43 @@ def resolve(options: Mapping[str, Any]) -> S3Resolution:
     import s3fs
 
     return resolve_fs(s3fs.S3FileSystem(skip_instance_cache=True, **dict(options)))
+
+
+def _default_endpoint(resolution: S3Resolution) -> str:
+    """Where botocore would go for this region with no endpoint configured anywhere."""
+    from botocore.config import Config
+
+    client = resolution.session.create_client(
+        "s3", region_name=resolution.region, config=Config(ignore_configured_endpoint_urls=True),
+        aws_access_key_id="x", aws_secret_access_key="x")
+    return client.meta.endpoint_url
+
+
+def pinned_options(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """A mount's options with the endpoint and region it resolves to here written in (#49).
+
+    The master pins them when a mount is added, so that its listings and every worker's reads
+    (whatever their environment or profiles) reach the same store. The endpoint is written only
+    where configuration (``AWS_ENDPOINT_URL*``, a profile) chose it; AWS's own stays botocore's
+    per-bucket choice. Against a store that is not AWS, botocore's default request checksums
+    (1.36+), which many S3-compatible stores refuse, are asked only where required, unless the
+    mount says otherwise. Credentials are never pinned. Other URLs: the options as they are."""
+    out = dict(options)
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return out
+    resolution = resolve(out)
+    client_kwargs = dict(out.get("client_kwargs") or {})
+    if not out.get("endpoint_url") and not client_kwargs.get("endpoint_url"):
+        if resolution.endpoint_url != _default_endpoint(resolution):
+            out["endpoint_url"] = resolution.endpoint_url
+    if not client_kwargs.get("region_name"):
+        client_kwargs["region_name"] = resolution.region
+        out["client_kwargs"] = client_kwargs
+    endpoint = out.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    host = urllib.parse.urlsplit(str(endpoint)).hostname or "" if endpoint else ""
+    if endpoint and not (host.endswith(".amazonaws.com") or host.endswith(".amazonaws.com.cn")):
+        config = dict(out.get("config_kwargs") or {})
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("response_checksum_validation", "when_required")
+        out["config_kwargs"] = config
+    return out
