@@ -160,6 +160,7 @@ def test_status_page_in_headless_chromium(cluster: LocalCluster, tmp_path: Path)
     frozen = cluster.workers[1]
     os.kill(frozen.pid, signal.SIGSTOP)
     try:
+        time.sleep(1.1)  # past the page's last snapshot (pages are rebuilt at most once a second: server/httpd.py)
         started = time.monotonic()
         code, page, _ = _get(port, "/status")
         assert code == 200 and time.monotonic() - started < 5  # the short GetStatus deadline bounds the page
