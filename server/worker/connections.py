@@ -86,6 +86,9 @@ class ConnectionServer:
     """
 
     name = "bulk"
+    #: At ``max_connections``, close the connection idle longest to admit a new one (instead of
+    #: refusing the new one): for a port where idle connections must not lock others out (HTTP).
+    evict_idle = False
 
     def __init__(self, max_connections: int = MAX_CONNECTIONS, max_per_peer: int = MAX_PER_PEER,
                  threads: int = THREADS, idle_timeout: float = IDLE_TIMEOUT, frame_timeout: float = FRAME_TIMEOUT,
@@ -252,6 +255,16 @@ class ConnectionServer:
         except OSError:
             sock.close()
             return
+        evicted = None
+        with self._lock:
+            if self.evict_idle and len(self._conns) >= self.max_connections:
+                # Full: the connection idle longest (no request begun) makes room for the new one.
+                evicted = min((c for c in self._conns.values() if c.state == _IDLE and c.started is None),
+                              key=lambda c: c.since, default=None)
+                if evicted is not None:
+                    self.counts["evicted"] += 1
+        if evicted is not None:
+            self._close(evicted)
         with self._lock:
             refused = len(self._conns) >= self.max_connections or self._peers[peer] >= self.max_per_peer
             if refused:
