@@ -158,8 +158,11 @@ class HandleCache:
         table = self.table
         if table is None:
             return False
-        if table.alive():
-            return True
+        try:
+            if table.alive():
+                return True
+        except ValueError:  # attach() closed it on another thread meanwhile: the new table decides
+            return self.table is not table and self.usable()
         with self._lock:
             if self.table is table:
                 self.table = None

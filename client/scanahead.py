@@ -24,12 +24,12 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from cachefs.client.forksafe import ForkSafeLock
 from cachefs.paths import CachePath
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ class ScanAhead:
         self._list_dir, self._hint = list_dir, hint
         self.first_window, self.max_window = first_window, max_window
         self.max_listing, self.max_dirs = max_listing, max_dirs
-        self._lock = threading.Lock()
+        # Fresh in a forked child (forksafe.py): a parent thread may hold it at the fork, and the
+        # child takes it before it can tell that the state behind it is the parent's.
+        self._lock = ForkSafeLock()
         self._dirs: OrderedDict[tuple[str, str], _Dir] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()

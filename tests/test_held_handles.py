@@ -474,3 +474,24 @@ def test_a_batch_held_whole_sends_no_hints_and_one_not_cached_does(local_store, 
     ds._calls = 0
     assert [bytes(t.numpy()) for t in ds.__getitems__([4, 5, 6, 7])] == samples[4:8]  # 7 through gRPC
     assert hinter.stats["paths"] > 0  # the samples after the next batch's
+
+
+def test_usable_while_another_thread_attaches_a_new_table():
+    """usable() reads the table without the lock; attach() on another thread closes the old one
+    in between: usable() answers for the new table instead of raising on a released view (which
+    killed the sweeper thread and sent the process's reads to gRPC)."""
+    old_table, new_table = HandleTable(slots=4), HandleTable(slots=4)
+    cache = HandleCache(capacity=4)
+    old_view, new_view = _view(old_table), _view(new_table)
+    cache.attach(old_view, 4096)
+    alive = old_view.alive
+
+    def attach_then_check() -> bool:
+        cache.attach(new_view, 4096)  # the other thread's hello reply lands here
+        return alive()
+
+    old_view.alive = attach_then_check  # type: ignore[method-assign]
+    assert cache.usable() is True
+    assert cache.table is new_view
+    new_table.close()
+    old_table.close()

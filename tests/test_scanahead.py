@@ -219,3 +219,31 @@ def test_on_by_default_and_off_by_option_or_environment(monkeypatch):
     assert ClientConfig.from_options({"workers": "127.0.0.1:1", "scan_ahead": False}).scan_ahead is False
     monkeypatch.setenv("CACHEFS_SCAN_AHEAD", "false")
     assert ClientConfig.from_options({"workers": "127.0.0.1:1"}).scan_ahead is False
+
+
+def test_a_child_forked_while_a_parent_thread_holds_the_lock_reads_on():
+    """A DataLoader worker forked while a parent thread is inside ScanAhead (its listing landing,
+    a hint answered) takes the lock on its first read: it must be the child's own, not the
+    parent's held copy (which blocked the child forever)."""
+    import multiprocessing
+
+    scan = ScanAhead(lambda cp: [], lambda paths: len(paths))
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        scan.note(CachePath("data", "a/x0"))
+        scan.note(CachePath("data", "a/x1"))
+        child_end.send("read on")
+
+    with scan._lock:  # a parent thread inside it at the fork
+        proc = ctx.Process(target=child)
+        proc.start()
+    child_end.close()
+    try:
+        assert parent_end.poll(20), "the forked child blocked on the parent's scan-ahead lock"
+        assert parent_end.recv() == "read on"
+    finally:
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
