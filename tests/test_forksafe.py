@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import fsspec
 import pytest
 
 from cachefs.client import forksafe
@@ -528,3 +529,70 @@ def test_a_forked_child_starts_from_what_its_parent_knew(served):
     finally:
         os.waitpid(pid, 0)
     assert got == list(objects.values()), got
+
+
+@pytest.mark.parametrize("short_circuit", [True, False], ids=["short-circuit", "data-port"])
+def test_a_forked_child_lists_reads_and_follows_the_view_over_the_sockets(local_store, make_worker, tmp_path,
+                                                                          short_circuit):
+    """A forked child (no gRPC) lists a directory of more than one reply's worth of entries,
+    reads uncached objects, gets precise errors, and learns a worker that joined after the fork
+    from the replies of the worker it already knew (their view version), not from the master."""
+    many = {f"many/k{i:05d}": payload(16 + i % 7, i) for i in range(2500)}
+    for key, data in many.items():
+        local_store.add(key, data)
+    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "master"),
+                                 heartbeat_seconds=0.2)).start()
+    try:
+        first = make_worker(local_store.mount, master=master.address, page_size=PAGE)
+        fs = fsspec.filesystem("cachefs", master=master.address, skip_instance_cache=True,
+                               short_circuit=short_circuit, data_port=not short_circuit)
+        assert wait_for(lambda: len(fs.session.workers.addresses) == 1, timeout=30)
+        assert fs.cat_file("cachefs://data/many/k00000") == many["many/k00000"]
+
+        def child_work() -> object:
+            names = fs.ls("cachefs://data/many", detail=False)
+            info = fs.info("cachefs://data/many/k00042")
+            try:
+                fs.info("cachefs://data/many/none")
+                missing = "no error"
+            except FileNotFoundError as exc:
+                missing = str(exc)
+            deadline = time.monotonic() + 40
+            keys = sorted(many)
+            i = 0
+            while len(fs.session.workers.addresses) < 2 and time.monotonic() < deadline:
+                key = keys[i % len(keys)]
+                assert fs.cat_file(f"cachefs://data/{key}") == many[key]
+                i += 1
+            wrong = [k for k in keys[:300] if fs.cat_file(f"cachefs://data/{k}") != many[k]]
+            return len(names), info["size"], missing, sorted(fs.session.workers.addresses), wrong
+
+        ctx = multiprocessing.get_context("fork")
+        parent_end, child_end = ctx.Pipe(duplex=False)
+
+        def run() -> None:
+            try:
+                child_end.send(child_work())
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                child_end.send(exc)
+
+        proc = ctx.Process(target=run)
+        proc.start()
+        child_end.close()
+        second = make_worker(local_store.mount, master=master.address, page_size=PAGE)  # joins after the fork
+        try:
+            assert parent_end.poll(CHILD_DEADLINE), "the forked child did not answer"
+            got = parent_end.recv()
+        finally:
+            proc.join(CHILD_DEADLINE)
+            if proc.is_alive():
+                proc.kill()
+        assert not isinstance(got, BaseException), repr(got)
+        listed, size, missing, workers, wrong = got
+        assert listed == len(many)
+        assert size == len(many["many/k00042"])
+        assert "many/none" in missing
+        assert workers == sorted([first.address, second.address])
+        assert wrong == []
+    finally:
+        master.stop()
