@@ -145,7 +145,12 @@ def cmd_mounts(args: argparse.Namespace) -> int:
         else:
             for r in rows:
                 flags = " (read-only)" if r["read_only"] else ""
-                print(f"{r['name']:20} {r['url']}{flags}")
+                # Where an S3 mount's reads go, as pinned when it was added (#49).
+                options = r["options"]
+                endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+                region = (options.get("client_kwargs") or {}).get("region_name")
+                where = "".join(f"  {k} {v}" for k, v in (("endpoint", endpoint), ("region", region)) if v)
+                print(f"{r['name']:20} {r['url']}{flags}{where}")
         return EXIT_OK
 
     return _run(args, action)

@@ -357,6 +357,20 @@ def test_mount_table_add_replace_remove_and_errors(start_master):
 def test_credentials_only_with_the_token(start_master):
     master, stub = start_master(cluster_token=TOKEN)
     options = {"key": SECRET, "secret": SECRET, "client_kwargs": {"aws_session_token": SECRET},
+def _unpinned(options: dict) -> dict:
+    """A mount's options without what the master pinned (#49): its region, and checksums only
+    where required against a store that is not AWS."""
+    options = dict(options)
+    client_kwargs = {k: v for k, v in options.pop("client_kwargs", {}).items() if k != "region_name"}
+    if client_kwargs or "client_kwargs" in options:
+        options["client_kwargs"] = client_kwargs
+    config = {k: v for k, v in options.pop("config_kwargs", {}).items()
+              if k not in ("request_checksum_calculation", "response_checksum_validation")}
+    if config:
+        options["config_kwargs"] = config
+    return options
+
+
                "endpoint_url": "http://s3.local"}
     assert _code(lambda: stub.AddMount(master_pb2.AddMountRequest(name="data", url="s3://b/p",
                                                                   options_json=json.dumps(options)), timeout=5)) == \
@@ -369,10 +383,14 @@ def test_credentials_only_with_the_token(start_master):
                      stub.GetMounts(master_pb2.GetMountsRequest(), timeout=5, metadata=_md(TOKEN))):
         assert SECRET.encode() not in response.SerializeToString()
     public = json.loads(_view(stub).mounts[0].options_json)
-    assert public == {"client_kwargs": {}, "endpoint_url": "http://s3.local"}
+    # Besides what was given, the region the master resolved (#49), and checksums only where required off AWS.
+    assert public == {"client_kwargs": {"region_name": public["client_kwargs"]["region_name"]},
+                      "endpoint_url": "http://s3.local",
+                      "config_kwargs": {"request_checksum_calculation": "when_required",
+                                        "response_checksum_validation": "when_required"}}
 
     full = stub.GetMounts(master_pb2.GetMountsRequest(with_credentials=True), timeout=5, metadata=_md(TOKEN))
-    assert json.loads(full.mounts[0].options_json) == options
+    assert _unpinned(json.loads(full.mounts[0].options_json)) == options
 
     for token in (None, "wrong", TOKEN + "x"):
         for call in (
@@ -409,7 +427,7 @@ def test_restart_keeps_mounts_and_id_but_not_workers(start_master, tmp_path):
     # absent (never added, or removed since) are added at start.
     assert {m.name: m.url for m in after.mounts} == {"cfg": "/tmp/changed", "data": "s3://b/p", "gone": "/tmp/gone"}
     full = stub2.GetMounts(master_pb2.GetMountsRequest(with_credentials=True), timeout=5)
-    assert {m.name: json.loads(m.options_json) for m in full.mounts}["data"] == {"key": SECRET}
+    assert _unpinned({m.name: json.loads(m.options_json) for m in full.mounts}["data"]) == {"key": SECRET}
     assert stub2.Heartbeat(master_pb2.HeartbeatRequest(worker_id="w1"), timeout=5).registered is False
     _register(stub2, "w1", "127.0.0.1:7001")
     assert [w.worker_id for w in _view(stub2).workers] == ["w1"]

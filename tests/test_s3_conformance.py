@@ -382,3 +382,70 @@ def test_a_worker_process_reads_from_the_endpoint_in_its_environment(stores, tmp
         assert client(worker.address).cat_file(f"data/{KEY}") == stores.data
     assert not stores.wrong.seen
     assert any(s.method == "GET" and KEY in s.path and s.access_key == "AKENV" for s in stores.right.seen)
+
+
+def _process_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in AWS_VARIABLES}
+    env.update(ENV_KEYS, AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true", **extra)
+    return env
+
+
+def test_the_master_pins_the_endpoint_and_region_it_resolves_and_its_workers_follow(stores, tmp_path):
+    """A mount added with no options to a master whose environment names the store: the master
+    writes the endpoint and region in (``cachefs mounts`` shows them), so a worker whose own
+    environment names another store still reads from the master's."""
+    import subprocess
+    import sys
+
+    from cachefs.local import master_process
+
+    master_env = _process_env(tmp_path, AWS_ENDPOINT_URL_S3=stores.right.url, AWS_DEFAULT_REGION="eu-west-3")
+    worker_env = _process_env(tmp_path, AWS_ENDPOINT_URL_S3=stores.wrong.url, AWS_DEFAULT_REGION="us-west-2")
+    stores.right.clear()
+    stores.wrong.clear()
+    with master_process(str(tmp_path / "m"), env=master_env, log_path=str(tmp_path / "master.log")) as master:
+        def cli(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "cachefs.cli", *args, "--master", master.address],
+                                  capture_output=True, text=True, timeout=60, env=worker_env)
+
+        added = cli("mount", "data", f"s3://{stores.bucket}")
+        assert added.returncode == 0, added.stderr
+        (row,) = json.loads(cli("mounts", "--json").stdout)
+        assert row["options"]["endpoint_url"] == stores.right.url
+        assert row["options"]["client_kwargs"] == {"region_name": "eu-west-3"}
+        text = cli("mounts").stdout
+        assert f"endpoint {stores.right.url}" in text and "region eu-west-3" in text
+        with worker_process({}, str(tmp_path / "cache"), extra=["--master", master.address], env=worker_env,
+                            log_path=str(tmp_path / "worker.log")) as worker:
+            fs = client(worker.address)
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    assert fs.cat_file(f"data/{KEY}") == stores.data
+                    break
+                except Exception:  # noqa: BLE001 - the mount reaches the worker with its next heartbeat
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+    assert not stores.wrong.seen
+    assert {s.region for s in stores.right.seen if s.method == "GET" and KEY in s.path} == {"eu-west-3"}
+
+
+def test_against_a_store_that_is_not_aws_checksums_are_asked_only_where_required(clean_aws):
+    """botocore 1.36+ adds CRC checksums to every upload by default, which many S3-compatible
+    stores refuse: a pinned mount at such an endpoint asks for them only where required."""
+    from cachefs.store.s3config import pinned_options
+
+    clean_aws.setenv("AWS_ENDPOINT_URL", "http://minio.internal:9000")
+    pinned = pinned_options("s3://bucket", {})
+    assert pinned["endpoint_url"] == "http://minio.internal:9000"
+    assert pinned["config_kwargs"] == {"request_checksum_calculation": "when_required",
+                                       "response_checksum_validation": "when_required"}
+    clean_aws.delenv("AWS_ENDPOINT_URL")
+    assert pinned_options("s3://bucket", {}) == {"client_kwargs": {"region_name": "us-east-1"}}
+    mine = pinned_options("s3://bucket", {"endpoint_url": "http://x:1",
+                                          "config_kwargs": {"request_checksum_calculation": "when_supported"}})
+    assert mine["config_kwargs"]["request_checksum_calculation"] == "when_supported"

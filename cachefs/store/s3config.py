@@ -196,7 +196,11 @@ def pinned_options(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(options)
     if url.split("://", 1)[0] not in ("s3", "s3a"):
         return out
-    resolution = resolve(out)
+    # Credentials play no part in where a mount is: a key without its secret must not stop the pin.
+    secrets = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+    where = {k: v for k, v in out.items() if k not in secrets}
+    where["client_kwargs"] = {k: v for k, v in dict(out.get("client_kwargs") or {}).items() if k not in secrets}
+    resolution = resolve(where)
     client_kwargs = dict(out.get("client_kwargs") or {})
     if not out.get("endpoint_url") and not client_kwargs.get("endpoint_url"):
         if resolution.endpoint_url != _default_endpoint(resolution):
@@ -212,3 +216,18 @@ def pinned_options(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
         config.setdefault("response_checksum_validation", "when_required")
         out["config_kwargs"] = config
     return out
+
+
+def pin_mount(spec: Any) -> Any:
+    """A MountSpec with :func:`pinned_options`; as it is where botocore cannot resolve it here
+    (a profile this host lacks: each worker resolves it then, and a warning says so)."""
+    from dataclasses import replace
+
+    try:
+        options = pinned_options(spec.url, spec.options)
+    except Exception as exc:  # noqa: BLE001 - botocore's errors (ProfileNotFound, ...)
+        import logging
+
+        logging.getLogger(__name__).warning("mount %s: endpoint and region not pinned: %s", spec.name, exc)
+        return spec
+    return spec if options == dict(spec.options) else replace(spec, options=options)

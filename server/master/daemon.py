@@ -17,6 +17,7 @@ from cachefs.proto import master_pb2_grpc
 from cachefs.ring import RingConfig
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.master.catalog import Catalog
+from cachefs.store.s3config import pin_mount
 from cachefs.server.master.jobs import JobManager, JobRecord, JobSettings
 from cachefs.server.master.loadrun import LoadProgress
 from cachefs.server.master.metrics import MasterFigures, MasterMetrics
@@ -71,7 +72,7 @@ class Master:
         else:
             self.state = MasterState(config.state_dir)
             self.master_id = self.state.master_id
-            added = self.state.ensure_mounts(config.mounts)
+            added = self.state.ensure_mounts([pin_mount(m) for m in config.mounts])  # #49
             if added:
                 log.info("added configured mounts %s", ", ".join(added))
             self.versions = ViewVersion(base=self.state.boot << BOOT_SHIFT)
@@ -108,7 +109,7 @@ class Master:
     def _lead(self, epoch: int) -> None:
         """This master was elected (etcd): configured mounts, then the jobs the last leader left."""
         try:
-            added = self.state.ensure_mounts(self.config.mounts)
+            added = self.state.ensure_mounts([pin_mount(m) for m in self.config.mounts])  # #49
             if added:
                 log.info("added configured mounts %s", ", ".join(added))
         except OSError as exc:

@@ -28,6 +28,7 @@ from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedErr
 from cachefs.mounts import MountSpec, redact
 from cachefs.paths import parse_path, validate_mount_name
 from cachefs.server.rpc import info_message, rpc
+from cachefs.store.s3config import pin_mount
 from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc, worker_pb2
 from cachefs.ring import RingConfig
 from cachefs.server.master.catalog import Catalog
@@ -280,7 +281,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         if forwarded is not None:
             return forwarded
         self._authorize(context, "AddMount")
-        spec = parse_mount(request)
+        spec = pin_mount(parse_mount(request))  # the endpoint and region it resolves to here (#49)
         version = self.state.add_mount(spec, replace=request.replace)
         if self.control is None:
             self.versions.bump()  # on etcd the watch moves the version (to the write's revision)
