@@ -356,6 +356,7 @@ _COMPLEX_FIELDS = {
     "allowed_uids": lambda v: tuple(int(u) for u in (v.split(",") if isinstance(v, str) else v) if str(u).strip()),
     "allowed_gid": lambda v: _gid(v),
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
+    "umask": lambda v: int(v, 8) if isinstance(v, str) else int(v),  # FuseConfig's: octal text
 }
 _SIZE_FIELDS = {"page_size", "extent_size", "max_pending_write_bytes", "heap_keep_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
 
@@ -592,6 +593,15 @@ class FuseConfig:
     read_ahead: int = 8 << 20
     threads: int = 16  # libfuse threads serving requests at once (the client is thread-safe)
     allow_other: bool = False  # let other users (a training pod's) read the mount; needs root
+    # The kernel checks each access against the modes, owner and group below (FUSE's
+    # default_permissions): with allow_other, who may read (and, writable, write) is then up to
+    # them, not to anyone who can reach the mount point.
+    default_permissions: bool = True
+    uid: int = -1  # the owner of every file and directory (-1: the user running the mount)
+    gid: int = -1  # their group (-1: that user's group)
+    # Taken from 0o555 (dirs) and 0o444 (files), plus write for the owner when writable: e.g.
+    # 0o027 with a gid lets only that group (and the owner) read. Octal ("027") from text.
+    umask: int = 0o022
     # Every open reaches the mount, which revalidates the version and pins the open file to it
     # (never mixed: ESTALE). False (read-only mounts only): the kernel opens files without asking
     # (no round trip per open; its page cache dropped when a lookup shows a new size or mtime),
@@ -613,6 +623,10 @@ class FuseConfig:
             raise ValueError(f"read_ahead must be in [0, 1 GiB], got {self.read_ahead}")
         if not 1 <= self.threads <= 1024:
             raise ValueError(f"threads must be in [1, 1024], got {self.threads}")
+        if not 0 <= self.umask <= 0o777:
+            raise ValueError(f"umask must be in [0, 0o777], got {self.umask:#o}")
+        if self.uid < -1 or self.gid < -1:
+            raise ValueError("uid and gid must be -1 (the mounting user's) or an id")
         if self.writable and not self.revalidate_open:
             raise ValueError("revalidate_open = false needs a read-only mount (writable = false): "
                              "a write starts at an open")

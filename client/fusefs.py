@@ -96,6 +96,7 @@ class CacheFuseOps:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._uid, self._gid = os.getuid(), os.getgid()
+        self.umask = 0  # taken from every mode (the mount's umask setting)
         self.writable = False  # client/fusewrite.py's subclass writes (and its modes say so)
 
     # -- paths and attributes ---------------------------------------------------------------------
@@ -116,9 +117,9 @@ class CacheFuseOps:
         ns = int(mtime * 1e9)
         write = 0o200 if self.writable else 0
         if kind == "directory":
-            mode, nlink = stat.S_IFDIR | 0o555 | write, 2
+            mode, nlink = stat.S_IFDIR | ((0o555 | write) & ~self.umask), 2
         else:
-            mode, nlink = stat.S_IFREG | 0o444 | write, 1
+            mode, nlink = stat.S_IFREG | ((0o444 | write) & ~self.umask), 1
         return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": self._uid, "st_gid": self._gid,
                 "st_mtime": ns, "st_ctime": ns, "st_atime": ns, "st_blocks": (size + 511) // 512,
                 "st_blksize": self.max_read}

@@ -160,6 +160,12 @@ class _MountedSettings:
                          revalidate_open=config.revalidate_open)
         self.config = config
         self.mountpoint = mountpoint
+        # Owner, group and modes the kernel checks accesses against (default_permissions).
+        if config.uid >= 0:
+            self._uid = config.uid
+        if config.gid >= 0:
+            self._gid = config.gid
+        self.umask = config.umask
 
     def init_with_config(self, conn: Any, cfg: Any) -> None:
         if cfg is not None:
@@ -227,6 +233,8 @@ def run(mountpoint: str, config: FuseConfig) -> int:
     mounted = (_MountedWritable if config.writable else _Mounted)(session, config, mountpoint)
     if config.allow_other:
         options["allow_other"] = True
+    if config.default_permissions:  # the kernel checks modes, owner and group on every access
+        options["default_permissions"] = True
     try:
         _fuse_class(mfusepy)(mounted, mountpoint, raw_fi=True, foreground=True, **options)
     except RuntimeError as exc:

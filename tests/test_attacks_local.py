@@ -34,6 +34,8 @@ import pytest
 from cachefs.local import DaemonProcess, master_process, worker_process
 from cachefs.localhost import MAX_MESSAGE, TABLE_WORD_STATE
 from cachefs.proto import shortcircuit_pb2
+from fusemounts import REASON as NO_FUSE
+from fusemounts import mount_fuse  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks run as root and drop to uid 65534")
 
@@ -472,3 +474,28 @@ def test_status_pages_are_snapshots():
         assert len(calls) <= 2, f"/status built {len(calls)} times for 40 requests at once"
     finally:
         server.stop()
+
+
+# -- 6. the FUSE mount: allow_other with the kernel checking modes -------------------------------------------
+def test_fuse_mount_with_allow_other_checks_modes(local_store, make_worker, mount_fuse, open_dir: Path):
+    if NO_FUSE is not None:
+        pytest.skip(f"no FUSE here: {NO_FUSE}")
+    local_store.add("secret.bin", b"training data only for group 4242")
+    worker = make_worker(local_store.mount)
+    config = open_dir / "fuse.toml"
+    config.write_text(f'[client]\nworkers = ["{worker.address}"]\ntimeout = 5\n'
+                      "[fuse]\nallow_other = true\ngid = 4242\numask = 0o027\n")
+    mountpoint = open_dir / "mnt"
+    mountpoint.mkdir()
+    m = mount_fuse("--config", str(config), mountpoint=mountpoint)
+    target = m.mountpoint / "data" / "secret.bin"
+    assert target.read_bytes() == b"training data only for group 4242"  # the owner (root)
+    st = os.stat(target)
+    assert (st.st_gid, st.st_mode & 0o777) == (4242, 0o440)
+
+    def read() -> dict[str, object]:
+        with open(target, "rb") as f:
+            return {"read": f.read().decode()}
+
+    assert _in_child(read, uid=NOBODY, gid=NOBODY)["errno"] == errno.EACCES  # allow_other alone let it read
+    assert _in_child(read, uid=NOBODY, gid=4242) == {"read": "training data only for group 4242"}

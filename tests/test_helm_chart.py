@@ -322,8 +322,12 @@ def test_defaults_render_master_and_workers():
     assert ds["spec"]["template"]["spec"]["initContainers"][0]["command"][:2] == ["chown", "10001:10001"]
     # Config changes roll the pods.
     assert re.fullmatch(r"[0-9a-f]{64}", ds["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
-    # No secrets configured: no secret references and no token in the ConfigMap.
-    assert "secretKeyRef" not in json.dumps(objects)
+    # No secrets configured: a generated cluster token (secure by default), no token in the ConfigMap.
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for w in (sts, ds) for e in _container(w).get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs == {"CACHEFS_MASTER_CLUSTER_TOKEN": {"name": "rel-cachefs-cluster-token", "key": "token"},
+                    "CACHEFS_WORKER_CLUSTER_TOKEN": {"name": "rel-cachefs-cluster-token", "key": "token"}}
+    assert [s["metadata"]["name"] for s in objects["Secret"]] == ["rel-cachefs-cluster-token"]
     assert "token" not in _config_files(objects)["master.toml"]
     assert _one(objects, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
     assert "ServiceMonitor" not in objects  # "auto" and no Prometheus Operator API offline
@@ -394,10 +398,64 @@ def test_emptydir_and_no_persistence():
 
 def test_notes_warn_without_a_cluster_token():
     with Chart.load(str(CHART)) as chart:
-        notes, secured = (chart.render(values=v, name="rel", namespace="ml")["cachefs/templates/NOTES.txt"]
-                          for v in ({}, VALUE_SETS["everything"]))
+        notes, secured, generated = (chart.render(values=v, name="rel", namespace="ml")["cachefs/templates/NOTES.txt"]
+                                     for v in ({"clusterToken": {"generate": False}}, VALUE_SETS["everything"], {}))
     assert "rel-cachefs-master.ml.svc:19998" in notes and "/status" in notes
     assert "WARNING: no clusterToken" in notes and "WARNING" not in secured
+    assert "WARNING" not in generated and "Secret rel-cachefs-cluster-token" in generated
+
+
+def test_tokens_are_generated_secrets_unless_named():
+    """Every token Secret is the operator's (existingSecret) or generated with a random value, never a default."""
+    import base64
+
+    first, second = _render({"accessToken": {"generate": True}}), _render({"accessToken": {"generate": True}})
+    tokens = [{s["metadata"]["name"]: base64.b64decode(s["data"]["token"]).decode() for s in r["Secret"]}
+              for r in (first, second)]
+    assert set(tokens[0]) == {"rel-cachefs-cluster-token", "rel-cachefs-access-token"}
+    for name, token in tokens[0].items():
+        assert re.fullmatch(r"[A-Za-z0-9]{48}", token) and token != tokens[1][name]  # random, not a default
+    for secret in first["Secret"]:
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # kept on uninstall
+    # ... and kept across upgrades: the template reads the installed one back (lookup; empty offline).
+    template = (CHART / "templates" / "secrets.yaml").read_text()
+    assert 'lookup "v1" "Secret"' in template and "randAlphaNum 48" in template
+    workloads = first["DaemonSet"] + first["StatefulSet"]
+    envs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for w in workloads for e in _container(w).get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    assert envs["CACHEFS_WORKER_ACCESS_TOKEN"] == "rel-cachefs-access-token"
+    assert envs["CACHEFS_MASTER_CLUSTER_TOKEN"] == "rel-cachefs-cluster-token"
+    # A named Secret is used as it is, and nothing is generated.
+    assert "Secret" not in _render(VALUE_SETS["everything"])
+    assert "Secret" not in _render({"clusterToken": {"generate": False}})
+
+
+def test_network_policy_on_by_default_admits_release_and_training_pods_only():
+    objects = _render({})
+    policies = {p["metadata"]["name"]: p["spec"] for p in objects["NetworkPolicy"]}
+    assert set(policies) == {"rel-cachefs-master", "rel-cachefs-worker"}
+    worker = policies["rel-cachefs-worker"]
+    assert worker["policyTypes"] == ["Ingress"] and len(worker["ingress"]) == 1
+    sources = worker["ingress"][0]["from"]
+    assert sources == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "cachefs", "app.kubernetes.io/instance": "rel"}}},
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"cachefs.io/client": "true"}}},
+    ]
+    assert {p["port"] for p in worker["ingress"][0]["ports"]} == {29999, 9464, 29998}
+    assert "NetworkPolicy" not in _render({"networkPolicy": {"enabled": False}})
+
+
+def test_fuse_mount_checks_permissions_by_default(tmp_path: Path):
+    objects = _render({"fuse": {"enabled": True, "hostPath": "/mnt/x",
+                                "config": {"allow_other": True, "gid": 4242, "umask": "027"}}})
+    (tmp_path / "fuse.toml").write_text(_config_files(objects)["fuse.toml"])
+    config = load_fuse_config(str(tmp_path / "fuse.toml"), environ={})
+    assert config.allow_other and config.default_permissions
+    assert (config.uid, config.gid, config.umask) == (-1, 4242, 0o027)
+    defaults = _render({"fuse": {"enabled": True, "hostPath": "/mnt/x"}})
+    (tmp_path / "defaults.toml").write_text(_config_files(defaults)["fuse.toml"])
+    config = load_fuse_config(str(tmp_path / "defaults.toml"), environ={})
+    assert config.allow_other and config.default_permissions and config.umask == 0o022
 
 
 def test_dockerfile_is_small_pinned_and_non_root():

@@ -146,15 +146,32 @@ so a daemon default applies.
 {{/* The cluster and access tokens as CACHEFS_<DAEMON>_*_TOKEN (never in the ConfigMap). */}}
 {{- define "cachefs.tokenEnv" -}}
 {{- $daemon := .daemon | upper }}
-{{- range $field, $ref := dict "CLUSTER_TOKEN" .root.Values.clusterToken "ACCESS_TOKEN" .root.Values.accessToken }}
-{{- if $ref.existingSecret }}
+{{- $root := .root }}
+{{- range $field, $name := dict "CLUSTER_TOKEN" "cluster-token" "ACCESS_TOKEN" "access-token" }}
+{{- $secret := include "cachefs.tokenSecret" (dict "root" $root "name" $name) }}
+{{- if $secret }}
 - name: CACHEFS_{{ $daemon }}_{{ $field }}
   valueFrom:
     secretKeyRef:
-      name: {{ $ref.existingSecret }}
-      key: {{ $ref.key }}
+      name: {{ $secret }}
+      key: {{ (include "cachefs.tokenRef" (dict "root" $root "name" $name) | fromJson).key }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* A token's values (clusterToken or accessToken, by "cluster-token" / "access-token"), as JSON. */}}
+{{- define "cachefs.tokenRef" -}}
+{{- if eq .name "cluster-token" }}{{ .root.Values.clusterToken | toJson }}{{ else }}{{ .root.Values.accessToken | toJson }}{{ end -}}
+{{- end -}}
+
+{{/* The Secret holding a token: the existing one, else the one the chart generates (secrets.yaml), else "". */}}
+{{- define "cachefs.tokenSecret" -}}
+{{- $ref := include "cachefs.tokenRef" . | fromJson -}}
+{{- if $ref.existingSecret -}}
+{{ $ref.existingSecret }}
+{{- else if $ref.generate -}}
+{{ include "cachefs.fullname" .root }}-{{ .name }}
+{{- end -}}
 {{- end -}}
 
 {{/* Config keys the chart sets for TLS (the Secret is mounted at /etc/cachefs/tls). */}}
