@@ -249,6 +249,22 @@ class WorkerConfig:
         return TLSConfig.from_fields(self)
 
 
+def _check_mount_policy(config: Any) -> None:
+    schemes = tuple(s.strip().lower() for s in _split_addresses(config.allowed_schemes))
+    for scheme in schemes:
+        if scheme in ("file", "local"):
+            raise ValueError(f"allowed_schemes: {scheme!r} is not a scheme setting: local directories are "
+                             "allowed by allowed_local_roots")
+        if scheme != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+            raise ValueError(f"allowed_schemes: {scheme!r} is not a URL scheme")
+    roots = _split_addresses(config.allowed_local_roots)
+    for root in roots:
+        if not os.path.isabs(root):
+            raise ValueError(f"allowed_local_roots: {root!r} is not an absolute path")
+    object.__setattr__(config, "allowed_schemes", schemes)
+    object.__setattr__(config, "allowed_local_roots", roots)
+
+
 def _check_address(address: str, what: str) -> None:
     if what == "master":
         if not split_addresses(address, what):
@@ -298,10 +314,16 @@ class MasterConfig:
     etcd_timeout: float = 3.0  # seconds for one etcd call over all endpoints (admin commands fail within it)
     election_lease_seconds: float = 5.0  # the leader's lease: a dead leader is replaced within ~2x this
     advertise_address: str = ""  # what workers and the other masters dial; default host:port
+    # What a mount may point at (cachefs/mountpolicy.py): remote stores by URL scheme ("*": any
+    # scheme); local directories (file://, plain paths) only at or under allowed_local_roots
+    # (by realpath) or under a mount in this config (`mounts`, --mount: the operator's own).
+    allowed_schemes: tuple[str, ...] = ("s3", "s3a", "gs", "gcs", "az", "abfs")
+    allowed_local_roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_listen(self.host, self.port, self.metrics_port)
         object.__setattr__(self, "etcd", _split_addresses(self.etcd))
+        _check_mount_policy(self)
         if self.etcd:
             from cachefs.server.etcd.client import settings_of  # masters only: never in a client
 
@@ -352,6 +374,8 @@ _COMPLEX_FIELDS = {
     "mounts": lambda v: tuple(MountSpec.parse_many(json.loads(v) if isinstance(v, str) else v)),
     "workers": lambda v: _split_addresses(v),
     "etcd": lambda v: _split_addresses(v),
+    "allowed_schemes": lambda v: _split_addresses(v),
+    "allowed_local_roots": lambda v: _split_addresses(v),
     "fallback_mounts": lambda v: json.loads(v) if isinstance(v, str) else v,
     "allowed_uids": lambda v: tuple(int(u) for u in (v.split(",") if isinstance(v, str) else v) if str(u).strip()),
     "allowed_gid": lambda v: _gid(v),

@@ -165,12 +165,16 @@ class LocalCluster:
     def __init__(self, workdir: str, workers: int = 2, mounts: dict[str, Any] | None = None,
                  quota: str = "2GiB", worker_args: list[str] | None = None, master_args: list[str] | None = None,
                  env: dict[str, str] | None = None, master_port: int = 0, tls: TLSConfig | None = None,
-                 access_token: str = "", cluster_token: str = "") -> None:
+                 access_token: str = "", cluster_token: str = "",
+                 allowed_local_roots: list[str] | tuple[str, ...] = ()) -> None:
         if workers < 1:
             raise ValueError("a local cluster needs at least one worker")
         self.workdir = workdir
         self.n_workers = workers
         self.mounts = dict(mounts or {})
+        # Directories the master lets `cachefs mount` add local mounts under, besides the
+        # directories of ``mounts`` (MasterConfig.allowed_local_roots; cachefs/mountpolicy.py).
+        self.allowed_local_roots = [str(r) for r in allowed_local_roots]
         self.quota = quota
         self.worker_args = list(worker_args or [])
         self.master_args = list(master_args or [])
@@ -200,10 +204,12 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> "LocalCluster":
         os.makedirs(self.workdir, exist_ok=True)
         master_args = list(self.master_args)
-        if self.mounts:
+        if self.mounts or self.allowed_local_roots:
             # Mounts with options (credentials) go in a config file, never on a command line.
             path = os.path.join(self.workdir, "master.toml")
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                if self.allowed_local_roots:
+                    f.write(f"allowed_local_roots = {toml_value(self.allowed_local_roots)}\n\n")
                 f.write(_mounts_toml(self.mounts))
             master_args += ["--config", path]
         self._master_args = master_args

@@ -7,6 +7,7 @@ table (worker, later the master): :meth:`MountSpec.public` is the only view that
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,9 +23,16 @@ if TYPE_CHECKING:
 # MountSpecs, and loading a config must not load fsspec.
 
 # Option names (at any depth) whose values are secrets and never leave the daemon.
-_SECRET_MARKERS = ("secret", "password", "token", "key", "credential", "session", "auth",
-                   "passphrase", "connection_string")  # the last: Azure's holds the account key
+_SECRET_MARKERS = ("secret", "password", "passwd", "pwd", "pass", "token", "key", "credential", "session", "auth",
+                   "passphrase", "connection_string",  # the last: Azure's holds the account key
+                   "cookie", "signature", "bearer", "private", "sas")
 _NOT_SECRET = {"endpoint_url", "region_name", "anon", "use_ssl", "requester_pays"}
+# Option names whose whole value is hidden (a proxy URL may carry credentials in any part of it).
+_HIDDEN = {"proxies", "proxy", "proxy_url", "proxy_headers", "https_proxy", "http_proxy"}
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
+_QUERY_PARAM = re.compile(r"(?P<sep>[?&;])(?P<name>[^=&#;\s]+)=(?P<value>[^&#;\s]*)")
+_SECRET_PARAMS = {"sig", "x-amz-signature", "x-amz-credential", "x-amz-security-token", "x-goog-signature",
+                  "x-goog-credential"}
 
 
 def _is_secret(name: str) -> bool:
@@ -32,13 +40,38 @@ def _is_secret(name: str) -> bool:
     return lname not in _NOT_SECRET and any(m in lname for m in _SECRET_MARKERS)
 
 
+def public_url(url: str) -> str:
+    """``url`` without credentials: user info (``https://user:pass@host`` -> ``https://***@host``)
+    and secret-looking query parameters (signatures, tokens: ``?sig=...`` -> ``?sig=***``)."""
+    if "@" in url:
+        url = _USERINFO.sub(r"\g<scheme>***@", url)
+    if "=" in url:
+        url = _QUERY_PARAM.sub(lambda m: m.group(0) if not (_is_secret(m.group("name"))
+                                                            or m.group("name").lower() in _SECRET_PARAMS)
+                               else f"{m.group('sep')}{m.group('name')}=***", url)
+    return url
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return redact(value)
+    if isinstance(value, (list, tuple)):
+        if len(value) == 2 and isinstance(value[0], str) and _is_secret(value[0]):
+            return [value[0], "***"]  # a (name, value) pair: headers as a list, say
+        return [_redact_value(v) for v in value]
+    if isinstance(value, str):
+        return public_url(value)
+    return value
+
+
 def redact(options: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``options`` without any secret-looking entry, recursively."""
+    """A copy of ``options`` without any secret-looking entry, recursively through mappings,
+    lists and tuples; URLs lose their user info and secret query parameters; proxies are hidden."""
     out: dict[str, Any] = {}
     for name, value in options.items():
         if _is_secret(str(name)):
             continue
-        out[name] = redact(value) if isinstance(value, Mapping) else value
+        out[name] = "***" if str(name).lower() in _HIDDEN else _redact_value(value)
     return out
 
 
@@ -58,10 +91,11 @@ class MountSpec:
 
     def public(self) -> dict[str, Any]:
         """What a client may see: URL and non-secret options, never credentials."""
-        return {"name": self.name, "url": self.url, "options": redact(self.options), "read_only": self.read_only}
+        return {"name": self.name, "url": public_url(self.url), "options": redact(self.options),
+                "read_only": self.read_only}
 
     def __repr__(self) -> str:  # never print credentials in logs
-        return f"MountSpec(name={self.name!r}, url={self.url!r}, read_only={self.read_only})"
+        return f"MountSpec(name={self.name!r}, url={public_url(self.url)!r}, read_only={self.read_only})"
 
     @classmethod
     def parse(cls, value: Any, name: str | None = None) -> "MountSpec":
@@ -155,12 +189,14 @@ class MountTable:
         if entry is None:
             raise UnknownMountError(f"no mount named {path.mount!r}")
         spec, fs, root, local = entry
+        if local:
+            # A symlink inside a local mount must not lead outside it: the local backend opens
+            # the key beneath the root and follows no symlink (cachefs/store/beneath.py), rather
+            # than checking a realpath that may change before the open.
+            from cachefs.store.beneath import LocalStorePath
+
+            return ResolvedPath(spec, fs, LocalStorePath(root, path.key))
         store_path = f"{root}/{path.key}" if path.key else root
-        if local and path.key:
-            # A symlink inside a local mount must not lead outside it.
-            real = os.path.realpath(store_path)
-            if real != root and not real.startswith(root + os.sep):
-                raise InvalidPathError(f"{path} resolves outside its mount")
         return ResolvedPath(spec, fs, store_path)
 
     def to_key(self, path: CachePath, store_path: str) -> str:

@@ -20,7 +20,9 @@ def _cachefs(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 
 def test_admin_commands_against_a_live_cluster(local_store, tmp_path):
     local_store.add("a.txt", b"hello")
-    with LocalCluster(str(tmp_path / "c"), workers=2, mounts={"data": local_store.mount.url}) as cluster:
+    other = tmp_path / "other"  # mounted at run time below: the master must allow it
+    with LocalCluster(str(tmp_path / "c"), workers=2, mounts={"data": local_store.mount.url},
+                      allowed_local_roots=[str(other)]) as cluster:
         assert cluster.wait_for_workers()
         m = ["--master", cluster.master_address]
         status = json.loads(_cachefs("status", *m, "--json").stdout)
@@ -42,7 +44,6 @@ def test_admin_commands_against_a_live_cluster(local_store, tmp_path):
         assert again.returncode == 1 and "exists" in again.stderr.lower()
 
         # A mount added through the master reaches the workers and the clients.
-        other = tmp_path / "other"
         other.mkdir()
         (other / "b.txt").write_bytes(b"via the master")
         assert _cachefs("mount", *m, "more", str(other)).returncode == 0

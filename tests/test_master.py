@@ -141,7 +141,10 @@ def start_master(tmp_path) -> Iterator:
     channels: list[grpc.Channel] = []
 
     def start(clock=None, watch_poll_seconds=None, **overrides) -> tuple[Master, master_pb2_grpc.MasterServiceStub]:
-        settings = dict(port=0, metrics_port=0, state_dir=str(tmp_path / "state"), shutdown_grace=0.5)
+        settings = dict(port=0, metrics_port=0, state_dir=str(tmp_path / "state"), shutdown_grace=0.5,
+                        # These tests mount made-up dirs in /tmp and memory:// (the policy's own
+                        # tests are in test_attacks.py).
+                        allowed_local_roots=("/tmp",), allowed_schemes=("s3", "memory"))
         settings.update(overrides)
         kwargs = {"clock": clock} if clock is not None else {}
         if watch_poll_seconds is not None:
@@ -354,9 +357,6 @@ def test_mount_table_add_replace_remove_and_errors(start_master):
     assert _code(lambda: stub.Heartbeat(master_pb2.HeartbeatRequest(), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_credentials_only_with_the_token(start_master):
-    master, stub = start_master(cluster_token=TOKEN)
-    options = {"key": SECRET, "secret": SECRET, "client_kwargs": {"aws_session_token": SECRET},
 def _unpinned(options: dict) -> dict:
     """A mount's options without what the master pinned (#49): its region, and checksums only
     where required against a store that is not AWS."""
@@ -371,6 +371,9 @@ def _unpinned(options: dict) -> dict:
     return options
 
 
+def test_credentials_only_with_the_token(start_master):
+    master, stub = start_master(cluster_token=TOKEN)
+    options = {"key": SECRET, "secret": SECRET, "client_kwargs": {"aws_session_token": SECRET},
                "endpoint_url": "http://s3.local"}
     assert _code(lambda: stub.AddMount(master_pb2.AddMountRequest(name="data", url="s3://b/p",
                                                                   options_json=json.dumps(options)), timeout=5)) == \

@@ -210,7 +210,7 @@ def test_etcd_down_reads_go_on_admin_fails_fast_and_all_recovers(tmp_path, etcd_
             # One etcd member killed: nothing to see (a change still goes through at once).
             leader_id = ha.view().leader_id
             etcd_cluster.kill(0)
-            out = subprocess.run(cli + ["one", str(tmp_path)], capture_output=True, text=True, timeout=60)
+            out = subprocess.run(cli + ["one", str(ha.root)], capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
             # The same leader (a GetView that timed out at this load reads as an empty view: ask again).
             assert wait_for(lambda: (v := ha.view()).leader_id == leader_id and len(v.workers) == 1, timeout=15)
@@ -220,7 +220,7 @@ def test_etcd_down_reads_go_on_admin_fails_fast_and_all_recovers(tmp_path, etcd_
             assert wait_for(lambda: not ha.view().leader_id and len(ha.view().workers) == 1, timeout=4 * LEASE)
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])
             t0 = time.monotonic()
-            out = subprocess.run(cli + ["more", str(tmp_path)], capture_output=True, text=True, timeout=60)
+            out = subprocess.run(cli + ["more", str(ha.root)], capture_output=True, text=True, timeout=60)
             took = time.monotonic() - t0
             assert out.returncode == 3, (out.stdout, out.stderr)
             assert "etcd" in out.stderr or "lead" in out.stderr, out.stderr
@@ -228,7 +228,7 @@ def test_etcd_down_reads_go_on_admin_fails_fast_and_all_recovers(tmp_path, etcd_
             for i in range(3):
                 etcd_cluster.restart(i)
             # No restarts: a leader again, the change goes through, the worker is still in the view.
-            assert wait_for(lambda: subprocess.run(cli + ["more", str(tmp_path)], capture_output=True,
+            assert wait_for(lambda: subprocess.run(cli + ["more", str(ha.root)], capture_output=True,
                                                    timeout=60).returncode == 0, timeout=45, interval=1.0)
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])
         assert not loop.errors, loop.errors[:3]

@@ -9,6 +9,7 @@ other fsspec stores not at all (a documented weakness). Used by ObjectStore (obj
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
 from cachefs.errors import StaleObjectError
+from cachefs.store import beneath
 from cachefs.store.health import is_connection_error
 
 PieceSink = Callable[[int, bytes], None]  # (index of the piece, its bytes)
@@ -52,6 +54,10 @@ class _Backend:
         fs.invalidate_cache(store_path)  # we own the TTL, not the filesystem
         return fs.ls(store_path, detail=True)
 
+    def find(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
+        """Every object under ``store_path``, recursively (``fs.find(detail=True)``'s values)."""
+        return list(fs.find(store_path, detail=True, withdirs=False).values())
+
     def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
         fs.invalidate_cache(store_path)  # s3fs answers info() from its own listing cache otherwise
         info = fs.info(store_path)
@@ -84,20 +90,30 @@ class _Backend:
 
 
 class _LocalBackend(_Backend):
-    """Local files: the version (size + mtime) is re-checked on the open descriptor after reading."""
+    """Local files: the version (size + mtime) is re-checked on the open descriptor after reading.
+
+    Every path is opened beneath its mount's root without following any symlink (beneath.py):
+    the store paths are :class:`~cachefs.store.beneath.LocalStorePath` (MountTable.resolve).
+    """
 
     @staticmethod
     def _version(st: os.stat_result) -> str:
         return f"{st.st_size}-{st.st_mtime!r}"  # the same string version_of() makes from fsspec's info
 
+    def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
+        return beneath.list_beneath(_local(store_path))
+
+    def find(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
+        return beneath.find_beneath(_local(store_path))
+
     def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
-        st = os.stat(store_path)
-        if os.path.isdir(store_path):
+        st = beneath.stat_beneath(_local(store_path))
+        if stat.S_ISDIR(st.st_mode):
             return 0, "", st.st_mtime, True
         return st.st_size, self._version(st), st.st_mtime, False
 
     def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
-        with open(store_path, "rb", buffering=0) as f:
+        with beneath.open_file(_local(store_path)) as f:
             f.seek(start)
             buf = bytearray(end - start)
             n = f.readinto(buf)
@@ -111,7 +127,7 @@ class _LocalBackend(_Backend):
                     version: str, deliver: PieceSink) -> None:
         """One read per piece (no slicing copies); delivered only once the version re-check passed."""
         pieces = []
-        with open(store_path, "rb", buffering=0) as f:
+        with beneath.open_file(_local(store_path)) as f:
             f.seek(start)
             at = start
             for size in sizes:
@@ -125,6 +141,14 @@ class _LocalBackend(_Backend):
             raise StaleObjectError(f"{store_path} changed while reading (version {version} -> {now})")
         for i, piece in enumerate(pieces):
             deliver(i, piece)
+
+
+def _local(store_path: str) -> beneath.LocalStorePath:
+    """A local mount's path as MountTable.resolve made it; a bare path (a caller outside a mount
+    table) is taken as the key of a mount rooted at /, so it is still opened without symlinks."""
+    if isinstance(store_path, beneath.LocalStorePath):
+        return store_path
+    return beneath.LocalStorePath("/", str(store_path).strip("/"))
 
 
 class _S3Backend(_Backend):

@@ -321,7 +321,7 @@ class ObjectStore:
             with self._call(path, "listing"):
                 self._count("list")
                 if recursive:
-                    raw = list(fs.find(resolved.store_path, detail=True, withdirs=False).values())
+                    raw = self._backend(resolved).find(fs, resolved.store_path)
                 else:
                     raw = self._backend(resolved).ls(fs, resolved.store_path)
         except FileNotFoundError as exc:

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import errno
 import os
+import stat
 import threading
 import uuid
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from cachefs.mounts import ResolvedPath
+from cachefs.store import beneath
 from cachefs.paths import CachePath
 
 COPY_CHUNK = 8 << 20  # bytes per read when a copy streams between two stores
@@ -159,6 +161,8 @@ class S3Writer:
 
 
 def open_writer(resolved: ResolvedPath, block_size: int | None = None) -> StoreWriter:
+    if isinstance(resolved.store_path, beneath.LocalStorePath):  # a local mount: no symlink followed
+        return beneath.LocalWriter(resolved.store_path, PARTIAL_MARK, uuid.uuid4().hex)
     if isinstance(resolved.fs, LocalFileSystem):
         return LocalWriter(resolved.store_path)
     protocols = resolved.fs.protocol if isinstance(resolved.fs.protocol, (tuple, list)) else (resolved.fs.protocol,)
@@ -174,7 +178,8 @@ def copy_between(src: ResolvedPath, dst: ResolvedPath) -> None:
         return
     writer = open_writer(dst)
     try:
-        with src.fs.open(src.store_path, "rb") as f:
+        local = isinstance(src.store_path, beneath.LocalStorePath)
+        with (beneath.open_file(src.store_path) if local else src.fs.open(src.store_path, "rb")) as f:
             while chunk := f.read(COPY_CHUNK):
                 writer.write(chunk)
     except BaseException:
@@ -186,6 +191,9 @@ def copy_between(src: ResolvedPath, dst: ResolvedPath) -> None:
 def remove(resolved: ResolvedPath, path: CachePath, is_dir: bool, recursive: bool) -> None:
     """Remove an object, or a directory (with ``recursive``, everything below it)."""
     fs, store_path = resolved.fs, resolved.store_path
+    if isinstance(store_path, beneath.LocalStorePath):
+        beneath.remove(store_path, is_dir, recursive)
+        return
     if not is_dir:
         fs.rm_file(store_path)
     elif recursive:
@@ -201,6 +209,20 @@ def make_dir(resolved: ResolvedPath, create_parents: bool, exist_ok: bool) -> No
     """A directory on stores that have them; stores without directories (S3) need nothing."""
     fs, store_path = resolved.fs, resolved.store_path
     if not isinstance(fs, LocalFileSystem):
+        return
+    if isinstance(store_path, beneath.LocalStorePath):
+        try:
+            st = beneath.stat_beneath(store_path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not exist_ok or not stat.S_ISDIR(st.st_mode):
+                raise FileExistsError(errno.EEXIST, f"{store_path} exists")
+            return
+        if create_parents:
+            beneath.make_dirs(store_path, exist_ok=exist_ok)
+        else:
+            beneath.make_dir(store_path)
         return
     if os.path.isdir(store_path):
         if not exist_ok:

@@ -13,11 +13,12 @@ import grpc
 
 from cachefs.auth import outgoing_token
 from cachefs.config import MasterConfig
+from cachefs.mountpolicy import MountPolicy, PolicedState
 from cachefs.proto import master_pb2_grpc
 from cachefs.ring import RingConfig
 from cachefs.server.httpd import HttpEndpoints, HttpServer
-from cachefs.server.master.catalog import Catalog
 from cachefs.store.s3config import pin_mount
+from cachefs.server.master.catalog import Catalog
 from cachefs.server.master.jobs import JobManager, JobRecord, JobSettings
 from cachefs.server.master.loadrun import LoadProgress
 from cachefs.server.master.metrics import MasterFigures, MasterMetrics
@@ -77,15 +78,19 @@ class Master:
                 log.info("added configured mounts %s", ", ".join(added))
             self.versions = ViewVersion(base=self.state.boot << BOOT_SHIFT)
             self.membership = Membership(config.lease_seconds, self.versions, clock=clock)
+        # What the rest of the master sees: the state without the mounts the policy refuses
+        # (cachefs/mountpolicy.py); AddMount checks the policy before it writes.
+        self.policy = MountPolicy.from_config(config)
+        self.served = PolicedState(self.state, self.policy)
         self.metrics = MasterMetrics()
         self._max_watchers = max_watchers
-        self.catalog = Catalog(self.state, config.metadata_ttl, config.list_ttl)
+        self.catalog = Catalog(self.served, config.metadata_ttl, config.list_ttl)
         self.worker_stubs = WorkerStubs(outgoing_token(config.access_token, config.cluster_token), config.tls)
         self._ring = RingConfig(vnodes=config.vnodes, stripe_size=config.stripe_size)
         self.jobs = self._job_manager()
         self.metrics.watch(self._figures)
         self.servicer = MasterServicer(
-            config, self.master_id, self.state, self.membership, self.versions, self.metrics, self._stopping,
+            config, self.master_id, self.served, self.membership, self.versions, self.metrics, self._stopping,
             max_watchers=max_watchers, watch_poll_seconds=watch_poll_seconds,
             catalog=self.catalog, jobs=self.jobs, cache_stat=CacheStat(self.catalog, self.worker_stubs),
             control=self.control,
@@ -100,7 +105,7 @@ class Master:
             control = self.control
             leading = lambda: epoch != 0 and control.epoch == epoch  # noqa: E731
         return JobManager(
-            self.state, self.catalog, self.membership.live, self.worker_stubs, lambda: ring,
+            self.served, self.catalog, self.membership.live, self.worker_stubs, lambda: ring,
             JobSettings(threads=config.job_threads, settle_seconds=settle,
                         settle_max_seconds=max(settle, 2 * config.lease_seconds, 15.0)),
             on_finish=self._job_finished, epoch=epoch, leading=leading,
@@ -124,7 +129,7 @@ class Master:
         self.jobs.stop(timeout=0.0)
 
     def _figures(self) -> MasterFigures:
-        version, mounts = self.state.mounts()
+        version, mounts = self.served.mounts()
         return MasterFigures(self.membership.stats(), self.versions.value, len(mounts), version,
                              jobs=self.jobs.counts(), worker_stats=[m.stats for m in self.membership.live()],
                              active_jobs=self.jobs.list(active_only=True),
@@ -169,7 +174,7 @@ class Master:
         if self.control is None:
             self.jobs.start()  # on etcd, a master resumes jobs when it is elected
         if self.config.metrics_port >= 0:
-            page = StatusPage(self.master_id, self.membership, self.versions, self.state, _CurrentJobs(self),
+            page = StatusPage(self.master_id, self.membership, self.versions, self.served, _CurrentJobs(self),
                               self.worker_stubs)
             self._metrics_http = HttpServer(self.config.host, self.config.metrics_port, HttpEndpoints(
                 self.metrics.registry, live=self._live, ready=self._ready,

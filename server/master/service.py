@@ -25,7 +25,7 @@ from cachefs.addresses import split_address
 from cachefs.auth import TOKEN_METADATA
 from cachefs.config import MasterConfig
 from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError
-from cachefs.mounts import MountSpec, redact
+from cachefs.mounts import MountSpec, public_url, redact
 from cachefs.paths import parse_path, validate_mount_name
 from cachefs.server.rpc import info_message, rpc
 from cachefs.store.s3config import pin_mount
@@ -54,8 +54,8 @@ def mount_info(spec: MountSpec, with_credentials: bool = False) -> common_pb2.Mo
     """The wire form of a mount; without ``with_credentials`` its options are redacted."""
     options = dict(spec.options) if with_credentials else redact(spec.options)
     return common_pb2.MountInfo(
-        name=spec.name, url=spec.url, options_json=json.dumps(options, sort_keys=True, default=str),
-        read_only=spec.read_only,
+        name=spec.name, url=spec.url if with_credentials else public_url(spec.url),
+        options_json=json.dumps(options, sort_keys=True, default=str), read_only=spec.read_only,
     )
 
 
@@ -282,6 +282,9 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
             return forwarded
         self._authorize(context, "AddMount")
         spec = pin_mount(parse_mount(request))  # the endpoint and region it resolves to here (#49)
+        policy = getattr(self.state, "policy", None)  # the master's PolicedState (cachefs/mountpolicy.py)
+        if policy is not None:
+            policy.check(spec)  # PERMISSION_DENIED, naming the setting
         version = self.state.add_mount(spec, replace=request.replace)
         if self.control is None:
             self.versions.bump()  # on etcd the watch moves the version (to the write's revision)

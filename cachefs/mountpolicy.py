@@ -1,0 +1,178 @@
+"""What the master lets a mount point at: URL schemes, local directories, store endpoints.
+
+Anyone who may call ``AddMount`` chooses what every worker (and the master) opens and serves
+to every client: with no policy, ``cachefs mount evil /etc`` served the workers' /etc, and
+``http://169.254.169.254/...`` the instance role's credentials. The master therefore allows:
+
+- remote stores by URL scheme (``allowed_schemes``; default the object stores: S3, GCS, Azure);
+- local directories (``file://`` or a plain path) only at or under ``allowed_local_roots``
+  (compared by realpath, so a symlink into /etc is refused), plus the local directories of the
+  mounts the operator configured the master with (``--mount``, ``mounts`` in its file:
+  ``cachefs local --mount data=/dir`` allows /dir and below);
+- no store endpoint (``endpoint_url`` in the options) at a link-local or cloud metadata address.
+
+The same check runs on ``AddMount`` and on every mount read back from the durable state (SQLite
+or etcd): one that fails it (say, added before this policy, or outside a root since removed) is
+kept in the state but not served (see :class:`PolicedState`) and is logged once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from cachefs.mounts import MountSpec
+
+log = logging.getLogger(__name__)
+
+#: The object stores fsspec knows, with their aliases: what a mount may use by default.
+DEFAULT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs")
+#: Schemes that are the local file system (governed by allowed_local_roots, never by scheme).
+LOCAL_SCHEMES = ("file", "local")
+#: Host names of cloud instance-metadata services (their addresses are link-local as well).
+_METADATA_HOSTS = {"metadata.google.internal", "metadata.goog", "metadata", "instance-data",
+                   "instance-data.ec2.internal"}
+
+
+class MountRefusedError(PermissionError):
+    """A mount the master's policy does not allow (sent as PERMISSION_DENIED, message as is)."""
+
+
+def _local_path(url: str) -> str | None:
+    """The absolute local path of a ``file://``/``local://``/plain-path URL, else None."""
+    from fsspec.core import split_protocol
+
+    protocol, _ = split_protocol(url)
+    if protocol is not None and protocol not in LOCAL_SCHEMES:
+        return None
+    from fsspec.implementations.local import LocalFileSystem
+
+    return os.path.abspath(LocalFileSystem._strip_protocol(url))
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _endpoints(options: Mapping[str, Any]) -> Iterable[str]:
+    """Every endpoint URL an option tree names (s3fs: ``endpoint_url``, ``client_kwargs``...)."""
+    for name, value in options.items():
+        if isinstance(value, Mapping):
+            yield from _endpoints(value)
+        elif isinstance(value, str) and "endpoint" in str(name).lower():
+            yield value
+
+
+def _metadata_host(endpoint: str) -> str | None:
+    """The host of ``endpoint`` if it is a link-local or instance-metadata address, else None."""
+    try:
+        host = (urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}").hostname or "").lower()
+    except ValueError:
+        return None
+    if host.rstrip(".") in _METADATA_HOSTS:
+        return host
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    address = mapped or address
+    if address.is_link_local or address == ipaddress.ip_address("fd00:ec2::254"):
+        return host
+    return None
+
+
+class MountPolicy:
+    """The master's mount rules (MasterConfig.allowed_schemes / allowed_local_roots)."""
+
+    def __init__(self, schemes: Iterable[str] = DEFAULT_SCHEMES, local_roots: Iterable[str] = (),
+                 configured: Iterable[MountSpec] = ()) -> None:
+        self.schemes = tuple(s.lower() for s in schemes)
+        roots = [os.path.realpath(r) for r in local_roots]
+        for spec in configured:  # the operator's own mounts are roots themselves
+            path = _local_path(spec.url)
+            if path is not None:
+                roots.append(os.path.realpath(path))
+        self.local_roots = tuple(dict.fromkeys(roots))
+
+    @classmethod
+    def from_config(cls, config: Any) -> "MountPolicy":
+        return cls(config.allowed_schemes, config.allowed_local_roots, config.mounts)
+
+    def check(self, spec: MountSpec) -> None:
+        """Raise :class:`MountRefusedError` naming the setting if ``spec`` is not allowed."""
+        name = spec.name
+        for part in spec.url.split("::"):  # chained URLs (simplecache::s3://...): every link
+            path = _local_path(part)
+            if path is not None:
+                real = os.path.realpath(path)
+                if not any(_under(real, root) for root in self.local_roots):
+                    shown = path if real == path else f"{path} (really {real})"
+                    now = ", ".join(self.local_roots) or "none"
+                    raise MountRefusedError(
+                        f"mount {name!r}: local path {shown} is not under allowed_local_roots "
+                        f"(master setting allowed_local_roots, CACHEFS_MASTER_ALLOWED_LOCAL_ROOTS; now: {now})")
+                continue
+            from fsspec.core import split_protocol
+
+            scheme = (split_protocol(part)[0] or "").lower()
+            if "*" not in self.schemes and scheme not in self.schemes:
+                raise MountRefusedError(
+                    f"mount {name!r}: URL scheme {scheme!r} is not allowed (master setting allowed_schemes, "
+                    f"CACHEFS_MASTER_ALLOWED_SCHEMES; now: {', '.join(self.schemes) or 'none'})")
+        for endpoint in _endpoints(spec.options):
+            host = _metadata_host(endpoint)
+            if host is not None:
+                raise MountRefusedError(f"mount {name!r}: an endpoint at {host} (link-local, an instance "
+                                        "metadata service) is never allowed")
+
+    def allows(self, spec: MountSpec) -> bool:
+        try:
+            self.check(spec)
+        except MountRefusedError:
+            return False
+        return True
+
+
+class PolicedState:
+    """The master's state as the rest of the master sees it: mounts the policy refuses are left out.
+
+    Everything else is the wrapped state's (writes included: AddMount checks before writing, and
+    a refused mount can still be removed or replaced). Each refused mount is logged once.
+    """
+
+    def __init__(self, state: Any, policy: MountPolicy) -> None:
+        self._state = state
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._verdicts: dict[tuple[str, str, str], bool] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def _allowed(self, spec: MountSpec) -> bool:
+        key = (spec.name, spec.url, json.dumps(spec.options, sort_keys=True, default=str))
+        with self._lock:
+            verdict = self._verdicts.get(key)
+        if verdict is None:
+            try:
+                self.policy.check(spec)
+                verdict = True
+            except MountRefusedError as exc:
+                log.error("not serving %s: %s", spec.name, exc)
+                verdict = False
+            with self._lock:
+                if len(self._verdicts) > 10_000:
+                    self._verdicts.clear()
+                self._verdicts[key] = verdict
+        return verdict
+
+    def mounts(self) -> tuple[int, list[MountSpec]]:
+        version, specs = self._state.mounts()
+        return version, [s for s in specs if self._allowed(s)]
