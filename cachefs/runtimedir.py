@@ -27,7 +27,7 @@ import os
 import stat
 import tempfile
 
-__all__ = ["PrivateDirError", "cache_root", "check_socket_dir", "trusted_path", "private_dir", "private_file", "runtime_dir", "state_root"]
+__all__ = ["PrivateDirError", "cache_root", "check_socket_dir", "share_socket_with_group", "trusted_path", "private_dir", "private_file", "runtime_dir", "state_root"]
 
 
 class PrivateDirError(PermissionError):
@@ -134,6 +134,24 @@ def check_socket_dir(path: str | os.PathLike[str]) -> str:
     if st.st_uid not in (os.geteuid(), 0):
         raise _owner_error(directory, st, "socket directory")
     return path
+
+
+def share_socket_with_group(path: str | os.PathLike[str], gid: int) -> None:
+    """Let members of ``gid`` reach the socket at ``path``: the socket's group becomes ``gid``
+    (its mode stays 0660) and its directory, when it is ours, gains group search (not listing:
+    ``g+x``) with that group. The worker still checks each peer (cachefs/peercred.py)."""
+    path = os.fspath(path)
+    os.chown(path, -1, gid, follow_symlinks=False)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_gid != gid and not stat.S_IMODE(st.st_mode) & 0o070:
+            os.fchown(fd, -1, gid)  # a private dir of ours: give it to the group, to search only
+        if st.st_uid == os.geteuid() and (st.st_gid == gid or os.fstat(fd).st_gid == gid):
+            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o010)
+    finally:
+        os.close(fd)
 
 
 def _home_dir(variable: str, *default: str) -> str | None:

@@ -241,6 +241,28 @@ def test_allowed_uids_and_group_are_served(tmp_path: Path, open_dir: Path):
         worker.stop()
 
 
+def test_allowed_gid_reaches_the_socket_in_the_private_cache_dir(tmp_path: Path, open_dir: Path):
+    """With allowed_gid, the group may search the cache dir (not list it) and connect; others may not."""
+    cache = open_dir / "cache"
+    environ = dict(os.environ, CACHEFS_WORKER_ACCESS_TOKEN=TOKEN, CACHEFS_WORKER_ALLOWED_GID="4242")
+    worker = worker_process({}, str(cache), log_path=str(tmp_path / "worker.log"), env=environ).start()
+    path = str(cache / "worker.sock")
+
+    def client() -> dict[str, object]:
+        reply, fds = _hello(path)
+        for fd in fds:
+            os.close(fd)
+        return {"reply": reply is not None, "fds": len(fds)}
+
+    try:
+        st = os.stat(cache)
+        assert (st.st_gid, st.st_mode & 0o777) == (4242, 0o710)
+        assert _in_child(client, uid=NOBODY, gid=4242) == {"reply": True, "fds": 1}
+        assert _in_child(client, uid=NOBODY, gid=NOBODY)["errno"] == errno.EACCES  # cannot even reach it
+    finally:
+        worker.stop()
+
+
 # -- 3. a squatted socket gets no token ----------------------------------------------------------------
 def test_the_client_refuses_a_squatted_socket(open_dir: Path):
     from cachefs.client.shortcircuit import ShortCircuitReader

@@ -21,7 +21,7 @@ from cachefs.mounts import MountTable
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.paths import CachePath, parse_path
 from cachefs.peercred import PeerPolicy
-from cachefs.runtimedir import check_socket_dir, runtime_dir
+from cachefs.runtimedir import check_socket_dir, runtime_dir, share_socket_with_group
 from cachefs.proto import master_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.server.worker.heap import keep_freed_memory
@@ -320,6 +320,8 @@ class Worker:
                 on_stale=self._read_stale, meta=self.meta_ops).start()
             # Who may connect at all (cachefs/peercred.py): until this line, this uid and root only.
             self.short_circuit.peers = PeerPolicy(self.config.allowed_uids, self.config.allowed_gid)
+            if self.config.allowed_gid >= 0:  # the group can reach the socket, not list the dir
+                share_socket_with_group(path, self.config.allowed_gid)
         except (OSError, ValueError) as exc:  # no Unix sockets here, a read-only dir...: gRPC only
             log.warning("short-circuit reads are off: cannot listen on %s: %s", path, exc)
             self._close_handle_table()
