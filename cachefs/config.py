@@ -240,6 +240,10 @@ class WorkerConfig:
                              f"got {self.short_circuit_handles}")
         if not 2 <= self.name_index_max_slots <= 1 << 26:
             raise ValueError(f"name_index_max_slots must be in [2, 67108864], got {self.name_index_max_slots}")
+        object.__setattr__(self, "allowed_uids", tuple(int(u) for u in self.allowed_uids))
+        if any(u < 0 for u in self.allowed_uids) or self.allowed_gid < -1:
+            raise ValueError(f"allowed_uids must be uids (>= 0) and allowed_gid a gid or -1, got "
+                             f"{list(self.allowed_uids)} and {self.allowed_gid}")
         if not 0.0 <= self.max_held_fraction <= 0.5:
             raise ValueError(f"max_held_fraction must be in [0, 0.5], got {self.max_held_fraction}")
         _check_daemon_tls(self)
