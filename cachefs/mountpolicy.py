@@ -56,6 +56,15 @@ def _local_path(url: str) -> str | None:
     return os.path.abspath(LocalFileSystem._strip_protocol(url))
 
 
+def _has_userinfo(url: str) -> bool:
+    if "://" not in url:
+        return False
+    try:
+        return "@" in urlsplit(url).netloc
+    except ValueError:
+        return True  # not a URL anyone can read: refused as if it held credentials
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -109,6 +118,9 @@ class MountPolicy:
         """Raise :class:`MountRefusedError` naming the setting if ``spec`` is not allowed."""
         name = spec.name
         for part in spec.url.split("::"):  # chained URLs (simplecache::s3://...): every link
+            if _has_userinfo(part):
+                raise MountRefusedError(f"mount {name!r}: credentials in the URL (user info): put them in the "
+                                        "mount's options, which are never shown")
             path = _local_path(part)
             if path is not None:
                 real = os.path.realpath(path)

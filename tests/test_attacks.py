@@ -209,7 +209,7 @@ def test_a_directory_swapped_for_a_symlink_mid_read_never_leaks(tmp_path):
 # ------------------------------------------------------------------------------ redaction
 
 CANARIES = ("CANARYKEY", "CANARYSECRET", "CANARYPROXYPASS", "CANARYURLPASS", "CANARYLIST", "CANARYTUPLE",
-            "CANARYBEARER")
+            "CANARYBEARER", "CANARYINURL")
 
 
 def _canary_options() -> dict:
@@ -230,16 +230,23 @@ def test_redaction_covers_lists_userinfo_and_proxies():
     assert shown["endpoint_url"] == "http://***@127.0.0.1:9"
     assert shown["config_kwargs"]["proxies"] == "***"
     assert MountSpec("m", "s3://user:CANARYURLPASS@bucket/p").public()["url"] == "s3://***@bucket/p"
+    assert redact({"url": "https://a.blob.core.windows.net/c?sv=2022&sig=CANARYSIG&sp=r"}) == \
+        {"url": "https://a.blob.core.windows.net/c?sv=2022&sig=***&sp=r"}
 
 
 def test_no_canary_in_any_answer_page_log_or_command(cluster):
     m = ["--master", cluster.master_address]
     out = _cachefs("mount", "canary", "s3://bucket/p", "--options-json", json.dumps(_canary_options()), *m)
     assert out.returncode == 0, out.stderr
+    seen = [out.stdout, out.stderr]
+    # Credentials in the URL itself: refused, without echoing them.
+    inurl = _cachefs("mount", "canary2", "s3://AKIDX:CANARYINURL@bucket/p", *m)
+    assert _refused(inurl) == ("cachefs: permission denied: mount 'canary2': credentials in the URL (user info): "
+                               "put them in the mount's options, which are never shown")
+    seen.append(inurl.stdout + inurl.stderr)
     from cachefs.proto import master_pb2, master_pb2_grpc, worker_pb2, worker_pb2_grpc
     from cachefs.tls import PLAINTEXT, open_channel
 
-    seen = [out.stdout, out.stderr]
     with open_channel(cluster.master_address, PLAINTEXT) as channel:
         stub = master_pb2_grpc.MasterServiceStub(channel)
         seen.append(str(stub.GetView(master_pb2.GetViewRequest(), timeout=10)))
@@ -253,6 +260,8 @@ def test_no_canary_in_any_answer_page_log_or_command(cluster):
     with pytest.raises(OSError) as failed:
         fs.cat_file("canary/x")
     seen.append(str(failed.value))
+    with pytest.raises(FileNotFoundError):
+        fs.cat_file("canary2/x")
     for command in (["mounts", *m], ["mounts", *m, "--json"], ["status", *m], ["status", *m, "--json"]):
         seen.append(_cachefs(*command).stdout)
     port = cluster.master.ready["metrics_port"]
@@ -268,7 +277,8 @@ def test_no_canary_in_any_answer_page_log_or_command(cluster):
         seen.append(log.read_text())
     text = "\n".join(seen)
     assert "canary" in text  # the mount itself is shown
-    leaked = [c for c in CANARIES if c in text]
+    leaked = {c: [part[max(0, part.index(c) - 150):part.index(c) + 50] for part in seen if c in part]
+              for c in CANARIES if c in text}
     assert not leaked, leaked
 
 

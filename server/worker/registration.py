@@ -17,7 +17,7 @@ import grpc
 from cachefs import __version__
 from cachefs.auth import token_metadata
 from cachefs.masters import MasterList
-from cachefs.mounts import MountSpec, MountTable
+from cachefs.mounts import MountSpec, MountTable, public_url
 from cachefs.proto import master_pb2
 from cachefs.server.pagestore import PageStoreStats
 from cachefs.tls import PLAINTEXT, TLSConfig
@@ -179,7 +179,8 @@ class Registrar:
                     self.mounts.add(spec)
                     changed.add(name)
                 except (ValueError, OSError, ImportError) as exc:
-                    log.error("cannot open mount %s (%s): %s", name, spec.url, exc)
+                    # The type only: a store constructor's message may quote its options (#48).
+                    log.error("cannot open mount %s (%s): %s", name, public_url(spec.url), type(exc).__name__)
         for name in self._master_mounts - set(wanted):
             if self.mounts.remove(name):
                 changed.add(name)
