@@ -104,7 +104,10 @@ class MountPolicy:
                  configured: Iterable[MountSpec] = ()) -> None:
         self.schemes = tuple(s.lower() for s in schemes)
         roots = [os.path.realpath(r) for r in local_roots]
-        for spec in configured:  # the operator's own mounts are roots themselves
+        # The operator's own mounts (the master's config): their URLs are allowed whatever their
+        # scheme, and their local directories are roots themselves.
+        self.configured = frozenset((spec.name, spec.url) for spec in configured)
+        for spec in configured:
             path = _local_path(spec.url)
             if path is not None:
                 roots.append(os.path.realpath(path))
@@ -117,7 +120,8 @@ class MountPolicy:
     def check(self, spec: MountSpec) -> None:
         """Raise :class:`MountRefusedError` naming the setting if ``spec`` is not allowed."""
         name = spec.name
-        for part in spec.url.split("::"):  # chained URLs (simplecache::s3://...): every link
+        operators = (spec.name, spec.url) in self.configured
+        for part in spec.url.split("::") if not operators else ():  # chained URLs: every link
             if _has_userinfo(part):
                 raise MountRefusedError(f"mount {name!r}: credentials in the URL (user info): put them in the "
                                         "mount's options, which are never shown")

@@ -139,6 +139,20 @@ def test_a_mount_refused_now_is_not_served_from_the_state(tmp_path, tree):
             Path(c.workdir, "master.log").read_text()
 
 
+def test_the_operators_own_mounts_are_allowed_whatever_their_scheme(tmp_path, tree):
+    """Mounts the master is started with (cachefs local --mount, the config's mounts) are the
+    operator's: served whatever their scheme; the same scheme at run time is still refused."""
+    with LocalCluster(str(tmp_path / "c"), workers=1,
+                      mounts={"data": str(tree["data"]), "mem": "memory://bucket"}) as c:
+        m = ["--master", c.master_address]
+        listed = _cachefs("mounts", *m, "--json")
+        assert sorted(r["name"] for r in json.loads(listed.stdout)) == ["data", "mem"], listed.stderr
+        assert "URL scheme 'memory' is not allowed" in _refused(_cachefs("mount", "mem2", "memory://bucket", *m))
+        # Below a configured local mount is allowed; beside it is not.
+        assert _cachefs("mount", "below", str(tree["data"] / "sub"), *m).returncode == 0
+        assert "not under allowed_local_roots" in _refused(_cachefs("mount", "beside", str(tree["outside"]), *m))
+
+
 # --------------------------------------------------------------------- no symlink is followed
 
 @pytest.mark.parametrize("key", ["passwd", "etc/passwd", "out/secret.txt", "rel"])
