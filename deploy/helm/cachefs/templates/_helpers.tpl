@@ -70,7 +70,7 @@ Several masters without etcd cannot elect a leader: refused here. */}}
 {{- if .Values.etcd.bundled.enabled -}}
 {{- $endpoints = list -}}
 {{- range $i := until (int .Values.etcd.bundled.replicas) -}}
-{{- $endpoints = append $endpoints (printf "http://%s-etcd-%d.%s-etcd-headless.%s.svc:2379" $full $i $full $.Release.Namespace) -}}
+{{- $endpoints = append $endpoints (printf "%s://%s-etcd-%d.%s-etcd-headless.%s.svc:2379" (ternary "https" "http" (not (not $.Values.etcd.bundled.tls))) $full $i $full $.Release.Namespace) -}}
 {{- end -}}
 {{- end -}}
 {{- if and (gt (int .Values.master.replicas) 1) (not $endpoints) -}}
@@ -86,6 +86,11 @@ Several masters without etcd cannot elect a leader: refused here. */}}
 {{- $config := dict "etcd" (splitList "," $endpoints) "etcd_prefix" .Values.etcd.prefix -}}
 {{- if .Values.etcd.tls.existingSecret -}}
 {{- $_ := set $config "etcd_ca_file" "/etc/cachefs/etcd-tls/ca.crt" -}}
+{{- else if and .Values.etcd.bundled.enabled .Values.etcd.bundled.tls -}}
+{{- /* the bundled etcd's CA and the masters' client certificate (etcd-tls.yaml) */ -}}
+{{- $_ := set $config "etcd_ca_file" "/etc/cachefs/etcd-tls/ca.crt" -}}
+{{- $_ := set $config "etcd_cert_file" "/etc/cachefs/etcd-tls/tls.crt" -}}
+{{- $_ := set $config "etcd_key_file" "/etc/cachefs/etcd-tls/tls.key" -}}
 {{- end -}}
 {{- $config | toJson -}}
 {{- else -}}
@@ -231,4 +236,13 @@ readinessProbe:
       key: {{ .Values.etcd.auth.passwordKey }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* The Secret mounted at /etc/cachefs/etcd-tls in the masters: etcd.tls's, or the bundled etcd's client certificate; "" for none. */}}
+{{- define "cachefs.etcdTlsSecret" -}}
+{{- if .Values.etcd.tls.existingSecret -}}
+{{ .Values.etcd.tls.existingSecret }}
+{{- else if and .Values.etcd.bundled.enabled .Values.etcd.bundled.tls -}}
+{{ include "cachefs.fullname" . }}-etcd-client-tls
+{{- end -}}
 {{- end -}}
