@@ -91,25 +91,39 @@ def test_an_unreachable_store_trips_the_breaker_quickly(aws_env, dead_port, clie
     assert objects.breaker.open_mounts() == ["m"]
 
 
+_RETRY = {"retry_timeout": datetime.timedelta(seconds=30)}
+
+
 @pytest.mark.parametrize("options, expected", [
     ({"key": "a", "secret": "b", "token": "t", "endpoint_url": "http://127.0.0.1:9000",
       "client_kwargs": {"region_name": "eu-west-1"}, "skip_instance_cache": True},
-     {"access_key_id": "a", "secret_access_key": "b", "session_token": "t", "endpoint": "http://127.0.0.1:9000",
-      "virtual_hosted_style_request": False, "client_options": {"allow_http": True}, "region": "eu-west-1",
-      "retry_config": {"max_retries": 1, "retry_timeout": datetime.timedelta(seconds=30)}}),
-    ({"anon": True, "config_kwargs": {"connect_timeout": 3, "read_timeout": 60,
-                                      "retries": {"max_attempts": 4, "mode": "standard"}}},
-     {"skip_signature": True, "client_options": {"connect_timeout": "3s", "timeout": "60s"},
-      "retry_config": {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=30)}}),
-    # credentials and region from the environment, as the AWS SDKs take them
-    ({}, {"retry_config": {"max_retries": 1, "retry_timeout": datetime.timedelta(seconds=30)}}),
-    ({"profile": "training"}, None),  # named profiles: s3fs
-    ({"key": "a", "secret": "b", "config_kwargs": {"max_pool_connections": 50}}, None),
-    ({"client_kwargs": {"region_name": "x", "verify": False}}, None),
-    ({"requester_pays": True}, None),
+     {"endpoint": "http://127.0.0.1:9000", "region": "eu-west-1", "virtual_hosted_style_request": False,
+      "client_options": {"allow_http": True, "connect_timeout": "3s", "timeout": "15s"},  # s3fs: read_timeout 15
+      "retry_config": {"max_retries": 2, **_RETRY}}),
+    ({"anon": True, "requester_pays": True, "client_kwargs": {"region_name": "eu-west-1", "verify": False},
+      "config_kwargs": {"connect_timeout": 3, "read_timeout": 60, "retries": {"max_attempts": 4, "mode": "standard"}}},
+     {"endpoint": "https://bucket.s3.eu-west-1.amazonaws.com", "region": "eu-west-1",
+      "virtual_hosted_style_request": True, "skip_signature": True, "request_payer": True,
+      "client_options": {"connect_timeout": "3s", "timeout": "60s", "allow_invalid_certificates": True},
+      "retry_config": {"max_retries": 4, **_RETRY}}),
+    ({"key": "a", "secret": "b", "client_kwargs": {"verify": "/etc/my-ca.pem"}}, None),  # obstore takes no CA file
+    ({"key": "a", "secret": "b", "config_kwargs": {"proxies": {"https": "http://proxy:3128"}}}, None),
 ])
-def test_obstore_options_translate_or_keep_s3fs(options, expected):
-    assert native.store_options(options) == expected
+def test_obstore_takes_botocores_resolution(options, expected, aws_env):
+    """obstore is fed what botocore resolved (s3config.py), never the options themselves (#49)."""
+    import s3fs
+
+    from cachefs.mounts import _with_store_defaults
+    from cachefs.store.s3config import resolve_fs
+
+    resolution = resolve_fs(s3fs.S3FileSystem(**_with_store_defaults("s3://bucket", options)))
+    got = native.store_options(resolution, "bucket")
+    if got is not None:
+        provider = got.pop("credential_provider", None)
+        assert (provider is None) == bool(options.get("anon"))
+        if provider is not None:
+            assert (provider()["access_key_id"], provider()["secret_access_key"]) == ("a", "b")
+    assert got == expected
 
 
 def test_a_mount_whose_options_do_not_translate_reads_through_s3fs(aws_env):

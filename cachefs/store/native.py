@@ -8,11 +8,14 @@ and errors the rest of the worker relies on. Reads keep the s3fs backend's contr
 the version with ``If-Match`` (a changed object is StaleObjectError, never other bytes), a
 missing one FileNotFoundError, an unreachable store ConnectionError (the store breaker's signal).
 
-Translated s3fs options: ``key``/``secret``/``token``, ``endpoint_url`` (also in
-``client_kwargs``), ``client_kwargs.region_name``, ``anon``, and of ``config_kwargs`` the
-connect/read timeouts and retry attempts (the mount table's fail-fast defaults); credentials not given are taken from
-the environment as the AWS SDKs do (obstore reads ``AWS_*`` and instance credentials). Any other
-option (``profile``, ``config_kwargs``, ``requester_pays``, ...) keeps the mount on s3fs.
+Like the HTTP client (s3http.py) it never reads a mount's options itself (#49): botocore resolves
+them as for s3fs (cachefs/store/s3config.py) and each bucket's S3Store is built from that: the
+bucket's URL (endpoint, addressing style), the signing region, the credentials (a provider that
+hands obstore botocore's, refreshed), timeouts, attempts, requester pays. obstore reads neither
+profiles, ``services`` sections nor SSO by itself; here it need not. A mount the HTTP client
+cannot take (a proxy, a CA bundle of its own, extra request parameters) stays on s3fs here too.
+Only chosen by naming it (worker setting ``s3_client = "obstore"``): ``auto`` is the HTTP client,
+else s3fs (docs/architecture.md says why, with the figures).
 """
 
 from __future__ import annotations
@@ -36,63 +39,65 @@ except ImportError:  # pragma: no cover - the s3fs backend serves instead
 
 __all__ = ["NativeS3Backend", "native_backend_for"]
 
-# s3fs options with no bearing on reads (caching of listings, its own event loop, ...).
-_IGNORED = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
-                      "asynchronous", "loop", "default_block_size", "default_fill_cache", "default_cache_type",
-                      "cache_regions", "use_ssl", "version_aware"})
 _CONNECTION_MARKERS = ("error sending request", "connection refused", "connection reset", "timed out",
                        "dns error", "connect error", "broken pipe", "connection closed")
-RETRIES = 1  # obstore's own retries where the mount names none (botocore's max_attempts 2)
 
 
-def store_options(options: dict[str, Any]) -> dict[str, Any] | None:
-    """obstore S3Store keyword arguments for a mount's s3fs options, or None: keep s3fs."""
-    out: dict[str, Any] = {}
-    client_kwargs = dict(options.get("client_kwargs") or {})
-    endpoint = options.get("endpoint_url") or client_kwargs.pop("endpoint_url", None)
-    region = client_kwargs.pop("region_name", None)
-    if client_kwargs:
-        return None  # e.g. a custom botocore config: not ours to translate
-    for name, value in options.items():
-        if name in _IGNORED or name in ("client_kwargs", "endpoint_url", "config_kwargs"):
-            continue
-        if name in ("key", "secret", "token") and value:
-            out[{"key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}[name]] = value
-        elif name == "anon":
-            if value:
-                out["skip_signature"] = True
-        elif value not in (None, "", False):
-            return None  # profile, config_kwargs, requester_pays, s3_additional_kwargs, ...
-    client_options: dict[str, Any] = {}
-    config = dict(options.get("config_kwargs") or {})
-    for name, key in (("connect_timeout", "connect_timeout"), ("read_timeout", "timeout")):
-        if name in config:
-            client_options[key] = f"{float(config.pop(name)):g}s"
-    retries = dict(config.pop("retries", None) or {})
-    attempts = retries.pop("max_attempts", retries.pop("total_max_attempts", None))
-    retries.pop("mode", None)
-    if config or retries:
-        return None  # other botocore settings: s3fs honours them, this would not
-    out["retry_config"] = {"max_retries": RETRIES if attempts is None else max(0, int(attempts) - 1),
-                           "retry_timeout": dt.timedelta(seconds=30)}
-    if endpoint:
-        out["endpoint"] = str(endpoint)
-        out["virtual_hosted_style_request"] = False  # path style: MinIO, moto, most S3 clones
-        if str(endpoint).startswith("http://"):
-            client_options["allow_http"] = True
-    if client_options:
-        out["client_options"] = client_options
-    if region:
-        out["region"] = str(region)
+def store_options(resolution: Any, bucket: str) -> dict[str, Any] | None:
+    """obstore S3Store keyword arguments for one bucket of a botocore resolution, or None: keep s3fs."""
+    if resolution.unsupported():
+        return None
+    verify = resolution.verify
+    target = resolution.target(bucket)
+    if target.scheme == "https" and isinstance(verify, str) and verify != _default_ca_bundle():
+        return None  # a CA bundle of the mount's own (or AWS_CA_BUNDLE's): obstore takes none
+    path_style = target.base.endswith("/" + bucket)
+    base = target.base[:-len(bucket) - 1] if path_style else target.base
+    out: dict[str, Any] = {"endpoint": f"{target.scheme}://{target.netloc}{base}", "region": target.region,
+                           "virtual_hosted_style_request": not path_style,
+                           "retry_config": {"max_retries": max(0, resolution.attempts - 1),
+                                            "retry_timeout": dt.timedelta(seconds=30)}}
+    client_options: dict[str, Any] = {"connect_timeout": f"{resolution.connect_timeout:g}s",
+                                      "timeout": f"{resolution.read_timeout:g}s"}
+    if target.scheme == "http":
+        client_options["allow_http"] = True
+    if verify is False:
+        client_options["allow_invalid_certificates"] = True
+    out["client_options"] = client_options
+    if resolution.requester_pays:
+        out["request_payer"] = True
+    if resolution.unsigned:
+        out["skip_signature"] = True
+    else:
+        def credentials() -> dict[str, Any]:
+            access, secret, token = resolution.credentials()
+            # Asked again within a minute: botocore knows when its credentials expire and refreshes them.
+            return {"access_key_id": access, "secret_access_key": secret, "token": token or None,
+                    "expires_at": dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=60)}
+        out["credential_provider"] = credentials
     return out
 
 
+def _default_ca_bundle() -> str:
+    from botocore.httpsession import get_cert_path
+
+    return get_cert_path(True)
+
+
 def native_backend_for(fs: fsspec.AbstractFileSystem) -> "NativeS3Backend | None":
-    """The native backend for an s3fs filesystem, or None (not installed, or options it cannot take)."""
+    """The native backend for an s3fs filesystem, or None (not installed, or a mount it cannot take)."""
     if obstore is None:
         return None
-    options = store_options(dict(getattr(fs, "storage_options", {}) or {}))
-    return None if options is None else NativeS3Backend(options)
+    from cachefs.store.s3config import resolve_fs
+
+    options = dict(getattr(fs, "storage_options", {}) or {})
+    if options.get("s3_additional_kwargs") or options.get("session"):
+        return None
+    try:
+        resolution = resolve_fs(fs)
+    except Exception:  # noqa: BLE001 - s3fs says what is wrong with the options
+        return None
+    return None if resolution.unsupported() else NativeS3Backend(resolution)
 
 
 def _translate(exc: BaseException, store_path: str, version: str) -> BaseException:
@@ -109,8 +114,8 @@ def _translate(exc: BaseException, store_path: str, version: str) -> BaseExcepti
 class NativeS3Backend(_S3Backend):
     """``_S3Backend`` with its data reads through obstore (one S3Store per bucket)."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        self._options = options
+    def __init__(self, resolution: Any) -> None:
+        self.resolution = resolution
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -118,7 +123,11 @@ class NativeS3Backend(_S3Backend):
         with self._lock:
             store = self._stores.get(bucket)
             if store is None:
-                store = self._stores[bucket] = S3Store(bucket, **self._options)
+                options = store_options(self.resolution, bucket)
+                if options is None:
+                    raise OSError(f"s3://{bucket}: obstore cannot send what botocore would "
+                                  f"({self.resolution.unsupported() or 'a CA bundle of its own'}): s3_client s3fs")
+                store = self._stores[bucket] = S3Store(bucket, **options)
             return store
 
     def _get(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> Any:
