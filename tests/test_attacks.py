@@ -182,7 +182,57 @@ def test_writes_through_a_symlink_are_refused(cluster, tree):
     assert (tree["data"] / "sub" / "new.txt").read_bytes() == b"fine"
 
 
-def test_a_directory_swapped_for_a_symlink_mid_read_never_leaks(tmp_path):
+@pytest.fixture(params=["openat2", "walk"])
+def opener(request, monkeypatch):
+    """Both ways beneath.py opens: openat2 (Linux 5.6+) and the O_NOFOLLOW walk (without it)."""
+    from cachefs.store import beneath
+
+    if request.param == "openat2" and not beneath.uses_openat2():
+        pytest.skip("no openat2 here")
+    if request.param == "walk":
+        monkeypatch.setattr(beneath, "_openat2", None)
+    return request.param
+
+
+def test_every_local_store_operation_refuses_symlinks(tmp_path, opener):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "d").mkdir(parents=True)
+    outside.mkdir()
+    (root / "d" / "f").write_bytes(b"inside")
+    (outside / "secret.txt").write_bytes(SECRET_LINE)
+    (root / "out").symlink_to(outside)
+    (root / "d" / "link").symlink_to(outside / "secret.txt")
+    store = ObjectStore(MountTable([MountSpec("data", str(root))]), metadata_ttl=0, list_ttl=0)
+    p = parse_path
+    for key in ("out/secret.txt", "d/link"):
+        with pytest.raises(InvalidPathError, match="symbolic link"):
+            store.info(p(f"data/{key}"), refresh=True)
+    with pytest.raises(InvalidPathError, match="symbolic link"):
+        store.list(p("data/out"), refresh=True)
+    listed = {m.path.key: m for m in store.list(p("data"), recursive=True, refresh=True)}
+    assert set(listed) == {"d/f", "d/link", "out"} and not listed["out"].is_dir  # links as themselves
+    with pytest.raises(InvalidPathError, match="symbolic link"):
+        store.open_write(p("data/out/planted"))
+    with pytest.raises(InvalidPathError, match="symbolic link"):
+        store.make_dir(p("data/out/newdir"))
+    with pytest.raises(InvalidPathError, match="symbolic link"):
+        store.remove(p("data/out/secret.txt"))
+    assert sorted(os.listdir(outside)) == ["secret.txt"]
+    # What is inside works: write (a link in the target's place is replaced, not written through),
+    # mkdir, copy, remove.
+    writer = store.open_write(p("data/d/link"))
+    writer.write(b"replaced")
+    writer.commit()
+    assert (root / "d" / "link").read_bytes() == b"replaced" and not (root / "d" / "link").is_symlink()
+    assert (outside / "secret.txt").read_bytes() == SECRET_LINE
+    store.make_dir(p("data/e/f"))
+    store.copy(p("data/d/f"), p("data/e/f/g"))
+    assert (root / "e" / "f" / "g").read_bytes() == b"inside"
+    store.remove(p("data/e"), recursive=True)
+    assert not (root / "e").exists()
+
+
+def test_a_directory_swapped_for_a_symlink_mid_read_never_leaks(tmp_path, opener):
     """The race: a directory replaced by a symlink to outside between a check and an open."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     (root / "d").mkdir(parents=True)
