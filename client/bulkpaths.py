@@ -28,7 +28,8 @@ from cachefs.client import forksafe
 from cachefs.client.dataport import DataPortReader
 from cachefs.client.shortcircuit import FORKED_FILL_PATIENCE, Prepared, ShortCircuitReader
 from cachefs.errors import REQUEST, WorkerUnavailableError, from_wire_error
-from cachefs.localhost import host_id
+from cachefs import rawbytes
+from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.proto import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ PROBE_RETRY = 60.0  # seconds before asking a worker again which paths it offers
 #: much (plus the transfer's own time at min_throughput), never the gRPC deadline.
 SOCKET_TIMEOUT = 5.0
 _HOST_ID = host_id()
+#: The page size assumed for a worker that did not say its own (an older one): the smallest a
+#: worker takes, so that a piece of MAX_PAGES / 2 pages is never refused as too large.
+DEFAULT_PAGE_SIZE = 4096
 #: Seconds before asking again a worker that was away (refused, socket gone, gRPC unavailable).
 AWAY_RETRY = 2.0
 #: In a process without gRPC, seconds before a worker's lean path that failed is tried again:
@@ -154,7 +158,8 @@ class BulkPaths:
     def note_view(self, view: Any) -> None:
         """A cluster view: its workers' lean paths (for a process that must not use gRPC)."""
         self._from_view = {w.address: worker_pb2.WorkerStatus(host_id=w.lean.host_id, data_port=w.lean.data_port,
-                                                              short_circuit_socket=w.lean.short_circuit_socket)
+                                                              short_circuit_socket=w.lean.short_circuit_socket,
+                                                              page_size=w.lean.page_size)
                            for w in view.workers if w.HasField("lean")}
         self._view_known = max(self._view_known, view.version)
 
@@ -252,10 +257,43 @@ class BulkPaths:
 
     def _read_no_grpc(self, path: str, offset: int, length: int, version: str,
                       out: memoryview | None) -> tuple[Any, int, str] | None:
-        """A read in a process that must not use gRPC: from the placed workers' lean paths in ring
-        order, each asked to fill what is not cached, again with back-off (0.02 s doubling to
-        0.5 s) for up to FORKED_FILL_PATIENCE while none serves it; None if none did. An error
-        about the object itself (no such object, denied) is raised at once."""
+        """A read in a process that must not use gRPC, in pieces a socket serves in one request
+        (half of MAX_PAGES pages of the placed worker's page size: gRPC is not there to take a
+        range the socket refuses as too large)."""
+        chunk = self._chunk_bytes(path, offset)
+        if 0 <= length <= chunk:
+            return self._read_no_grpc_once(path, offset, length, version, out)
+        parts: list[Any] = []
+        pos, end, size = offset, (None if length < 0 else offset + length), -1
+        while True:
+            want = chunk if end is None else min(chunk, end - pos)
+            into = out[pos - offset:pos - offset + want] if out is not None and end is not None else None
+            got = self._read_no_grpc_once(path, pos, want, version, into)
+            if got is None:
+                return None
+            data, size, version = got
+            parts.append(data)
+            pos += len(data)
+            end = size if end is None else min(end, size)
+            if len(data) < want or pos >= end:
+                break
+        if out is not None and length >= 0:
+            return out[:pos - offset], size, version
+        return rawbytes.join(parts, self.config.huge_pages), size, version
+
+    def _chunk_bytes(self, path: str, offset: int) -> int:
+        candidates = self.workers.candidates(path, offset, include_broken=True)
+        address = candidates[0].address if candidates else ""
+        status = self._handed_down.get(address) or self._statuses.get(address) or self._from_view.get(address)
+        page_size = getattr(status, "page_size", 0) or DEFAULT_PAGE_SIZE
+        return max(1, MAX_PAGES // 2) * page_size
+
+    def _read_no_grpc_once(self, path: str, offset: int, length: int, version: str,
+                           out: memoryview | None) -> tuple[Any, int, str] | None:
+        """One piece: from the placed workers' lean paths in ring order, each asked to fill what
+        is not cached, again with back-off (0.02 s doubling to 0.5 s) for up to
+        FORKED_FILL_PATIENCE while none serves it; None if none did. An error about the object
+        or the request itself (no such object, denied, a wrong token) is raised at once."""
         deadline = time.monotonic() + FORKED_FILL_PATIENCE
         pause = 0.02
         while True:

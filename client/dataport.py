@@ -20,6 +20,7 @@ import xxhash
 
 from cachefs import rawbytes
 from cachefs.client.socketpool import SocketPool
+from cachefs.client.shortcircuit import refusal_error
 from cachefs.errors import REQUEST
 from cachefs.proto import dataport_pb2
 
@@ -108,6 +109,11 @@ class DataPortReader:
         def receive(sock: socket.socket, reply: Any) -> Any:
             if reply.code == Reply.OK:
                 return self._receive(sock, reply, offset, length, out, self.huge_pages)
+            if reply.code == Reply.REFUSED:  # a wrong token, a bad request: final where the caller asks
+                refused = refusal_error(path, reply.message)
+                if refused is not None and fill:
+                    failure.append(refused)
+                return None
             if reply.code == Reply.FAILED:  # nothing follows the header: the connection stays in step
                 message = reply.message if path in reply.message else f"{path}: {reply.message}"
                 failed = OSError(reply.errno or errno.EIO, message)

@@ -60,6 +60,23 @@ HELLO_RETRY = 5.0
 HOLD_RANGE_PAGES = 8
 
 
+def refusal_error(path: str, message: str) -> OSError | None:
+    """The error a refused request means for a process with no other path than the worker's
+    sockets (its fault is the request's: no other worker would take it either); None for a range
+    refused as too large (the caller asks for it in pieces) or an unexplained refusal."""
+    if "pages in one" in message:
+        return None
+    if message.startswith("UNAUTHENTICATED"):
+        failure: OSError = PermissionError(errno.EACCES, f"{path}: the worker refused this client's token "
+                                                         f"({message}): set the cluster's token (option token)")
+    elif message.startswith(("INVALID_ARGUMENT", "malformed")):
+        failure = OSError(errno.EINVAL, f"{path}: {message}")
+    else:
+        return None
+    failure.cachefs_fault = REQUEST  # type: ignore[attr-defined]
+    return failure
+
+
 class Prepared(NamedTuple):
     """What a prepare got: ranges whose page handles are now held here (or readable by name), how
     many of them the worker had to fetch from the store first (cold: reads further ahead are
@@ -209,6 +226,8 @@ class ShortCircuitReader:
             reply.ParseFromString(message)
             if reply.refused:
                 log.debug("short-circuit request refused: %s", reply.message)
+                for path, *_ in ranges:  # e.g. a wrong token: asking again cannot mend it
+                    self._note_refused(path, reply.message)
                 return [None] * len(ranges), 0
             self._note_view(reply)
             pos = 0
@@ -268,8 +287,20 @@ class ShortCircuitReader:
                 request.plan_furthest = furthest
             request.plan_reader = self._pid
 
+    def _note_refused(self, path: str, message: str) -> None:
+        """A refusal is final for a process that keeps to this socket (forksafe.grpc_inherited):
+        kept as the error its next read raises (a range too large is not: it is asked in pieces)."""
+        failure = refusal_error(path, message)
+        if failure is not None:
+            if len(self._failed) >= _NOT_CACHED_MAX:
+                self._failed = {}
+            self._failed[path] = failure
+
     def _note_failed(self, path: str, got: Any) -> None:
         """Keep the latest reply's verdict on ``path``: FAILED (asking again cannot mend it) or not."""
+        if got.code == RangeReply.REFUSED:
+            self._note_refused(path, got.message)
+            return
         if got.code != RangeReply.FAILED:
             if self._failed:
                 self._failed.pop(path, None)

@@ -194,14 +194,16 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., registered_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., version: _Optional[str] = ..., lean: _Optional[_Union[LeanPaths, _Mapping]] = ...) -> None: ...
 
 class LeanPaths(_message.Message):
-    __slots__ = ("host_id", "short_circuit_socket", "data_port")
+    __slots__ = ("host_id", "short_circuit_socket", "data_port", "page_size")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHORT_CIRCUIT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     short_circuit_socket: str
     data_port: int
-    def __init__(self, host_id: _Optional[str] = ..., short_circuit_socket: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+    page_size: int
+    def __init__(self, host_id: _Optional[str] = ..., short_circuit_socket: _Optional[str] = ..., data_port: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class RingSettings(_message.Message):
     __slots__ = ("vnodes", "stripe_size")

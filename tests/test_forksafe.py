@@ -596,3 +596,53 @@ def test_a_forked_child_lists_reads_and_follows_the_view_over_the_sockets(local_
         assert wrong == []
     finally:
         master.stop()
+
+
+@pytest.mark.parametrize("short_circuit", [True, False], ids=["short-circuit", "data-port"])
+def test_a_forked_child_reads_a_range_larger_than_one_socket_reply(local_store, make_worker, short_circuit):
+    """A range of more pages than one socket request carries (MAX_PAGES) was refused, and a
+    forked child (no gRPC to take it) asked again for 15 s and failed: it reads it in pieces."""
+    big = payload(1 << 20, 7)  # 256 pages of 4 KiB
+    local_store.add("big.bin", big)
+    worker = make_worker(local_store.mount, page_size=4096)
+    fs = client(worker.address, short_circuit=short_circuit, data_port=not short_circuit)
+    assert fs.cat_file("cachefs://data/big.bin", start=0, end=4096) == big[:4096]  # the parent probes
+
+    def read() -> object:
+        t0 = time.monotonic()
+        whole = fs.cat_file("cachefs://data/big.bin")
+        part = fs.cat_file("cachefs://data/big.bin", start=1000, end=900_000)
+        return whole == big, part == big[1000:900_000], time.monotonic() - t0
+
+    got = _in_forked_child(read)
+    assert not isinstance(got, BaseException), repr(got)
+    assert got[0] and got[1] and got[2] < 10, got
+
+
+@pytest.mark.parametrize("short_circuit", [True, False], ids=["short-circuit", "data-port"])
+def test_a_forked_child_with_a_wrong_token_fails_at_once(local_store, make_worker, short_circuit):
+    """A refusal (a wrong token) is final for a child that has only the worker's sockets: it raises
+    PermissionError at once, not after asking again for 15 s on every read."""
+    from cachefs.client.session import ClientSession
+    from cachefs.config import ClientConfig
+    from cachefs.paths import CachePath
+
+    local_store.add("obj.bin", payload(5000, 1))
+    worker = make_worker(local_store.mount, page_size=PAGE, access_token="s3cret")
+    good = client(worker.address, token="s3cret", short_circuit=short_circuit, data_port=not short_circuit)
+    assert good.cat_file("cachefs://data/obj.bin") == payload(5000, 1)
+    bad = ClientSession(ClientConfig(workers=(worker.address,), token="wrong", short_circuit=short_circuit,
+                                     data_port=not short_circuit), good.session.bootstrap())
+
+    def read() -> object:
+        t0 = time.monotonic()
+        try:
+            bad.read(CachePath("data", "obj.bin"), 0, -1)
+        except PermissionError as exc:
+            return "PermissionError", str(exc), time.monotonic() - t0
+        except BaseException as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+        return "no error", "", time.monotonic() - t0
+
+    kind, message, seconds = _in_forked_child(read)
+    assert kind == "PermissionError" and "token" in message and seconds < 5, (kind, message, seconds)

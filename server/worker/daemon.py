@@ -231,7 +231,7 @@ class Worker:
                 on_mounts_changed=self._on_mounts_changed, tls=self.config.tls,
                 on_epoch=servicer.epochs.observe,
                 lean=master_pb2.LeanPaths(host_id=HOST_ID, short_circuit_socket=servicer.short_circuit_socket,
-                                          data_port=servicer.data_port),
+                                          data_port=servicer.data_port, page_size=self.pages.page_size),
                 view=self.view_relay,
             ).start()
         threading.Thread(target=self._expire_plans, name="cachefs-plans", daemon=True).start()
