@@ -449,3 +449,37 @@ def test_against_a_store_that_is_not_aws_checksums_are_asked_only_where_required
     mine = pinned_options("s3://bucket", {"endpoint_url": "http://x:1",
                                           "config_kwargs": {"request_checksum_calculation": "when_supported"}})
     assert mine["config_kwargs"]["request_checksum_calculation"] == "when_supported"
+
+
+def test_a_forked_child_reads_from_the_same_store(stores, clean_aws):
+    """The client's fallback store runs in forked DataLoader workers: the resolution made in the
+    parent serves the child (its own connections), and the parent's still works after."""
+    import os
+
+    for name, value in ENV_KEYS.items():
+        clean_aws.setenv(name, value)
+    clean_aws.setenv("AWS_ENDPOINT_URL", stores.right.url)
+    objects = ObjectStore(MountTable([MountSpec("data", f"s3://{stores.bucket}", {})]), s3_client="http")
+    meta = objects.info(CachePath("data", KEY))
+    assert objects.read(meta, 0, 1000) == stores.data[:1000]
+    pid = os.fork()
+    if pid == 0:
+        ok = objects.read(meta, 1000, 5000) == stores.data[1000:5000]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert objects.read(meta, 5000, 6000) == stores.data[5000:6000]
+
+
+def test_a_proxy_keeps_the_mount_on_s3fs_and_the_log_says_why(stores, clean_aws, caplog):
+    """An option the HTTP client cannot honour never sends its requests elsewhere: the mount
+    reads through s3fs, and the log names the option."""
+    from cachefs.store.backends import _S3Backend
+
+    options = {"key": "a", "secret": "b", "endpoint_url": stores.right.url,
+               "config_kwargs": {"proxies": {"http": "http://127.0.0.1:9", "https": "http://127.0.0.1:9"}}}
+    objects = ObjectStore(MountTable([MountSpec("data", f"s3://{stores.bucket}", options)]), s3_client="http")
+    with caplog.at_level("INFO", logger="cachefs.store.s3http"):
+        backend = objects._backend(objects.mounts.resolve(CachePath("data", KEY)))
+    assert type(backend) is _S3Backend
+    assert "cannot honour a proxy" in caplog.text

@@ -33,6 +33,7 @@ import email.utils
 import hashlib
 import html
 import hmac
+import logging
 import os
 import random
 import re
@@ -51,6 +52,8 @@ from cachefs import rawbytes
 from cachefs.errors import StaleObjectError
 from cachefs.store.backends import PieceSink, _mtime_of, _S3Backend
 from cachefs.store.s3config import S3Resolution, resolve, resolve_fs
+
+log = logging.getLogger(__name__)
 
 __all__ = ["HttpS3Backend", "S3Settings", "http_backend_for"]
 
@@ -157,13 +160,18 @@ _NOT_OURS = ("s3_additional_kwargs", "session")
 def http_backend_for(fs: fsspec.AbstractFileSystem) -> "HttpS3Backend | None":
     """The HTTP client's backend for an s3fs filesystem, None where it cannot send what s3fs would."""
     options = dict(getattr(fs, "storage_options", {}) or {})
-    if any(options.get(name) for name in _NOT_OURS):
+    ours = [name for name in _NOT_OURS if options.get(name)]
+    if ours:
+        log.info("S3 reads through s3fs, not the HTTP client: the mount sets %s", ", ".join(ours))
         return None
     try:
         resolution = resolve_fs(fs)
-    except Exception:  # noqa: BLE001 - an option botocore refuses: s3fs says which, on first use
+    except Exception as exc:  # noqa: BLE001 - an option botocore refuses: s3fs says which, on first use
+        log.info("S3 reads through s3fs, not the HTTP client: botocore refuses the options: %s", exc)
         return None
-    if resolution.unsupported():
+    reason = resolution.unsupported()
+    if reason:
+        log.info("S3 reads through s3fs, not the HTTP client, which cannot honour %s", reason)
         return None
     return HttpS3Backend(resolution)
 
