@@ -204,6 +204,44 @@ def test_sealed_tables_in_process():
         names.close()
 
 
+def test_without_the_future_write_seal_the_table_is_narrowed_and_the_log_says_so(monkeypatch, caplog):
+    """An older kernel (before 5.1) refuses F_SEAL_FUTURE_WRITE: the size seals still go on, the
+    memfd becomes 0444 (another uid cannot reopen it writable) and a warning says what is left."""
+    import fcntl
+    import logging
+    import stat
+
+    from cachefs import memseal
+
+    real = fcntl.fcntl
+
+    def old_kernel(fd, cmd, arg=0):
+        if cmd == fcntl.F_ADD_SEALS and arg & memseal.F_SEAL_FUTURE_WRITE:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(memseal.fcntl, "fcntl", old_kernel)
+    monkeypatch.setattr(memseal, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="cachefs.memseal"):
+        fd, table, sealed = memseal.sealed_table("cachefs-test", 4096)
+    try:
+        assert not sealed and "F_SEAL_FUTURE_WRITE" in caplog.text
+        seals = real(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o444
+        table[0:8] = b"12345678"  # the creator's own mapping still writes
+
+        def reopen() -> dict[str, object]:  # the forked child holds the memfd, as a client would
+            os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR))
+            return {"opened": True}
+
+        assert _in_child(reopen, uid=NOBODY).get("errno") == errno.EACCES  # another uid: the mode
+        assert _in_child(reopen, uid=None) == {"opened": True}  # root still could (the warning says so)
+    finally:
+        table.close()
+        os.close(fd)
+
+
 # -- 2. a disallowed uid gets nothing from the worker's socket ----------------------------------------
 def test_a_disallowed_uid_gets_nothing(tmp_path: Path, open_dir: Path):
     worker = _worker(tmp_path, open_dir)
