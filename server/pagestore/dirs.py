@@ -86,7 +86,7 @@ class DirHandle:
         self.order: EvictionOrder = order if order is not None else LruOrder()  # READY pages
         private_dir(root)  # ours, not a symlink; refused if another user made it (cachefs/runtimedir.py)
         lock_path = os.path.join(root, "lock")
-        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
