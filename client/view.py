@@ -81,7 +81,20 @@ class ViewWatcher(forksafe.ForkHook):
             if call is not None:
                 call.cancel()
             if self._outside.wait(0.02):
-                return
+                break
+        self._close_channel(max(0.0, end - time.monotonic()))
+
+    def _close_channel(self, timeout: float) -> None:
+        """Close the channel (the next call opens a new one); bounded: a thread stuck opening it
+        holds the lock."""
+        if not self._channel_lock.acquire(timeout=timeout):
+            return
+        try:
+            channel, self._channel, self._stub_value = self._channel, None, None
+        finally:
+            self._channel_lock.release()
+        if channel is not None:
+            channel.close()
 
     def _resume(self) -> None:
         if self._pid == os.getpid():
@@ -189,12 +202,4 @@ class ViewWatcher(forksafe.ForkHook):
             call.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        # Bounded: a watch thread stuck opening its channel holds the lock.
-        if not self._channel_lock.acquire(timeout=timeout):
-            return
-        try:
-            channel, self._channel, self._stub_value = self._channel, None, None
-        finally:
-            self._channel_lock.release()
-        if channel is not None:
-            channel.close()
+        self._close_channel(timeout)
