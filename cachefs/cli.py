@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--eviction", choices=("future", "lru"),
                    help="evict the page training plans read furthest ahead (future, default) or the least recently used")
     w.add_argument("--s3-client", choices=("auto", "http", "obstore", "s3fs"),
-                   help="client for S3 data reads (auto: http where the mount's options allow, then obstore, then s3fs)")
+                   help="client for S3 data reads (auto: http, configured as botocore resolves the mount for s3fs; s3fs where it cannot send the same requests)")
     w.set_defaults(func=cmd_worker)
 
     m = sub.add_parser("master", help="run the master (gRPC): membership, view, mounts, metadata cache, jobs")
