@@ -155,9 +155,21 @@ class MountPolicy:
             return False
         return True
 
+    @staticmethod
+    def pinned(spec: MountSpec) -> MountSpec:
+        """``spec`` with a local path replaced by its realpath (what :meth:`check` compared): the
+        workers and the master's catalog mount exactly that, and refuse it if a symlink has been
+        swapped in on its path since (MountTable.add(exact_root=True))."""
+        path = _local_path(spec.url) if "::" not in spec.url else None
+        if path is None:
+            return spec
+        real = os.path.realpath(path)
+        return spec if real == spec.url else MountSpec(spec.name, real, spec.options, spec.read_only)
+
 
 class PolicedState:
-    """The master's state as the rest of the master sees it: mounts the policy refuses are left out.
+    """The master's state as the rest of the master sees it: mounts the policy refuses are left
+    out, local ones are served by the realpath the policy checked (:meth:`MountPolicy.pinned`).
 
     Everything else is the wrapped state's (writes included: AddMount checks before writing, and
     a refused mount can still be removed or replaced). Each refused mount is logged once.
@@ -167,28 +179,28 @@ class PolicedState:
         self._state = state
         self.policy = policy
         self._lock = threading.Lock()
-        self._verdicts: dict[tuple[str, str, str], bool] = {}
+        self._served: dict[tuple[str, str, str], MountSpec | None] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._state, name)
 
-    def _allowed(self, spec: MountSpec) -> bool:
+    def _serve(self, spec: MountSpec) -> MountSpec | None:
         key = (spec.name, spec.url, json.dumps(spec.options, sort_keys=True, default=str))
         with self._lock:
-            verdict = self._verdicts.get(key)
-        if verdict is None:
-            try:
-                self.policy.check(spec)
-                verdict = True
-            except MountRefusedError as exc:
-                log.error("not serving %s: %s", spec.name, exc)
-                verdict = False
-            with self._lock:
-                if len(self._verdicts) > 10_000:
-                    self._verdicts.clear()
-                self._verdicts[key] = verdict
-        return verdict
+            if key in self._served:
+                return self._served[key]
+        try:
+            self.policy.check(spec)
+            served: MountSpec | None = self.policy.pinned(spec)
+        except MountRefusedError as exc:
+            log.error("not serving %s: %s", spec.name, exc)
+            served = None
+        with self._lock:
+            if len(self._served) > 10_000:
+                self._served.clear()
+            self._served[key] = served
+        return served
 
     def mounts(self) -> tuple[int, list[MountSpec]]:
         version, specs = self._state.mounts()
-        return version, [s for s in specs if self._allowed(s)]
+        return version, [s for s in map(self._serve, specs) if s is not None]

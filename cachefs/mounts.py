@@ -159,7 +159,10 @@ class MountTable:
         for spec in specs:
             self.add(spec)
 
-    def add(self, spec: MountSpec) -> None:
+    def add(self, spec: MountSpec, exact_root: bool = False) -> None:
+        """Open ``spec``'s filesystem. A local root is taken by its realpath; with ``exact_root``
+        (mounts from the master, which hands out realpaths it checked: cachefs/mountpolicy.py)
+        a root that is not its own realpath now (a symlink swapped in since) is refused."""
         import fsspec.core
         from fsspec.implementations.local import LocalFileSystem
 
@@ -167,7 +170,11 @@ class MountTable:
         root = root.rstrip("/")
         local = isinstance(fs, LocalFileSystem)
         if local:
-            root = os.path.realpath(root)
+            real = os.path.realpath(root)
+            if exact_root and real != os.path.normpath(os.path.abspath(root or "/")):
+                raise InvalidPathError(f"mount {spec.name!r}: its local path {root} now leads to {real} (a symbolic "
+                                       "link on the way): not mounted")
+            root = real
         with self._lock:
             self._mounts[spec.name] = (spec, fs, root, local)
 

@@ -194,6 +194,37 @@ def opener(request, monkeypatch):
     return request.param
 
 
+def test_a_mounted_directory_swapped_for_a_symlink_is_not_followed(cluster, tree):
+    """The mount's root itself replaced by a link to outside after the master allowed it: the
+    workers' next opens fail, they never read outside."""
+    swapdir = tree["data"] / "swapdir"
+    swapdir.mkdir()
+    (swapdir / "ok.txt").write_bytes(b"ok")
+    out = _cachefs("mount", "swapme", str(swapdir), "--master", cluster.master_address)
+    assert out.returncode == 0, out.stderr
+    fs = client(master=cluster.master_address)
+    assert wait_for(lambda: fs.exists("swapme/ok.txt"))
+    swapdir.rename(tree["data"] / "swapdir.real")
+    swapdir.symlink_to(tree["outside"])
+    with pytest.raises(InvalidPathError, match="symbolic link"):
+        fs.cat_file("swapme/secret.txt")
+
+
+def test_a_worker_refuses_a_master_mount_whose_path_now_has_a_link(tmp_path):
+    """A worker (re)starting after the swap: the master handed out a realpath, which now leads
+    elsewhere: not mounted (MountTable.add(exact_root=True))."""
+    real, outside = tmp_path / "real", tmp_path / "outside"
+    real.mkdir()
+    outside.mkdir()
+    table = MountTable()
+    table.add(MountSpec("m", str(real)), exact_root=True)
+    real.rename(tmp_path / "moved")
+    real.symlink_to(outside)
+    with pytest.raises(InvalidPathError, match=f"its local path {real} now leads to {outside}"):
+        table.add(MountSpec("m", str(real)), exact_root=True)
+    table.add(MountSpec("own", str(real)))  # a worker's own configured mount: by its realpath, as before
+
+
 def test_every_local_store_operation_refuses_symlinks(tmp_path, opener):
     root, outside = tmp_path / "root", tmp_path / "outside"
     (root / "d").mkdir(parents=True)

@@ -103,7 +103,20 @@ def _symlink_error(key: str) -> InvalidPathError:
 
 
 def _open_root(root: str) -> int:
-    return os.open(root, _DIR_FLAGS)
+    """A descriptor of the mount's root (a realpath, MountTable.add): no symlink followed on its
+    path either, so a component swapped for a link after the mount was added fails closed."""
+    if _openat2 is not None and root.startswith("/"):
+        top = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return _openat2(top, root.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EXDEV):
+                raise InvalidPathError(f"the mount's root {root}: a symbolic link on the way now (swapped in "
+                                       "after it was mounted): refused") from None
+            raise
+        finally:
+            os.close(top)
+    return os.open(root, _DIR_FLAGS)  # the walk: the last component, at least
 
 
 def _is_link(name: str, dir_fd: int) -> bool:
@@ -206,9 +219,8 @@ def _scan(fd: int, base: str) -> list[tuple[str, os.stat_result]]:
 def list_beneath(path: LocalStorePath) -> list[dict[str, Any]]:
     """``fs.ls(path, detail=True)`` as fsspec's local file system gives it, without following any
     symlink (a link is listed as itself)."""
-    try:
-        fd = open_beneath(path.root, path.key, os.O_RDONLY | os.O_DIRECTORY)
-    except NotADirectoryError:
+    fd = _open_dir(path)
+    if fd is None:
         return [_entry_info(str(path), stat_beneath(path))]
     try:
         return [_entry_info(name, st) for name, st in _scan(fd, str(path))]
@@ -216,14 +228,25 @@ def list_beneath(path: LocalStorePath) -> list[dict[str, Any]]:
         os.close(fd)
 
 
+def _open_dir(path: LocalStorePath) -> int | None:
+    """A descriptor to list ``path``, or None if it is not a directory (a file: listed as itself)."""
+    for _ in range(3):  # a directory and a file swapped under us: ask again
+        try:
+            return open_beneath(path.root, path.key, os.O_RDONLY | os.O_DIRECTORY)
+        except NotADirectoryError:
+            if not stat.S_ISDIR(stat_beneath(path).st_mode):
+                return None
+    raise OSError(errno.EAGAIN, f"{path.key!r} keeps changing between a directory and something else")
+
+
 def find_beneath(path: LocalStorePath) -> list[dict[str, Any]]:
     """Every file (not directory) under ``path``, recursively, as ``fs.find(detail=True)``; a
     missing path gives nothing (as fsspec's); symlinks are listed as themselves, never entered."""
     try:
-        fd = open_beneath(path.root, path.key, os.O_RDONLY | os.O_DIRECTORY)
+        fd = _open_dir(path)
     except FileNotFoundError:
         return []
-    except NotADirectoryError:
+    if fd is None:
         return [_entry_info(str(path), stat_beneath(path))]
     out: list[dict[str, Any]] = []
 

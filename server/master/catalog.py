@@ -53,7 +53,7 @@ class Catalog:
                 if name in self._specs:
                     continue
                 try:
-                    self._mounts.add(spec)
+                    self._mounts.add(spec, exact_root=True)  # a realpath the policy checked
                 except Exception as exc:  # noqa: BLE001 - one bad mount must not hide the others
                     # The type only: a message from a store's constructor may quote its options.
                     self._broken[name] = type(exc).__name__

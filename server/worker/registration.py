@@ -176,7 +176,7 @@ class Registrar:
             old = current.get(name)
             if old is None or (old.url, dict(old.options), old.read_only) != (spec.url, dict(spec.options), spec.read_only):
                 try:
-                    self.mounts.add(spec)
+                    self.mounts.add(spec, exact_root=True)  # the master hands out realpaths it checked
                     changed.add(name)
                 except (ValueError, OSError, ImportError) as exc:
                     # The type only: a store constructor's message may quote its options (#48).
