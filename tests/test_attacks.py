@@ -153,6 +153,27 @@ def test_the_operators_own_mounts_are_allowed_whatever_their_scheme(tmp_path, tr
         assert "not under allowed_local_roots" in _refused(_cachefs("mount", "beside", str(tree["outside"]), *m))
 
 
+def test_a_refused_mount_written_to_etcd_is_not_served(tmp_path, tree, etcd_cluster):
+    """Several masters on etcd: a mount of /etc written there (by an older master, or by hand) is
+    not served by the leader or a standby, which see it through their watch."""
+    from cachefs.config import MasterConfig
+    from cachefs.server.master import Master
+
+    config = MasterConfig(port=0, state_dir=str(tmp_path / "m"), etcd=tuple(etcd_cluster.endpoints),
+                          election_lease_seconds=2, lease_seconds=6, heartbeat_seconds=1,
+                          mounts=(MountSpec("data", str(tree["data"])),))
+    master = Master(config).start()
+    try:
+        assert wait_for(master.control.is_leader, timeout=15)
+        assert wait_for(lambda: [m.name for m in master.state.mounts()[1]] == ["data"], timeout=10)
+        master.state.add_mount(MountSpec("evil", "/etc"))  # straight into etcd, past AddMount
+        assert wait_for(lambda: len(master.state.mounts()[1]) == 2, timeout=10)
+        assert [m.name for m in master.servicer.build_view().mounts] == ["data"]
+        assert [m.name for m in master.served.mounts()[1]] == ["data"]
+    finally:
+        master.stop()
+
+
 # --------------------------------------------------------------------- no symlink is followed
 
 @pytest.mark.parametrize("key", ["passwd", "etc/passwd", "out/secret.txt", "rel"])
