@@ -39,7 +39,8 @@ AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKE
                  "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_SESSION_NAME",
                  "AWS_EC2_METADATA_SERVICE_ENDPOINT", "AWS_EC2_METADATA_DISABLED", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CA_BUNDLE",
-                 "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "AWS_S3_ADDRESSING_STYLE")
+                 "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "AWS_S3_ADDRESSING_STYLE",
+                 "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_ENDPOINT_URL_SSO")
 
 
 @dataclass
@@ -483,3 +484,69 @@ def test_a_proxy_keeps_the_mount_on_s3fs_and_the_log_says_why(stores, clean_aws,
         backend = objects._backend(objects.mounts.resolve(CachePath("data", KEY)))
     assert type(backend) is _S3Backend
     assert "cannot honour a proxy" in caplog.text
+
+
+class _FakeCredentialService(http.server.BaseHTTPRequestHandler):
+    """An ECS/EKS container credentials endpoint and the SSO portal's GetRoleCredentials."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        expires = time.time() + 3600
+        if self.path == "/container-credentials" and self.headers.get("authorization") == "container-token":
+            body = {"AccessKeyId": "AKCONTAINER", "SecretAccessKey": "s", "Token": "t",
+                    "Expiration": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))}
+        elif self.path.startswith("/federation/credentials") and self.headers.get("x-amz-sso_bearer_token") == "sso-token":
+            body = {"roleCredentials": {"accessKeyId": "AKSSO", "secretAccessKey": "s", "sessionToken": "t",
+                                        "expiration": int(expires * 1000)}}
+        else:
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def credential_service() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeCredentialService)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_credentials_from_a_container_role(stores, clean_aws, credential_service):
+    clean_aws.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"{credential_service}/container-credentials")
+    clean_aws.setenv("AWS_CONTAINER_AUTHORIZATION_TOKEN", "container-token")
+    clean_aws.setenv("AWS_ENDPOINT_URL_S3", stores.right.url)
+    _assert_alike(stores, {}, key="AKCONTAINER")
+
+
+def test_credentials_from_sso(stores, clean_aws, credential_service, tmp_path):
+    """A profile signed in with ``aws sso login`` (its cached token), the portal at the endpoint
+    botocore resolves for it (``AWS_ENDPOINT_URL_SSO``, here a fake)."""
+    import hashlib
+
+    import botocore.credentials
+
+    start_url = "https://example.awsapps.com/start"
+    cache = tmp_path / "sso-cache"
+    cache.mkdir()
+    (cache / f"{hashlib.sha1(start_url.encode()).hexdigest()}.json").write_text(json.dumps(
+        {"startUrl": start_url, "region": "eu-west-1", "accessToken": "sso-token",
+         "expiresAt": "2099-01-01T00:00:00Z"}))
+    clean_aws.setattr(botocore.credentials.SSOProvider, "_SSO_TOKEN_CACHE_DIR", str(cache))
+    _config(tmp_path, clean_aws, f"[profile sso]\nsso_start_url = {start_url}\nsso_region = eu-west-1\n"
+                                 "sso_account_id = 123456789012\nsso_role_name = training\nregion = us-east-1\n"
+                                 f"endpoint_url = {stores.right.url}\n")
+    clean_aws.setenv("AWS_ENDPOINT_URL_SSO", credential_service)
+    _assert_alike(stores, {"profile": "sso"}, key="AKSSO")
