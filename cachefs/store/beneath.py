@@ -27,11 +27,12 @@ from typing import Any
 
 from cachefs.errors import InvalidPathError
 
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)  # Linux; elsewhere a plain read-only open
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 _SYS_OPENAT2 = 437  # the same on every Linux architecture since 5.1 (asm-generic table), alpha aside
-_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalStorePath(str):
@@ -72,9 +73,9 @@ def _load_openat2() -> Any:
         return int(fd)
 
     try:  # a kernel without it answers ENOSYS; a seccomp filter EPERM or ENOSYS
-        top = os.open("/", os.O_PATH | os.O_CLOEXEC)
+        top = os.open("/", _O_PATH | os.O_CLOEXEC)
         try:
-            os.close(openat2(top, ".", os.O_PATH))
+            os.close(openat2(top, ".", _O_PATH))
         finally:
             os.close(top)
     except OSError:
@@ -106,9 +107,9 @@ def _open_root(root: str) -> int:
     """A descriptor of the mount's root (a realpath, MountTable.add): no symlink followed on its
     path either, so a component swapped for a link after the mount was added fails closed."""
     if _openat2 is not None and root.startswith("/"):
-        top = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        top = os.open("/", _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return _openat2(top, root.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY)
+            return _openat2(top, root.lstrip("/") or ".", _O_PATH | os.O_DIRECTORY)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.EXDEV):
                 raise InvalidPathError(f"the mount's root {root}: a symbolic link on the way now (swapped in "
@@ -176,7 +177,7 @@ def open_beneath(root: str, key: str, flags: int, mode: int = 0o666) -> int:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _is_link(parts[-1], parent):
                     raise _symlink_error(key) from None
                 raise type(exc)(exc.errno, exc.strerror, key) from None
-            if flags & os.O_PATH and stat.S_ISLNK(os.fstat(fd).st_mode):  # O_PATH|O_NOFOLLOW: the link
+            if flags & _O_PATH and stat.S_ISLNK(os.fstat(fd).st_mode):  # O_PATH|O_NOFOLLOW: the link
                 os.close(fd)
                 raise _symlink_error(key)
             return fd
@@ -187,7 +188,7 @@ def open_beneath(root: str, key: str, flags: int, mode: int = 0o666) -> int:
 
 
 def stat_beneath(path: LocalStorePath) -> os.stat_result:
-    fd = open_beneath(path.root, path.key, os.O_PATH)
+    fd = open_beneath(path.root, path.key, _O_PATH)
     try:
         return os.fstat(fd)
     finally:
@@ -283,7 +284,7 @@ def parent_dir(path: LocalStorePath, create: bool = False) -> Iterator[tuple[int
     try:
         if _openat2 is not None and not create:
             try:
-                fd = _openat2(root_fd, "/".join(parts[:-1]) or ".", os.O_PATH | os.O_DIRECTORY)
+                fd = _openat2(root_fd, "/".join(parts[:-1]) or ".", _O_PATH | os.O_DIRECTORY)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.EXDEV):
                     raise _symlink_error(path.key) from None
