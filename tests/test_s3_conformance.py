@@ -550,3 +550,40 @@ def test_credentials_from_sso(stores, clean_aws, credential_service, tmp_path):
                                  f"endpoint_url = {stores.right.url}\n")
     clean_aws.setenv("AWS_ENDPOINT_URL_SSO", credential_service)
     _assert_alike(stores, {"profile": "sso"}, key="AKSSO")
+
+
+def test_expiring_role_credentials_are_refreshed_between_reads(stores, clean_aws):
+    """Keys that expire within botocore's mandatory refresh window (10 min) are fetched again
+    before the next GET is signed: the data path signs with the role's new keys, as botocore
+    would (a container role here: botocore stretches instance-role keys about to expire)."""
+    issued: list[str] = []
+
+    class Rotating(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            issued.append(f"AKROLE{len(issued)}")
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+            data = json.dumps({"AccessKeyId": issued[-1], "SecretAccessKey": "s", "Token": "t",
+                               "Expiration": expires}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Rotating)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        clean_aws.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"http://127.0.0.1:{server.server_address[1]}/creds")
+        clean_aws.setenv("AWS_ENDPOINT_URL_S3", stores.right.url)
+        objects = ObjectStore(MountTable([MountSpec("data", f"s3://{stores.bucket}", {})]), s3_client="http")
+        meta = objects.info(CachePath("data", KEY))
+        stores.right.clear()
+        for start in (0, 1000):
+            assert objects.read(meta, start, start + 1000) == stores.data[start:start + 1000]
+        keys = [s.access_key for s in stores.right.seen if s.method == "GET"]
+        assert len(keys) == 2 and keys[0] != keys[1] and set(keys) <= set(issued)
+    finally:
+        server.shutdown()
+        server.server_close()
