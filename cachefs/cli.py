@@ -57,6 +57,7 @@ def cmd_master(args: argparse.Namespace) -> int:
         "etcd": args.etcd, "etcd_prefix": args.etcd_prefix, "etcd_ca_file": args.etcd_ca_file,
         "etcd_cert_file": args.etcd_cert_file, "etcd_key_file": args.etcd_key_file, "etcd_user": args.etcd_user,
         "election_lease_seconds": args.election_lease_seconds, "advertise_address": args.advertise_address,
+        "allowed_local_roots": args.allowed_local_root, "allowed_schemes": args.allowed_scheme,
     }
     try:
         if args.mount or args.mount_option:
@@ -89,7 +90,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     workdir = args.dir or tempfile.mkdtemp(prefix="cachefs-local-")
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(workdir, workers=args.workers, mounts=mounts, quota=args.quota)
+    cluster = LocalCluster(workdir, workers=args.workers, mounts=mounts, quota=args.quota,
+                           allowed_local_roots=args.allowed_local_root or ())
     code = 0
     try:
         cluster.start()
@@ -198,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--etcd-user", help="etcd user (password: CACHEFS_MASTER_ETCD_PASSWORD or the config file)")
     m.add_argument("--election-lease-seconds", type=float, help="the leader's lease in etcd (default 5)")
     m.add_argument("--advertise-address", help="HOST:PORT workers and other masters dial, if not the bound one")
+    m.add_argument("--allowed-local-root", action="append", metavar="DIR",
+                   help="a directory `cachefs mount` may mount local paths at or under (repeatable; the --mount "
+                        "dirs are allowed anyway; see docs/security.md)")
+    m.add_argument("--allowed-scheme", action="append", metavar="SCHEME",
+                   help="a URL scheme mounts may use, replacing the default s3, s3a, gs, gcs, az, abfs (repeatable; "
+                        "* for any)")
     m.set_defaults(func=cmd_master)
 
     loc = sub.add_parser("local", help="a master and N workers on this machine, restarted if they exit, until Ctrl-C")
@@ -206,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--mount-option", action="append", metavar="NAME:KEY=VALUE", help="an option of a --mount, e.g. data:endpoint_url=http://minio:9000 or data:client_kwargs.region_name=eu-west-1 (repeatable; secrets: the config file or the environment)")
     loc.add_argument("--dir", help="state and cache directory (default: a new temporary one)")
     loc.add_argument("--quota", default="2GiB", help="cache quota per worker")
+    loc.add_argument("--allowed-local-root", action="append", metavar="DIR",
+                     help="a directory `cachefs mount` may mount local paths at or under, besides the --mount dirs "
+                          "(repeatable)")
     loc.set_defaults(func=cmd_local)
 
     from cachefs import admin

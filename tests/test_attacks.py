@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -137,6 +138,40 @@ def test_a_mount_refused_now_is_not_served_from_the_state(tmp_path, tree):
         assert [m["name"] for m in json.loads(listed.stdout)] == ["data"]
         assert "not serving evil: mount 'evil': local path /etc is not under allowed_local_roots" in \
             Path(c.workdir, "master.log").read_text()
+
+
+def test_cachefs_local_allows_its_mount_dirs_and_the_roots_it_is_given(tmp_path, tree):
+    """`cachefs local` as the README runs it: its --mount dir and --allowed-local-root dirs may be
+    mounted at run time, /etc may not."""
+    extra = tmp_path / "extra"
+    (extra / "sub").mkdir(parents=True)
+    (extra / "sub" / "x.txt").write_bytes(b"extra")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "local", "--workers", "1", "--dir",
+                             str(tmp_path / "c"), "--mount", f"data={tree['data']}", "--allowed-local-root",
+                             str(extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        master = None
+        deadline = time.monotonic() + 60
+        while master is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "CACHEFS_MASTER=" in line:
+                master = line.strip().split("=", 1)[1]
+        assert master, "cachefs local did not print its master"
+        m = ["--master", master]
+        assert _cachefs("mount", "extra", str(extra / "sub"), *m).returncode == 0
+        assert _cachefs("mount", "below", str(tree["data"] / "sub"), *m).returncode == 0
+        refused = _refused(_cachefs("mount", "evil", "/etc", *m))
+        assert refused.endswith(f"now: {extra}, {tree['data']})"), refused
+        assert wait_for(lambda: client(master=master).exists("extra/x.txt"))
+        assert client(master=master).cat_file("extra/x.txt") == b"extra"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def test_the_operators_own_mounts_are_allowed_whatever_their_scheme(tmp_path, tree):
