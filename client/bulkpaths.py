@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from cachefs.addresses import split_address
 from cachefs.client import forksafe
 from cachefs.client.dataport import DataPortReader
-from cachefs.client.shortcircuit import FORKED_FILL_PATIENCE, Prepared, ShortCircuitReader
+from cachefs.client.shortcircuit import Prepared, ShortCircuitReader
 from cachefs.errors import REQUEST, WorkerUnavailableError, from_wire_error
 from cachefs import rawbytes
 from cachefs.localhost import MAX_PAGES, host_id
@@ -261,14 +261,15 @@ class BulkPaths:
         (half of MAX_PAGES pages of the placed worker's page size: gRPC is not there to take a
         range the socket refuses as too large)."""
         chunk = self._chunk_bytes(path, offset)
+        deadline = time.monotonic() + self.read_budget(length)
         if 0 <= length <= chunk:
-            return self._read_no_grpc_once(path, offset, length, version, out)
+            return self._read_no_grpc_once(path, offset, length, version, out, deadline)
         parts: list[Any] = []
         pos, end, size = offset, (None if length < 0 else offset + length), -1
         while True:
             want = chunk if end is None else min(chunk, end - pos)
             into = out[pos - offset:pos - offset + want] if out is not None and end is not None else None
-            got = self._read_no_grpc_once(path, pos, want, version, into)
+            got = self._read_no_grpc_once(path, pos, want, version, into, deadline)
             if got is None:
                 return None
             data, size, version = got
@@ -288,25 +289,32 @@ class BulkPaths:
         page_size = getattr(status, "page_size", 0) or DEFAULT_PAGE_SIZE
         return max(1, MAX_PAGES // 2) * page_size
 
+    def read_budget(self, length: int) -> float:
+        """One read's budget, every retry and failover inside it: the metadata timeout plus the
+        time its length takes at min_throughput (as session.read_timeout)."""
+        return self.config.timeout + max(0, length) / self.config.min_throughput
+
     def _read_no_grpc_once(self, path: str, offset: int, length: int, version: str,
-                           out: memoryview | None) -> tuple[Any, int, str] | None:
+                           out: memoryview | None, deadline: float) -> tuple[Any, int, str] | None:
         """One piece: from the placed workers' lean paths in ring order, each asked to fill what
-        is not cached, again with back-off (0.02 s doubling to 0.5 s) for up to
-        FORKED_FILL_PATIENCE while none serves it; None if none did. An error about the object
-        or the request itself (no such object, denied, a wrong token) is raised at once."""
-        deadline = time.monotonic() + FORKED_FILL_PATIENCE
+        is not cached, again with back-off (0.02 s doubling to 0.5 s) while none serves it, until
+        ``deadline``; None if none did by then. An error about the object or the request itself
+        (no such object, denied, a wrong token) is raised at once."""
         pause = 0.02
         while True:
             for handle in self.workers.candidates(path, offset, include_broken=True):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
                 reader = self._reader(handle)
                 if reader is None:
                     continue
                 stats = self.stats[reader.kind]
                 try:
                     if isinstance(reader, DataPortReader):
-                        got = reader.read(path, offset, length, version, out, fill=True)
+                        got = reader.read(path, offset, length, version, out, fill=True, timeout=left)
                     else:
-                        got = reader.read(path, offset, length, version, out)
+                        got = reader.read(path, offset, length, version, out, timeout=left)
                 except Exception as exc:  # noqa: BLE001 - the next worker may serve it
                     if getattr(exc, "cachefs_fault", None) == REQUEST:
                         raise
@@ -318,9 +326,10 @@ class BulkPaths:
                     stats["bytes"] += len(got[0])
                     return got
                 stats["fallbacks"] += 1
-            if time.monotonic() + pause >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
-            time.sleep(pause)
+            time.sleep(min(pause, left))
             pause = min(0.5, pause * 2)
 
     def meta(self, key: str, request: Any, what: str) -> Any:

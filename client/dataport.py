@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -94,13 +95,15 @@ class DataPortReader:
         return sock
 
     def read(self, path: str, offset: int, length: int, version: str,
-             out: memoryview | None = None, fill: bool = False) -> tuple[Any, int, str] | None:
+             out: memoryview | None = None, fill: bool = False,
+             timeout: float | None = None) -> tuple[Any, int, str] | None:
         """(data, object size, version) of the range, or None: read it through gRPC instead.
 
         With ``out`` (at least as long as what the range holds), the bytes land in it and the
         filled part of ``out`` is returned as the data. ``fill``: the worker fetches what is not
         cached first (a process that must not use gRPC); a range it cannot fill at all (no such
-        object, no permission) raises that error.
+        object, no permission) raises that error. ``timeout``: what is left of the caller's
+        budget, bounding this exchange (at most the reader's own timeout).
         """
         request = dataport_pb2.DataRequest(path=path, offset=offset, length=length, version=version,
                                            token=self.token, fill=fill)
@@ -121,7 +124,7 @@ class DataPortReader:
                 failure.append(failed)
             return None
 
-        result, reply = self._roundtrip(request, receive)
+        result, reply = self._roundtrip(request, receive, timeout)
         if failure:
             raise failure[0]
         if result is not None:
@@ -136,16 +139,22 @@ class DataPortReader:
             raise ConnectionError(f"data port {self.host}:{self.port} refused a metadata request: {reply.message}")
         return result.meta
 
-    def _roundtrip(self, request: Any, receive: Callable[[socket.socket, Any], Any]) -> tuple[Any, Any]:
+    def _roundtrip(self, request: Any, receive: Callable[[socket.socket, Any], Any],
+                   timeout: float | None = None) -> tuple[Any, Any]:
         """Send one request, read its reply header and hand both to ``receive`` (which takes
-        whatever follows the header off the socket); returns what it returned, and the header."""
+        whatever follows the header off the socket); returns what it returned, and the header.
+        ``timeout``: both tries (a pooled connection the worker had closed, then a new one) within it."""
         body = request.SerializeToString()
         frame = FRAME.pack(len(body)) + body
+        deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in (0, 1):
             sock = self._pool.idle() if attempt == 0 else None
             reused = sock is not None
             sock = sock or self._connect()
+            left = None if deadline is None else max(0.001, min(self.timeout, deadline - time.monotonic()))
             try:
+                if left is not None and left < self.timeout:
+                    _set_timeouts(sock, left)
                 head = _exchange_head(sock, frame)
                 if head is None:
                     if reused:
@@ -162,6 +171,8 @@ class DataPortReader:
                 if reply.view_version > self.view_version:
                     self.view_version = reply.view_version
                 result = receive(sock, reply)
+                if left is not None and left < self.timeout:
+                    _set_timeouts(sock, self.timeout)
             except BaseException:
                 sock.close()  # out of step with the stream, or gone: never reused
                 raise

@@ -25,7 +25,7 @@ import grpc
 
 from cachefs import rawbytes
 from cachefs.client.bulkpaths import BulkPaths
-from cachefs.client.shortcircuit import FORKED_FILL_PATIENCE, Prepared
+from cachefs.client.shortcircuit import Prepared
 from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
@@ -428,7 +428,7 @@ class ClientSession:
         if forksafe.grpc_inherited() and not self.config.fallback:
             state.counts["errors"] += 1
             raise WorkerUnavailableError(
-                f"read {cp}: no worker's socket served it within {FORKED_FILL_PATIENCE:.0f} s (this process "
+                f"read {cp}: no worker's socket served it within {self.read_timeout(length):.0f} s (this process "
                 "was forked from one that had loaded gRPC, so it reads over the workers' sockets only)"
                 if state.bulk.enabled else f"read {cp}: short_circuit and data_port are both off, and this "
                 "process was forked from one that had loaded gRPC, so it has no way to a worker")

@@ -44,10 +44,6 @@ _BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_
 # A range a prepare found not cached (yet: the worker may still be writing a cold read's pages)
 # is read through gRPC for this long, with no second message asking again first.
 NOT_CACHED_SECONDS = 0.5
-#: How long a forked DataLoader worker keeps asking for a range the worker did not fill (busy
-#: with other fills, or late on a loaded machine) before reading it through gRPC, which could
-#: hang it there (forksafe.grpc_inherited).
-FORKED_FILL_PATIENCE = 15.0
 _NOT_CACHED_MAX = 4096
 #: After a hello that brought no name index (refused, or the worker away), reads ask again no sooner.
 HELLO_RETRY = 5.0
@@ -156,14 +152,18 @@ class ShortCircuitReader:
         return sock
 
     # -- one request ---------------------------------------------------------------------------------
-    def _exchange(self, request: Any) -> tuple[bytes, list[int]]:
+    def _exchange(self, request: Any, timeout: float | None = None) -> tuple[bytes, list[int]]:
         """Send one request, get its reply and descriptors; a reused connection that fails (the
-        worker restarted) is retried once on a new one."""
+        worker restarted) is retried once on a new one. ``timeout``: both tries within it."""
         data = request.SerializeToString()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in (0, 1):
-            sock = self._pool.take() if attempt == 0 else self._connect()
+            left = None if deadline is None else max(0.001, min(self.timeout, deadline - time.monotonic()))
+            sock = self._pool.take() if attempt == 0 else self._connect(left)
             fds: list[int] = []
             try:
+                if left is not None:
+                    sock.settimeout(left)
                 sock.send(data)
                 message, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_PAGES + 1)
                 if not message:
@@ -176,6 +176,8 @@ class ShortCircuitReader:
                     raise
                 self._pool.close()  # the other idle connections went with the old worker too
                 continue
+            if left is not None:
+                sock.settimeout(self.timeout)
             self._pool.give_back(sock)
             return message, fds
         raise AssertionError("unreachable")
@@ -205,9 +207,10 @@ class ShortCircuitReader:
         on this host takes no bytes through gRPC; server/worker/fill.py)."""
         return self._request(ranges, ahead, fill)[0]
 
-    def _request(self, ranges: list[tuple[str, int, int, str]], ahead: bool,
-                 fill: bool) -> tuple[list[tuple[int, str, list[Page]] | None], int]:
-        """``request``'s results, and how many ranges the worker filled from the store for it."""
+    def _request(self, ranges: list[tuple[str, int, int, str]], ahead: bool, fill: bool,
+                 timeout: float | None = None) -> tuple[list[tuple[int, str, list[Page]] | None], int]:
+        """``request``'s results, and how many ranges the worker filled from the store for it
+        (``timeout``: at most this long for the exchange)."""
         filled = 0
         named = self.named
         # A hello: for the worker's tables, or for its name index where that grew (a new table).
@@ -220,7 +223,7 @@ class ShortCircuitReader:
             by_name=self._usable_named() is not None or (hello and self._by_name))
         self._add_named(request)
         self._add_progress(request)
-        message, fds = self._exchange(request)
+        message, fds = self._exchange(request, timeout)
         try:
             reply = Reply()
             reply.ParseFromString(message)
@@ -361,12 +364,13 @@ class ShortCircuitReader:
 
     # -- reads ---------------------------------------------------------------------------------------------
     def read(self, path: str, offset: int, length: int, version: str,
-             out: memoryview | None = None) -> tuple[Any, int, str] | None:
+             out: memoryview | None = None, timeout: float | None = None) -> tuple[Any, int, str] | None:
         """(data, object size, version) of the range, or None: read it through gRPC instead.
 
         Pages this process holds are read with no message to the worker. With ``out`` (at least
         as long as what the range holds), the pages are read straight into it (no copy through
-        Python) and the filled part of ``out`` is returned as the data.
+        Python) and the filled part of ``out`` is returned as the data. ``timeout``: what is left
+        of the caller's budget, bounding this socket exchange (at most the reader's own timeout).
         """
         found = self.handles.lookup(path, offset, length, version)
         hold = found is None and self._worth_holding(path, offset, length)
@@ -376,15 +380,15 @@ class ShortCircuitReader:
             if by_name is not None:
                 return self._read_named(by_name, offset, length, out)
         if found is None:
-            # A process whose gRPC could hang (forksafe.grpc_inherited) keeps to this socket: a
-            # range the worker could not fill right now (busy, late) is asked for again.
+            # A process without gRPC (forksafe.grpc_inherited) has no other way: it asks the
+            # socket every time (its caller asks again, within its budget: client/bulkpaths.py),
+            # and an error that asking again cannot mend is raised here.
             persist = forksafe.grpc_inherited()
             if not persist and self._not_cached and self._known_not_cached(path):
                 return None
-            found = self.request([(path, offset, length, version)])[0]
+            found = self._request([(path, offset, length, version)], False, True, timeout)[0][0]
             if found is None and persist:
                 self._raise_if_failed(path)  # e.g. no such object: no use asking again
-                found = self._request_patiently((path, offset, length, version))
             if found is None:
                 return None
             if hold and any(page.slot in (0, ONCE) for page in found[2]):  # handed out for this read only
@@ -453,21 +457,6 @@ class ShortCircuitReader:
         counts["hits"] += len(pages) - misses
         if misses:
             counts["misses"] += misses
-
-    def _request_patiently(self, wanted: tuple[str, int, int, str]) -> tuple[int, str, list[Page]] | None:
-        """Ask again, backing off (0.02 s doubling to 0.5 s), for up to FORKED_FILL_PATIENCE
-        seconds: a fill refused because the worker was busy, or answered late, joins the fetches
-        already in flight when asked again."""
-        deadline = time.monotonic() + FORKED_FILL_PATIENCE
-        pause = 0.02
-        while time.monotonic() + pause < deadline:
-            time.sleep(pause)
-            found = self.request([wanted])[0]
-            if found is not None:
-                return found
-            self._raise_if_failed(wanted[0])
-            pause = min(0.5, pause * 2)
-        return None
 
     def read_held_into(self, reads: list[tuple[str, int, memoryview]]) -> list[tuple[int, int] | None]:
         """Reads ``(path, offset, out)`` through pages this process holds, with no message and

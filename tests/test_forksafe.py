@@ -646,3 +646,27 @@ def test_a_forked_child_with_a_wrong_token_fails_at_once(local_store, make_worke
 
     kind, message, seconds = _in_forked_child(read)
     assert kind == "PermissionError" and "token" in message and seconds < 5, (kind, message, seconds)
+
+
+def test_a_forked_childs_read_ends_within_its_budget_when_its_worker_is_frozen(local_store, make_worker):
+    """One deadline per read: a forked child whose only worker stops answering (SIGSTOP-like: its
+    sockets accept but nothing replies) gets an error within the read's budget (timeout +
+    length / min_throughput) plus a second, not the sum of every step's own bound."""
+    local_store.add("obj.bin", payload(5000, 3))
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = client(worker.address, timeout=3, short_circuit=False, data_port=True)
+    assert fs.cat_file("cachefs://data/obj.bin") == payload(5000, 3)
+    local_store.add("cold.bin", payload(7000, 4))
+    server = worker.data_port_server
+    server._answer = lambda conn, body: time.sleep(60)  # type: ignore[method-assign]  # wedged
+
+    def read() -> object:
+        t0 = time.monotonic()
+        try:
+            fs.cat_file("cachefs://data/cold.bin", start=0, end=7000)  # budget: 3 s + 7000 B at min_throughput
+        except BaseException as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+        return "no error", "", time.monotonic() - t0
+
+    kind, message, seconds = _in_forked_child(read)
+    assert kind == "WorkerUnavailableError" and 2.5 < seconds < 3 + 1 + 0.5, (kind, message, seconds)
