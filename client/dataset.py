@@ -45,6 +45,7 @@ from cachefs.client.plans import PlanPublisher, PlanReport
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.runbuffers import RunBuffers
 from cachefs.client.sampling import EpochPlan
+from cachefs.order import plan_digest
 from cachefs.client.session import SessionBootstrap
 from cachefs.client.shortcircuit import Prepared
 
@@ -177,6 +178,11 @@ class PerProcessParts:
         """Sample ids this rank reads from now on: the rest of this epoch, then all of the next."""
         raise NotImplementedError
 
+    def _plan_order_spec(self) -> dict[str, Any] | None:
+        """What defines ``_plan_order`` for a worker to derive it (a ``PlanOrder``'s fields), or
+        None: the order is sent sample by sample."""
+        return None
+
     def _plan_replay_length(self) -> int:
         """How many of ``_plan_order`` are this epoch's: iterated again without ``set_epoch``,
         the dataset reads those again, not the next epoch's (PyTorch's samplers do the same)."""
@@ -199,8 +205,13 @@ class PerProcessParts:
                                           prefetch=self._cache_prefetch())
                 weakref.finalize(self, _close_publisher, publisher, fs)
                 self._publisher = publisher
-            report = self._publisher.publish(self._plan_units(), self._plan_order(),
-                                             replay_after=self._plan_replay_length())
+            spec = self._plan_order_spec()
+            if spec is None:
+                report = self._publisher.publish(self._plan_units(), self._plan_order(),
+                                                 replay_after=self._plan_replay_length())
+            else:  # the workers derive the order: the index once, then O(1) a plan
+                report = self._publisher.publish_derived(self._plan_units, spec, self._plan_order,
+                                                         replay_after=self._plan_replay_length())
         except Exception as exc:  # noqa: BLE001 - advisory: eviction falls back to recency
             log.warning("could not register the read plan with the workers: %s", exc)
             return None
@@ -539,7 +550,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                 quiet = got.asked == 0
             except Exception:  # noqa: BLE001 - only a hint that the handles are there
                 uncached, quiet = True, False
-        samples = self.plan.order[positions].tolist()  # one call for the batch
+        samples = self.plan.samples(positions).tolist()  # one call for the batch
         known = parts.cache_paths
         paths = [known.get(s, _UNPARSED) for s in samples]
         for i, cp in enumerate(paths):
@@ -613,6 +624,15 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     def _cache_prefetch(self) -> bool:
         return self.hint_samples > 0
+
+    def _plan_order_spec(self) -> dict[str, Any] | None:
+        plan, start = self.plan, int(self.samples_seen)
+        after = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, plan.epoch + 1, self.shuffle,
+                          self.drop_last)
+        return {"kind": "epoch", "n_samples": plan.n_samples, "seed": plan.seed, "epoch": plan.epoch,
+                "rank": plan.rank, "world_size": plan.world_size, "shuffle": plan.shuffle,
+                "drop_last": plan.drop_last, "offset": plan.offset, "start": start,
+                "digest": plan_digest(plan.epoch_order, start, after.epoch_order)}
 
     def _plan_order(self) -> np.ndarray:
         after = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, self.plan.epoch + 1, self.shuffle,

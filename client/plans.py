@@ -8,6 +8,12 @@ on its stripes (``Plan`` RPC, in chunks), then renews it once a second with the 
 (samples read so far, summed over DataLoader workers) and rate, under a lease: a job that dies
 pins nothing once the lease ends, and a worker that restarted and forgot the plan is sent it again.
 
+A plan that a worker can derive itself (``publish_derived``: the map dataset's epoch order,
+cachefs/order.py) is not sent sample by sample: each worker is sent the data set's index once (the
+units it holds, by sample id, in chunks: ``CHUNK_UNITS``), and per epoch only what defines the
+order (seed, epoch, rank, world size, ...) with a digest of it. A worker that cannot reproduce the
+digest (another release's order), or does not know derived plans, is sent the order as before.
+
 It runs in the dataset's main process only (DataLoader workers never carry it: a forked process
 must keep gRPC off its path, forksafe.py), on its own filesystem session, and its calls pass the
 session's fork gate like every other call.
@@ -20,9 +26,11 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import hashlib
 
 import numpy as np
 
@@ -35,6 +43,9 @@ __all__ = ["PlanPublisher", "PlanReport"]
 
 #: Runs per Plan request (a few MB at most: well under gRPC's message limit).
 CHUNK_RUNS = 20_000
+#: Units per index chunk, and path bytes at most (well under the message limit: cachefs/tls.py).
+CHUNK_UNITS = 50_000
+CHUNK_PATH_BYTES = 4 << 20
 DEFAULT_LEASE_SECONDS = 30.0
 DEFAULT_RENEW_SECONDS = 1.0
 CALL_TIMEOUT = 30.0
@@ -51,6 +62,8 @@ class PlanReport:
     resent: int = 0  # plans sent again to a worker that had forgotten it (restart)
     failed: int = 0  # requests that failed (the plan is advisory: reads go on)
     prefetches: bool = True  # every worker that took the plan fetches its next reads itself
+    derived: int = 0  # workers that derived the order themselves (no per-sample plan sent)
+    fallbacks: int = 0  # workers sent the order sample by sample (they could not derive it)
 
     @property
     def complete(self) -> bool:
@@ -74,6 +87,12 @@ class PlanPublisher:
         self.lease_seconds, self.renew_seconds = float(lease_seconds), float(renew_seconds)
         self._lock = threading.Lock()
         self._runs: dict[str, tuple[Any, list[Any]]] = {}  # address -> (handle, runs)
+        # Derived plans: the index (once), this plan's order, and how to make the explicit order.
+        self._index: _Index | None = None
+        self._order: worker_pb2.PlanOrder | None = None
+        self._units: Callable[[], Sequence[tuple[str, int, int]]] | None = None
+        self._explicit: Callable[[], np.ndarray] | None = None
+        self._fallback_runs: dict[str, tuple[Any, list[Any]]] | None = None
         self._base = 0
         self._replay_after = 0
         self._rate = 0.0
@@ -97,6 +116,7 @@ class PlanPublisher:
         runs = self._runs_by_worker(units, order)
         with self._lock:
             self._runs = runs
+            self._order = None
             self._base = self._position()
             self._replay_after = int(replay_after)
             self._last = None
@@ -106,6 +126,90 @@ class PlanPublisher:
         self.report = report
         self._start()
         return report
+
+    def publish_derived(self, units: Callable[[], Sequence[tuple[str, int, int]]], order: dict[str, Any],
+                        explicit: Callable[[], np.ndarray], *, replay_after: int = 0) -> PlanReport:
+        """Register a plan the workers derive themselves: ``order`` holds a ``PlanOrder``'s fields
+        (kind, n_samples, seed, epoch, rank, world_size, shuffle, drop_last, offset, start,
+        digest). ``units()`` (called once per publisher: the index) and ``explicit()`` (the plan's
+        sample ids, only for a worker that cannot derive it) are what ``publish`` takes. O(workers)
+        calls, no per-sample work once the index was sent."""
+        if replay_after < 0:
+            raise ValueError("replay_after must be >= 0")
+        if self._index is None:
+            self._units = units
+            self._index = self._build_index(units())
+        with self._lock:
+            self._runs = {}
+            self._order = worker_pb2.PlanOrder(**order)
+            self._explicit, self._fallback_runs = explicit, None
+            self._base = self._position()
+            self._replay_after = int(replay_after)
+            self._last = None
+        report = PlanReport()
+        for handle, part in self._index.parts.values():
+            self._send_derived(handle, part, report)
+        self.report = report
+        self._start()
+        return report
+
+    def _build_index(self, units: Sequence[tuple[str, int, int]]) -> "_Index":
+        """The data set's units grouped by the worker holding each one's first page, and the
+        whole index's digest (its id on the workers): once per dataset."""
+        h = hashlib.blake2b(b"cachefs-index:1:", digest_size=16)
+        groups: dict[str, tuple[Any, _Part]] = {}
+        for sample, (raw, offset, length) in enumerate(units):
+            key = str(parse_path(strip_protocol(raw)))
+            h.update(f"{key}\0{offset}\0{length}\n".encode())
+            if length <= 0:
+                continue
+            candidates = self.session.candidates(key, offset, include_broken=False)
+            if not candidates:
+                continue
+            handle = candidates[0]
+            part = groups.setdefault(handle.address, (handle, _Part()))[1]
+            part.add(sample, key, offset, length)
+        return _Index(h.hexdigest(), len(units), groups)
+
+    def _send_derived(self, handle: Any, part: "_Part", report: PlanReport) -> None:
+        """The plan's definition to one worker; its index first where it lacks it; the plan
+        sample by sample where it cannot derive the order."""
+        assert self._index is not None and self._order is not None
+        position, rate = self._progress()
+        request = worker_pb2.PlanRequest(
+            job=self.job, replace=True, done=True, position=position, rate=rate, lease_seconds=self.lease_seconds,
+            no_prefetch=not self.prefetch, index_id=self._index.id, order=self._order)
+        try:
+            stub = handle.stub()
+            reply = stub.Plan(request, timeout=CALL_TIMEOUT)
+            if not reply.derived and not reply.index_known:
+                for chunk in part.chunks(self._index, self.job, self.lease_seconds):
+                    stub.Plan(chunk, timeout=CALL_TIMEOUT)
+                reply = stub.Plan(request, timeout=CALL_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - advisory: the cache falls back to LRU order for it
+            report.failed += 1
+            log.debug("derived plan for %s not taken by %s: %s", self.job, handle.address, exc)
+            return
+        if reply.derived:
+            report.derived += 1
+            self._account(reply, report)
+            return
+        # Another release's order, or a worker that knows no derived plans: the order itself.
+        report.fallbacks += 1
+        log.info("worker %s could not derive the read plan of %s: sending it sample by sample",
+                 handle.address, self.job)
+        runs = self._explicit_runs().get(handle.address)
+        self._send(handle, [] if runs is None else runs[1], report)
+
+    def _explicit_runs(self) -> dict[str, tuple[Any, list[Any]]]:
+        with self._lock:
+            runs, units, explicit = self._fallback_runs, self._units, self._explicit
+        if runs is None:
+            assert units is not None and explicit is not None
+            runs = self._runs_by_worker(units(), explicit())
+            with self._lock:
+                self._fallback_runs = runs
+        return runs
 
     def _runs_by_worker(self, units: Sequence[tuple[str, int, int]], order: np.ndarray) -> dict[str, tuple[Any, list[Any]]]:
         positions: dict[int, list[int]] = {}
@@ -170,7 +274,8 @@ class PlanPublisher:
     def renew(self) -> PlanReport:
         """Tell every worker the job's position and extend the lease (re-send where forgotten)."""
         with self._lock:
-            runs = dict(self._runs)
+            derived = self._order is not None and self._index is not None
+            runs: dict[str, tuple[Any, Any]] = dict(self._index.parts if derived else self._runs)  # type: ignore[union-attr]
             position, rate = self._progress()
         report = PlanReport(resent=self.report.resent)
         for handle, worker_runs in runs.values():
@@ -186,7 +291,10 @@ class PlanPublisher:
                 self._account(reply, report)
             else:  # the worker restarted: it has no plan of ours
                 report.resent += 1
-                self._send(handle, worker_runs, report)
+                if derived:
+                    self._send_derived(handle, worker_runs, report)
+                else:
+                    self._send(handle, worker_runs, report)
         self.report = report
         return report
 
@@ -220,3 +328,44 @@ class PlanPublisher:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=CALL_TIMEOUT)
+
+
+class _Part:
+    """The units of an index whose first page one worker holds (sample id, path, range)."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self.paths: list[bytes] = []
+        self.offsets: list[int] = []
+        self.lengths: list[int] = []
+
+    def add(self, sample: int, key: str, offset: int, length: int) -> None:
+        self.samples.append(sample)
+        self.paths.append(key.encode())
+        self.offsets.append(int(offset))
+        self.lengths.append(int(length))
+
+    def chunks(self, index: "_Index", job: str, lease_seconds: float) -> Iterator[Any]:
+        """Plan requests carrying this part of ``index``, in chunks (the last marked done)."""
+        start, n = 0, len(self.samples)
+        while True:
+            end, size = start, 0
+            while end < n and end - start < CHUNK_UNITS and (end == start or size + len(self.paths[end]) <= CHUNK_PATH_BYTES):
+                size += len(self.paths[end])
+                end += 1
+            paths = self.paths[start:end]
+            yield worker_pb2.PlanRequest(
+                job=job, lease_seconds=lease_seconds, index_id=index.id, index_size=index.size,
+                index_samples=self.samples[start:end], index_paths=b"".join(paths),
+                index_path_lengths=[len(p) for p in paths], index_offsets=self.offsets[start:end],
+                index_lengths=self.lengths[start:end], index_done=end >= n)
+            start = end
+            if start >= n:
+                return
+
+
+@dataclass
+class _Index:
+    id: str
+    size: int
+    parts: dict[str, tuple[Any, _Part]]

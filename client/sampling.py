@@ -3,8 +3,12 @@
 An epoch's order is known before it starts, which is what lets each DataLoader worker
 prefetch exactly the samples it will be asked for next.
 
-* **Global order.** A permutation of ``range(n_samples)`` from numpy's PCG64 seeded by
-  ``(seed, epoch)`` (identity when ``shuffle=False``): the same in every process and rank.
+* **Global order.** A permutation of ``range(n_samples)`` keyed by ``(seed, epoch)`` that
+  cachefs defines itself (cachefs/order.py: a Feistel permutation, not numpy's generator streams,
+  which NEP 19 does not promise stable across numpy versions); identity when ``shuffle=False``.
+  The same in every process, rank and release, and on the workers, which derive a job's read
+  plan from it (server/worker/plans.py). Any position is computed in O(1): making a plan (a
+  ``set_epoch``) costs nothing until the whole order is asked for.
 * **Resume offset.** An epoch may start part-way into that permutation (``offset``: samples
   already consumed by *all* ranks together); only ``perm[offset:]`` is dealt out. Offset is
   0 except after resuming with a different world size (see below).
@@ -28,11 +32,13 @@ state saved by any rank, usually rank 0, is the state of all ranks).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from cachefs.order import EpochOrder
 
 STATE_VERSION = 1
 
@@ -72,25 +78,44 @@ class EpochPlan:
         if self.n_samples < 0:
             raise ValueError(f"n_samples must be >= 0, got {self.n_samples}")
         _check_deal(self.rank, self.world_size, self.offset, self.n_samples)
-        object.__setattr__(self, "_order", self._make_order())
+        object.__setattr__(self, "_epoch_order", EpochOrder(self.n_samples, self.rank, self.world_size, self.seed,
+                                                            self.epoch, self.shuffle, self.drop_last, self.offset))
+        object.__setattr__(self, "_order", None)  # made on first use of ``order`` (O(n))
 
-    def _make_order(self) -> np.ndarray:
-        rest = _to_rank_multiple(_permutation(self.n_samples, self.seed, self.epoch, self.shuffle)[self.offset:],
-                                 self.world_size, self.drop_last)
-        return np.ascontiguousarray(rest[self.rank::self.world_size])
+    @property
+    def epoch_order(self) -> EpochOrder:
+        """The order as cachefs/order.py defines it (what a worker derives the plan from)."""
+        return self._epoch_order  # type: ignore[attr-defined]
 
     # -- this rank's order ------------------------------------------------------------------------
     @property
     def order(self) -> np.ndarray:
-        """Sample indices of this rank, in the order they are read (positions 0..len-1)."""
-        return self._order  # type: ignore[attr-defined]
+        """Sample indices of this rank, in the order they are read (positions 0..len-1); made
+        once on first use (O(n)): ``sample``/``samples`` cost O(1) a position without it."""
+        order = self._order  # type: ignore[attr-defined]
+        if order is None:
+            order = self.epoch_order.all()
+            object.__setattr__(self, "_order", order)
+        return order
 
     def __len__(self) -> int:
-        return len(self.order)
+        return len(self.epoch_order)
 
     def sample(self, position: int) -> int:
         """The sample index at ``position`` of this rank's order."""
-        return int(self.order[position])
+        order = self._order  # type: ignore[attr-defined]
+        if order is not None:
+            return int(order[position])
+        if position < 0:
+            position += len(self)
+        return self.epoch_order.at(position)
+
+    def samples(self, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The sample indices at ``positions`` (int64)."""
+        order = self._order  # type: ignore[attr-defined]
+        if order is not None:
+            return order[np.asarray(positions, dtype=np.int64)]
+        return self.epoch_order.array(positions)
 
     def remaining(self, samples_seen: int = 0) -> np.ndarray:
         return self.order[samples_seen:]

@@ -220,7 +220,7 @@ class PlanRun(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("job", "replace", "runs", "done", "position", "rate", "lease_seconds", "no_prefetch")
+    __slots__ = ("job", "replace", "runs", "done", "position", "rate", "lease_seconds", "no_prefetch", "index_id", "index_samples", "index_paths", "index_path_lengths", "index_offsets", "index_lengths", "index_size", "index_done", "order")
     JOB_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,15 @@ class PlanRequest(_message.Message):
     RATE_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NO_PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_PATHS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_PATH_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DONE_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
     job: str
     replace: bool
     runs: _containers.RepeatedCompositeFieldContainer[PlanRun]
@@ -237,18 +246,57 @@ class PlanRequest(_message.Message):
     rate: float
     lease_seconds: float
     no_prefetch: bool
-    def __init__(self, job: _Optional[str] = ..., replace: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[PlanRun, _Mapping]]] = ..., done: _Optional[bool] = ..., position: _Optional[int] = ..., rate: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., no_prefetch: _Optional[bool] = ...) -> None: ...
+    index_id: str
+    index_samples: _containers.RepeatedScalarFieldContainer[int]
+    index_paths: bytes
+    index_path_lengths: _containers.RepeatedScalarFieldContainer[int]
+    index_offsets: _containers.RepeatedScalarFieldContainer[int]
+    index_lengths: _containers.RepeatedScalarFieldContainer[int]
+    index_size: int
+    index_done: bool
+    order: PlanOrder
+    def __init__(self, job: _Optional[str] = ..., replace: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[PlanRun, _Mapping]]] = ..., done: _Optional[bool] = ..., position: _Optional[int] = ..., rate: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., no_prefetch: _Optional[bool] = ..., index_id: _Optional[str] = ..., index_samples: _Optional[_Iterable[int]] = ..., index_paths: _Optional[bytes] = ..., index_path_lengths: _Optional[_Iterable[int]] = ..., index_offsets: _Optional[_Iterable[int]] = ..., index_lengths: _Optional[_Iterable[int]] = ..., index_size: _Optional[int] = ..., index_done: _Optional[bool] = ..., order: _Optional[_Union[PlanOrder, _Mapping]] = ...) -> None: ...
+
+class PlanOrder(_message.Message):
+    __slots__ = ("kind", "n_samples", "seed", "epoch", "rank", "world_size", "shuffle", "drop_last", "offset", "start", "digest")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    N_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    n_samples: int
+    seed: int
+    epoch: int
+    rank: int
+    world_size: int
+    shuffle: bool
+    drop_last: bool
+    offset: int
+    start: int
+    digest: str
+    def __init__(self, kind: _Optional[str] = ..., n_samples: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., offset: _Optional[int] = ..., start: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("known", "capacity_bytes", "jobs", "policy", "prefetches")
+    __slots__ = ("known", "capacity_bytes", "jobs", "policy", "prefetches", "index_known", "derived")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    DERIVED_FIELD_NUMBER: _ClassVar[int]
     known: bool
     capacity_bytes: int
     jobs: int
     policy: str
     prefetches: bool
-    def __init__(self, known: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., policy: _Optional[str] = ..., prefetches: _Optional[bool] = ...) -> None: ...
+    index_known: bool
+    derived: bool
+    def __init__(self, known: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., policy: _Optional[str] = ..., prefetches: _Optional[bool] = ..., index_known: _Optional[bool] = ..., derived: _Optional[bool] = ...) -> None: ...

@@ -34,7 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from cachefs.paths import parse_path
+from cachefs.server.worker.planindex import DerivedOrder, IndexError_, PlanIndex, derive
 
 __all__ = ["PlanError", "PlanTable"]
 
@@ -84,6 +87,8 @@ class _Job:
     ahead_to: int = 0  # positions before this were handed to prefetch already
     prefetch: bool = True  # the job wants what it reads next fetched ahead (not: no_prefetch)
     readers: dict[int, tuple[int, float]] = field(default_factory=dict)  # reader -> (position, when)
+    # A plan derived here from what defines it (planindex.py): arrays in place of pages and reads.
+    derived: DerivedOrder | None = None
     # estimate() of the last few milliseconds: a report of a thousand reads asks it once per page
     _estimated: tuple[float, float] = (-math.inf, 0.0)  # (when, position)
 
@@ -113,12 +118,19 @@ class _Job:
     def live_readers(self, now: float) -> bool:
         return any(now - t <= READER_SECONDS for _, t in self.readers.values())
 
+    def last_position(self) -> int:
+        """The plan's last position that reads here (-1: none)."""
+        if self.derived is not None:
+            return self.derived.last
+        return self.reads[-1][0] if self.reads else -1
+
     def rewinds_to(self, position: int) -> bool:
         """Whether ``position`` is the start of another pass rather than a reader a little behind
         (DataLoader workers start a pass a few batches apart): the job was well into its plan
         (past a quarter of it: the plan holds this epoch and the next), and this is in the first
         half of where it was, by a margin. Not the rate's slack: a fast job's can exceed a pass."""
-        if not self.complete or not self.reads or 4 * self.position < self.reads[-1][0]:
+        last = self.last_position()
+        if not self.complete or last < 0 or 4 * self.position < last:
             return False
         return position + min(SLACK_SAMPLES, self.position // 4) < self.position // 2
 
@@ -154,6 +166,12 @@ class PlanTable:
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._by_page: dict[PageKey, list[_Job]] = {}
+        # Derived plans (planindex.py): the data sets' indexes, by id (shared by their jobs), those
+        # being received (by index and job), the jobs whose plan is derived, their distinct pages.
+        self._indexes: dict[str, PlanIndex] = {}
+        self._building: dict[tuple[str, str], PlanIndex] = {}
+        self._derived: list[_Job] = []
+        self._derived_pages = 0
         self._on_change = on_change
         self._clock = clock
         self.stats = {"registered": 0, "renewed": 0, "expired": 0, "unknown": 0, "rewound": 0}
@@ -165,11 +183,78 @@ class PlanTable:
     def planned_pages(self) -> int:
         """Distinct pages of this worker that registered plans read (what the jobs need cached)."""
         with self._lock:
-            return len(self._by_page)
+            return len(self._by_page) + self._derived_pages
+
+    def derived_bytes(self) -> int:
+        """Bytes held for derived plans: the indexes' arrays and paths, the derived orders' arrays."""
+        with self._lock:
+            return sum(i.nbytes() for i in self._indexes.values() if i.complete) + \
+                sum(j.derived.nbytes() for j in self._derived)  # type: ignore[union-attr]
 
     # -- requests ------------------------------------------------------------------------------------
     def update(self, request: Any) -> bool:
         """Take one Plan request; False when it renews a plan this worker does not have."""
+        return self.take(request)[0]
+
+    def take(self, request: Any) -> tuple[bool, bool, bool]:
+        """Take one Plan request: (known: the job's plan is here, index_known: the index the request
+        names is here, derived: the request's order was derived here and matched).
+
+        An index chunk is kept until its last; an order (with ``replace``) over a known index is
+        derived outside every lock, and registered only if its digest is the client's: otherwise
+        the job's plan stays as it was and the client sends the order itself."""
+        self._check(request)
+        derived: DerivedOrder | None = None
+        index = self._take_index(request) if request.index_id else None
+        if (len(request.index_samples) or request.index_done) and not request.replace:
+            with self._lock:  # an index chunk only: the job's plan is as it was
+                return request.job in self._jobs, index is not None, False
+        has_order = request.HasField("order") if hasattr(request, "HasField") else False
+        if has_order and request.replace:
+            if index is not None:
+                try:
+                    derived = derive(index, request.order)
+                except IndexError_ as exc:
+                    raise PlanError(str(exc)) from None
+            if derived is None:  # no index here, or an order this worker cannot reproduce
+                with self._lock:
+                    return request.job in self._jobs, index is not None, False
+        return self._update(request, derived), index is not None, derived is not None
+
+    def _take_index(self, request: Any) -> PlanIndex | None:
+        """Keep an index chunk; the complete index the request names (None: not here)."""
+        key = (request.index_id, request.job)
+        now = self._clock()
+        chunk = len(request.index_samples) > 0 or request.index_done
+        if chunk:
+            with self._lock:
+                building = self._building.get(key)
+                if building is None:
+                    if request.index_size < 0:
+                        raise PlanError("index_size must be >= 0")
+                    building = self._building[key] = PlanIndex(request.index_id, request.index_size, self.page_size)
+                building.expires = now + request.lease_seconds
+            try:
+                building.add(request)
+                if request.index_done:
+                    building.finish()  # O(units): outside the lock
+            except IndexError_ as exc:
+                with self._lock:
+                    self._building.pop(key, None)
+                raise PlanError(str(exc)) from None
+            if request.index_done:
+                with self._lock:
+                    self._building.pop(key, None)
+                    had = self._indexes.get(request.index_id)
+                    if had is None or not had.complete:
+                        self._indexes[request.index_id] = building
+        with self._lock:
+            index = self._indexes.get(request.index_id)
+            if index is not None:
+                index.expires = max(index.expires, now + request.lease_seconds)
+            return index
+
+    def _check(self, request: Any) -> None:
         job_id = request.job
         if not job_id or len(job_id) > 256:
             raise PlanError("a plan needs a job id of 1-256 characters")
@@ -178,8 +263,12 @@ class PlanTable:
             raise PlanError(f"lease_seconds must be in (0, {MAX_LEASE_SECONDS:g}], got {lease!r}")
         if request.rate < 0 or not math.isfinite(request.rate) or request.position < 0:
             raise PlanError("rate and position must be >= 0")
-        if len(request.runs) > MAX_RUNS_PER_REQUEST:
+        if len(request.runs) > MAX_RUNS_PER_REQUEST or len(request.index_samples) > MAX_RUNS_PER_REQUEST:
             raise PlanError(f"more than {MAX_RUNS_PER_REQUEST} runs in one request: send chunks")
+
+    def _update(self, request: Any, derived: DerivedOrder | None) -> bool:
+        job_id = request.job
+        lease = request.lease_seconds
         runs = [self._run(run) for run in request.runs]
         now = self._clock()
         changed = self._expire(now)
@@ -190,8 +279,12 @@ class PlanTable:
                     self._drop(job)
                     changed = changed or job.complete
                 rate = request.rate or DEFAULT_RATE
-                job = _Job(job_id, now + lease, now, request.position, rate, rate, prefetch=not request.no_prefetch)
+                job = _Job(job_id, now + lease, now, request.position, rate, rate, prefetch=not request.no_prefetch,
+                           derived=derived)
                 self._jobs[job_id] = job
+                if derived is not None:
+                    self._derived.append(job)
+                    self._count_derived_pages()
                 self.stats["registered"] += 1
             elif job is None:
                 self.stats["unknown"] += 1
@@ -255,8 +348,25 @@ class PlanTable:
                     self._by_page.setdefault(page, []).append(job)
                     job.object_pages[(mount, key)] = job.object_pages.get((mount, key), 0) + 1
 
+    def _count_derived_pages(self) -> None:  # lock held
+        """Distinct pages the derived plans read (per index: the union of its jobs' units)."""
+        by_index: dict[str, list[DerivedOrder]] = {}
+        for job in self._derived:
+            by_index.setdefault(job.derived.index.id, []).append(job.derived)  # type: ignore[union-attr]
+        total = 0
+        for plans in by_index.values():
+            if len(plans) == 1:
+                total += plans[0].pages
+            else:
+                planned = np.logical_or.reduce([p.planned for p in plans])
+                total += int(plans[0].index.pages[planned].sum())
+        self._derived_pages = total
+
     def _drop(self, job: _Job) -> None:  # lock held
         self._jobs.pop(job.job, None)
+        if job.derived is not None:
+            self._derived = [j for j in self._derived if j is not job]
+            self._count_derived_pages()
         for page in job.pages:
             jobs = self._by_page.get(page)
             if jobs is not None:
@@ -270,6 +380,11 @@ class PlanTable:
             for job in gone:
                 self._drop(job)
             self.stats["expired"] += len(gone)
+            used = {job.derived.index.id for job in self._derived}  # type: ignore[union-attr]
+            for index_id in [i for i, x in self._indexes.items() if i not in used and x.expires <= now]:
+                del self._indexes[index_id]
+            for key in [k for k, x in self._building.items() if x.expires <= now]:
+                del self._building[key]
         return any(job.complete for job in gone)
 
     def expire(self) -> int:
@@ -296,17 +411,24 @@ class PlanTable:
         when no complete plan uses it again. ``used``: it is being read now (that use is over).
         ``moment``: answer as of then (a job registered since is asked as of now)."""
         jobs = self._by_page.get((pid.mount, pid.key, pid.index))
-        if not jobs:
+        derived = self._derived
+        if not jobs and not derived:
             return math.inf, math.inf
         now = self._clock() if moment is None else moment.now
         best, recheck = math.inf, math.inf
-        for job in list(jobs):
+        for job in [*(jobs or ()), *derived]:
             if not job.complete or job.expires <= now:
                 continue
-            uses = job.pages.get((pid.mount, pid.key, pid.index))
-            if uses is None:
-                continue
-            starts, ends = uses
+            if job.derived is not None:
+                at = job.derived.uses(pid.mount, pid.key, pid.index)
+                if not at:
+                    continue
+                starts = ends = at
+            else:
+                uses = job.pages.get((pid.mount, pid.key, pid.index))
+                if uses is None:
+                    continue
+                starts, ends = uses
             seen = None if moment is None else moment.jobs.get(job.job)
             if seen is not None and seen[0] is job:
                 here, slack, rate = seen[1], seen[2], seen[3]
@@ -359,16 +481,20 @@ class PlanTable:
         than ``window_bytes`` ahead (what the cache can hold for it). Marks them handed out."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or not job.complete or not job.reads or not job.prefetch:
+            if job is None or not job.complete or job.last_position() < 0 or not job.prefetch:
                 return []
-            per_position = max(1, job.read_bytes // max(1, len(job.reads)))
+            d = job.derived
+            reads = len(job.reads) if d is None else d.reads
+            per_position = max(1, (job.read_bytes if d is None else d.read_bytes) // max(1, reads))
             span = min(max(at_least, int(job.rate * window_seconds)), max(1, window_bytes // per_position))
             start, end = max(job.ahead_to, job.position), job.position + span
             if start >= end:
                 return []
+            job.ahead_to = end
+            if d is not None:
+                return d.paths_between(start, end)
             lo = bisect.bisect_left(job.reads, (start, ""))
             hi = bisect.bisect_left(job.reads, (end, ""))
-            job.ahead_to = end
             return list(dict.fromkeys(path for _, path in job.reads[lo:hi]))
 
     def pages_planned(self, job_id: str, path: str) -> int:
@@ -377,12 +503,15 @@ class PlanTable:
         mount, _, key = path.partition("/")
         with self._lock:
             job = self._jobs.get(job_id)
+            if job is not None and job.derived is not None:
+                return job.derived.pages_of(mount, key)
             return 0 if job is None else job.object_pages.get((mount, key), 0)
 
     def describe(self) -> list[dict[str, Any]]:
         """The plans for status pages and `cachefs stat`."""
         now = self._clock()
         with self._lock:
-            return [{"job": j.job, "pages": len(j.pages), "position": j.position, "rate": round(j.rate, 1),
-                     "complete": j.complete, "expires_in": round(j.expires - now, 1)}
+            return [{"job": j.job, "pages": len(j.pages) if j.derived is None else j.derived.pages,
+                     "position": j.position, "rate": round(j.rate, 1), "complete": j.complete,
+                     "expires_in": round(j.expires - now, 1), "derived": j.derived is not None}
                     for j in self._jobs.values()]

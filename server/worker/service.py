@@ -316,12 +316,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @rpc("Plan")
     def Plan(self, request: worker_pb2.PlanRequest, context: grpc.ServicerContext) -> worker_pb2.PlanReply:
         """A job's read order for this worker's pages (plans.py): eviction follows it."""
-        known = self.plans.update(request)
+        known, index_known, derived = self.plans.take(request)
         if known:
             self.plan_ahead(request.job)
         return worker_pb2.PlanReply(known=known, capacity_bytes=self.pages.stats().capacity_bytes,
                                     jobs=len(self.plans), policy=self.pages.policy,
-                                    prefetches=self.prefetch is not None)
+                                    prefetches=self.prefetch is not None, index_known=index_known,
+                                    derived=derived)
 
     def plan_ahead(self, job: str) -> None:
         """The plan drives prefetch (no client hints): the next few seconds of the job's reads,

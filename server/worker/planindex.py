@@ -1,0 +1,239 @@
+"""Plans a worker derives itself: a data set's index, sent once, and orders made from their keys.
+
+A job used to send its read order sample by sample, this epoch and the next, at every
+``set_epoch`` (a million samples: tens of seconds on the client, ~1 KB a page here). Now it sends
+the data set's **index** once per worker (``PlanIndex``: the units whose first page this worker
+holds, by sample id; shared by every job over the same data set, by the index's digest), and per
+epoch only what defines its order (seed, epoch, rank, world size, ...: ``PlanOrder``). The worker
+computes the order with the sampler's own code (cachefs/order.py) into a few arrays
+(``DerivedOrder``), checks it against the client's digest, and answers the page store's questions
+from them. Memory per planned read is a few int32s; per unit of the index its path's bytes and ~30.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cachefs.order import EpochOrder, digest, probe_positions
+from cachefs.paths import parse_path
+
+__all__ = ["DerivedOrder", "IndexError_", "PlanIndex", "derive"]
+
+MAX_INDEX_UNITS = 1 << 31
+MAX_PAGES_PER_UNIT = 4096
+
+
+class IndexError_(ValueError):
+    """A bad index chunk or plan order (INVALID_ARGUMENT)."""
+
+
+class PlanIndex:
+    """One data set's units on this worker: arrays, built from chunks, then frozen."""
+
+    def __init__(self, index_id: str, size: int, page_size: int) -> None:
+        self.id, self.size, self.page_size = index_id, int(size), page_size
+        self.complete = False
+        self.expires = 0.0
+        self._chunks: list[tuple[np.ndarray, bytes, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, request: Any) -> None:
+        samples = np.asarray(request.index_samples, dtype=np.int64)
+        lengths = np.asarray(request.index_path_lengths, dtype=np.int64)
+        offsets = np.asarray(request.index_offsets, dtype=np.int64)
+        sizes = np.asarray(request.index_lengths, dtype=np.int64)
+        n = len(samples)
+        if not len(lengths) == len(offsets) == len(sizes) == n or int(lengths.sum()) != len(request.index_paths):
+            raise IndexError_("an index chunk needs as many path lengths, offsets and lengths as samples")
+        if n and (samples.min() < 0 or samples.max() >= self.size or offsets.min() < 0 or sizes.min() <= 0
+                  or lengths.min() <= 0):
+            raise IndexError_("bad sample ids, byte ranges or paths in an index chunk")
+        self._chunks.append((samples, bytes(request.index_paths), lengths, offsets, sizes))
+
+    def finish(self) -> None:
+        """All chunks came: sort by sample id, validate and hash the paths (outside every lock)."""
+        chunks, self._chunks = self._chunks, []
+        if chunks:
+            samples = np.concatenate([c[0] for c in chunks])
+            blob = b"".join(c[1] for c in chunks)
+            lengths = np.concatenate([c[2] for c in chunks])
+            offsets = np.concatenate([c[3] for c in chunks])
+            sizes = np.concatenate([c[4] for c in chunks])
+        else:
+            samples = lengths = offsets = sizes = np.zeros(0, dtype=np.int64)
+            blob = b""
+        if len(samples) > MAX_INDEX_UNITS:
+            raise IndexError_("too many units in one index")
+        starts = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        by_sample = np.argsort(samples, kind="stable")
+        if len(samples) > 1 and (np.diff(samples[by_sample]) == 0).any():
+            raise IndexError_("a sample id twice in one index")
+        first = offsets // self.page_size
+        last = (offsets + sizes - 1) // self.page_size
+        if len(first) and int((last - first).max()) >= MAX_PAGES_PER_UNIT:
+            raise IndexError_(f"a unit of more than {MAX_PAGES_PER_UNIT} pages: split it")
+        hashes = np.empty(len(samples), dtype=np.int64)
+        pos = 0
+        # Python's str hash: stable within this process, which is all a lookup here needs.
+        for i, n in enumerate(lengths.tolist()):
+            try:
+                raw = blob[pos:pos + n].decode()
+                path = parse_path(raw)
+            except ValueError as exc:
+                raise IndexError_(f"bad path in an index: {exc}") from None
+            if str(path) != raw:
+                raise IndexError_(f"an index path must be canonical ({str(path)!r}, not {raw!r})")
+            pos += n
+            hashes[i] = hash((path.mount, path.key))
+        order = by_sample
+        self.samples = samples[order].astype(np.int32 if self.size < 1 << 31 else np.int64)
+        self.blob = blob
+        self.path_starts = starts[:-1][order].astype(np.uint32 if len(blob) < 1 << 32 else np.int64)
+        self.path_lengths = lengths[order].astype(np.int32)
+        self.first_page = first[order].astype(np.int32 if int(last.max(initial=0)) < 1 << 31 else np.int64)
+        self.pages = (last - first + 1)[order].astype(np.int16)
+        self.sizes = sizes[order].astype(np.int64)
+        # sample -> unit as a table where this worker holds a good part of the data set (a gather,
+        # not a search, for each sample of a plan); a search in ``samples`` otherwise.
+        self.table: np.ndarray | None = None
+        if len(samples) and 4 * len(samples) >= self.size:
+            self.table = np.full(self.size, -1, dtype=np.int32)
+            self.table[self.samples] = np.arange(len(samples), dtype=np.int32)
+        hashed = hashes[order]
+        self.by_hash = np.argsort(hashed, kind="stable").astype(np.int32)
+        self.hashes = hashed[self.by_hash]
+        self.complete = True
+
+    def __len__(self) -> int:
+        return len(self.samples) if self.complete else 0
+
+    def path(self, unit: int) -> str:
+        start = int(self.path_starts[unit])
+        return self.blob[start:start + int(self.path_lengths[unit])].decode()
+
+    def find(self, mount: str, key: str) -> list[int]:
+        """The units of object ``mount/key`` (usually one; none when it is not in the index)."""
+        h = hash((mount, key))
+        lo = int(np.searchsorted(self.hashes, h, side="left"))
+        hi = int(np.searchsorted(self.hashes, h, side="right"))
+        if lo == hi:
+            return []
+        want = f"{mount}/{key}"  # the index holds canonical paths: a hash collision is told apart
+        return [u for u in self.by_hash[lo:hi].tolist() if self.path(u) == want]
+
+    def units_of_samples(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(where in ``samples``, which unit) for the samples held here."""
+        if not len(self.samples):
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        if self.table is not None:
+            u = self.table[samples]
+            held = np.flatnonzero(u >= 0)
+            return held, u[held]
+        u = np.searchsorted(self.samples, samples)
+        u[u >= len(self.samples)] = 0
+        held = np.flatnonzero(self.samples[u] == samples)
+        return held, u[held].astype(np.int32)
+
+    def nbytes(self) -> int:
+        arrays = (self.samples, self.path_starts, self.path_lengths, self.first_page, self.pages, self.sizes,
+                  self.by_hash, self.hashes, self.table)
+        return len(self.blob) + sum(a.nbytes for a in arrays if a is not None)
+
+
+@dataclass
+class DerivedOrder:
+    """A job's plan over ``index``, as what defines it: ``now`` from position ``start``, then all of
+    ``after``. Where a unit is read is computed when asked (the order's inverse: O(1)); what the
+    job reads next, from the order itself. Kept per job: one flag per unit of the index (planned)."""
+
+    index: PlanIndex
+    now: EpochOrder
+    start: int
+    after: EpochOrder
+    length: int  # positions in the plan (this epoch's rest, then the next epoch)
+    planned: np.ndarray  # bool per unit of the index: the plan reads it
+    pages: int  # pages of the planned units
+    reads: int  # positions of the plan that read a unit of the index
+    read_bytes: int  # bytes those read
+    last: int  # the last such position (-1: none)
+
+    @property
+    def rest(self) -> int:
+        return len(self.now) - self.start
+
+    def positions_of(self, sample: int) -> list[int]:
+        rest = self.rest
+        return [p - self.start for p in self.now.positions_of(sample) if p >= self.start] + \
+            [rest + p for p in self.after.positions_of(sample)]
+
+    def uses(self, mount: str, key: str, index: int) -> list[int]:
+        """Positions at which the plan reads page ``index`` of ``mount/key`` (ascending)."""
+        out: list[int] = []
+        for u in self.index.find(mount, key):
+            first = int(self.index.first_page[u])
+            if self.planned[u] and first <= index < first + int(self.index.pages[u]):
+                out.extend(self.positions_of(int(self.index.samples[u])))
+        return sorted(out) if len(out) > 1 else out
+
+    def pages_of(self, mount: str, key: str) -> int:
+        return sum(int(self.index.pages[u]) for u in self.index.find(mount, key) if self.planned[u])
+
+    def samples_between(self, start: int, end: int) -> np.ndarray:
+        """The plan's samples at positions [start, end)."""
+        rest = self.rest
+        start, end = max(0, start), min(end, self.length)
+        parts = []
+        if start < min(end, rest):
+            parts.append(self.now.array(np.arange(self.start + start, self.start + min(end, rest), dtype=np.int64)))
+        if max(start, rest) < end:
+            parts.append(self.after.array(np.arange(max(start, rest) - rest, end - rest, dtype=np.int64)))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def paths_between(self, start: int, end: int) -> list[str]:
+        """Paths of the units held here that the plan reads at positions [start, end), in order."""
+        _, units = self.index.units_of_samples(self.samples_between(start, end))
+        return list(dict.fromkeys(self.index.path(u) for u in units.tolist()))
+
+    def nbytes(self) -> int:
+        return self.planned.nbytes
+
+
+def _orders(order: Any) -> tuple[EpochOrder, EpochOrder]:
+    if order.kind != "epoch":
+        raise IndexError_(f"unknown plan order kind {order.kind!r}")
+    try:
+        now = EpochOrder(order.n_samples, order.rank, order.world_size, order.seed, order.epoch, order.shuffle,
+                         order.drop_last, order.offset)
+        after = EpochOrder(order.n_samples, order.rank, order.world_size, order.seed, order.epoch + 1,
+                           order.shuffle, order.drop_last, 0)
+    except ValueError as exc:
+        raise IndexError_(f"bad plan order: {exc}") from None
+    if not 0 <= order.start <= len(now):
+        raise IndexError_(f"start {order.start} is outside the rank's {len(now)} samples")
+    return now, after
+
+
+def plan_samples(order: Any) -> np.ndarray:
+    """The samples of a ``PlanOrder``'s plan, by position: the rest of its epoch, then the next."""
+    now, after = _orders(order)
+    return np.concatenate([now.array(np.arange(order.start, len(now), dtype=np.int64)), after.all()])
+
+
+def derive(index: PlanIndex, order: Any) -> DerivedOrder | None:
+    """The job's plan over ``index`` from ``order``; None when its digest is not the client's (the
+    client then sends the plan itself). O(plan length), vectorised, once a plan: call it outside
+    every lock. What it keeps is a flag per unit."""
+    if order.n_samples != index.size:
+        return None
+    now, after = _orders(order)
+    samples = np.concatenate([now.array(np.arange(order.start, len(now), dtype=np.int64)), after.all()])
+    if digest(order.kind, len(samples), samples[probe_positions(len(samples))].tolist()) != order.digest:
+        return None
+    where, units = index.units_of_samples(samples)
+    planned = np.zeros(len(index), dtype=bool)
+    planned[units] = True
+    return DerivedOrder(index, now, int(order.start), after, len(samples), planned, int(index.pages[planned].sum()),
+                        len(where), int(index.sizes[units].sum()), int(where[-1]) if len(where) else -1)
