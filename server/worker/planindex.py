@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from cachefs.order import EpochOrder, digest, probe_positions
-from cachefs.paths import parse_path
 
 __all__ = ["DerivedOrder", "IndexError_", "PlanIndex", "derive"]
 
@@ -68,26 +67,27 @@ class PlanIndex:
             raise IndexError_("too many units in one index")
         starts = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
-        by_sample = np.argsort(samples, kind="stable")
+        in_order = len(samples) < 2 or bool((samples[1:] > samples[:-1]).all())  # as the client sends them
+        by_sample = np.arange(len(samples)) if in_order else np.argsort(samples, kind="stable")
         if len(samples) > 1 and (np.diff(samples[by_sample]) == 0).any():
             raise IndexError_("a sample id twice in one index")
         first = offsets // self.page_size
         last = (offsets + sizes - 1) // self.page_size
         if len(first) and int((last - first).max()) >= MAX_PAGES_PER_UNIT:
             raise IndexError_(f"a unit of more than {MAX_PAGES_PER_UNIT} pages: split it")
-        hashes = np.empty(len(samples), dtype=np.int64)
-        pos = 0
-        # Python's str hash: stable within this process, which is all a lookup here needs.
-        for i, n in enumerate(lengths.tolist()):
-            try:
-                raw = blob[pos:pos + n].decode()
-                path = parse_path(raw)
-            except ValueError as exc:
-                raise IndexError_(f"bad path in an index: {exc}") from None
-            if str(path) != raw:
-                raise IndexError_(f"an index path must be canonical ({str(path)!r}, not {raw!r})")
-            pos += n
-            hashes[i] = hash((path.mount, path.key))
+        # Python's str hash: stable within this process, which is all a lookup here needs. Paths
+        # are not parsed one by one: one that is not canonical ("mount/key") matches no page,
+        # and prefetch parses what it is handed (service.load_objects) like any request's.
+        try:
+            text = blob.decode()
+        except UnicodeDecodeError:
+            raise IndexError_("index paths must be UTF-8") from None
+        if len(text) != len(blob):  # not ASCII: cut by bytes
+            paths = [blob[a:b].decode() for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+        else:
+            paths = [text[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+        hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=len(paths))
+        del paths, text
         order = by_sample
         self.samples = samples[order].astype(np.int32 if self.size < 1 << 31 else np.int64)
         self.blob = blob
@@ -116,12 +116,13 @@ class PlanIndex:
 
     def find(self, mount: str, key: str) -> list[int]:
         """The units of object ``mount/key`` (usually one; none when it is not in the index)."""
-        h = hash((mount, key))
+        want = f"{mount}/{key}"
+        h = hash(want)  # as finish() hashes it
         lo = int(np.searchsorted(self.hashes, h, side="left"))
         hi = int(np.searchsorted(self.hashes, h, side="right"))
         if lo == hi:
             return []
-        want = f"{mount}/{key}"  # the index holds canonical paths: a hash collision is told apart
+        # the index holds canonical paths: a hash collision is told apart
         return [u for u in self.by_hash[lo:hi].tolist() if self.path(u) == want]
 
     def units_of_samples(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
