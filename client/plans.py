@@ -169,6 +169,8 @@ class PlanPublisher:
             handle = candidates[0]
             part = groups.setdefault(handle.address, (handle, _Part()))[1]
             part.add(sample, key, offset, length)
+        for _, part in groups.values():
+            part.freeze()
         return _Index(h.hexdigest(), len(units), groups)
 
     def _send_derived(self, handle: Any, part: "_Part", report: PlanReport) -> None:
@@ -331,34 +333,40 @@ class PlanPublisher:
 
 
 class _Part:
-    """The units of an index whose first page one worker holds (sample id, path, range)."""
+    """The units of an index whose first page one worker holds (sample id, path, range): lists
+    while the index is built, then arrays and one bytes object (no object per unit that a forked
+    DataLoader worker would copy by touching it)."""
 
     def __init__(self) -> None:
-        self.samples: list[int] = []
-        self.paths: list[bytes] = []
-        self.offsets: list[int] = []
-        self.lengths: list[int] = []
+        self._building: list[tuple[int, bytes, int, int]] | None = []
 
     def add(self, sample: int, key: str, offset: int, length: int) -> None:
-        self.samples.append(sample)
-        self.paths.append(key.encode())
-        self.offsets.append(int(offset))
-        self.lengths.append(int(length))
+        self._building.append((sample, key.encode(), int(offset), int(length)))  # type: ignore[union-attr]
+
+    def freeze(self) -> None:
+        rows, self._building = self._building or [], None
+        self.samples = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+        self.offsets = np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows))
+        self.lengths = np.fromiter((r[3] for r in rows), dtype=np.int64, count=len(rows))
+        self.path_lengths = np.fromiter((len(r[1]) for r in rows), dtype=np.int64, count=len(rows))
+        self.path_starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(self.path_lengths, out=self.path_starts[1:])
+        self.paths = b"".join(r[1] for r in rows)
 
     def chunks(self, index: "_Index", job: str, lease_seconds: float) -> Iterator[Any]:
         """Plan requests carrying this part of ``index``, in chunks (the last marked done)."""
         start, n = 0, len(self.samples)
         while True:
-            end, size = start, 0
-            while end < n and end - start < CHUNK_UNITS and (end == start or size + len(self.paths[end]) <= CHUNK_PATH_BYTES):
-                size += len(self.paths[end])
-                end += 1
-            paths = self.paths[start:end]
+            # at most CHUNK_UNITS units and CHUNK_PATH_BYTES of paths (at least one unit)
+            limit = self.path_starts[start] + CHUNK_PATH_BYTES
+            end = min(n, start + CHUNK_UNITS, max(start + 1, int(np.searchsorted(self.path_starts, limit, "right")) - 1))
             yield worker_pb2.PlanRequest(
                 job=job, lease_seconds=lease_seconds, index_id=index.id, index_size=index.size,
-                index_samples=self.samples[start:end], index_paths=b"".join(paths),
-                index_path_lengths=[len(p) for p in paths], index_offsets=self.offsets[start:end],
-                index_lengths=self.lengths[start:end], index_done=end >= n)
+                index_samples=self.samples[start:end].tolist(),
+                index_paths=self.paths[self.path_starts[start]:self.path_starts[end]],
+                index_path_lengths=self.path_lengths[start:end].tolist(),
+                index_offsets=self.offsets[start:end].tolist(), index_lengths=self.lengths[start:end].tolist(),
+                index_done=end >= n)
             start = end
             if start >= n:
                 return
