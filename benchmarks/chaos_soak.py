@@ -27,8 +27,10 @@ import time
 import zlib
 
 TRAINING = r'''
-import json, sys, time, zlib
+import json, logging, os, sys, time, zlib
 import torch, fsspec
+logging.basicConfig(level=os.environ.get("SOAK_LOG_LEVEL", "WARNING"),
+                    format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
 
 master, seconds, samples = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 want = json.loads(sys.argv[4])
@@ -79,10 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--sample-size", type=int, default=64 << 10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", default="kill_worker,stop_worker,restart_master",
+                        help="the kinds of fault to pick from")
+    parser.add_argument("--keep", help="copy the cluster's logs here at the end")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--png", help="draw read latency over time, with the faults, here")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
+    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
 
     from cachefs.local import LocalCluster
 
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             def inject() -> None:
                 stop.wait(rng.uniform(0.5, 1.0) * args.interval)
                 while not stop.is_set():
-                    kind = rng.choice(["kill_worker", "stop_worker", "restart_master"])
+                    kind = rng.choice(kinds)
                     t0 = time.time()
                     try:
                         if kind == "kill_worker":
@@ -143,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             injector.join(60)
         finally:
             cluster.stop()
+            if args.keep:
+                import shutil
+
+                os.makedirs(args.keep, exist_ok=True)
+                with open(os.path.join(args.keep, "training.stderr"), "w") as f:
+                    f.write(err if "err" in locals() else "")
+                shutil.copytree(os.path.join(tmp, "cluster"), args.keep, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("pages", "*.sock", "cache"))
     reads, read_errors, epoch_errors, epochs = [], [], [], 0
     for line in out.splitlines():
         kind, _, body = line.partition(" ")

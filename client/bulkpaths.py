@@ -319,7 +319,9 @@ class BulkPaths:
                     if getattr(exc, "cachefs_fault", None) == REQUEST:
                         raise
                     self._failed(handle, reader, exc, "trying the next worker")
+                    handle.breaker.record_failure()  # asked after the others for a while (a frozen worker)
                     continue
+                handle.breaker.record_success()
                 self._follow_view(reader)
                 if got is not None:
                     stats["reads"] += 1
@@ -345,8 +347,10 @@ class BulkPaths:
                 reply = reader.meta(request)
             except Exception as exc:  # noqa: BLE001 - the next worker may answer
                 self._failed(handle, reader, exc, "trying the next worker")
+                handle.breaker.record_failure()
                 last = exc
                 continue
+            handle.breaker.record_success()
             self._follow_view(reader)
             if reply.error_code:
                 raise from_wire_error(reply.error_code, reply.error_detail, reply.error_message, what)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,7 +30,8 @@ from cachefs.client.shortcircuit import Prepared
 from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
-from cachefs.client.view import ViewWatcher
+from cachefs.client import viewfetch
+from cachefs.client.view import ViewWatcher, fetch_view_once
 from cachefs.config import ClientConfig
 from cachefs.errors import (
     StaleObjectError,
@@ -120,8 +122,16 @@ class _ProcessState:
             # A DataLoader worker forked from a gRPC process never calls gRPC (forksafe.py): it
             # routes by the view it was handed and learns newer ones from the workers' replies.
             if known_view is None and not self.workers:
-                forksafe.forbid_grpc(f"the cluster view from master {config.master} (this filesystem was not "
-                                     "used before the fork, so this process was handed no view)")
+                # No view handed down with this session: the parent's last one for this master, else
+                # one asked for from a fresh interpreter (client/viewfetch.py).
+                data = viewfetch.last_known(config.master) or viewfetch.from_helper_process(
+                    config.master, config.timeout, config.tls, config.token)
+                if not data:
+                    forksafe.forbid_grpc(f"the cluster view from master {config.master} (none was handed to "
+                                         "this process, and a helper process could not get one)")
+                known_view = master_pb2.ClusterView()
+                known_view.ParseFromString(data)
+                self.apply_view(known_view)
             log.debug("following the cluster view through the workers in this forked process")
         elif config.master:
             self.watcher = ViewWatcher(config.master, self.apply_view, timeout=config.timeout,
@@ -148,6 +158,8 @@ class _ProcessState:
             log.warning("cluster view %d has no workers; keeping the last %d", view.version,
                         len(self.workers.addresses))
         self.bulk.note_view(view)
+        if self.config.master:
+            viewfetch.remember(self.config.master, view.SerializeToString())  # for sessions of forked children
         self.view = view
         log.debug("cluster view %d: %d workers", view.version, len(view.workers))
 
@@ -178,6 +190,20 @@ class _ProcessState:
         state.bulk.release_inherited()
 
 
+class _ViewForChildren(forksafe.ForkHook):
+    """A session not used yet in this process has no view to hand the children it forks, and
+    they cannot ask the master (forksafe.py): one GetView just before the fork, for them."""
+
+    def __init__(self, session: "ClientSession") -> None:
+        self._session = weakref.ref(session)
+        forksafe.register(self)
+
+    def before_fork(self, deadline: float) -> None:
+        session = self._session()
+        if session is not None:
+            session.view_for_children(forksafe.time_left(deadline))
+
+
 class ClientSession:
     """One cluster as seen by one client: placement, reads, metadata, writes and hints."""
 
@@ -186,6 +212,7 @@ class ClientSession:
         self._bootstrap = bootstrap
         self._state: ProcessLocal[_ProcessState] = ProcessLocal(
             lambda: _ProcessState(config, self._bootstrap), inherited=self._inherit, name="client session")
+        self._fork_hook = _ViewForChildren(self) if config.master else None
 
     def _inherit(self, state: _ProcessState) -> None:
         """In a forked child: release the parent's sockets, and start from what the parent knew
@@ -198,6 +225,21 @@ class ClientSession:
     def __reduce__(self) -> tuple[Any, ...]:
         # A spawned or unpickled copy starts unconnected (with what its creator learnt, if anything).
         return (ClientSession, (self.config, self._bootstrap))
+
+    def view_for_children(self, timeout: float) -> None:
+        """Before a fork: if this process has not used the session (so it has no view) and may call
+        gRPC, fetch the view once (within ``timeout``) for the children to start from."""
+        if self._state.peek() is not None or (self._bootstrap is not None and self._bootstrap.view) \
+                or forksafe.grpc_inherited() or timeout <= 0:
+            return
+        try:
+            view = fetch_view_once(self.config.master, timeout, self.config.tls, self.config.token)
+        except Exception as exc:  # noqa: BLE001 - a fork must go on; the child then says what it lacks
+            log.debug("no view for the children of this fork: %s", exc)
+            return
+        if view is not None:
+            known = self._bootstrap.statuses if self._bootstrap is not None else ()
+            self._bootstrap = SessionBootstrap(view.SerializeToString(), known)
 
     def bootstrap(self) -> SessionBootstrap:
         """What this process knows of the cluster, for processes it will start (``SessionBootstrap``):

@@ -203,3 +203,22 @@ class ViewWatcher(forksafe.ForkHook):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._close_channel(timeout)
+
+
+def fetch_view_once(master: str, timeout: float, tls: TLSConfig = PLAINTEXT,
+                    token: str = "") -> master_pb2.ClusterView | None:
+    """One GetView from the first of ``master``'s addresses that answers within ``timeout`` in
+    all, on a channel of its own closed at once; None if none did (never raises for a master
+    that is down)."""
+    forksafe.forbid_grpc(f"the cluster view from master {master}")
+    deadline = time.monotonic() + timeout
+    for address in split_addresses(master, "master"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        with open_channel(address, tls, options=[OWN_CONNECTIONS], token=token) as channel:
+            try:
+                return master_pb2_grpc.MasterServiceStub(channel).GetView(master_pb2.GetViewRequest(), timeout=left)
+            except grpc.RpcError as err:
+                log.debug("master %s: GetView failed: %s", address, err.code().name)
+    return None

@@ -670,3 +670,37 @@ def test_a_forked_childs_read_ends_within_its_budget_when_its_worker_is_frozen(l
 
     kind, message, seconds = _in_forked_child(read)
     assert kind == "WorkerUnavailableError" and 2.5 < seconds < 3 + 1 + 0.5, (kind, message, seconds)
+
+
+def test_a_forked_child_gets_a_view_for_clients_its_parent_never_used(local_store, make_worker, tmp_path):
+    """A client made (or first used) in a forked child, where gRPC is off limits, still gets the
+    cluster view: from a session of the parent that was never used (fetched for the children just
+    before the fork), from the parent's last view of that master (another session's), else from a
+    helper interpreter (client/viewfetch.py). A DataLoader worker that builds its filesystem
+    lazily does exactly this."""
+    from cachefs.client import viewfetch
+
+    local_store.add("obj.bin", payload(6000, 5))
+    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "master"))).start()
+    try:
+        make_worker(local_store.mount, master=master.address, page_size=PAGE)
+        unused = fsspec.filesystem("cachefs", master=master.address, skip_instance_cache=True)
+        probe = fsspec.filesystem("cachefs", master=master.address, skip_instance_cache=True)
+        assert wait_for(lambda: len(probe.session.workers.addresses) == 1, timeout=30)
+
+        def new_client_reads(helper_allowed: bool) -> object:
+            if not helper_allowed:
+                viewfetch.from_helper_process = lambda *a, **k: (_ for _ in ()).throw(AssertionError("helper"))
+            fs = fsspec.filesystem("cachefs", master=master.address, skip_instance_cache=True)
+            return fs.cat_file("cachefs://data/obj.bin") == payload(6000, 5)
+
+        # 1. the unused session: its view was fetched for the children before the fork
+        assert _in_forked_child(lambda: unused.cat_file("cachefs://data/obj.bin") == payload(6000, 5)) is True
+        # 2. a new client in the child: the parent's last view of this master, no helper process
+        assert _in_forked_child(lambda: new_client_reads(False)) is True
+        # 3. no view of this master in the parent at all: the helper interpreter asks the master
+        viewfetch._LAST.clear()
+        got = _in_forked_child(lambda: new_client_reads(True))
+        assert got is True, repr(got)
+    finally:
+        master.stop()

@@ -92,16 +92,22 @@ def test_map_dataset_stats_sum_two_fork_workers_over_two_epochs(served):
     assert stats["wait_s"] > 0 and timer.summary().steps > 0
 
 
-def test_grpc_reads_are_counted_as_such_and_exactly(served):
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_reads_are_counted_by_the_path_they_took_and_exactly(served, context):
+    """Forked DataLoader workers never use gRPC (client/forksafe.py): with the short-circuit socket
+    off their reads go over the data port; spawned ones may, and with both sockets off they do."""
     sizes, opts = served(10)
-    ds = CacheDataset.from_prefix("cachefs://data/train", storage_options={**opts, "short_circuit": False},
+    lean = {"short_circuit": False} if context == "fork" else {"short_circuit": False, "data_port": False}
+    ds = CacheDataset.from_prefix("cachefs://data/train", storage_options={**opts, **lean},
                                   rank=0, world_size=1, prefetch_depth=0, hint_samples=0)
     loader = DataLoader(ds, batch_size=2, sampler=ds.sampler(), num_workers=2, collate_fn=_as_list,
-                        timeout=TIMEOUT, multiprocessing_context="fork")
+                        timeout=TIMEOUT, multiprocessing_context=context)
     assert sum(len(t) for batch in loader for t in batch) == sum(sizes)
     stats = ds.stats()
-    assert stats["samples"] == 10 and stats["grpc_reads"] == 10 and stats["grpc_bytes"] == sum(sizes)
-    assert stats["short_circuit_reads"] == stats["held_reads"] == stats["store_reads"] == 0
+    path = "data_port" if context == "fork" else "grpc"
+    assert stats["samples"] == 10 and stats[f"{path}_reads"] == 10 and stats[f"{path}_bytes"] == sum(sizes), stats
+    other = "grpc" if context == "fork" else "data_port"
+    assert stats[f"{other}_reads"] == stats["short_circuit_reads"] == stats["held_reads"] == stats["store_reads"] == 0
 
 
 def test_iterable_dataset_stats_sum_spawned_workers(local_store, make_worker):
