@@ -149,14 +149,16 @@ class _ProcessState:
         """A newer cluster view: route by its live workers and ring settings from now on."""
         ring = RingConfig(vnodes=view.ring.vnodes or RingConfig().vnodes,
                           stripe_size=view.ring.stripe_size or self.config.stripe_size)
-        if view.workers or not self.workers:
-            self.workers.update([w.address for w in view.workers], ring)
-        else:
+        if not view.workers and self.workers:
             # No live workers: a master that just restarted (workers have not re-registered
             # yet), or a cluster that is really down. Either way the last workers are the best
-            # bet: dead ones fail fast behind their breakers, and fallback still applies.
+            # bet: dead ones fail fast behind their breakers, and fallback still applies. The
+            # last view with workers stays this process's view: it is what a forked child starts
+            # from (snapshot), and a child handed a view of no workers could reach no one.
             log.warning("cluster view %d has no workers; keeping the last %d", view.version,
                         len(self.workers.addresses))
+            return
+        self.workers.update([w.address for w in view.workers], ring)
         self.bulk.note_view(view)
         if self.config.master:
             viewfetch.remember(self.config.master, view.SerializeToString())  # for sessions of forked children

@@ -704,3 +704,26 @@ def test_a_forked_child_gets_a_view_for_clients_its_parent_never_used(local_stor
         assert got is True, repr(got)
     finally:
         master.stop()
+
+
+def test_a_child_forked_after_a_view_of_no_workers_still_reaches_the_workers(local_store, make_worker, tmp_path):
+    """A restarted master's first view lists no workers (they have not re-registered yet): the
+    parent keeps routing to the last ones, and a DataLoader worker forked then must start from
+    those too, not from the empty view (it read from no one until its DataLoader timed out:
+    seen in the chaos soak)."""
+    from cachefs.proto import master_pb2
+
+    local_store.add("obj.bin", payload(6000, 6))
+    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "master"))).start()
+    try:
+        make_worker(local_store.mount, master=master.address, page_size=PAGE)
+        fs = fsspec.filesystem("cachefs", master=master.address, skip_instance_cache=True)
+        assert wait_for(lambda: len(fs.session.workers.addresses) == 1, timeout=30)
+        state = fs.session._state.get()
+        state.apply_view(master_pb2.ClusterView(version=state.view.version + (1 << 32), master_id=state.view.master_id))
+        assert len(fs.session.workers.addresses) == 1
+        got = _in_forked_child(lambda: (len(fs.session.workers.addresses),
+                                        fs.cat_file("cachefs://data/obj.bin") == payload(6000, 6)))
+        assert got == (1, True), repr(got)
+    finally:
+        master.stop()
