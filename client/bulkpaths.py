@@ -35,10 +35,14 @@ from cachefs.proto import common_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 PROBE_RETRY = 60.0  # seconds before asking a worker again which paths it offers
-#: A worker answers a cached range in milliseconds; a path that takes this long is dropped for
-#: PROBE_RETRY seconds (reads go through gRPC), so a wedged socket costs a read at most this
-#: much (plus the transfer's own time at min_throughput), never the gRPC deadline.
+#: A worker answers a cached range in milliseconds; a path that takes this long is dropped for a
+#: while (reads go through gRPC), so a wedged socket costs a read at most this much (plus the
+#: transfer's own time at min_throughput), never the gRPC deadline.
 SOCKET_TIMEOUT = 5.0
+#: After a lean path's failure it is tried again after this long, doubling with each failure in
+#: a row up to PROBE_RETRY: a busy worker (at its connection limit, a full backlog) or one slow
+#: for a moment is not a wedged one, and is back on the lean path within a second.
+LEAN_RETRY_FIRST = 0.5
 _HOST_ID = host_id()
 #: The page size assumed for a worker that did not say its own (an older one): the smallest a
 #: worker takes, so that a piece of MAX_PAGES / 2 pages is never refused as too large.
@@ -125,6 +129,7 @@ class BulkPaths:
         # worker's reply (a process that cannot watch the master: the session applies it).
         self.on_view: Any = None
         self._view_known = 0
+        self._failures: dict[str, int] = {}  # lean path failures in a row, per worker
         self._warned: set[str] = set()
         # Per lean path: reads, bytes, reads sent to gRPC (fallbacks, errors), and pages read by
         # hit or miss as the worker knew them (the readers count those: shortcircuit.py, dataport.py).
@@ -231,18 +236,22 @@ class BulkPaths:
         if got is None:
             stats["fallbacks"] += 1
             return None
+        if self._failures:
+            self._failures.pop(handle.address, None)
         stats["reads"] += 1
         stats["bytes"] += len(got[0])
         return got
 
     def _failed(self, handle: Any, reader: Any, exc: BaseException, then: str) -> None:
         """``handle``'s lean path failed: counted, dropped, asked again later (the first failure
-        per worker logged at warning). A wedged socket is given up on for a while; a worker that
-        is away (restarting: its socket refused or gone) is asked again soon, as its gRPC port
-        will be; a process without gRPC asks again at once (it has no other way)."""
+        per worker logged at warning): after LEAN_RETRY_FIRST, doubling with each failure in a
+        row up to PROBE_RETRY (a busy or briefly slow worker is not a wedged one); a process
+        without gRPC asks again at once (it has no other way)."""
         self.stats[reader.kind]["errors"] += 1
         no_grpc = forksafe.grpc_inherited()
-        retry = NO_GRPC_RETRY if no_grpc else AWAY_RETRY if _worker_away(exc) else PROBE_RETRY
+        with self._lock:
+            failures = self._failures[handle.address] = self._failures.get(handle.address, 0) + 1
+        retry = NO_GRPC_RETRY if no_grpc else min(PROBE_RETRY, LEAN_RETRY_FIRST * 2 ** min(failures - 1, 16))
         since = time.monotonic() - (PROBE_RETRY - retry)
         with self._lock:
             self._readers[handle.address] = (None, since)

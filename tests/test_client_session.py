@@ -170,3 +170,33 @@ def test_first_healthy_answers_a_batch_as_candidates_does_one_read_at_a_time():
     assert got == expected() and broken not in got and None not in got
     workers.update([broken.address], config)  # the only worker left is the broken one
     assert workers.first_healthy(reads[:3]) == [None, None, None]
+
+
+def test_a_busy_worker_is_back_on_the_lean_path_within_a_second(local_store, make_worker, monkeypatch):
+    """A connection refused because the worker is busy (a full backlog: BlockingIOError; its
+    connection limit) or a request that timed out once is not a wedged worker: its lean path is
+    asked again after LEAN_RETRY_FIRST (doubling while it keeps failing), not after a minute on gRPC."""
+    data = payload(3 * PAGE + 5, 5)
+    local_store.add("obj", data)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    fs = client(worker.address, data_port=False, short_circuit_handles=0, short_circuit_by_name=False)
+    assert fs.cat_file("cachefs://data/obj") == data
+    assert wait_for(lambda: fs.cat_file("cachefs://data/obj") == data
+                    and fs.session.bulk_stats["short_circuit"]["reads"] >= 1, timeout=30)
+    real_read = ShortCircuitReader.read
+    busy = [BlockingIOError(11, "Resource temporarily unavailable"), TimeoutError("timed out")]
+
+    def busy_once(self, *args, **kwargs):
+        if busy:
+            raise busy.pop(0)
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShortCircuitReader, "read", busy_once)
+    for _ in range(2):
+        before = fs.session.bulk_stats["short_circuit"]["reads"]
+        assert fs.cat_file("cachefs://data/obj") == data  # through gRPC: the lean path just failed
+        assert fs.session.bulk_stats["short_circuit"]["reads"] == before
+        time.sleep(bulkpaths.LEAN_RETRY_FIRST * 2 + 0.2)
+    before = fs.session.bulk_stats["short_circuit"]["reads"]
+    assert fs.cat_file("cachefs://data/obj") == data
+    assert fs.session.bulk_stats["short_circuit"]["reads"] == before + 1
