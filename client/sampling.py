@@ -38,15 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from cachefs.order import EpochOrder
+from cachefs.order import EpochOrder, Permutation
 
 STATE_VERSION = 1
 
 
 def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The shards' order of a BlockPlan: cachefs's own permutation (order.py), as EpochPlan's."""
     if not shuffle:
         return np.arange(n, dtype=np.int64)
-    return np.random.Generator(np.random.PCG64([int(seed), int(epoch)])).permutation(n).astype(np.int64)
+    return Permutation(n, int(seed), int(epoch)).array(np.arange(n, dtype=np.int64))
 
 
 def _check_deal(rank: int, world_size: int, offset: int, n_samples: int) -> None:
@@ -184,8 +185,7 @@ def _within_block(ids: np.ndarray, seed: int, epoch: int, start: int, shuffle: b
     """A block's ids in the order they are yielded: shuffled by (seed, epoch, its start)."""
     if not shuffle or len(ids) < 2:
         return ids
-    rng = np.random.Generator(np.random.PCG64([seed, epoch, 2, start]))
-    return ids[rng.permutation(len(ids))]
+    return ids[Permutation(len(ids), int(seed), int(epoch), 2, int(start)).array(np.arange(len(ids)))]
 
 
 @dataclass(frozen=True)
