@@ -23,6 +23,7 @@ __all__ = ["DerivedOrder", "IndexError_", "PlanIndex", "derive"]
 
 MAX_INDEX_UNITS = 1 << 31
 MAX_PAGES_PER_UNIT = 4096
+HASH_CHUNK = 65_536
 
 
 class IndexError_(ValueError):
@@ -82,12 +83,14 @@ class PlanIndex:
             text = blob.decode()
         except UnicodeDecodeError:
             raise IndexError_("index paths must be UTF-8") from None
-        if len(text) != len(blob):  # not ASCII: cut by bytes
-            paths = [blob[a:b].decode() for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
-        else:
-            paths = [text[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
-        hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=len(paths))
-        del paths, text
+        ascii_only = len(text) == len(blob)  # else cut by bytes
+        hashes = np.empty(len(samples), dtype=np.int64)
+        for c in range(0, len(samples), HASH_CHUNK):  # a chunk of str objects at a time, not all
+            bounds = starts[c:c + HASH_CHUNK + 1].tolist()
+            cuts = zip(bounds[:-1], bounds[1:])
+            paths = [text[a:b] for a, b in cuts] if ascii_only else [blob[a:b].decode() for a, b in cuts]
+            hashes[c:c + len(paths)] = np.fromiter(map(hash, paths), dtype=np.int64, count=len(paths))
+        del text
         order = by_sample
         self.samples = samples[order].astype(np.int32 if self.size < 1 << 31 else np.int64)
         self.blob = blob
