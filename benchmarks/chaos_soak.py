@@ -32,6 +32,10 @@ import torch, fsspec
 logging.basicConfig(level=os.environ.get("SOAK_LOG_LEVEL", "WARNING"),
                     format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
 
+def emit(kind, value):
+    # One write(2) a line: DataLoader workers and the main process share stdout (atomic below PIPE_BUF).
+    os.write(1, (kind + " " + json.dumps(value) + "\n").encode())
+
 master, seconds, samples = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 want = json.loads(sys.argv[4])
 fs = fsspec.filesystem("cachefs", master=master, skip_instance_cache=True)
@@ -48,8 +52,7 @@ class Reads(torch.utils.data.Dataset):
             ok = 1.0 if zlib.crc32(data) == want[i] else -1.0  # -1: wrong bytes
         except Exception as exc:
             ok = 0.0
-            print("READ-ERROR " + json.dumps({"t": t0, "seconds": time.time() - t0,
-                                              "error": f"{type(exc).__name__}: {exc}"[:300]}), flush=True)
+            emit("READ-ERROR", {"t": t0, "seconds": time.time() - t0, "error": f"{type(exc).__name__}: {exc}"[:300]})
         return torch.tensor([t0, time.time() - t0, ok], dtype=torch.float64)
 
 loader = torch.utils.data.DataLoader(Reads(), batch_size=8, shuffle=True, num_workers=2, timeout=30)
@@ -59,11 +62,11 @@ while time.time() < end:
     try:
         for batch in loader:
             for row in batch.tolist():
-                print("READ " + json.dumps(row), flush=True)
+                emit("READ", row)
     except RuntimeError as exc:
-        print("EPOCH-ERROR " + json.dumps({"t": time.time(), "epoch": epoch, "error": str(exc)[:300]}), flush=True)
+        emit("EPOCH-ERROR", {"t": time.time(), "epoch": epoch, "error": str(exc)[:300]})
     epoch += 1
-print("EPOCHS " + json.dumps(epoch), flush=True)
+emit("EPOCHS", epoch)
 '''
 
 
@@ -157,9 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(err if "err" in locals() else "")
                 shutil.copytree(os.path.join(tmp, "cluster"), args.keep, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("pages", "*.sock", "cache"))
-    reads, read_errors, epoch_errors, epochs = [], [], [], 0
+    reads, read_errors, epoch_errors, epochs, garbled = [], [], [], 0, 0
     for line in out.splitlines():
         kind, _, body = line.partition(" ")
+        try:
+            json.loads(body)
+        except ValueError:
+            garbled += 1
+            continue
         if kind == "READ":
             reads.append(json.loads(body))
         elif kind == "READ-ERROR":
@@ -182,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         fault["recovered_after_s"] = round(max((r[0] + r[1] for r in hit), default=fault["t"]) - fault["t"], 2)
     report = {
         "minutes": args.minutes, "epochs": epochs, "reads": len(reads), "faults": len(faults),
+        "garbled_lines": garbled,
         "dataloader_timeouts": sum(1 for e in epoch_errors if "timed out" in e["error"]),
         "epoch_errors": epoch_errors[:20], "wrong_bytes_reads": sum(1 for r in reads if r[2] == -1.0),
         "failed_reads": len(read_errors), "failed_read_max_seconds": max((e["seconds"] for e in read_errors), default=0),
