@@ -172,7 +172,11 @@ class EpochOrder:
         """Every position of this rank that reads ``sample`` (ascending; two where padding repeats
         it, none where another rank reads it): O(1), by the permutation's inverse."""
         perm = self._perm  # type: ignore[attr-defined]
-        g = sample if perm is None else perm.inverse(sample)
+        return self.positions_of_global(sample if perm is None else perm.inverse(sample))
+
+    def positions_of_global(self, g: int) -> list[int]:
+        """``positions_of`` for the sample at index ``g`` of the epoch's global order (shared by
+        every rank: a caller asking for several ranks inverts the permutation once)."""
         rest = self._rest  # type: ignore[attr-defined]
         if g < self.offset or rest <= 0:
             return []
@@ -182,6 +186,16 @@ class EpochOrder:
                 out.append(j // self.world_size)
             j += rest
         return out
+
+    def global_index(self, sample: int) -> int:
+        """Where ``sample`` is in the epoch's global order (before the deal)."""
+        perm = self._perm  # type: ignore[attr-defined]
+        return sample if perm is None else perm.inverse(sample)
+
+    @property
+    def key(self) -> tuple[int, int, int, bool]:
+        """What the global order depends on: orders with the same key share ``global_index``."""
+        return (self.n_samples, self.seed, self.epoch, self.shuffle)
 
     def all(self) -> np.ndarray:
         return self.array(np.arange(len(self), dtype=np.int64))

@@ -168,18 +168,34 @@ class DerivedOrder:
     def rest(self) -> int:
         return len(self.now) - self.start
 
-    def positions_of(self, sample: int) -> list[int]:
-        rest = self.rest
-        return [p - self.start for p in self.now.positions_of(sample) if p >= self.start] + \
-            [rest + p for p in self.after.positions_of(sample)]
+    def positions_of(self, sample: int, memo: dict | None = None) -> list[int]:
+        """Positions of the plan that read ``sample``. ``memo``: inverses already computed (one
+        call asking several jobs of one data set: ranks share their epochs' global orders)."""
+        def global_index(order: EpochOrder) -> int:
+            key = (order.key, sample)
+            g = None if memo is None else memo.get(key)
+            if g is None:
+                g = order.global_index(sample)
+                if memo is not None:
+                    memo[key] = g
+            return g
 
-    def uses(self, mount: str, key: str, index: int) -> list[int]:
+        rest = self.rest
+        now = [p - self.start for p in self.now.positions_of_global(global_index(self.now)) if p >= self.start]
+        return now + [rest + p for p in self.after.positions_of_global(global_index(self.after))]
+
+    def uses(self, mount: str, key: str, index: int, memo: dict | None = None) -> list[int]:
         """Positions at which the plan reads page ``index`` of ``mount/key`` (ascending)."""
         out: list[int] = []
-        for u in self.index.find(mount, key):
+        found = None if memo is None else memo.get((self.index.id, mount, key))
+        if found is None:
+            found = self.index.find(mount, key)
+            if memo is not None:
+                memo[(self.index.id, mount, key)] = found
+        for u in found:
             first = int(self.index.first_page[u])
             if self.planned[u] and first <= index < first + int(self.index.pages[u]):
-                out.extend(self.positions_of(int(self.index.samples[u])))
+                out.extend(self.positions_of(int(self.index.samples[u]), memo))
         return sorted(out) if len(out) > 1 else out
 
     def pages_of(self, mount: str, key: str) -> int:

@@ -416,11 +416,12 @@ class PlanTable:
             return math.inf, math.inf
         now = self._clock() if moment is None else moment.now
         best, recheck = math.inf, math.inf
+        memo: dict = {}  # derived jobs of one data set share its index and epochs' orders
         for job in [*(jobs or ()), *derived]:
             if not job.complete or job.expires <= now:
                 continue
             if job.derived is not None:
-                at = job.derived.uses(pid.mount, pid.key, pid.index)
+                at = job.derived.uses(pid.mount, pid.key, pid.index, memo)
                 if not at:
                     continue
                 starts = ends = at
