@@ -374,15 +374,27 @@ class ClientSession:
                 if not reply.next_after:
                     return out
                 after = reply.next_after
-        request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh)
+        # Page after page (ListRequest.paged): no call carries a whole prefix. A worker that knows
+        # no pages answers the whole listing with no next_after: the loop ends after it.
+        out, after = [], ""
+        while True:
+            request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh and not after,
+                                             paged=True, start_after=after)
 
-        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> list[dict[str, Any]]:
-            return [info_dict(e) for batch in stub.List(request, timeout=self.config.timeout) for e in batch.entries]
+            def call(stub: worker_pb2_grpc.WorkerServiceStub, request: Any = request) -> tuple[list[dict[str, Any]], str]:
+                entries, next_after = [], ""
+                for batch in stub.List(request, timeout=self.config.timeout):
+                    entries.extend(info_dict(e) for e in batch.entries)
+                    next_after = batch.next_after or next_after
+                return entries, next_after
 
-        entries = self.call(str(cp), call, f"list {cp}")
-        if entries is not None:
-            return entries
-        return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
+            page = self.call(str(cp), call, f"list {cp}")
+            if page is None:
+                return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
+            out.extend(page[0])
+            if not page[1]:
+                return out
+            after = page[1]
 
     def _meta_no_grpc(self, state: _ProcessState, key: str, request: Any, what: str) -> Any:
         """A metadata operation over the workers' sockets; None: none answered, read the store

@@ -42,20 +42,28 @@ class InfoRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., refresh: _Optional[bool] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("path", "recursive", "refresh")
+    __slots__ = ("path", "recursive", "refresh", "paged", "start_after", "max_entries")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RECURSIVE_FIELD_NUMBER: _ClassVar[int]
     REFRESH_FIELD_NUMBER: _ClassVar[int]
+    PAGED_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     path: str
     recursive: bool
     refresh: bool
-    def __init__(self, path: _Optional[str] = ..., recursive: _Optional[bool] = ..., refresh: _Optional[bool] = ...) -> None: ...
+    paged: bool
+    start_after: str
+    max_entries: int
+    def __init__(self, path: _Optional[str] = ..., recursive: _Optional[bool] = ..., refresh: _Optional[bool] = ..., paged: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ...) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "next_after")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectInfo]
-    def __init__(self, entries: _Optional[_Iterable[_Union[_common_pb2.ObjectInfo, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[_common_pb2.ObjectInfo, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
 
 class ListMountsRequest(_message.Message):
     __slots__ = ()

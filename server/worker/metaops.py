@@ -34,6 +34,51 @@ LIST_PAGE_ENTRIES = 1000
 LIST_PAGE_BYTES = 48 << 10
 
 
+class ListingPages:
+    """A listing handed out page by page, by name: the store's (cached) listing sorted once, each
+    page the entries after ``start_after``. Pages of one listing are asked one after the other,
+    and the store's listing cache hands back the same list object while it is fresh."""
+
+    def __init__(self, objects: Any) -> None:
+        self._objects = objects
+        self._sorted_lock = threading.Lock()
+        self._sorted: tuple[Any, list[str], list[Any]] | None = None
+
+    def page(self, raw_path: str, recursive: bool, refresh: bool, start_after: str, max_entries: int,
+             max_entries_default: int, max_bytes: int) -> tuple[list[Any], str]:
+        """(entries as ObjectInfo messages, the name to ask the next page after; "" at the end)."""
+        path = parse_path(raw_path)
+        if not start_after:  # a new listing: the store's cache decides how fresh
+            entries = self._objects.list(path, recursive=recursive, refresh=refresh)
+        else:  # a later page: the same listing (cached), never a refresh in the middle
+            entries = self._objects.list(path, recursive=recursive)
+        names, ordered = self._by_name(entries)
+        start = bisect.bisect_right(names, start_after) if start_after else 0
+        limit = min(max_entries_default, max_entries or max_entries_default)
+        out: list[Any] = []
+        size = 0
+        end = start
+        while end < len(ordered) and end - start < limit:
+            entry = info_message(ordered[end])
+            size += entry.ByteSize() + 4
+            if size > max_bytes and end > start:
+                break
+            out.append(entry)
+            end += 1
+        return out, (names[end - 1] if end < len(ordered) else "")
+
+    def _by_name(self, entries: list[Any]) -> tuple[list[str], list[Any]]:
+        with self._sorted_lock:
+            known = self._sorted
+            if known is not None and known[0] is entries:
+                return known[1], known[2]
+        ordered = sorted(entries, key=lambda m: str(m.path))
+        names = [str(m.path) for m in ordered]
+        with self._sorted_lock:
+            self._sorted = (entries, names, ordered)
+        return names, ordered
+
+
 class MetaOps:
     """Answers ``MetaRequest``s with the worker's object store and what it knows of the cluster."""
 
@@ -44,10 +89,7 @@ class MetaOps:
         of the view it last had from the master ((0, b"") without one)."""
         self._objects, self._status = objects, status
         self._view = view or (lambda: (0, b""))
-        # The last listing sorted by name: the pages of one listing are asked for one after the
-        # other, and the store's listing cache hands back the same list object while it is fresh.
-        self._sorted_lock = threading.Lock()
-        self._sorted: tuple[Any, list[str], list[Any]] | None = None
+        self._pages = ListingPages(objects)
 
     def view_version(self) -> int:
         return self._view()[0]
@@ -72,35 +114,9 @@ class MetaOps:
             return MetaReply(error_code=code, error_detail=detail, error_message=message)
 
     def _list_page(self, request: Any) -> Any:
-        path = parse_path(request.path)
-        if not request.start_after:  # a new listing: the store's cache decides how fresh
-            entries = self._objects.list(path, recursive=request.recursive, refresh=request.refresh)
-        else:  # a later page: the same listing (cached), never a refresh in the middle
-            entries = self._objects.list(path, recursive=request.recursive)
-        names, ordered = self._by_name(entries)
-        start = bisect.bisect_right(names, request.start_after) if request.start_after else 0
-        limit = min(LIST_PAGE_ENTRIES, request.max_entries or LIST_PAGE_ENTRIES)
-        reply = MetaReply()
-        size = 0
-        end = start
-        while end < len(ordered) and end - start < limit:
-            entry = info_message(ordered[end])
-            size += entry.ByteSize() + 4
-            if size > LIST_PAGE_BYTES and end > start:
-                break
-            reply.entries.append(entry)
-            end += 1
-        if end < len(ordered):
-            reply.next_after = names[end - 1]
+        entries, next_after = self._pages.page(request.path, request.recursive, request.refresh, request.start_after,
+                                               request.max_entries, LIST_PAGE_ENTRIES, LIST_PAGE_BYTES)
+        reply = MetaReply(entries=entries)
+        if next_after:
+            reply.next_after = next_after
         return reply
-
-    def _by_name(self, entries: list[Any]) -> tuple[list[str], list[Any]]:
-        with self._sorted_lock:
-            known = self._sorted
-            if known is not None and known[0] is entries:
-                return known[1], known[2]
-        ordered = sorted(entries, key=lambda m: str(m.path))
-        names = [str(m.path) for m in ordered]
-        with self._sorted_lock:
-            self._sorted = (entries, names, ordered)
-        return names, ordered

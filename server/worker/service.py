@@ -25,6 +25,7 @@ from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import PageId, PageStore
 from cachefs.server.worker.loader import Loader, NotAdmittedError, failure, resolve_for_load
+from cachefs.server.worker.metaops import ListingPages
 from cachefs.server.worker.plans import PlanTable
 from cachefs.server.worker.reader import PageReader
 from cachefs.server.worker.writer import WriteHandler
@@ -35,6 +36,8 @@ HOST_ID = host_id()
 MAX_CHUNK = 1 << 20  # bytes per streamed ReadChunk
 MAX_BLOCK = 4 << 20  # bytes per ReadBlock reply
 LIST_BATCH = 1000
+#: A paged List's reply: entries and their encoded bytes at most (well under the message limit).
+LIST_PAGE_BYTES = 4 << 20
 MAX_OFFSET = (1 << 62)  # far beyond any object, far from int64 overflow
 MAX_JOB_PATHS = 10_000  # paths per Load/GetCached request: the master sends batches
 RESOLVE_THREADS = 16  # cold objects of Loads resolved at once, worker-wide (each one store round trip)
@@ -59,6 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.worker_id = worker_id
         self.mounts = mounts
         self.objects = objects
+        self.listing_pages = ListingPages(objects)
         self.pages = pages
         self.reader = reader
         self.metrics = metrics
@@ -197,6 +201,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @rpc("List", streaming=True)
     def List(self, request: worker_pb2.ListRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ListResponse]:
+        if request.paged:  # one page, by name: no call carries a whole prefix
+            page, next_after = self.listing_pages.page(request.path, request.recursive, request.refresh,
+                                                       request.start_after, request.max_entries, LIST_BATCH,
+                                                       LIST_PAGE_BYTES)
+            yield worker_pb2.ListResponse(entries=page, next_after=next_after)
+            return
         path = parse_path(request.path)
         entries = self.objects.list(path, recursive=request.recursive, refresh=request.refresh)
         for start in range(0, len(entries), LIST_BATCH):
