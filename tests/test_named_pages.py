@@ -539,9 +539,9 @@ def _count_messages(reader, monkeypatch) -> list:
     sent: list = []
     exchange = reader._exchange
 
-    def counted(request):
+    def counted(request, *more):
         sent.append(request)
-        return exchange(request)
+        return exchange(request, *more)
 
     monkeypatch.setattr(reader, "_exchange", counted)
     monkeypatch.setattr("cachefs.client.namedpages.REPORT_SECONDS", 1e9)
@@ -884,8 +884,8 @@ def _cached_samples_and_messages(local_store, make_worker, monkeypatch, seed: in
     _settled(worker, [f"data/s/{i}" for i in range(8)], [len(d) for d in data])
     sent: list = []
     exchange = ShortCircuitReader._exchange
-    monkeypatch.setattr(ShortCircuitReader, "_exchange", lambda self, request: (sent.append(request),
-                                                                                  exchange(self, request))[1])
+    monkeypatch.setattr(ShortCircuitReader, "_exchange", lambda self, request, *more: (
+        sent.append(request), exchange(self, request, *more))[1])
     return data, worker, sent
 
 
