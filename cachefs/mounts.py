@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cachefs.errors import InvalidPathError, UnknownMountError
+from cachefs.errors import InvalidPathError, UnknownMountError, WorkerUnavailableError
 from cachefs.paths import CachePath, validate_mount_name
 
 if TYPE_CHECKING:
@@ -156,6 +156,11 @@ class MountTable:
         self._lock = threading.Lock()
         # name -> (spec, its filesystem, root in it, whether that is the local file system)
         self._mounts: dict[str, tuple[MountSpec, fsspec.AbstractFileSystem, str, bool]] = {}
+        # Set while the table still waits for its source (a worker's master: why, in words). A
+        # mount not here yet is then the worker's fault, not the request's: a worker restarted on
+        # its port is sent reads at once by clients that knew it, before its first mount sync, and
+        # they must go to the next worker rather than fail with "no mount named".
+        self.awaiting = ""
         for spec in specs:
             self.add(spec)
 
@@ -194,6 +199,9 @@ class MountTable:
         with self._lock:
             entry = self._mounts.get(path.mount)
         if entry is None:
+            awaiting = self.awaiting
+            if awaiting:
+                raise WorkerUnavailableError(f"no mount named {path.mount!r} here yet: {awaiting}")
             raise UnknownMountError(f"no mount named {path.mount!r}")
         spec, fs, root, local = entry
         if local:

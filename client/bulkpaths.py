@@ -27,7 +27,7 @@ from cachefs.addresses import split_address
 from cachefs.client import forksafe
 from cachefs.client.dataport import DataPortReader
 from cachefs.client.shortcircuit import Prepared, ShortCircuitReader
-from cachefs.errors import REQUEST, WorkerUnavailableError, from_wire_error
+from cachefs.errors import REQUEST, WORKER, WorkerUnavailableError, fault_of, from_wire_error
 from cachefs import rawbytes
 from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.proto import common_pb2, worker_pb2
@@ -362,7 +362,11 @@ class BulkPaths:
             handle.breaker.record_success()
             self._follow_view(reader)
             if reply.error_code:
-                raise from_wire_error(reply.error_code, reply.error_detail, reply.error_message, what)
+                error = from_wire_error(reply.error_code, reply.error_detail, reply.error_message, what)
+                if fault_of(error) == WORKER:  # this worker could not (e.g. restarted, its mounts not synced yet)
+                    last = error
+                    continue
+                raise error
             return reply
         raise WorkerUnavailableError(f"{what}: no worker's socket answered" + (f" (last: {last})" if last else ""))
 

@@ -727,3 +727,28 @@ def test_a_child_forked_after_a_view_of_no_workers_still_reaches_the_workers(loc
         assert got == (1, True), repr(got)
     finally:
         master.stop()
+
+
+def test_a_worker_that_has_not_had_its_mounts_yet_sends_reads_to_the_next_worker(local_store, make_worker):
+    """A worker restarted on its port is sent reads at once by clients that knew it, before its
+    first mount sync with the master: a mount it does not have yet is its own fault (the next
+    worker is tried), not a FileNotFoundError for the caller (3 reads failed so in a 10-minute
+    chaos soak), in the main process (gRPC) and in a forked child (sockets)."""
+    import socket as socket_module
+
+    objects = {f"obj{i}.bin": payload(3000 + i, 50 + i) for i in range(12)}
+    for key, data in objects.items():
+        local_store.add(key, data)
+    with socket_module.socket() as dead:  # a master that never answers: the mounts never come
+        dead.bind(("127.0.0.1", 0))
+        waiting = make_worker(master=f"127.0.0.1:{dead.getsockname()[1]}", page_size=PAGE)
+        healthy = make_worker(local_store.mount, page_size=PAGE)
+        fs = client(waiting.address, healthy.address)
+        paths = _paths(objects)
+        firsts = {fs.session.candidates(p.removeprefix("cachefs://"))[0].address for p in paths}
+        assert waiting.address in firsts  # some reads are placed on the waiting worker first
+        assert [fs.cat_file(p) for p in paths] == list(objects.values())
+        assert fs.info(paths[0])["size"] == len(objects["obj0.bin"])
+        got = _in_forked_child(lambda: ([fs.cat_file(p) for p in paths] == list(objects.values()),
+                                        fs.info(paths[1])["size"], len(fs.ls("cachefs://data"))))
+        assert got == (True, len(objects["obj1.bin"]), len(objects)), repr(got)

@@ -100,6 +100,8 @@ class Worker:
         self._had_mounts = False  # readiness: the master's mounts arrived once (kept while it is away)
         self.metrics = WorkerMetrics()
         self.mounts = MountTable(config.mounts)
+        if config.master:  # until the first mount sync (registration.py): a missing mount is ours, not the request's
+            self.mounts.awaiting = f"this worker has not had the mount table from master {config.master} yet"
         self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl,
                                    stale_grace=config.metadata_stale_grace, s3_client=config.s3_client)
         # Training jobs' read plans (plans.py): with eviction "future" the page store evicts by them.

@@ -186,6 +186,7 @@ class Registrar:
                 changed.add(name)
         self._master_mounts = set(wanted)
         self._mounts_version = resp.mounts_version
+        self.mounts.awaiting = ""  # the master's table is here: a mount missing now is missing
         if changed and self._on_mounts_changed is not None:
             self._on_mounts_changed(changed)
 
