@@ -103,20 +103,14 @@ class EpochPlan:
         return len(self.epoch_order)
 
     def sample(self, position: int) -> int:
-        """The sample index at ``position`` of this rank's order."""
-        order = self._order  # type: ignore[attr-defined]
-        if order is not None:
-            return int(order[position])
-        if position < 0:
-            position += len(self)
-        return self.epoch_order.at(position)
+        """The sample index at ``position`` of this rank's order, made whole on the epoch's first
+        read (``set_epoch`` stays O(1)): worked out a position at a time it cost a visible share of
+        a warm sample's read (docs/performance.md, "Fork safety without gRPC")."""
+        return int(self.order[position])
 
     def samples(self, positions: Sequence[int] | np.ndarray) -> np.ndarray:
         """The sample indices at ``positions`` (int64)."""
-        order = self._order  # type: ignore[attr-defined]
-        if order is not None:
-            return order[np.asarray(positions, dtype=np.int64)]
-        return self.epoch_order.array(positions)
+        return self.order[np.asarray(positions, dtype=np.int64)]
 
     def remaining(self, samples_seen: int = 0) -> np.ndarray:
         return self.order[samples_seen:]
