@@ -50,6 +50,18 @@ def _mix_array(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def shuffled(n: int, *key: int) -> np.ndarray:
+    """A permutation of ``[0, n)`` keyed by integers, made whole at once: the indices sorted by the
+    keyed mix of each (one vectorized pass and a sort, the same on every numpy). For small sets
+    read whole, such as a tar block's samples, where a :class:`Permutation`'s per-position
+    Feistel rounds and cycle walking cost ten times as much."""
+    state = _mix(_GAMMA ^ ORDER_VERSION ^ 0x5348)
+    for k in key:
+        state = _mix((state ^ (int(k) & _M64)) + _GAMMA)
+    scores = _mix_array(np.arange(n, dtype=np.uint64) + np.uint64(state))
+    return np.argsort(scores, kind="stable").astype(np.int64)
+
+
 class Permutation:
     """A bijection of ``[0, n)`` keyed by integers (seed, epoch, ...): ``p(i)`` for one index,
     ``p.array(indices)`` for many, ``p.array(np.arange(n))`` for the whole permutation."""

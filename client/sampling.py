@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from cachefs.order import EpochOrder, Permutation
+from cachefs.order import EpochOrder, Permutation, shuffled
 
 STATE_VERSION = 1
 
@@ -179,7 +179,7 @@ def _within_block(ids: np.ndarray, seed: int, epoch: int, start: int, shuffle: b
     """A block's ids in the order they are yielded: shuffled by (seed, epoch, its start)."""
     if not shuffle or len(ids) < 2:
         return ids
-    return ids[Permutation(len(ids), int(seed), int(epoch), 2, int(start)).array(np.arange(len(ids)))]
+    return ids[shuffled(len(ids), int(seed), int(epoch), 2, int(start))]
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ class ShortCircuitReader:
     # -- one request ---------------------------------------------------------------------------------
     def _exchange(self, request: Any, timeout: float | None = None) -> tuple[bytes, list[int]]:
         """Send one request, get its reply and descriptors; a reused connection that fails (the
-        worker restarted) is retried once on a new one. ``timeout``: both tries within it."""
+        worker restarted) is retried once on a new one, one that times out is not (a frozen
+        worker would cost the wait twice). ``timeout``: both tries within it."""
         data = request.SerializeToString()
         deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in (0, 1):
@@ -168,12 +169,12 @@ class ShortCircuitReader:
                 message, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_PAGES + 1)
                 if not message:
                     raise ConnectionError("the worker closed the short-circuit socket")
-            except OSError:
+            except OSError as exc:
                 sock.close()
                 for fd in fds:
                     os.close(fd)
-                if attempt == 1:
-                    raise
+                if attempt == 1 or isinstance(exc, TimeoutError):
+                    raise  # a worker that did not answer in time is not a stale connection: no second wait
                 self._pool.close()  # the other idle connections went with the old worker too
                 continue
             if left is not None:
