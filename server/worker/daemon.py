@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -186,6 +187,13 @@ class Worker:
     def _on_mounts_changed(self, names: set[str]) -> None:
         for name in names:
             self.objects.forget_mount(name)
+        self._prepare_backends(names)
+
+    def _prepare_backends(self, names: Iterable[str]) -> None:
+        """Make the mounts' store clients in the background (an S3 one builds a botocore client:
+        tenths of a second a cold read would otherwise wait for)."""
+        threading.Thread(target=self.objects.prepare, args=(list(names),), name="cachefs-backends",
+                         daemon=True).start()
 
     def start(self) -> "Worker":
         server = grpc.server(
@@ -237,6 +245,7 @@ class Worker:
                 view=self.view_relay,
             ).start()
         threading.Thread(target=self._expire_plans, name="cachefs-plans", daemon=True).start()
+        self._prepare_backends(spec.name for spec in self.mounts.specs())
         log.info("worker %s serving on %s (metrics port %s)", self.worker_id, self.address, self.metrics_port)
         return self
 
