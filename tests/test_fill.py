@@ -39,7 +39,7 @@ def test_a_batch_of_cold_objects_is_filled_in_one_message(store, make_worker):
     reader = fs.session._state.get().bulk._readers[worker.address][0]
     sent = []
     inner = reader._exchange
-    reader._exchange = lambda request: sent.append(request) or inner(request)
+    reader._exchange = lambda request, *more: sent.append(request) or inner(request, *more)
     assert fs.prepare([(p, 0, None) for p in paths]) == len(paths)
     # One message for the batch (a new process may send its hello alone before it: with the name
     # index, a warm batch needs no descriptors at all).
@@ -96,8 +96,8 @@ def test_a_missing_object_is_failed_for_good_and_a_forked_reader_raises_at_once(
     replies = []
     inner = reader._exchange
 
-    def exchange(request):
-        message, fds = inner(request)
+    def exchange(request, *more):
+        message, fds = inner(request, *more)
         replies.append(shortcircuit_pb2.ShortCircuitReply.FromString(message))
         return message, fds
 

@@ -443,7 +443,7 @@ def test_a_range_a_prepare_found_not_cached_is_read_through_grpc_without_asking_
     reader = fs.session._state.get().bulk._readers[worker.address][0]
     exchanges = []
     inner = reader._exchange
-    reader._exchange = lambda request: exchanges.append(request) or inner(request)
+    reader._exchange = lambda request, *more: exchanges.append(request) or inner(request, *more)
     assert fs.cat_file("cachefs://data/cold") == data
     assert exchanges == []  # gRPC answered, the socket was not asked again
     _settled(worker, "data/cold", len(data))
