@@ -54,6 +54,12 @@ AWAY_RETRY = 2.0
 NO_GRPC_RETRY = 0.2
 
 
+def read_budget(config: Any, length: int) -> float:
+    """One read's budget, every retry, fallback and failover inside it: the metadata timeout plus
+    the time ``length`` bytes take at min_throughput."""
+    return config.timeout + max(0, length) / config.min_throughput
+
+
 def _worker_away(exc: BaseException) -> bool:
     """The worker is not there right now (restarting, stopped), as opposed to slow or broken. A
     connection it reset or closed under a request is that too: a worker stopping closes its
@@ -150,7 +156,7 @@ class BulkPaths:
         # Kept (threads of this process may probe at once) until this worker's lean path fails.
         status = self._handed_down.get(handle.address)
         if status is None and forksafe.grpc_inherited():
-            status = self._from_view.get(handle.address) or self._statuses.get(handle.address)
+            status = self._known_status(handle.address)
             if status is None:
                 raise WorkerUnavailableError(f"worker {handle.address}: the cluster view names no socket of it "
                                              "(a worker older than this client?), and this forked process "
@@ -159,6 +165,15 @@ class BulkPaths:
             status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
         self._statuses[handle.address] = status
         return status
+
+    def _known_status(self, address: str) -> Any:
+        """What this process knows of a worker's sockets without asking it: handed down, probed,
+        or published in the view; None if nothing."""
+        for known in (self._handed_down, self._statuses, self._from_view):
+            status = known.get(address)
+            if status is not None:
+                return status
+        return None
 
     def note_view(self, view: Any) -> None:
         """A cluster view: its workers' lean paths (for a process that must not use gRPC)."""
@@ -251,10 +266,8 @@ class BulkPaths:
         no_grpc = forksafe.grpc_inherited()
         with self._lock:
             failures = self._failures[handle.address] = self._failures.get(handle.address, 0) + 1
-        retry = NO_GRPC_RETRY if no_grpc else min(PROBE_RETRY, LEAN_RETRY_FIRST * 2 ** min(failures - 1, 16))
-        since = time.monotonic() - (PROBE_RETRY - retry)
-        with self._lock:
-            self._readers[handle.address] = (None, since)
+            retry = NO_GRPC_RETRY if no_grpc else min(PROBE_RETRY, LEAN_RETRY_FIRST * 2 ** min(failures - 1, 16))
+            self._readers[handle.address] = (None, time.monotonic() - (PROBE_RETRY - retry))
             if not no_grpc:
                 self._handed_down.pop(handle.address, None)  # the next probe asks the worker
             first = handle.address not in self._warned
@@ -270,7 +283,7 @@ class BulkPaths:
         (half of MAX_PAGES pages of the placed worker's page size: gRPC is not there to take a
         range the socket refuses as too large)."""
         chunk = self._chunk_bytes(path, offset)
-        deadline = time.monotonic() + self.read_budget(length)
+        deadline = time.monotonic() + read_budget(self.config, length)
         if 0 <= length <= chunk:
             return self._read_no_grpc_once(path, offset, length, version, out, deadline)
         parts: list[Any] = []
@@ -293,15 +306,9 @@ class BulkPaths:
 
     def _chunk_bytes(self, path: str, offset: int) -> int:
         candidates = self.workers.candidates(path, offset, include_broken=True)
-        address = candidates[0].address if candidates else ""
-        status = self._handed_down.get(address) or self._statuses.get(address) or self._from_view.get(address)
+        status = self._known_status(candidates[0].address) if candidates else None
         page_size = getattr(status, "page_size", 0) or DEFAULT_PAGE_SIZE
         return max(1, MAX_PAGES // 2) * page_size
-
-    def read_budget(self, length: int) -> float:
-        """One read's budget, every retry and failover inside it: the metadata timeout plus the
-        time its length takes at min_throughput (as session.read_timeout)."""
-        return self.config.timeout + max(0, length) / self.config.min_throughput
 
     def _read_no_grpc_once(self, path: str, offset: int, length: int, version: str,
                            out: memoryview | None, deadline: float) -> tuple[Any, int, str] | None:

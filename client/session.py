@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 import grpc
 
 from cachefs import rawbytes
-from cachefs.client.bulkpaths import BulkPaths
+from cachefs.client.bulkpaths import BulkPaths, read_budget
 from cachefs.client.shortcircuit import Prepared
 from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
 from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
 from cachefs.client import viewfetch
-from cachefs.client.view import ViewWatcher, fetch_view_once
+from cachefs.client.view import ViewWatcher, fetch_view_once, supersedes
 from cachefs.config import ClientConfig
 from cachefs.errors import (
     StaleObjectError,
@@ -169,8 +169,7 @@ class _ProcessState:
         """A serialized view a worker relayed (a process that does not watch the master)."""
         view = master_pb2.ClusterView()
         view.ParseFromString(data)
-        if self.view is None or view.version > self.view.version or (
-                view.master_id != self.view.master_id and not view.leader_epoch):
+        if self.view is None or supersedes(view, self.view.version, self.view.master_id):
             self.apply_view(view)
 
     def close(self) -> None:
@@ -360,41 +359,45 @@ class ClientSession:
         return meta_dict(self.fallback_store().info(cp, refresh))
 
     def list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
+        """Every entry below ``cp``, asked for page after page (no call carries a whole prefix):
+        over the workers' sockets in a process without gRPC, else through gRPC (a worker that
+        knows no pages answers the whole listing with no next page)."""
         state = self._state.get()
-        if forksafe.grpc_inherited() and state.bulk.enabled:  # pages over the workers' sockets
-            out: list[dict[str, Any]] = []
-            after = ""
-            while True:
-                reply = self._meta_no_grpc(state, str(cp), common_pb2.MetaRequest(
-                    op=common_pb2.MetaRequest.LIST, path=str(cp), recursive=recursive, refresh=refresh and not after,
-                    start_after=after), f"list {cp}")
-                if reply is None:
-                    return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
-                out.extend(info_dict(e) for e in reply.entries)
-                if not reply.next_after:
-                    return out
-                after = reply.next_after
-        # Page after page (ListRequest.paged): no call carries a whole prefix. A worker that knows
-        # no pages answers the whole listing with no next_after: the loop ends after it.
-        out, after = [], ""
+        no_grpc = forksafe.grpc_inherited() and state.bulk.enabled
+        out: list[dict[str, Any]] = []
+        after = ""
         while True:
-            request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh and not after,
-                                             paged=True, start_after=after)
-
-            def call(stub: worker_pb2_grpc.WorkerServiceStub, request: Any = request) -> tuple[list[dict[str, Any]], str]:
-                entries, next_after = [], ""
-                for batch in stub.List(request, timeout=self.config.timeout):
-                    entries.extend(info_dict(e) for e in batch.entries)
-                    next_after = batch.next_after or next_after
-                return entries, next_after
-
-            page = self.call(str(cp), call, f"list {cp}")
-            if page is None:
+            page = (self._list_page_no_grpc(state, cp, recursive, refresh and not after, after) if no_grpc
+                    else self._list_page(cp, recursive, refresh and not after, after))
+            if page is None:  # no worker answered, fallback on
                 return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
-            out.extend(page[0])
-            if not page[1]:
+            entries, after = page
+            out.extend(entries)
+            if not after:
                 return out
-            after = page[1]
+
+    def _list_page(self, cp: CachePath, recursive: bool, refresh: bool,
+                   after: str) -> tuple[list[dict[str, Any]], str] | None:
+        """One page of a listing through gRPC: (entries, the name to ask the next page after)."""
+        request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh, paged=True,
+                                         start_after=after)
+
+        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[list[dict[str, Any]], str]:
+            entries, next_after = [], ""
+            for batch in stub.List(request, timeout=self.config.timeout):
+                entries.extend(info_dict(e) for e in batch.entries)
+                next_after = batch.next_after or next_after
+            return entries, next_after
+
+        return self.call(str(cp), call, f"list {cp}")
+
+    def _list_page_no_grpc(self, state: _ProcessState, cp: CachePath, recursive: bool, refresh: bool,
+                           after: str) -> tuple[list[dict[str, Any]], str] | None:
+        """One page of a listing over the workers' sockets (as ``_list_page``)."""
+        reply = self._meta_no_grpc(state, str(cp), common_pb2.MetaRequest(
+            op=common_pb2.MetaRequest.LIST, path=str(cp), recursive=recursive, refresh=refresh, start_after=after),
+            f"list {cp}")
+        return None if reply is None else ([info_dict(e) for e in reply.entries], reply.next_after)
 
     def _meta_no_grpc(self, state: _ProcessState, key: str, request: Any, what: str) -> Any:
         """A metadata operation over the workers' sockets; None: none answered, read the store
@@ -550,8 +553,8 @@ class ClientSession:
             slots.release()
 
     def read_timeout(self, length: int) -> float:
-        """The deadline of a read of ``length`` bytes: the RPC timeout plus time at min_throughput."""
-        return self.config.timeout + max(0, length) / self.config.min_throughput
+        """The deadline of a read of ``length`` bytes (bulkpaths.read_budget)."""
+        return read_budget(self.config, length)
 
     def prepare(self, ranges: Iterable[tuple[CachePath, int, int]], fill: bool = True) -> Prepared:
         """Ask the workers on this host, once each, for the page handles of ranges

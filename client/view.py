@@ -24,6 +24,14 @@ from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
 log = logging.getLogger(__name__)
 
+def supersedes(view: master_pb2.ClusterView, version: int, master_id: str) -> bool:
+    """Whether ``view`` replaces the view (``version``, ``master_id``) a process has. Newer views
+    only; but a different master (its state lost and rebuilt) starts its own numbering, so a new
+    master_id is always taken. Masters on etcd (leader_epoch set) number views alike (etcd
+    revisions): there only a newer version is taken."""
+    return view.version > version or (view.master_id != master_id and not view.leader_epoch)
+
+
 class ViewWatcher(forksafe.ForkHook):
     def __init__(self, master: str, on_view: Callable[[master_pb2.ClusterView], None], timeout: float = 5.0,
                  watch_seconds: float = 30.0, tls: TLSConfig = PLAINTEXT, token: str = "",
@@ -104,10 +112,7 @@ class ViewWatcher(forksafe.ForkHook):
         callback = self._on_view()
         if callback is None:
             return False
-        # Newer views only; but a different master (its state lost and rebuilt) starts its own
-        # numbering, so a new master_id is always taken. Masters on etcd (leader_epoch set)
-        # number views alike (etcd revisions): there only a newer version is taken.
-        if view.version > self.version or (view.master_id != self.master_id and not view.leader_epoch):
+        if supersedes(view, self.version, self.master_id):
             self.version, self.master_id = view.version, view.master_id
             callback(view)
         return True

@@ -149,7 +149,7 @@ class _Snapshot:
 def _connections_class() -> type:
     """_HttpConnections, defined on first use: the worker package imports this module, so its
     connection server cannot be imported at this module's import."""
-    from cachefs.server.worker.connections import ConnectionServer
+    from cachefs.server.worker.connections import ConnectionServer, listen_tcp
 
     class _HttpConnections(ConnectionServer):
         """The HTTP port on the worker's connection server (server/worker/connections.py): idle and
@@ -169,16 +169,7 @@ def _connections_class() -> type:
             self._handler_class = _handler(endpoints)
 
         def _listen(self) -> socket.socket:
-            host = "" if self.host in ("0.0.0.0", "::") else self.host.strip("[]")
-            family = socket.AF_INET6 if ":" in host or self.host == "::" else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((host, self.port))
-                sock.listen(LISTEN_BACKLOG)
-            except BaseException:
-                sock.close()
-                raise
+            sock = listen_tcp(self.host, self.port, LISTEN_BACKLOG)
             self.port = sock.getsockname()[1]
             return sock
 

@@ -213,3 +213,18 @@ class ReadLoop:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=30)
+
+
+def local_master(proc, timeout: float = 60.0) -> str:
+    """The master address a ``cachefs local`` process prints (``export CACHEFS_MASTER=...``),
+    read from its stdout (text); fails the test with what it printed if none came in ``timeout``."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if "CACHEFS_MASTER=" in line:
+            return line.strip().split("=", 1)[1]
+    raise AssertionError("cachefs local did not print its master:\n" + "".join(seen))

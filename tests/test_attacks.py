@@ -24,7 +24,7 @@ from cachefs.local import LocalCluster
 from cachefs.mounts import MountSpec, MountTable, redact
 from cachefs.paths import parse_path
 from cachefs.store.objects import ObjectStore
-from helpers import client, wait_for
+from helpers import client, local_master, wait_for
 
 SECRET_LINE = b"this is outside the mount"
 
@@ -151,13 +151,7 @@ def test_cachefs_local_allows_its_mount_dirs_and_the_roots_it_is_given(tmp_path,
                              str(tmp_path / "c"), "--mount", f"data={tree['data']}", "--allowed-local-root",
                              str(extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        master = None
-        deadline = time.monotonic() + 60
-        while master is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if "CACHEFS_MASTER=" in line:
-                master = line.strip().split("=", 1)[1]
-        assert master, "cachefs local did not print its master"
+        master = local_master(proc)
         m = ["--master", master]
         assert _cachefs("mount", "extra", str(extra / "sub"), *m).returncode == 0
         assert _cachefs("mount", "below", str(tree["data"] / "sub"), *m).returncode == 0

@@ -122,6 +122,14 @@ def _hello(path: str) -> tuple[shortcircuit_pb2.ShortCircuitReply | None, list[i
     return reply, fds
 
 
+def _hello_summary(path: str) -> dict[str, object]:
+    """What a hello got: an answer at all, and how many descriptors (closed here)."""
+    reply, fds = _hello(path)
+    for fd in fds:
+        os.close(fd)
+    return {"reply": reply is not None, "fds": len(fds)}
+
+
 # -- 1. the shared tables cannot be written by a client ---------------------------------------------
 def _try_to_write(fd: int) -> dict[str, object]:
     """What an attacking client does with a handed-out table: reopen it read-write through
@@ -246,16 +254,9 @@ def test_without_the_future_write_seal_the_table_is_narrowed_and_the_log_says_so
 def test_a_disallowed_uid_gets_nothing(tmp_path: Path, open_dir: Path):
     worker = _worker(tmp_path, open_dir)
     path = str(open_dir / "worker.sock")
-
-    def attack() -> dict[str, object]:
-        reply, fds = _hello(path)
-        for fd in fds:
-            os.close(fd)
-        return {"reply": reply is not None, "fds": len(fds)}
-
     try:
         # The socket is 0660 root:root; a process of uid 65534 in group 0 can connect to it.
-        assert _in_child(attack, uid=NOBODY, gid=0) == {"reply": False, "fds": 0}
+        assert _in_child(lambda: _hello_summary(path), uid=NOBODY, gid=0) == {"reply": False, "fds": 0}
         assert _hello(path)[0] is not None  # the worker's own user still is served
     finally:
         worker.stop()
@@ -265,16 +266,9 @@ def test_a_disallowed_uid_gets_nothing(tmp_path: Path, open_dir: Path):
 def test_allowed_uids_and_group_are_served(tmp_path: Path, open_dir: Path):
     worker = _worker(tmp_path, open_dir, CACHEFS_WORKER_ALLOWED_UIDS=f"{NOBODY}")
     path = str(open_dir / "worker.sock")
-
-    def client() -> dict[str, object]:
-        reply, fds = _hello(path)
-        for fd in fds:
-            os.close(fd)
-        return {"reply": reply is not None, "fds": len(fds)}
-
     try:
         # Allowed: served the handle table, but not the name index (it is for the worker's user).
-        assert _in_child(client, uid=NOBODY, gid=0) == {"reply": True, "fds": 1}
+        assert _in_child(lambda: _hello_summary(path), uid=NOBODY, gid=0) == {"reply": True, "fds": 1}
     finally:
         worker.stop()
 
@@ -285,18 +279,12 @@ def test_allowed_gid_reaches_the_socket_in_the_private_cache_dir(tmp_path: Path,
     environ = dict(os.environ, CACHEFS_WORKER_ACCESS_TOKEN=TOKEN, CACHEFS_WORKER_ALLOWED_GID="4242")
     worker = worker_process({}, str(cache), log_path=str(tmp_path / "worker.log"), env=environ).start()
     path = str(cache / "worker.sock")
-
-    def client() -> dict[str, object]:
-        reply, fds = _hello(path)
-        for fd in fds:
-            os.close(fd)
-        return {"reply": reply is not None, "fds": len(fds)}
-
     try:
         st = os.stat(cache)
         assert (st.st_gid, st.st_mode & 0o777) == (4242, 0o710)
-        assert _in_child(client, uid=NOBODY, gid=4242) == {"reply": True, "fds": 1}
-        assert _in_child(client, uid=NOBODY, gid=NOBODY)["errno"] == errno.EACCES  # cannot even reach it
+        assert _in_child(lambda: _hello_summary(path), uid=NOBODY, gid=4242) == {"reply": True, "fds": 1}
+        # Another group cannot even reach it.
+        assert _in_child(lambda: _hello_summary(path), uid=NOBODY, gid=NOBODY)["errno"] == errno.EACCES
     finally:
         worker.stop()
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 from cachefs.local import LocalCluster
-from helpers import client
+from helpers import client, local_master
 
 
 def _cachefs(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -72,13 +72,7 @@ def test_cachefs_local_runs_until_interrupted(local_store, tmp_path):
                              str(tmp_path / "c"), "--mount", f"data={local_store.mount.url}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        master = None
-        deadline = time.monotonic() + 60
-        while master is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if "CACHEFS_MASTER=" in line:
-                master = line.strip().split("=", 1)[1]
-        assert master, "cachefs local did not print its master"
+        master = local_master(proc)
         env = dict(os.environ, CACHEFS_MASTER=master)
         status = json.loads(_cachefs("status", "--json", env=env).stdout)
         assert len(status["workers"]) == 2

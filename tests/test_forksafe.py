@@ -336,8 +336,9 @@ def test_importing_the_client_changes_no_grpc_setting() -> None:
     assert done.stdout.strip().splitlines()[-1] == "None False"
 
 
-def _in_forked_child(work: Callable[[], object]) -> object:
-    """``work()`` in a forked child: what it returned, or the exception it raised (pickled back)."""
+def _in_forked_child(work: Callable[[], object], meanwhile: Callable[[], object] | None = None) -> object:
+    """``work()`` in a forked child: what it returned, or the exception it raised (pickled back).
+    ``meanwhile()`` runs in the parent once the child has started."""
     ctx = multiprocessing.get_context("fork")
     parent_end, child_end = ctx.Pipe(duplex=False)
 
@@ -351,6 +352,8 @@ def _in_forked_child(work: Callable[[], object]) -> object:
     proc.start()
     child_end.close()
     try:
+        if meanwhile is not None:
+            meanwhile()
         assert parent_end.poll(CHILD_DEADLINE), "the forked child did not answer"
         return parent_end.recv()
     finally:
@@ -567,26 +570,10 @@ def test_a_forked_child_lists_reads_and_follows_the_view_over_the_sockets(local_
             wrong = [k for k in keys[:300] if fs.cat_file(f"cachefs://data/{k}") != many[k]]
             return len(names), info["size"], missing, sorted(fs.session.workers.addresses), wrong
 
-        ctx = multiprocessing.get_context("fork")
-        parent_end, child_end = ctx.Pipe(duplex=False)
-
-        def run() -> None:
-            try:
-                child_end.send(child_work())
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                child_end.send(exc)
-
-        proc = ctx.Process(target=run)
-        proc.start()
-        child_end.close()
-        second = make_worker(local_store.mount, master=master.address, page_size=PAGE)  # joins after the fork
-        try:
-            assert parent_end.poll(CHILD_DEADLINE), "the forked child did not answer"
-            got = parent_end.recv()
-        finally:
-            proc.join(CHILD_DEADLINE)
-            if proc.is_alive():
-                proc.kill()
+        joined: list = []  # a worker that joins after the fork
+        got = _in_forked_child(child_work, lambda: joined.append(
+            make_worker(local_store.mount, master=master.address, page_size=PAGE)))
+        second = joined[0]
         assert not isinstance(got, BaseException), repr(got)
         listed, size, missing, workers, wrong = got
         assert listed == len(many)
@@ -755,3 +742,28 @@ def test_a_worker_that_has_not_had_its_mounts_yet_sends_reads_to_the_next_worker
         got = _in_forked_child(lambda: ([fs.cat_file(p) for p in paths] == list(objects.values()),
                                         fs.info(paths[1])["size"], len(fs.ls("cachefs://data"))))
         assert got == (True, len(objects[keys[1]]), len(objects)), repr(got)
+
+
+def test_a_fork_with_grpc_fork_support_on_warns_once() -> None:
+    """With GRPC_ENABLE_FORK_SUPPORT=1 in the environment (the client no longer sets it) grpc's
+    at-fork handler can hang DataLoader workers: a fork through the client says so, once."""
+    import subprocess
+    import sys
+
+    probe = ("import logging, os, time\n"
+             "logging.basicConfig(level=logging.WARNING)\n"
+             "import grpc\n"
+             "from cachefs.client import forksafe\n"
+             "gate = forksafe.RpcGate()\n"
+             "for _ in range(2):\n"
+             "    pid = os.fork()\n"
+             "    if pid == 0:\n"
+             "        os._exit(0)\n"
+             "    os.waitpid(pid, 0)\n")
+    said = {}
+    for value in ("1", "0"):
+        env = {**os.environ, "GRPC_ENABLE_FORK_SUPPORT": value}
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[value] = done.stderr.count("fork support on")
+    assert said == {"1": 1, "0": 0}, said

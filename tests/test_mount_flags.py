@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from cachefs.mountflags import mounts_from_flags
-from helpers import client
+from helpers import client, local_master
 
 
 def test_a_query_string_and_mount_options_become_the_mounts_options():
@@ -81,13 +80,7 @@ def test_cachefs_local_with_a_mount_option_reads_from_that_store(s3_store, tmp_p
                              "--mount-option", "data:client_kwargs.region_name=us-east-1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        master = None
-        deadline = time.monotonic() + 60
-        while master is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if "CACHEFS_MASTER=" in line:
-                master = line.strip().split("=", 1)[1]
-        assert master, "cachefs local did not print its master"
+        master = local_master(proc)
         assert client(master=master).cat_file("data/a.bin") == b"from the store named by the option"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

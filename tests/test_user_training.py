@@ -16,11 +16,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import zlib
 from pathlib import Path
 
 import pytest
+
+from helpers import local_master
 
 SAMPLES = 96
 EPOCHS = 3
@@ -78,19 +79,8 @@ def local_cluster(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "local", "--workers", "2", "--mount",
                              f"data={data}", "--dir", str(root / "cluster")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=_user_environment())
-    master = ""
-    seen: list[str] = []
-    deadline = time.monotonic() + 90
     try:
-        while not master and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if "export CACHEFS_MASTER=" in line:
-                master = line.split("=", 1)[1].strip()
-        assert master, f"`cachefs local` printed no master address:\n{''.join(seen)}"
-        yield master, sorted(zlib.crc32(b) for b in blobs.values())
+        yield local_master(proc, timeout=90), sorted(zlib.crc32(b) for b in blobs.values())
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -36,6 +36,22 @@ SEND_TIMEOUT = 10.0  # a client that takes no bytes of a reply for this long is 
 LINGER = 1.0
 THREAD_KEEPALIVE = 30.0  # a serving thread with nothing to do for this long ends
 
+def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on ``host`` (``0.0.0.0`` / ``::``: every address; IPv6 where the
+    host is one) and ``port`` (0: a free one, read back with ``getsockname``)."""
+    bind_host = "" if host in ("0.0.0.0", "::") else host.strip("[]")
+    family = socket.AF_INET6 if ":" in bind_host or host == "::" else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind_host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class Connection:
     """One accepted connection and what the server knows of it."""
 

@@ -32,7 +32,7 @@ from cachefs.proto import dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import NOT_CACHED, OK, CachedPages, OpenedRange
-from cachefs.server.worker.connections import SEND_TIMEOUT, Connection, ConnectionServer
+from cachefs.server.worker.connections import SEND_TIMEOUT, Connection, ConnectionServer, listen_tcp
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.metaops import MetaOps
 
@@ -84,16 +84,7 @@ class DataPortServer(ConnectionServer):
         self.filler, self.meta = filler, meta
 
     def _listen(self) -> socket.socket:
-        host = "" if self.host in ("0.0.0.0", "::") else self.host.strip("[]")
-        family = socket.AF_INET6 if ":" in host or self.host == "::" else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, self.port))
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
+        sock = listen_tcp(self.host, self.port, 128)
         self.port = sock.getsockname()[1]
         return sock
 
