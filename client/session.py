@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -359,22 +359,28 @@ class ClientSession:
         return meta_dict(self.fallback_store().info(cp, refresh))
 
     def list(self, cp: CachePath, recursive: bool, refresh: bool = False) -> list[dict[str, Any]]:
-        """Every entry below ``cp``, asked for page after page (no call carries a whole prefix):
-        over the workers' sockets in a process without gRPC, else through gRPC (a worker that
-        knows no pages answers the whole listing with no next page)."""
+        """Every entry below ``cp`` (``list_pages``, gathered)."""
+        return [entry for page in self.list_pages(cp, recursive, refresh) for entry in page]
+
+    def list_pages(self, cp: CachePath, recursive: bool, refresh: bool = False) -> Iterator[list[dict[str, Any]]]:
+        """The entries below ``cp``, a page at a time as the worker hands them out (no call
+        carries a whole prefix, and a caller holds one page at a time): over the workers'
+        sockets in a process without gRPC, else through gRPC (a worker that knows no pages
+        answers the whole listing with no next page)."""
         state = self._state.get()
         no_grpc = forksafe.grpc_inherited() and state.bulk.enabled
-        out: list[dict[str, Any]] = []
         after = ""
         while True:
             page = (self._list_page_no_grpc(state, cp, recursive, refresh and not after, after) if no_grpc
                     else self._list_page(cp, recursive, refresh and not after, after))
-            if page is None:  # no worker answered, fallback on
-                return [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh)]
+            if page is None:  # no worker answered, fallback on: the store's listing, past what was yielded
+                rest = [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh and not after)]
+                yield sorted((e for e in rest if e["name"] > after), key=lambda e: e["name"]) if after else rest
+                return
             entries, after = page
-            out.extend(entries)
+            yield entries
             if not after:
-                return out
+                return
 
     def _list_page(self, cp: CachePath, recursive: bool, refresh: bool,
                    after: str) -> tuple[list[dict[str, Any]], str] | None:
