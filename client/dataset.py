@@ -44,6 +44,9 @@ from cachefs.client.jobstats import CounterBlock, ProcessCounts, describe
 from cachefs.client.plans import PlanPublisher, PlanReport
 from cachefs.client.prefetch import Prefetcher
 from cachefs.client.runbuffers import RunBuffers
+from cachefs.client.prefixindex import MODES as KEPT_MODES, KeptIndexes, list_prefix
+from cachefs.client.prefixindex import recheck as recheck_index
+from cachefs.client.sampleindex import IndexBuilder, SampleIndex
 from cachefs.client.sampling import EpochPlan
 from cachefs.order import plan_digest
 from cachefs.client.session import SessionBootstrap
@@ -243,6 +246,7 @@ class PerProcessParts:
         state = self.__dict__.copy()
         del state["_local"]
         state.pop("_publisher", None)
+        state.pop("index_check", None)  # the main process's recheck
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -294,19 +298,28 @@ class ConsumptionTracking:
 
 
 class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
-    def __init__(self, paths: Sequence[str], *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, paths: Sequence[str] | SampleIndex, *, storage_options: dict[str, Any] | None = None,
                  sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_depth: int = 32,
                  prefetch_threads: int = 4, hint_samples: int = 256, timeout: float = 300.0,
                  plan_ahead: bool = True, stats: bool = True) -> None:
-        self.paths = list(paths)
         self.storage_options = dict(storage_options or {})
-        if sizes is None:
-            sizes = self._resolve_sizes(self.paths, self.storage_options)
-        if len(sizes) != len(self.paths):
-            raise ValueError(f"{len(sizes)} sizes for {len(self.paths)} paths")
-        self.sizes = np.asarray(sizes, dtype=np.int64)
+        # One read-only buffer of paths and sizes (sampleindex.py): DataLoader workers share it.
+        if not isinstance(paths, SampleIndex) or sizes is not None:
+            if sizes is None:
+                paths = paths if isinstance(paths, Sequence) else list(paths)
+                sizes = self._resolve_sizes(paths, self.storage_options)
+            builder = IndexBuilder()
+            for path, size in itertools.zip_longest(paths, sizes, fillvalue=_UNPARSED):
+                if path is _UNPARSED or size is _UNPARSED:
+                    more = "paths" if size is _UNPARSED else "sizes"
+                    raise ValueError(f"{len(sizes)} sizes, and the paths differ in number (more {more})")
+                builder.add(str(path), int(size))
+            paths = builder.finish()
+        self.paths: SampleIndex = paths
+        self.sizes = paths.sizes
+        self.index_check: Future | None = None  # from_prefix(kept_index="auto"): the background recheck
         self.transform = transform
         if (rank is None) != (world_size is None):
             raise ValueError("give both rank and world_size, or neither")
@@ -330,7 +343,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def _resolve_sizes(cls, paths: list[str], storage_options: dict[str, Any]) -> list[int]:
+    def _resolve_sizes(cls, paths: Sequence[str], storage_options: dict[str, Any]) -> list[int]:
         """Sizes of ``paths`` by ``info``, a few at a time (once, here; then shipped with the dataset)."""
         if not paths:
             return []
@@ -342,19 +355,35 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             fs.close()
 
     @classmethod
-    def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> "CacheDataset":
-        """Every object below ``url`` (sorted by path), with sizes from one recursive listing."""
+    def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, kept_index: str | None = None,
+                    index_cache: str | None = None, **kwargs: Any) -> "CacheDataset":
+        """Every object below ``url`` (sorted by path), with sizes, from one recursive listing
+        taken a page at a time into a compact index (prefixindex.py).
+
+        ``kept_index``: ``None`` lists (the default); ``"refresh"`` lists and keeps the index in
+        ``index_cache`` (default ``$CACHEFS_INDEX_CACHE``, else ``~/.cache/cachefs/shard-index``);
+        ``"auto"`` starts from a kept index without listing, rechecks it in the background
+        (``ds.index_check``: warns if the prefix changed, and keeps the fresh listing for the next
+        start) and lists and keeps where there is none."""
+        if kept_index not in KEPT_MODES:
+            raise ValueError(f"kept_index must be one of {KEPT_MODES}, not {kept_index!r}")
         storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
-        fs = cls._filesystem(dict(storage_options or {}))
+        options = dict(storage_options or {})
+        kept = KeptIndexes(index_cache) if kept_index else None
+        key = KeptIndexes.key(url, options) if kept is not None else ""
+        found = kept.load(key, url) if kept is not None and kept_index == "auto" else None
+        if found is not None:
+            ds = cls(found, storage_options=storage_options, **kwargs)
+            ds.index_check = recheck_index(lambda: cls._filesystem(options), url, found, kept, key)
+            return ds
+        fs = cls._filesystem(options)
         try:
-            entries = fs.find(url, detail=True)
+            index, _ = list_prefix(fs, url)
         finally:
             fs.close()
-        files = sorted((name, info) for name, info in entries.items() if info.get("type", "file") == "file")
-        if not files:
-            raise FileNotFoundError(f"no objects below {url}")
-        return cls([f"cachefs://{name}" for name, _ in files], sizes=[int(i["size"]) for _, i in files],
-                   storage_options=storage_options, **kwargs)
+        if kept is not None:
+            kept.save(key, index)
+        return cls(index, storage_options=storage_options, **kwargs)
 
     @classmethod
     def from_manifest(cls, path_or_url: str, *, storage_options: dict[str, Any] | None = None,
@@ -363,6 +392,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
         A ``cachefs://`` manifest is read through the cache; anything else through fsspec.
         Lines that are empty or start with ``#`` are skipped. Sizes not given are looked up.
+        The paths end up in the same compact index as ``from_prefix``'s (the constructor builds it).
         """
         storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
         if path_or_url.startswith("cachefs://"):
@@ -620,7 +650,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.publish_plan()
 
     def _plan_units(self) -> Sequence[tuple[str, int, int]]:
-        return [(path, 0, int(size)) for path, size in zip(self.paths, self.sizes)]
+        return self.paths.units()  # a tuple per sample when asked, never a list of them
 
     def _cache_prefetch(self) -> bool:
         return self.hint_samples > 0
