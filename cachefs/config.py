@@ -134,6 +134,9 @@ class WorkerConfig:
     # (serving cached pages at once) while the worker revalidates it in the background.
     metadata_stale_grace: float = 600.0
     list_ttl: float = 30.0  # seconds a directory listing is trusted
+    # Listings kept (in chunks shared by listers of a prefix: cachefs/store/listings.py), estimated
+    # bytes at most; 0: none kept past the request (simultaneous listers still share a fetch).
+    list_cache_bytes: int = 256 << 20
     fetch_threads: int = 16  # concurrent page fetches from the object store
     write_threads: int = 4  # background writes into the page store
     rpc_threads: int = 32
@@ -231,6 +234,8 @@ class WorkerConfig:
             _check_address(self.advertise_address, "advertise_address")
         if self.max_pending_write_bytes < 0:
             raise ValueError("max_pending_write_bytes must be >= 0")
+        if self.list_cache_bytes < 0:
+            raise ValueError("list_cache_bytes must be >= 0")
         if self.heap_keep_bytes < 0:
             raise ValueError("heap_keep_bytes must be >= 0")
         if self.readahead_pages < 0:
@@ -386,7 +391,7 @@ _COMPLEX_FIELDS = {
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
     "umask": lambda v: int(v, 8) if isinstance(v, str) else int(v),  # FuseConfig's: octal text
 }
-_SIZE_FIELDS = {"page_size", "extent_size", "max_pending_write_bytes", "heap_keep_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
+_SIZE_FIELDS = {"page_size", "extent_size", "max_pending_write_bytes", "heap_keep_bytes", "list_cache_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
 
 
 def _gid(value: Any) -> int:

@@ -58,6 +58,13 @@ class _Backend:
         """Every object under ``store_path``, recursively (``fs.find(detail=True)``'s values)."""
         return list(fs.find(store_path, detail=True, withdirs=False).values())
 
+    def list_after(self, fs: fsspec.AbstractFileSystem, store_path: str, recursive: bool, after: str,
+                   limit: int) -> tuple[list[dict[str, Any]], bool] | None:
+        """Up to ``limit`` entries of ``ls`` (``find`` if ``recursive``) whose keys below
+        ``store_path`` sort after ``after`` (""; from the first), in that order, and whether they
+        are the last; None: this store cannot page (the caller lists it whole)."""
+        return None
+
     def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
         fs.invalidate_cache(store_path)  # s3fs answers info() from its own listing cache otherwise
         info = fs.info(store_path)
@@ -106,6 +113,10 @@ class _LocalBackend(_Backend):
     def find(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
         return beneath.find_beneath(_local(store_path))
 
+    def list_after(self, fs: fsspec.AbstractFileSystem, store_path: str, recursive: bool, after: str,
+                   limit: int) -> tuple[list[dict[str, Any]], bool] | None:
+        return beneath.page_beneath(_local(store_path), recursive, after, limit)
+
     def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
         st = beneath.stat_beneath(_local(store_path))
         if stat.S_ISDIR(st.st_mode):
@@ -153,6 +164,29 @@ def _local(store_path: str) -> beneath.LocalStorePath:
 
 class _S3Backend(_Backend):
     """S3 via s3fs: ranged GET with If-Match on the ETag, so the store itself refuses a changed object."""
+
+    def list_after(self, fs: fsspec.AbstractFileSystem, store_path: str, recursive: bool, after: str,
+                   limit: int) -> tuple[list[dict[str, Any]], bool] | None:
+        """A recursive listing in the store's own pages (ListObjectsV2 ``MaxKeys``, ``StartAfter``:
+        keys come in UTF-8 byte order, which is the names' order). A listing by directory is not
+        paged: S3 puts a common prefix "d/" where "d/" sorts, after "d-x" and "d.txt", not where "d"
+        does."""
+        bucket, key, _ = fs.split_path(store_path)
+        if not recursive or not bucket:
+            return None
+        prefix = key.strip("/") + "/" if key.strip("/") else ""
+
+        def page(start_after: str) -> tuple[list[tuple[str, int, str, float]], bool]:
+            async def call() -> dict[str, Any]:
+                return await fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, StartAfter=start_after,
+                                         MaxKeys=limit)
+
+            reply = sync(fs.loop, call)
+            found = [(c["Key"], int(c.get("Size") or 0), str(c.get("ETag") or "").strip('"'),
+                      _mtime_of({"mtime": c.get("LastModified")})) for c in reply.get("Contents", ())]
+            return found, not reply.get("IsTruncated")
+
+        return s3_pages(bucket, prefix, after, page)
 
     def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
         if end <= start:
@@ -243,6 +277,22 @@ class _S3Backend(_Backend):
         if not version:
             return self.info(fs, store_path), None
         return (size, version, _mtime_of(resp), False), data
+
+
+def s3_pages(bucket: str, prefix: str, after: str,
+             page: Callable[[str], tuple[list[tuple[str, int, str, float]], bool]]) -> tuple[list[dict[str, Any]], bool]:
+    """One page of a recursive S3 listing as ``find`` gives its entries: ``page(start_after)``
+    asks the store for (objects as (key, size, etag, mtime), whether they are the last). Keys
+    ending in "/" (directory markers) are not objects; a page of nothing else is passed over, so
+    only the final page may come back empty."""
+    start = prefix + after
+    while True:
+        objects, final = page(start)
+        entries = [{"name": f"{bucket}/{key}", "size": size, "type": "file", "ETag": f'"{etag}"',
+                    "LastModified": mtime} for key, size, etag, mtime in objects if not key.endswith("/")]
+        if entries or final or not objects:
+            return entries, final or not objects
+        start = objects[-1][0]
 
 
 def _precondition_failed(exc: BaseException | None) -> bool:

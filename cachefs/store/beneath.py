@@ -273,6 +273,77 @@ def find_beneath(path: LocalStorePath) -> list[dict[str, Any]]:
     return out
 
 
+def _sorted_children(dir_fd: int, recursive: bool) -> list[tuple[str, str, bool]]:
+    """(sort name, name, enter) of a directory's entries, in the order of the keys they give:
+    a directory walked into sorts as its name and "/", since every key below it starts so
+    ("a-b" < "a.b/c" < "a/b": '-' and '.' sort before '/'). No stat: the entry's type is enough."""
+    out = []
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            try:
+                enter = recursive and entry.is_dir(follow_symlinks=False)
+            except OSError:  # gone meanwhile
+                continue
+            out.append((entry.name + "/" if enter else entry.name, entry.name, enter))
+    out.sort()
+    return out
+
+
+def _walk_after(dir_fd: int, base: str, rel: str, after: str, limit: int, recursive: bool,
+                out: list[dict[str, Any]]) -> bool:
+    """Appends to ``out`` (up to ``limit``) the entries of the directory ``dir_fd`` (store path
+    ``base``, key ``rel`` below the listed path) whose keys sort after ``after``, in key order,
+    entering directories if ``recursive``; True if nothing is left after them. Directories whose
+    keys all sort at or before ``after`` are skipped unread: a page costs about a page of walking."""
+    for sort_name, name, enter in _sorted_children(dir_fd, recursive):
+        key = rel + sort_name
+        if enter:
+            if after > key and not after.startswith(key):
+                continue  # every key below sorts before ``after``
+            try:
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:  # swapped for a link or removed meanwhile: not entered
+                continue
+            try:
+                if not _walk_after(child, f"{base}/{name}", key, after, limit, recursive, out):
+                    return False
+            finally:
+                os.close(child)
+            continue
+        if key <= after:
+            continue
+        if len(out) >= limit:
+            return False
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:  # removed since the directory was read
+            continue
+        if recursive and stat.S_ISDIR(st.st_mode):
+            continue  # a file swapped for a directory meanwhile: a recursive listing has no directories
+        out.append(_entry_info(f"{base}/{name}", st))
+    return True
+
+
+def page_beneath(path: LocalStorePath, recursive: bool, after: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """Up to ``limit`` entries of ``list_beneath`` (``find_beneath`` if ``recursive``) whose keys
+    below ``path`` sort after ``after`` ("": from the first), in key order, and whether they are
+    the last ones. Only the directories that hold them (and their parents) are read."""
+    try:
+        fd = _open_dir(path)
+    except FileNotFoundError:
+        if recursive:
+            return [], True  # as find_beneath
+        raise
+    if fd is None:  # a file: listed as itself
+        return ([] if after else [_entry_info(str(path), stat_beneath(path))]), True
+    out: list[dict[str, Any]] = []
+    try:
+        done = _walk_after(fd, str(path), "", after, limit, recursive, out)
+    finally:
+        os.close(fd)
+    return out, done
+
+
 @contextmanager
 def parent_dir(path: LocalStorePath, create: bool = False) -> Iterator[tuple[int, str]]:
     """(a descriptor of ``path``'s parent directory, ``path``'s last name), the parent reached

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from cachefs.config import S3_CLIENTS
 from cachefs.errors import CacheFSError, InvalidPathError, StaleObjectError, StoreError, StoreUnavailableError
@@ -25,6 +25,7 @@ from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
 from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
 from cachefs.store.health import StoreBreaker
+from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.metatable import MetadataTable
 from cachefs.store.revalidate import Revalidator, parent_of
@@ -108,6 +109,8 @@ class CacheFSErrorPassThrough(CacheFSError):
 #: page handles: the background refresh it set off lands well within it.
 STALE_HOLD = 2.0
 OPEN_JOIN_SECONDS = 120.0  # how long a caller waits on another's open of the same object
+LIST_CACHE_BYTES = 256 << 20  # listings kept, estimated bytes at most (WorkerConfig.list_cache_bytes)
+LIST_CHUNK = 1000  # entries a store listing request returns at most (S3's own page)
 
 
 class ObjectStore:
@@ -115,7 +118,7 @@ class ObjectStore:
 
     def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0,
                  max_objects: int = 1_000_000, breaker: StoreBreaker | None = None, stale_grace: float = 0.0,
-                 s3_client: str = "auto"):
+                 s3_client: str = "auto", list_cache_bytes: int = LIST_CACHE_BYTES):
         if s3_client not in S3_CLIENTS:
             raise ValueError(f"s3_client must be one of {', '.join(S3_CLIENTS)}, got {s3_client!r}")
         self.mounts = mounts
@@ -127,7 +130,8 @@ class ObjectStore:
         # refreshed in the background, one refresh per object at a time, many of one directory
         # by one listing (revalidate.py).
         self.revalidator = Revalidator(self._refresh_one, self._list_to_refresh, self._fresh, relist_after=metadata_ttl)
-        self._lists: TTLCache[tuple[CachePath, bool], list[ObjectMeta]] = TTLCache(list_ttl, max_entries=10_000)
+        # Listings by (path, recursive), in chunks shared by simultaneous listers (listings.py).
+        self._lists = ListingCache(list_ttl, list_cache_bytes)
         self._backends: dict[int, _Backend] = {}
         # One thread makes a mount's backend, the others wait for it: an S3 one builds a botocore
         # client (tenths of a second), and a worker's first cold reads (one per fill thread)
@@ -317,9 +321,10 @@ class ObjectStore:
         return meta, head
 
     def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> list[ObjectMeta]:
+        """The whole listing of ``path``, sorted by key (kept for ``list_ttl``)."""
         cache_key = (path, recursive)
         if not refresh:
-            cached = self._lists.get(cache_key)
+            cached = self._lists.whole(cache_key)
             if cached is not None:
                 return cached
         resolved = self.mounts.resolve(path)
@@ -333,6 +338,47 @@ class ObjectStore:
                     raw = self._backend(resolved).ls(fs, resolved.store_path)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such directory") from exc
+        entries = self._listed(path, raw)
+        entries = self._lists.put_whole(cache_key, entries).entries
+        self._note_listing(path, recursive, entries)
+        return entries
+
+    def list_chunk(self, path: CachePath, recursive: bool, after: str, refresh: bool = False) -> Chunk:
+        """A chunk of ``path``'s listing holding the entries right after the name ``after`` ("": from
+        the first), as many as one store request gives (listings.py): a page of a million-key
+        listing without listing the whole prefix first. Listers of one prefix share the chunks;
+        a store that cannot page is listed whole (and kept) as before. ``refresh``: ask the store
+        afresh (for a listing's first page only: later pages never refresh mid-listing)."""
+        cache_key, refresh = (path, recursive), refresh and not after
+        resolved = self.mounts.resolve(path)
+        below = f"{path}/"
+        if after and not after.startswith(below):
+            if after > below:  # past every name below the path
+                return Chunk(after, [], True)
+            after = ""
+
+        def fetch() -> tuple[list[ObjectMeta], bool]:
+            try:
+                with self._call(path, "listing"):
+                    self._count("list")
+                    found = self._backend(resolved).list_after(resolved.fs, resolved.store_path, recursive,
+                                                               after[len(below):], LIST_CHUNK)
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(f"{path}: no such directory") from exc
+            if found is None or (not after and found == ([], True)):
+                # No paging here, or nothing below the path (a file's own path lists the file itself):
+                # the whole listing, as before.
+                return [m for m in self.list(path, recursive, refresh) if str(m.path) > after], True
+            entries = self._listed(path, found[0])
+            if not after and found[1]:
+                self._note_listing(path, recursive, entries)
+            return entries, found[1]
+
+        return self._lists.chunk(cache_key, after, fetch, refresh=refresh)
+
+    def _listed(self, path: CachePath, raw: Iterable[dict[str, Any]]) -> list[ObjectMeta]:
+        """A store's listing entries as metadata (each object's remembered: a listing is a free
+        metadata refresh, which saves one HEAD per object on a cold epoch)."""
         entries = []
         for info in raw:
             key = self.mounts.to_key(path, info["name"])
@@ -341,19 +387,19 @@ class ObjectStore:
             meta = ObjectMeta(child, 0 if is_dir else int(info.get("size") or 0),
                               "" if is_dir else version_of(info), _mtime_of(info), is_dir)
             if not is_dir:
-                # A listing is a free metadata refresh: saves one HEAD per object on a cold epoch.
                 self._remember(child, meta)
             entries.append(meta)
-        entries.sort(key=lambda m: m.path.key)
-        self._lists.put(cache_key, entries)
+        return entries
+
+    def _note_listing(self, path: CachePath, recursive: bool, entries: list[ObjectMeta]) -> None:
+        """How large each directory of a whole listing is: whether a listing can refresh it (revalidate.py)."""
         per_dir: dict[CachePath, int] = {} if recursive else {path: 0}
-        for meta in entries:  # how large each directory is: whether a listing can refresh it (revalidate.py)
+        for meta in entries:
             if not meta.is_dir:
                 directory = parent_of(meta.path)
                 per_dir[directory] = per_dir.get(directory, 0) + 1
         for directory, objects in per_dir.items():
             self.revalidator.note_listing(directory, objects)
-        return entries
 
     def read(self, meta: ObjectMeta, start: int, end: int) -> bytes:
         """Bytes [start, end) of the version described by ``meta``; StaleObjectError if it changed."""
@@ -393,14 +439,14 @@ class ObjectStore:
     def forget_mount(self, name: str) -> None:
         """A mount changed or went away: nothing cached about it may be trusted."""
         self._meta.pop_where(lambda p: p.mount == name)
-        self._lists.pop_where(lambda k: k[0].mount == name)
+        self._lists.forget(lambda k: k[0].mount == name)
         self._forgotten(None)
 
     def forget_prefix(self, mount: str, prefix: str) -> None:
         """Drop the metadata of every key starting with ``prefix`` (and the mount's listings),
         so what is read or loaded after a free is looked up afresh."""
         self._meta.pop_where(lambda p: p.mount == mount and p.key.startswith(prefix))
-        self._lists.pop_where(lambda k: k[0].mount == mount)
+        self._lists.forget(lambda k: k[0].mount == mount)
         # (Not told to on_forgotten: both callers, a free and a remove, delete the pages under
         # the prefix, so nothing of it can be read by name; telling would have to clear every
         # other object's name entry too, and freeing one data set made the next warm epoch of
@@ -408,7 +454,7 @@ class ObjectStore:
 
     def invalidate(self, path: CachePath) -> None:
         self._drop(path)
-        self._lists.pop_where(lambda k: k[0].mount == path.mount)
+        self._lists.forget(lambda k: k[0].mount == path.mount)
 
 
     # -- write-through ------------------------------------------------------------------------

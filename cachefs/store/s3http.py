@@ -50,7 +50,7 @@ import fsspec
 
 from cachefs import rawbytes
 from cachefs.errors import StaleObjectError
-from cachefs.store.backends import PieceSink, _mtime_of, _S3Backend
+from cachefs.store.backends import PieceSink, _mtime_of, _S3Backend, s3_pages
 from cachefs.store.s3config import S3Resolution, resolve, resolve_fs
 
 log = logging.getLogger(__name__)
@@ -600,7 +600,7 @@ class S3HttpClient:
             self._done(reply)
 
     def list_page(self, bucket: str, prefix: str, delimiter: str = "/", token: str = "",
-                  max_keys: int = 1000) -> tuple[list[tuple[str, int, str, float]], list[str], str]:
+                  max_keys: int = 1000, start_after: str = "") -> tuple[list[tuple[str, int, str, float]], list[str], str]:
         """One ListObjectsV2 page: (objects as (key, size, etag, mtime), common prefixes, the
         token of the next page or ""). Keys travel URL-encoded (``encoding-type=url``)."""
         where = f"s3://{bucket}/{prefix}"
@@ -609,6 +609,8 @@ class S3HttpClient:
             query["delimiter"] = delimiter
         if token:
             query["continuation-token"] = token
+        if start_after:
+            query["start-after"] = start_after
         attempt = 0
         while True:
             attempt += 1
@@ -777,6 +779,26 @@ class HttpS3Backend(_S3Backend):
         except Exception:  # noqa: BLE001 - s3fs answers it, or says what is wrong
             return super().ls(fs, store_path)
         return entries if entries else super().ls(fs, store_path)
+
+    def list_after(self, fs: fsspec.AbstractFileSystem, store_path: str, recursive: bool, after: str,
+                   limit: int) -> tuple[list[dict[str, Any]], bool] | None:
+        """A recursive listing's page as one lean ListObjectsV2 request (``start-after``); other
+        errors than an unreachable store are left to s3fs's request, which says what is wrong."""
+        bucket, key = _split(fs, store_path)
+        if not recursive or not bucket:
+            return None
+        prefix = key.strip("/") + "/" if key.strip("/") else ""
+
+        def page(start_after: str) -> tuple[list[tuple[str, int, str, float]], bool]:
+            objects, _, token = self.client.list_page(bucket, prefix, "", "", limit, start_after)
+            return objects, not token
+
+        try:
+            return s3_pages(bucket, prefix, after, page)
+        except ConnectionError:
+            raise
+        except Exception:  # noqa: BLE001
+            return super().list_after(fs, store_path, recursive, after, limit)
 
     def read(self, fs: fsspec.AbstractFileSystem, store_path: str, start: int, end: int, version: str) -> bytes:
         if end <= start:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,24 +34,21 @@ LIST_PAGE_BYTES = 48 << 10
 
 
 class ListingPages:
-    """A listing handed out page by page, by name: the store's (cached) listing sorted once, each
-    page the entries after ``start_after``. Pages of one listing are asked one after the other,
-    and the store's listing cache hands back the same list object while it is fresh."""
+    """A listing handed out page by page, by name: each page the entries after ``start_after``,
+    cut from the store listing's chunk that holds them (ObjectStore.list_chunk): a page costs
+    about a page of store work, and listers of one prefix share the chunks. A page ends where its
+    chunk does, so every lister asks for the next chunk after the same name."""
 
     def __init__(self, objects: Any) -> None:
         self._objects = objects
-        self._sorted_lock = threading.Lock()
-        self._sorted: tuple[Any, list[str], list[Any]] | None = None
 
     def page(self, raw_path: str, recursive: bool, refresh: bool, start_after: str, max_entries: int,
              max_entries_default: int, max_bytes: int) -> tuple[list[Any], str]:
         """(entries as ObjectInfo messages, the name to ask the next page after; "" at the end)."""
         path = parse_path(raw_path)
-        if not start_after:  # a new listing: the store's cache decides how fresh
-            entries = self._objects.list(path, recursive=recursive, refresh=refresh)
-        else:  # a later page: the same listing (cached), never a refresh in the middle
-            entries = self._objects.list(path, recursive=recursive)
-        names, ordered = self._by_name(entries)
+        # A new listing: the store's cache decides how fresh; a later page: never a refresh mid-listing.
+        chunk = self._objects.list_chunk(path, recursive, start_after, refresh=refresh and not start_after)
+        names, ordered = chunk.names, chunk.entries
         start = bisect.bisect_right(names, start_after) if start_after else 0
         limit = min(max_entries_default, max_entries or max_entries_default)
         out: list[Any] = []
@@ -65,18 +61,7 @@ class ListingPages:
                 break
             out.append(entry)
             end += 1
-        return out, (names[end - 1] if end < len(ordered) else "")
-
-    def _by_name(self, entries: list[Any]) -> tuple[list[str], list[Any]]:
-        with self._sorted_lock:
-            known = self._sorted
-            if known is not None and known[0] is entries:
-                return known[1], known[2]
-        ordered = sorted(entries, key=lambda m: str(m.path))
-        names = [str(m.path) for m in ordered]
-        with self._sorted_lock:
-            self._sorted = (entries, names, ordered)
-        return names, ordered
+        return out, (names[end - 1] if end < len(ordered) or not chunk.final else "")
 
 
 class MetaOps:

@@ -1,0 +1,195 @@
+"""Listings kept in chunks, shared by every lister of a prefix and bounded in bytes (#46).
+
+A chunk is what one store request (one ListObjectsV2 page, one piece of a sorted directory walk)
+found after a name: every entry whose name sorts in ``(after, last]``, or everything after
+``after`` when it is the listing's final chunk. A page of a listing after name X is cut from the
+chunk that covers X, and a page never runs past its chunk's end, so every lister of a prefix asks
+for the chunks starting at the same names: one fetch per chunk serves them all (single flight),
+and a million-key listing costs one chunk of store work per page, never the whole prefix first.
+A whole listing (a store that cannot page, or ``ObjectStore.list``) is one final chunk from "".
+
+Chunks expire after the listing TTL, and the least recently used go first once their estimated
+bytes pass the bound (``list_cache_bytes``); a chunk larger than the bound alone is kept until
+the next one arrives.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from cachefs.store.meta import ObjectMeta
+
+#: Bytes one listed entry holds beyond its name's length twice (the key, and the name a page is
+#: found by): its ObjectMeta, CachePath, version and list slots (tracemalloc: ~390 in all at
+#: 35-character names).
+ENTRY_BYTES = 320
+#: How long a lister waits for another's fetch of the same chunk before asking the store itself.
+JOIN_SECONDS = 120.0
+
+Fetch = Callable[[], "tuple[list[ObjectMeta], bool]"]  # (entries sorted by name, final)
+
+
+@dataclass
+class Chunk:
+    """Entries of one listing whose names (``str(path)``) sort in ``(after, last]``."""
+
+    after: str
+    entries: list[ObjectMeta]
+    final: bool
+    expires: float = 0.0
+    names: list[str] = field(default_factory=list)
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        self.entries.sort(key=lambda m: str(m.path))
+        self.names = [str(m.path) for m in self.entries]
+        self.size = sum(ENTRY_BYTES + 2 * len(name) for name in self.names)
+
+    @property
+    def last(self) -> str:
+        return self.names[-1] if self.names else self.after
+
+    def covers(self, name: str) -> bool:
+        """Whether every entry after ``name`` up to this chunk's end is here."""
+        return self.after <= name and (self.final or name < self.last)
+
+
+class ListingCache:
+    """Chunks of listings by (listing key, the name they start after)."""
+
+    def __init__(self, ttl: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl, self.max_bytes, self._clock = ttl, max_bytes, clock
+        self._lock = threading.Lock()
+        self._afters: dict[Hashable, list[str]] = {}  # per listing: its chunks' starting names, sorted
+        self._chunks: OrderedDict[tuple[Hashable, str], Chunk] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._inflight: dict[tuple[Hashable, str], Future[Chunk]] = {}
+        self._generation: dict[Hashable, int] = {}  # bumped by a refresh: older fetches are not kept
+        self.fetched = 0  # chunks asked of the store
+        self.joined = 0  # chunk requests that shared another lister's fetch
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._chunks)
+
+    def chunk(self, key: Hashable, after: str, fetch: Fetch, refresh: bool = False) -> Chunk:
+        """The chunk of listing ``key`` that covers the entries after ``after``: kept, another
+        lister's fetch of it, or ``fetch()`` (which lists the store after ``after``). ``refresh``:
+        drop what is kept of the listing and ask the store (the first page of a refreshed listing)."""
+        with self._lock:
+            if refresh:
+                self._drop_listing(key)
+                self._generation[key] = self._generation.get(key, 0) + 1
+            else:
+                found = self._covering(key, after)
+                if found is not None:
+                    return found
+            pending = None if refresh else self._inflight.get((key, after))
+            if pending is None:
+                pending = self._inflight[(key, after)] = Future()
+                generation = self._generation.get(key, 0)
+                leader = True
+            else:
+                self.joined += 1
+                leader = False
+        if not leader:
+            try:
+                return pending.result(timeout=JOIN_SECONDS)
+            except FutureTimeout:  # a store this slow: ask on our own, keep nothing
+                entries, final = fetch()
+                return Chunk(after, entries, final)
+        try:
+            entries, final = fetch()
+            chunk = Chunk(after, entries, final, self._clock() + self.ttl)
+            with self._lock:
+                self.fetched += 1
+                if generation == self._generation.get(key, 0):
+                    self._keep(key, chunk)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        else:
+            pending.set_result(chunk)
+        finally:
+            with self._lock:
+                if self._inflight.get((key, after)) is pending:
+                    del self._inflight[(key, after)]
+        return chunk
+
+    def whole(self, key: Hashable) -> list[ObjectMeta] | None:
+        """A fresh whole listing kept for ``key`` (one final chunk from ""), or None."""
+        with self._lock:
+            found = self._covering(key, "")
+            return found.entries if found is not None and found.final and not found.after else None
+
+    def put_whole(self, key: Hashable, entries: list[ObjectMeta]) -> Chunk:
+        """Keep a whole listing: it replaces every chunk kept of ``key`` (it is newer than them)."""
+        chunk = Chunk("", entries, True, self._clock() + self.ttl)
+        with self._lock:
+            self._drop_listing(key)
+            self._keep(key, chunk)
+        return chunk
+
+    def forget(self, predicate: Callable[[Hashable], bool]) -> None:
+        """Drop every kept listing whose key ``predicate`` accepts (and let no fetch under way keep
+        what it finds)."""
+        with self._lock:
+            for key in [k for k in self._afters if predicate(k)]:
+                self._drop_listing(key)
+            for key, _ in list(self._inflight):
+                if predicate(key):
+                    self._generation[key] = self._generation.get(key, 0) + 1
+
+    # -- under the lock -------------------------------------------------------------------------
+    def _covering(self, key: Hashable, after: str) -> Chunk | None:
+        afters = self._afters.get(key)
+        if not afters:
+            return None
+        i = bisect.bisect_right(afters, after) - 1
+        if i < 0:
+            return None
+        chunk = self._chunks[(key, afters[i])]
+        if chunk.expires <= self._clock():
+            self._remove(key, afters[i])
+            return None
+        if not chunk.covers(after):
+            return None
+        self._chunks.move_to_end((key, chunk.after))
+        return chunk
+
+    def _keep(self, key: Hashable, chunk: Chunk) -> None:
+        if self.ttl <= 0 or self.max_bytes <= 0:
+            return
+        if (key, chunk.after) in self._chunks:
+            self._remove(key, chunk.after)
+        afters = self._afters.setdefault(key, [])
+        bisect.insort(afters, chunk.after)
+        self._chunks[(key, chunk.after)] = chunk
+        self._bytes += chunk.size
+        while self._bytes > self.max_bytes and len(self._chunks) > 1:
+            old_key, old_after = next(iter(self._chunks))
+            self._remove(old_key, old_after)
+
+    def _remove(self, key: Hashable, after: str) -> None:
+        chunk = self._chunks.pop((key, after))
+        self._bytes -= chunk.size
+        afters = self._afters[key]
+        del afters[bisect.bisect_left(afters, after)]
+        if not afters:
+            del self._afters[key]
+
+    def _drop_listing(self, key: Hashable) -> None:
+        for after in list(self._afters.get(key, ())):
+            self._remove(key, after)

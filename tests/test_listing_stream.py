@@ -1,0 +1,261 @@
+"""Listings that stream (#46): a page of a listing costs about a page of store work.
+
+The worker answers page N of a prefix's listing from the chunk of the store's listing that holds
+it (cachefs/store/listings.py): a local mount is walked in key order from ``start_after`` (whole
+directories before it skipped unread), S3 is asked with its own paging (``StartAfter``,
+``MaxKeys``); listers of one prefix share the chunks, which are kept within ``list_cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from cachefs.config import WorkerConfig
+from cachefs.paths import CachePath
+from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.store import backends, beneath, objects
+from cachefs.store.listings import Chunk, ListingCache
+from cachefs.store.meta import ObjectMeta
+from helpers import client
+
+# Names whose key order is not a directory walk's name order: '!', ' ', '-' and '.' sort before
+# '/', so "a-b" and "a.b/c" come before "a/b", and "a/b.c" before "a/bb/c".
+TRICKY = ["t/a-b", "t/a.b/c", "t/a/b", "t/a/b.c", "t/a/b-c", "t/a/bb/c", "t/a b/x y.bin", "t/a!", "t/ab",
+          "t/é/ü.bin", "t/日本/語", "t/z", "t/a0/1", "t/a/b0"]
+
+
+def _pages_grpc(address: str, path: str, max_entries: int = 0, refresh: bool = False) -> list[list[str]]:
+    """Every page of a recursive listing through the worker's gRPC List, as the client asks."""
+    pages, after = [], ""
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        while True:
+            (reply,) = list(stub.List(worker_pb2.ListRequest(path=path, recursive=True, paged=True, start_after=after,
+                                                             max_entries=max_entries, refresh=refresh), timeout=30))
+            pages.append([e.path for e in reply.entries])
+            if not reply.next_after:
+                return pages
+            after = reply.next_after
+
+
+def _pages_sockets(worker, path: str) -> list[list[str]]:
+    """Every page as the workers' sockets answer ``MetaRequest.LIST`` (48 KiB pages)."""
+    pages, after = [], ""
+    while True:
+        reply = worker.meta_ops.answer(common_pb2.MetaRequest(op=common_pb2.MetaRequest.LIST, path=path,
+                                                              recursive=True, start_after=after))
+        assert not reply.error_code, reply.error_message
+        pages.append([e.path for e in reply.entries])
+        if not reply.next_after:
+            return pages
+        after = reply.next_after
+
+
+@pytest.fixture
+def dir_reads(monkeypatch, local_store):
+    """Directories under the local store's root read so far (every os.scandir of one)."""
+    root = os.path.realpath(local_store.mount.url)
+    count = [0]
+    real = os.scandir
+
+    def counting(target=None):
+        where = os.readlink(f"/proc/self/fd/{target}") if isinstance(target, int) else os.fspath(target or ".")
+        if where == root or where.startswith(root + "/"):
+            count[0] += 1
+        return real(target) if target is not None else real()
+
+    monkeypatch.setattr(os, "scandir", counting)
+    return count
+
+
+def test_the_first_page_of_a_large_local_mount_reads_a_few_directories(local_store, make_worker, dir_reads):
+    """20,000 files in 200 directories: the first page reads the root and the ~10 directories it
+    lists, not all 201 (the whole walk, which the old worker did before answering anything)."""
+    for d in range(200):
+        for f in range(100):
+            local_store.add(f"big/{d:03d}/{f:03d}.bin", b"x")
+    for name in TRICKY:
+        local_store.add(f"big/{name}", b"y")
+    expected = sorted(f"data/{key}" for key in local_store.objects)
+    worker = make_worker(local_store.mount)
+
+    started = time.perf_counter()
+    with grpc.insecure_channel(worker.address) as channel:
+        (first,) = list(worker_pb2_grpc.WorkerServiceStub(channel).List(
+            worker_pb2.ListRequest(path="data/big", recursive=True, paged=True), timeout=30))
+    first_s = time.perf_counter() - started
+    assert [e.path for e in first.entries] == expected[:1000] and first.next_after == expected[999]
+    assert dir_reads[0] <= 13, f"the first page read {dir_reads[0]} directories"
+
+    dir_reads[0] = 0
+    started = time.perf_counter()
+    whole = worker.objects.list(CachePath("data", "big"), recursive=True, refresh=True)
+    whole_s = time.perf_counter() - started
+    assert dir_reads[0] == 1 + 200 + 8  # the whole walk: big, its 200 numbered dirs, t and its 7
+    assert [str(m.path) for m in whole] == expected
+    assert first_s < whole_s, (first_s, whole_s)
+
+    # Together the pages are the whole listing, in its order, however they are asked.
+    grpc_pages = _pages_grpc(worker.address, "data/big")
+    assert [n for page in grpc_pages for n in page] == expected
+    assert all(len(page) <= 1000 for page in grpc_pages)
+    socket_pages = _pages_sockets(worker, "data/big")
+    assert [n for page in socket_pages for n in page] == expected
+    fs = client(worker.address, short_circuit=False, data_port=False)
+    assert fs.find("cachefs://data/big") == expected
+
+
+def test_pages_across_small_chunks_keep_key_order(local_store, make_worker, monkeypatch, dir_reads):
+    """Chunks of 3 entries and pages of 2: every boundary falls somewhere awkward."""
+    monkeypatch.setattr(objects, "LIST_CHUNK", 3)
+    for name in TRICKY:
+        local_store.add(name, b"z")
+    expected = sorted(f"data/t/{key[2:]}" for key in TRICKY)
+    worker = make_worker(local_store.mount)
+    for size in (1, 2, 5, 0):
+        pages = _pages_grpc(worker.address, "data/t", max_entries=size)
+        assert [n for page in pages for n in page] == expected, size
+        assert all(len(page) <= 3 for page in pages)
+    # A directory listing (not recursive) pages the same way: directories sort by their own name.
+    names, after = [], ""
+    while True:
+        reply = worker.meta_ops.answer(common_pb2.MetaRequest(op=common_pb2.MetaRequest.LIST, path="data/t/a",
+                                                              start_after=after))
+        names += [e.path for e in reply.entries]
+        if not reply.next_after:
+            break
+        after = reply.next_after
+    assert names == ["data/t/a/b", "data/t/a/b-c", "data/t/a/b.c", "data/t/a/b0", "data/t/a/bb"]
+    # A file's own path lists the file; a missing one lists nothing, as before.
+    assert _pages_grpc(worker.address, "data/t/z") == [["data/t/z"]]
+    assert _pages_grpc(worker.address, "data/t/nothing") == [[]]
+
+
+def test_simultaneous_listers_share_the_store_listing(local_store, make_worker, monkeypatch):
+    """Two listers of one prefix, one through gRPC (pages of 1,000) and one through the sockets
+    (pages of 48 KiB), at once: each chunk of the store's listing is fetched once."""
+    for d in range(30):
+        for f in range(100):
+            local_store.add(f"shared/{d:02d}/{f:03d}.bin", b"x")
+    expected = sorted(f"data/{key}" for key in local_store.objects)
+    worker = make_worker(local_store.mount)
+    walk = beneath.page_beneath
+
+    def slow_walk(*args):
+        time.sleep(0.05)  # a store request's latency: the second lister arrives while it is under way
+        return walk(*args)
+
+    monkeypatch.setattr(beneath, "page_beneath", slow_walk)
+    start = threading.Barrier(2, timeout=10)
+    results: dict[str, list[str]] = {}
+
+    def lister(name: str, pages) -> None:
+        start.wait()
+        results[name] = [n for page in pages() for n in page]
+
+    threads = [threading.Thread(target=lister, args=("grpc", lambda: _pages_grpc(worker.address, "data/shared"))),
+               threading.Thread(target=lister, args=("sockets", lambda: _pages_sockets(worker, "data/shared")))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {"grpc": expected, "sockets": expected}
+    cache = worker.objects._lists
+    assert cache.fetched == 3  # 3,000 entries: three chunks of 1,000, each listed once
+
+    # Single flight: two callers of one chunk at once make one store request.
+    worker.objects.forget_mount("data")
+    chunks: list[Chunk] = []
+    both = threading.Barrier(2, timeout=10)
+
+    def first_chunk() -> None:
+        both.wait()
+        chunks.append(worker.objects.list_chunk(CachePath("data", "shared"), True, ""))
+
+    threads = [threading.Thread(target=first_chunk) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(chunks) == 2 and chunks[0] is chunks[1]
+    assert cache.fetched == 4 and cache.joined >= 1
+
+
+def test_the_listing_cache_is_bounded_in_bytes(local_store, make_worker):
+    for d in range(5):
+        for f in range(1000):
+            local_store.add(f"b/{d}/{f:04d}", b"x")
+    one_chunk = Chunk("", [ObjectMeta(CachePath("data", f"b/0/{f:04d}"), 1, "v", 0.0) for f in range(1000)], False).size
+    worker = make_worker(local_store.mount, list_cache_bytes=int(2.5 * one_chunk))
+    expected = sorted(f"data/{key}" for key in local_store.objects)
+    assert [n for page in _pages_grpc(worker.address, "data/b") for n in page] == expected
+    cache = worker.objects._lists
+    assert cache.fetched == 5 and len(cache) == 2 and cache.bytes <= 2.5 * one_chunk
+    # The first chunk was evicted (least recently used): listing again asks the store for it.
+    _pages_grpc(worker.address, "data/b")
+    assert cache.fetched == 10
+    with pytest.raises(ValueError, match="list_cache_bytes"):
+        WorkerConfig(cache_dirs=worker.config.cache_dirs, list_cache_bytes=-1)
+
+
+def test_a_listing_cache_evicts_the_least_recently_used_chunk():
+    now = [0.0]
+    entries = [ObjectMeta(CachePath("m", f"k{i}"), 1, "v", 0.0) for i in range(4)]
+    size = Chunk("", entries[:2], False).size
+    cache = ListingCache(ttl=10, max_bytes=2 * size, clock=lambda: now[0])
+    a = cache.chunk("a", "", lambda: (entries[:2], False))
+    cache.chunk("b", "", lambda: (entries[:2], False))
+    assert cache.chunk("a", "", lambda: pytest.fail("kept")) is a  # used: now the most recent
+    cache.chunk("c", "", lambda: (entries[:2], True))
+    assert len(cache) == 2 and cache.bytes == 2 * size
+    assert cache.chunk("a", "m/k0", lambda: pytest.fail("kept")) is a  # covered: after k0, up to k1
+    assert cache.chunk("b", "", lambda: (entries[:1], True)).final  # evicted: asked again
+    now[0] = 11.0  # expired
+    assert cache.chunk("a", "", lambda: ([], True)).entries == []
+    assert cache.fetched == 5
+
+
+def test_refresh_applies_to_the_first_page_only(local_store, make_worker):
+    for f in range(30):
+        local_store.add(f"r/{f:02d}", b"x")
+    worker = make_worker(local_store.mount)
+    assert _pages_grpc(worker.address, "data/r", max_entries=10)[0][0] == "data/r/00"
+    local_store.add("r/0", b"new")  # sorts first
+    assert _pages_grpc(worker.address, "data/r", max_entries=10)[0][0] == "data/r/00"  # cached
+    cache = worker.objects._lists
+    before = cache.fetched
+    pages = _pages_grpc(worker.address, "data/r", max_entries=10, refresh=True)
+    assert pages[0][0] == "data/r/0" and len([n for p in pages for n in p]) == 31
+    assert cache.fetched == before + 1  # one chunk: the later pages (asked with refresh too) did not refresh
+
+
+@pytest.mark.parametrize("s3_client", ["auto", "s3fs"])
+def test_an_s3_listing_pages_with_the_store(s3_store, make_worker, monkeypatch, s3_client):
+    """ListObjectsV2's own pages (MaxKeys, StartAfter): a page is one store request."""
+    monkeypatch.setattr(objects, "LIST_CHUNK", 50)
+    keys = [f"s/{d}/{f:02d}" for d in range(4) for f in range(40)] + [f"s/{name[2:]}" for name in TRICKY]
+    for key in keys:
+        s3_store.add(key, b"x")
+    expected = sorted(f"data/{key}" for key in keys)
+    worker = make_worker(s3_store.mount, s3_client=s3_client)
+    requests: list[str] = []
+    counted = worker.objects.on_request
+    worker.objects.on_request = lambda kind: (requests.append(kind), counted(kind))
+    backend_pages = []
+    if s3_client == "s3fs":
+        real = backends._S3Backend.list_after
+        monkeypatch.setattr(backends._S3Backend, "list_after",
+                            lambda *a: backend_pages.append(a[4]) or real(*a))
+    first = _pages_grpc(worker.address, "data/s", max_entries=50)
+    assert requests.count("list") == len(first) == 4  # 174 keys: four requests of 50
+    assert [n for page in first for n in page] == expected
+    if s3_client == "s3fs":
+        assert len(backend_pages) == 4
+    whole = worker.objects.list(CachePath("data", "s"), recursive=True, refresh=True)
+    assert [str(m.path) for m in whole] == expected
+    assert [n for page in _pages_sockets(worker, "data/s") for n in page] == expected
