@@ -4,7 +4,9 @@ bounded per peer and in all, and the clients reconnect when the worker closed an
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
 import selectors
 import socket
@@ -13,11 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import grpc
 
 from cachefs.client.filesystem import CacheFileSystem
 from cachefs.proto import dataport_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.server.worker.connections import THREAD_KEEPALIVE
 from helpers import payload, wait_for
 
 PAGE = 64 << 10
@@ -370,3 +374,102 @@ def test_a_waiting_request_takes_the_thread_of_a_connection_that_waits(local_sto
     finally:
         for sock in socks:
             sock.close()
+
+
+# A client process sending garbage on ``count`` connections: random bytes, oversized messages, a
+# frame header promising more than comes, a length of ~4 GiB, empty messages, bursts of junk;
+# then it closes each for writing. Prints, per kind, how many were neither answered nor closed
+# by the worker within ``seconds``.
+_GARBAGE = r"""
+import json, os, random, select, socket, struct, sys, time
+target, unix, count, seconds, seed = sys.argv[1], sys.argv[2] == "unix", int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+rng = random.Random(seed)
+def frames(kind):
+    if kind == "random": return [os.urandom(rng.randrange(1, 300))]
+    if kind == "oversized": return [os.urandom(100_000 if unix else 70_000)]
+    if kind == "truncated":
+        body = os.urandom(rng.randrange(10, 200))
+        return [body[: len(body) // 2]] if unix else [struct.pack(">I", len(body) + 50) + body]
+    if kind == "huge-length": return [struct.pack(">I", 0xFFFFFFF0) + b"x" * 10]
+    if kind == "empty": return [b""]
+    return [os.urandom(rng.randrange(1, 64)) for _ in range(20)]
+kinds = ["random", "oversized", "truncated", "huge-length", "empty", "burst"]
+open_socks, refused = {}, 0
+for i in range(count):
+    kind = kinds[i % len(kinds)]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) if unix else socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(target if unix else (target.rsplit(":", 1)[0], int(target.rsplit(":", 1)[1])))
+        for f in frames(kind):
+            (s.send if unix else s.sendall)(f)
+        s.shutdown(socket.SHUT_WR)
+    except OSError:  # refused, reset or closed at once over a limit: an answer too
+        refused += 1
+        s.close()
+        continue
+    s.setblocking(False)
+    open_socks[s.fileno()] = (s, kind)
+poller = select.poll()
+for fd in open_socks:
+    poller.register(fd, select.POLLIN)
+end = time.monotonic() + seconds
+while open_socks and time.monotonic() < end:
+    for fd, _ev in poller.poll(100):
+        s, kind = open_socks[fd]
+        try:
+            s.recv(1 << 17)  # an answer, or b"" (closed)
+        except BlockingIOError:
+            continue
+        except OSError:
+            pass  # reset: closed too
+        poller.unregister(fd)
+        del open_socks[fd]
+stuck = {}
+for s, kind in open_socks.values():
+    stuck[kind] = stuck.get(kind, 0) + 1
+print(json.dumps({"stuck": stuck, "refused": refused}), flush=True)
+"""
+
+
+def _descriptors(pid: int) -> Counter[str]:
+    """A process's descriptors by kind: socket, pipe, anon_inode:[eventfd], a path..."""
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            kinds[os.readlink(f"/proc/{pid}/fd/{fd}").split(":[")[0]] += 1
+    return kinds
+
+
+def _raw_targets(worker) -> dict[str, str]:
+    with grpc.insecure_channel(worker.address) as ch:
+        status = worker_pb2_grpc.WorkerServiceStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    return {"unix": status.short_circuit_socket, "tcp": f"127.0.0.1:{status.data_port}"}
+
+
+def test_600_connections_of_garbage_are_each_answered_or_closed(tmp_path):
+    """Bad frames get an error or a close within seconds, whatever their number; the worker's
+    threads and descriptors come back to where they were, and a real read works after."""
+    from cachefs.local import worker_process
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "o").write_bytes(payload(3 * PAGE, 7))
+    with worker_process({"data": str(store)}, str(tmp_path / "cache"), extra=["--page-size", str(PAGE)],
+                        log_path=str(tmp_path / "w.log")) as worker:
+        targets = _raw_targets(worker)
+        baseline = _descriptors(worker.pid)
+        for kind, target in targets.items():
+            # 10 processes of 60: under the per-process limit (64), over the total (256).
+            procs = [subprocess.Popen([sys.executable, "-c", _GARBAGE, target, kind, "60", "10", str(i)],
+                                      stdout=subprocess.PIPE, text=True) for i in range(10)]
+            results = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+            assert all(not r["stuck"] for r in results), (kind, results)
+        # Connections closed; the serving threads (an eventfd each) end after their keepalive.
+        assert wait_for(lambda: _descriptors(worker.pid)["socket"] <= baseline["socket"], timeout=15), \
+            _descriptors(worker.pid)
+        assert wait_for(lambda: _descriptors(worker.pid) <= baseline, timeout=THREAD_KEEPALIVE + 15), \
+            (baseline, _descriptors(worker.pid))
+        fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
+        assert fs.cat_file("cachefs://data/o") == payload(3 * PAGE, 7)
+        fs.close()
