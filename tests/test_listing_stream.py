@@ -18,7 +18,7 @@ import pytest
 from cachefs.config import WorkerConfig
 from cachefs.paths import CachePath
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from cachefs.store import backends, beneath, objects
+from cachefs.store import backends, localpages, objects
 from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import ObjectMeta
 from helpers import client
@@ -144,13 +144,13 @@ def test_simultaneous_listers_share_the_store_listing(local_store, make_worker, 
             local_store.add(f"shared/{d:02d}/{f:03d}.bin", b"x")
     expected = sorted(f"data/{key}" for key in local_store.objects)
     worker = make_worker(local_store.mount)
-    walk = beneath.page_beneath
+    walk = localpages.page_after
 
     def slow_walk(*args):
         time.sleep(0.05)  # a store request's latency: the second lister arrives while it is under way
         return walk(*args)
 
-    monkeypatch.setattr(beneath, "page_beneath", slow_walk)
+    monkeypatch.setattr(localpages, "page_after", slow_walk)
     start = threading.Barrier(2, timeout=10)
     results: dict[str, list[str]] = {}
 
@@ -259,3 +259,21 @@ def test_an_s3_listing_pages_with_the_store(s3_store, make_worker, monkeypatch, 
     whole = worker.objects.list(CachePath("data", "s"), recursive=True, refresh=True)
     assert [str(m.path) for m in whole] == expected
     assert [n for page in _pages_sockets(worker, "data/s") for n in page] == expected
+
+
+def test_a_large_flat_directory_is_read_once_for_all_its_chunks(local_store, make_worker, monkeypatch, dir_reads):
+    """A flat data set (every file in one directory): each chunk bisects the directory's sorted
+    names, kept while it is unchanged, rather than reading and sorting it again."""
+    monkeypatch.setattr(objects, "LIST_CHUNK", 20)
+    monkeypatch.setattr(localpages, "KEEP_ABOVE", 50)
+    for f in range(300):
+        local_store.add(f"flat/{f:04d}.bin", b"x")
+    worker = make_worker(local_store.mount)
+    expected = [f"data/flat/{f:04d}.bin" for f in range(300)]
+    dir_reads[0] = 0
+    assert [n for page in _pages_grpc(worker.address, "data/flat") for n in page] == expected
+    assert worker.objects._lists.fetched == 15 and dir_reads[0] == 1
+    local_store.add("flat/0000a.bin", b"new")  # the directory changed: read again
+    pages = _pages_grpc(worker.address, "data/flat", refresh=True)
+    assert [n for page in pages for n in page] == sorted(expected + ["data/flat/0000a.bin"])
+    assert dir_reads[0] == 2

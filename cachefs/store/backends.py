@@ -18,7 +18,7 @@ from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
 from cachefs.errors import StaleObjectError
-from cachefs.store import beneath
+from cachefs.store import beneath, localpages
 from cachefs.store.health import is_connection_error
 
 PieceSink = Callable[[int, bytes], None]  # (index of the piece, its bytes)
@@ -115,7 +115,7 @@ class _LocalBackend(_Backend):
 
     def list_after(self, fs: fsspec.AbstractFileSystem, store_path: str, recursive: bool, after: str,
                    limit: int) -> tuple[list[dict[str, Any]], bool] | None:
-        return beneath.page_beneath(_local(store_path), recursive, after, limit)
+        return localpages.page_after(_local(store_path), recursive, after, limit)
 
     def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
         st = beneath.stat_beneath(_local(store_path))
