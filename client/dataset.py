@@ -55,6 +55,10 @@ from cachefs.client.shortcircuit import Prepared
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+#: Parsed paths a process keeps (~250 bytes each): a data set up to this size is parsed once per
+#: process (beyond, parse_path's own cache of 65,536, then ~4 us a sample), never held whole in
+#: every DataLoader worker.
+PARSED_PATHS = 1 << 14
 _UNPARSED = object()
 
 
@@ -463,9 +467,13 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         return int(self.sizes[self.plan.sample(position)])
 
     def _cache_path(self, parts: ProcessParts, sample: int) -> Any:
-        cp = parts.cache_paths.get(sample, _UNPARSED)
+        known = parts.cache_paths
+        cp = known.get(sample, _UNPARSED)
         if cp is _UNPARSED:
-            cp = parts.cache_paths[sample] = parts.fs._path(self.paths[sample])
+            cp = parts.fs._path(self.paths[sample])
+            if len(known) >= PARSED_PATHS:  # bounded: a data set's worth per DataLoader worker is what #46 removed
+                known.clear()
+            known[sample] = cp
         return cp
 
     def _read_raw(self, sample: int) -> torch.Tensor:

@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hashlib
+from array import array
 
 import numpy as np
 
+from cachefs.client.sampleindex import trim_heap
 from cachefs.paths import parse_path, strip_protocol
 from cachefs.proto import worker_pb2
 
@@ -149,13 +151,15 @@ class PlanPublisher:
         report = PlanReport()
         for handle, part in self._index.parts.values():
             self._send_derived(handle, part, report)
+            part.release()  # sent: a worker that forgets it (a restart) is sent it made again
         self.report = report
         self._start()
         return report
 
-    def _build_index(self, units: Sequence[tuple[str, int, int]]) -> "_Index":
+    def _build_index(self, units: Sequence[tuple[str, int, int]], only: str = "") -> "_Index":
         """The data set's units grouped by the worker holding each one's first page, and the
-        whole index's digest (its id on the workers): once per dataset."""
+        whole index's digest (its id on the workers): once per dataset (``only``: that worker's
+        part alone, made again for a worker that forgot it)."""
         h = hashlib.blake2b(b"cachefs-index:1:", digest_size=16)
         groups: dict[str, tuple[Any, _Part]] = {}
         for sample, (raw, offset, length) in enumerate(units):
@@ -167,10 +171,14 @@ class PlanPublisher:
             if not candidates:
                 continue
             handle = candidates[0]
+            if only and handle.address != only:
+                continue
             part = groups.setdefault(handle.address, (handle, _Part()))[1]
             part.add(sample, key, offset, length)
         for _, part in groups.values():
             part.freeze()
+        if len(units) >= 100_000:
+            trim_heap()  # each unit's key and placement came and went: their memory too
         return _Index(h.hexdigest(), len(units), groups)
 
     def _send_derived(self, handle: Any, part: "_Part", report: PlanReport) -> None:
@@ -185,6 +193,10 @@ class PlanPublisher:
             stub = handle.stub()
             reply = stub.Plan(request, timeout=CALL_TIMEOUT)
             if not reply.derived and not reply.index_known:
+                if part.released:  # the index's part for this worker, made again from the units
+                    assert self._units is not None
+                    part = self._build_index(self._units(), only=handle.address).parts.get(
+                        handle.address, (handle, _Part().frozen()))[1]
                 for chunk in part.chunks(self._index, self.job, self.lease_seconds):
                     stub.Plan(chunk, timeout=CALL_TIMEOUT)
                 reply = stub.Plan(request, timeout=CALL_TIMEOUT)
@@ -333,25 +345,43 @@ class PlanPublisher:
 
 
 class _Part:
-    """The units of an index whose first page one worker holds (sample id, path, range): lists
-    while the index is built, then arrays and one bytes object (no object per unit that a forked
-    DataLoader worker would copy by touching it)."""
+    """The units of an index whose first page one worker holds (sample id, path, range): grown
+    in arrays and one bytearray while the index is built (no object per unit), then numpy arrays
+    and one bytes object until sent, then released. Kept, they were ~65 bytes a sample in the
+    dataset's main process for as long as it lived, to re-send a worker that restarted; that
+    rare case now places the units again (``_build_index(only=...)``, seconds at 1 M)."""
 
     def __init__(self) -> None:
-        self._building: list[tuple[int, bytes, int, int]] | None = []
+        self.released = False
+        self._samples, self._offsets, self._lengths, self._ends = array("q"), array("q"), array("q"), array("q")
+        self._paths = bytearray()
 
     def add(self, sample: int, key: str, offset: int, length: int) -> None:
-        self._building.append((sample, key.encode(), int(offset), int(length)))  # type: ignore[union-attr]
+        self._samples.append(sample)
+        self._offsets.append(int(offset))
+        self._lengths.append(int(length))
+        self._paths += key.encode()
+        self._ends.append(len(self._paths))
 
     def freeze(self) -> None:
-        rows, self._building = self._building or [], None
-        self.samples = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-        self.offsets = np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows))
-        self.lengths = np.fromiter((r[3] for r in rows), dtype=np.int64, count=len(rows))
-        self.path_lengths = np.fromiter((len(r[1]) for r in rows), dtype=np.int64, count=len(rows))
-        self.path_starts = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(self.path_lengths, out=self.path_starts[1:])
-        self.paths = b"".join(r[1] for r in rows)
+        def arr(a: array) -> np.ndarray:
+            return np.array(a, dtype=np.int64) if len(a) else np.zeros(0, dtype=np.int64)
+        self.samples, self.offsets, self.lengths = arr(self._samples), arr(self._offsets), arr(self._lengths)
+        self.path_starts = np.zeros(len(self.samples) + 1, dtype=np.int64)
+        self.path_starts[1:] = arr(self._ends)
+        self.path_lengths = np.diff(self.path_starts)
+        self.paths = bytes(self._paths)
+        self._samples, self._offsets, self._lengths, self._ends = array("q"), array("q"), array("q"), array("q")
+        self._paths = bytearray()
+
+    def frozen(self) -> "_Part":
+        self.freeze()
+        return self
+
+    def release(self) -> None:
+        for name in ("samples", "offsets", "lengths", "path_starts", "path_lengths", "paths"):
+            self.__dict__.pop(name, None)
+        self.released = True
 
     def chunks(self, index: "_Index", job: str, lease_seconds: float) -> Iterator[Any]:
         """Plan requests carrying this part of ``index``, in chunks (the last marked done)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachefs.client import indexcache
-from cachefs.client.sampleindex import IndexBuilder, SampleIndex
+from cachefs.client.sampleindex import IndexBuilder, SampleIndex, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ __all__ = ["MODES", "Fingerprint", "KeptIndexes", "Recheck", "list_prefix", "rec
 
 MODES = (None, "auto", "refresh")
 SUFFIX = ".cfsidx"
+#: A listing this long gives its pages' freed memory back to the OS (sampleindex.trim_heap).
+TRIM_AFTER = 100_000
 
 
 class Fingerprint:
@@ -100,8 +102,10 @@ def list_prefix(fs: Any, url: str, refresh: bool = False) -> tuple[SampleIndex, 
     if not len(builder):
         raise FileNotFoundError(f"no objects below {url}")
     # Pages come in name order; a listing that did not (a store's fallback) is sorted here.
-    return builder.finish(sort=True, meta={"url": url, "listing": fp.as_dict(),
-                                           "listed_at": time.time()}), fp.as_dict()
+    index = builder.finish(sort=True, meta={"url": url, "listing": fp.as_dict(), "listed_at": time.time()})
+    if len(index) >= TRIM_AFTER:
+        trim_heap()  # the pages' dicts are gone: their memory too
+    return index, fp.as_dict()
 
 
 class KeptIndexes:

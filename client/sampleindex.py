@@ -21,6 +21,7 @@ starts int64[n+1] | sizes int64[n] | blob``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap
@@ -256,6 +257,16 @@ class IndexBuilder:
         index = build(self._head or "", ends, sizes, blob, meta)
         self._blob, self._ends, self._sizes = bytearray(), array("q"), array("q")
         return index
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the OS. glibc keeps freed memory above its (growing)
+    mmap threshold in the heap: after a listing's pages, or a read plan's index, of a million
+    samples that is tens of MB of RSS holding nothing, which forked DataLoader workers inherit."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _sorted(ends: np.ndarray, sizes: np.ndarray, blob: bytes) -> tuple[np.ndarray, np.ndarray, bytes]:

@@ -219,3 +219,40 @@ def test_the_index_costs_tens_of_bytes_per_sample_not_a_python_object_each(make_
     assert per_sample < 40, per_sample
     assert len(ds.paths) == n and ds.paths[n - 1] == f"cachefs://data/train/{n - 1:09d}.jpg"
     assert os.path.exists(f"/proc/self/fd/{ds.paths._fd}")
+
+
+def test_a_worker_that_forgot_the_plan_index_is_sent_it_made_again():
+    """The publisher drops each worker's part of the index once sent (it was ~65 B a sample held
+    for the dataset's life); a worker that restarted is sent its part made again from the units."""
+    from types import SimpleNamespace
+
+    from cachefs.client.plans import PlanPublisher
+    from cachefs.proto import worker_pb2
+    from cachefs.server.worker.plans import PlanTable
+
+    tables = {"now": PlanTable(1 << 20)}
+
+    class Stub:
+        def Plan(self, request, timeout=None):  # noqa: N802 - the RPC's name
+            known, index_known, derived = tables["now"].take(request)
+            return worker_pb2.PlanReply(known=known, index_known=index_known, derived=derived, policy="future")
+
+    handle = SimpleNamespace(address="w", stub=Stub)
+    session = SimpleNamespace(candidates=lambda key, offset=0, include_broken=True: [handle])
+    n = 500
+    ds = CacheDataset([f"cachefs://data/train/{i:05d}.bin" for i in range(n)], sizes=[1000] * n,
+                      storage_options={"workers": "127.0.0.1:1"}, plan_ahead=False, stats=False, seed=2)
+    publisher = PlanPublisher(session, lambda: 0, prefetch=False)
+    try:
+        report = publisher.publish_derived(ds._plan_units, ds._plan_order_spec(), ds._plan_order)
+        assert report.derived == 1
+        (part,) = [p for _, p in publisher._index.parts.values()]
+        assert part.released and not hasattr(part, "paths")
+        first = tables["now"].describe()
+        tables["now"] = PlanTable(1 << 20)  # the worker restarted: no plan, no index
+        report = publisher.renew()
+        assert report.resent == 1 and report.derived == 1
+        again = tables["now"].describe()
+        assert [p["derived"] for p in again] == [True] and again[0]["pages"] == first[0]["pages"]
+    finally:
+        publisher.close()
