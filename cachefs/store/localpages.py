@@ -25,8 +25,9 @@ from typing import Any
 
 from cachefs.store.beneath import LocalStorePath, _entry_info, _open_dir, stat_beneath
 
-#: Directories with more entries than this keep their sorted names between chunks.
-KEEP_ABOVE = 4096
+#: Directories with more entries than this keep their sorted names between chunks (a chunk of
+#: 1,000 entries reads its directory's parent again, and usually two directories of 1,000).
+KEEP_ABOVE = 256
 #: Names kept in all (about 80 bytes each), and for how long (a directory changed within one
 #: timestamp tick of its last read is seen when this runs out).
 KEEP_NAMES = 2_000_000

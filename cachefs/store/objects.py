@@ -369,19 +369,24 @@ class ObjectStore:
                 # No paging here, or nothing below the path (a file's own path lists the file itself):
                 # the whole listing, as before.
                 return [m for m in self.list(path, recursive, refresh) if str(m.path) > after], True
-            entries = self._listed(path, found[0])
+            entries = self._listed(path, found[0], str(resolved.store_path))
             if not after and found[1]:
                 self._note_listing(path, recursive, entries)
             return entries, found[1]
 
         return self._lists.chunk(cache_key, after, fetch, refresh=refresh)
 
-    def _listed(self, path: CachePath, raw: Iterable[dict[str, Any]]) -> list[ObjectMeta]:
+    def _listed(self, path: CachePath, raw: Iterable[dict[str, Any]], below: str = "") -> list[ObjectMeta]:
         """A store's listing entries as metadata (each object's remembered: a listing is a free
-        metadata refresh, which saves one HEAD per object on a cold epoch)."""
+        metadata refresh, which saves one HEAD per object on a cold epoch). ``below``: the
+        listed path's store path, where the entries' names are it, "/" and their rest (the paged
+        listings': their keys found without the store's path parsing, a fifth of a chunk's CPU)."""
         entries = []
+        cut, head = len(below) + 1, f"{path.key}/" if path.key else ""
         for info in raw:
-            key = self.mounts.to_key(path, info["name"])
+            name = info["name"]
+            key = head + name[cut:] if below and name.startswith(below) and name[cut - 1:cut] == "/" \
+                else self.mounts.to_key(path, name)
             is_dir = info.get("type") == "directory"
             child = CachePath(path.mount, key)
             meta = ObjectMeta(child, 0 if is_dir else int(info.get("size") or 0),
