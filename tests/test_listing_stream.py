@@ -277,3 +277,29 @@ def test_a_large_flat_directory_is_read_once_for_all_its_chunks(local_store, mak
     pages = _pages_grpc(worker.address, "data/flat", refresh=True)
     assert [n for page in pages for n in page] == sorted(expected + ["data/flat/0000a.bin"])
     assert dir_reads[0] == 2
+
+
+def test_a_fetch_begun_before_a_refresh_keeps_nothing():
+    """A refresh drops the listing and its fetches under way: one that ends after it does not put
+    back what it found before, and no later lister joins it."""
+    cache = ListingCache(ttl=10, max_bytes=1 << 20)
+    old = [ObjectMeta(CachePath("m", "old"), 1, "v", 0.0)]
+    new = [ObjectMeta(CachePath("m", "new"), 1, "v", 0.0)]
+    release = threading.Event()
+
+    def slow() -> tuple[list[ObjectMeta], bool]:
+        assert release.wait(10)
+        return list(old), True
+
+    got: list[Chunk] = []
+    first = threading.Thread(target=lambda: got.append(cache.chunk("k", "", slow)))
+    first.start()
+    deadline = time.monotonic() + 10
+    while not cache._fetching and time.monotonic() < deadline:
+        time.sleep(0.01)
+    refreshed = cache.chunk("k", "", lambda: (list(new), True), refresh=True)
+    release.set()
+    first.join(timeout=10)
+    assert [str(m.path) for m in got[0].entries] == ["m/old"]  # its own caller gets what it found
+    assert cache.chunk("k", "", lambda: pytest.fail("kept")) is refreshed
+    assert cache.whole("k") == refreshed.entries and not cache._dropped and not cache._fetching

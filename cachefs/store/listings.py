@@ -30,6 +30,7 @@ from cachefs.store.meta import ObjectMeta
 #: found by): its ObjectMeta, CachePath, version and list slots (tracemalloc: ~390 in all at
 #: 35-character names).
 ENTRY_BYTES = 320
+CHUNK_BYTES = 400  # a chunk's own objects, so that many empty listings count too
 #: How long a lister waits for another's fetch of the same chunk before asking the store itself.
 JOIN_SECONDS = 120.0
 
@@ -50,7 +51,7 @@ class Chunk:
     def __post_init__(self) -> None:
         self.entries.sort(key=lambda m: str(m.path))
         self.names = [str(m.path) for m in self.entries]
-        self.size = sum(ENTRY_BYTES + 2 * len(name) for name in self.names)
+        self.size = CHUNK_BYTES + sum(ENTRY_BYTES + 2 * len(name) for name in self.names)
 
     @property
     def last(self) -> str:
@@ -71,7 +72,12 @@ class ListingCache:
         self._chunks: OrderedDict[tuple[Hashable, str], Chunk] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._inflight: dict[tuple[Hashable, str], Future[Chunk]] = {}
-        self._generation: dict[Hashable, int] = {}  # bumped by a refresh: older fetches are not kept
+        # Listings dropped (a refresh, a change) while fetches of them were under way, by the count
+        # of drops then: a fetch that began before its listing's drop keeps nothing. Only while
+        # such fetches are under way, so the map stays as small as they are few.
+        self._drops = 0
+        self._dropped: dict[Hashable, int] = {}
+        self._fetching: dict[Hashable, int] = {}  # per listing: its fetches under way (joined or not)
         self.fetched = 0  # chunks asked of the store
         self.joined = 0  # chunk requests that shared another lister's fetch
 
@@ -91,15 +97,15 @@ class ListingCache:
         with self._lock:
             if refresh:
                 self._drop_listing(key)
-                self._generation[key] = self._generation.get(key, 0) + 1
             else:
                 found = self._covering(key, after)
                 if found is not None:
                     return found
-            pending = None if refresh else self._inflight.get((key, after))
+            pending = self._inflight.get((key, after))
             if pending is None:
                 pending = self._inflight[(key, after)] = Future()
-                generation = self._generation.get(key, 0)
+                started = self._drops
+                self._fetching[key] = self._fetching.get(key, 0) + 1
                 leader = True
             else:
                 self.joined += 1
@@ -115,7 +121,7 @@ class ListingCache:
             chunk = Chunk(after, entries, final, self._clock() + self.ttl)
             with self._lock:
                 self.fetched += 1
-                if generation == self._generation.get(key, 0):
+                if self._dropped.get(key, -1) <= started:
                     self._keep(key, chunk)
         except BaseException as exc:
             pending.set_exception(exc)
@@ -126,6 +132,10 @@ class ListingCache:
             with self._lock:
                 if self._inflight.get((key, after)) is pending:
                     del self._inflight[(key, after)]
+                self._fetching[key] -= 1
+                if not self._fetching[key]:
+                    del self._fetching[key]
+                    self._dropped.pop(key, None)
         return chunk
 
     def whole(self, key: Hashable) -> list[ObjectMeta] | None:
@@ -146,11 +156,8 @@ class ListingCache:
         """Drop every kept listing whose key ``predicate`` accepts (and let no fetch under way keep
         what it finds)."""
         with self._lock:
-            for key in [k for k in self._afters if predicate(k)]:
+            for key in [k for k in {*self._afters, *self._fetching} if predicate(k)]:
                 self._drop_listing(key)
-            for key, _ in list(self._inflight):
-                if predicate(key):
-                    self._generation[key] = self._generation.get(key, 0) + 1
 
     # -- under the lock -------------------------------------------------------------------------
     def _covering(self, key: Hashable, after: str) -> Chunk | None:
@@ -191,5 +198,12 @@ class ListingCache:
             del self._afters[key]
 
     def _drop_listing(self, key: Hashable) -> None:
+        """Forget listing ``key``: its chunks, and its fetches under way (they keep nothing, and
+        no later lister joins them)."""
         for after in list(self._afters.get(key, ())):
             self._remove(key, after)
+        if key in self._fetching:
+            self._drops += 1
+            self._dropped[key] = self._drops
+            for k in [k for k in self._inflight if k[0] == key]:
+                del self._inflight[k]
