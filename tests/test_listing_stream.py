@@ -303,3 +303,24 @@ def test_a_fetch_begun_before_a_refresh_keeps_nothing():
     assert [str(m.path) for m in got[0].entries] == ["m/old"]  # its own caller gets what it found
     assert cache.chunk("k", "", lambda: pytest.fail("kept")) is refreshed
     assert cache.whole("k") == refreshed.entries and not cache._dropped and not cache._fetching
+
+
+def test_a_store_that_cannot_page_is_listed_whole_once(local_store, monkeypatch):
+    """Any other fsspec store (no paging here): listed whole on the first page, as before, and
+    every later page cut from that listing kept, with no store request of its own."""
+    from cachefs.mounts import MountTable
+    from cachefs.server.worker.metaops import ListingPages
+
+    monkeypatch.setattr(objects, "_backend_for", lambda fs, s3_client="auto": backends._Backend())
+    for name in TRICKY:
+        local_store.add(name, b"z")
+    store = objects.ObjectStore(MountTable([local_store.mount]))
+    requests: list[str] = []
+    store.on_request = requests.append
+    pages, names, after = ListingPages(store), [], ""
+    while True:
+        page, after = pages.page("data/t", True, False, after, 4, 1000, 1 << 20)
+        names += [e.path for e in page]
+        if not after:
+            break
+    assert names == sorted(f"data/{key}" for key in TRICKY) and requests == ["list"]

@@ -360,9 +360,10 @@ class ObjectStore:
         def fetch() -> tuple[list[ObjectMeta], bool]:
             try:
                 with self._call(path, "listing"):
-                    self._count("list")
                     found = self._backend(resolved).list_after(resolved.fs, resolved.store_path, recursive,
                                                                after[len(below):], LIST_CHUNK)
+                    if found is not None:  # else no request was made: list() makes (and counts) it
+                        self._count("list")
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{path}: no such directory") from exc
             if found is None or (not after and found == ([], True)):
