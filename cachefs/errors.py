@@ -319,6 +319,14 @@ def from_wire_error(code_name: str, detail: str, message: str, what: str = "") -
     return _rebuild_error(code_name or "UNKNOWN", _detail_fields(detail), message or code_name, what)
 
 
+def failed_range_error(number: int, message: str) -> OSError:
+    """A range a worker's socket answered FAILED, with an errno (one of the errors asking again
+    cannot mend: server/worker/fill.py), as the exception gRPC would have raised for it."""
+    exc = InvalidPathError(message) if number == errno.EINVAL else OSError(number or errno.EIO, message)
+    exc.cachefs_fault = REQUEST  # type: ignore[attr-defined]  # the object's or the request's, not the socket's
+    return exc
+
+
 def _rebuild_error(code_name: str, detail: dict[str, str], details: str, what: str) -> OSError:
     message = f"{what}: {details}" if what else details
     row = _BY_NAME.get(detail.get("type", ""))

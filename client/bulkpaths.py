@@ -153,8 +153,12 @@ class BulkPaths:
         return bool(self.config.short_circuit or self.config.data_port)
 
     def _status(self, handle: Any) -> Any:
-        # Kept (threads of this process may probe at once) until this worker's lean path fails.
+        # Kept (threads of this process may probe at once) until this worker's lean path fails;
+        # the view's copy is used until then too (after a failure a process with gRPC asks the
+        # worker itself: its sockets may have moved ahead of the view).
         status = self._handed_down.get(handle.address)
+        if status is None and handle.address not in self._failures:
+            status = self._from_view.get(handle.address)
         if status is None and forksafe.grpc_inherited():
             status = self._known_status(handle.address)
             if status is None:
@@ -244,8 +248,13 @@ class BulkPaths:
             return None
         stats = self.stats[reader.kind]
         try:
-            got = reader.read(path, offset, length, version, out)
+            # A miss is filled by the worker in the same request on either socket: the bytes
+            # then come as pages (descriptors, sendfile), not copied through gRPC messages.
+            got = (reader.read(path, offset, length, version, out, fill=True) if isinstance(reader, DataPortReader)
+                   else reader.read(path, offset, length, version, out))
         except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
+            if getattr(exc, "cachefs_fault", None) == REQUEST:
+                raise  # about the object or the request (no such object): gRPC would say the same
             self._failed(handle, reader, exc, "reading through gRPC")
             got = None
         if got is None:

@@ -10,7 +10,6 @@ caller reads through gRPC instead.
 
 from __future__ import annotations
 
-import errno
 import socket
 import struct
 import time
@@ -22,7 +21,7 @@ import xxhash
 from cachefs import rawbytes
 from cachefs.client.socketpool import SocketPool
 from cachefs.client.shortcircuit import refusal_error
-from cachefs.errors import REQUEST
+from cachefs.errors import failed_range_error
 from cachefs.proto import dataport_pb2
 
 Reply = dataport_pb2.DataReply
@@ -119,9 +118,7 @@ class DataPortReader:
                 return None
             if reply.code == Reply.FAILED:  # nothing follows the header: the connection stays in step
                 message = reply.message if path in reply.message else f"{path}: {reply.message}"
-                failed = OSError(reply.errno or errno.EIO, message)
-                failed.cachefs_fault = REQUEST  # type: ignore[attr-defined]  # the object's, not the socket's
-                failure.append(failed)
+                failure.append(failed_range_error(reply.errno, message))
             return None
 
         result, reply = self._roundtrip(request, receive, timeout)

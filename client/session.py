@@ -346,12 +346,13 @@ class ClientSession:
             if known is not None:
                 size, version, mtime = known
                 return {"name": str(cp), "size": size, "type": "file", "version": version, "mtime": mtime}
-        if forksafe.grpc_inherited() and state.bulk.enabled:  # over the workers' sockets (bulkpaths.py)
-            reply = self._meta_no_grpc(state, str(cp), common_pb2.MetaRequest(
+        if state.bulk.enabled:  # over the workers' sockets (bulkpaths.py)
+            reply = self._meta_by_socket(state, str(cp), common_pb2.MetaRequest(
                 op=common_pb2.MetaRequest.INFO, path=str(cp), refresh=refresh), f"info {cp}")
             if reply is not None:
                 return info_dict(reply.info)
-            return meta_dict(self.fallback_store().info(cp, refresh))
+            if forksafe.grpc_inherited():
+                return meta_dict(self.fallback_store().info(cp, refresh))
         request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
         msg = self.call(str(cp), lambda stub: stub.GetInfo(request, timeout=self.config.timeout), f"info {cp}")
         if msg is not None:
@@ -365,14 +366,15 @@ class ClientSession:
     def list_pages(self, cp: CachePath, recursive: bool, refresh: bool = False) -> Iterator[list[dict[str, Any]]]:
         """The entries below ``cp``, a page at a time as the worker hands them out (no call
         carries a whole prefix, and a caller holds one page at a time): over the workers'
-        sockets in a process without gRPC, else through gRPC (a worker that knows no pages
-        answers the whole listing with no next page)."""
+        sockets, else (none answered, in a process with gRPC) through gRPC (a worker that
+        knows no pages answers the whole listing with no next page)."""
         state = self._state.get()
-        no_grpc = forksafe.grpc_inherited() and state.bulk.enabled
         after = ""
         while True:
-            page = (self._list_page_no_grpc(state, cp, recursive, refresh and not after, after) if no_grpc
-                    else self._list_page(cp, recursive, refresh and not after, after))
+            page = self._list_page_by_socket(state, cp, recursive, refresh and not after, after) \
+                if state.bulk.enabled else None
+            if page is None and not (forksafe.grpc_inherited() and state.bulk.enabled):
+                page = self._list_page(cp, recursive, refresh and not after, after)
             if page is None:  # no worker answered, fallback on: the store's listing, past what was yielded
                 rest = [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh and not after)]
                 yield sorted((e for e in rest if e["name"] > after), key=lambda e: e["name"]) if after else rest
@@ -397,21 +399,23 @@ class ClientSession:
 
         return self.call(str(cp), call, f"list {cp}")
 
-    def _list_page_no_grpc(self, state: _ProcessState, cp: CachePath, recursive: bool, refresh: bool,
-                           after: str) -> tuple[list[dict[str, Any]], str] | None:
+    def _list_page_by_socket(self, state: _ProcessState, cp: CachePath, recursive: bool, refresh: bool,
+                             after: str) -> tuple[list[dict[str, Any]], str] | None:
         """One page of a listing over the workers' sockets (as ``_list_page``)."""
-        reply = self._meta_no_grpc(state, str(cp), common_pb2.MetaRequest(
+        reply = self._meta_by_socket(state, str(cp), common_pb2.MetaRequest(
             op=common_pb2.MetaRequest.LIST, path=str(cp), recursive=recursive, refresh=refresh, start_after=after),
             f"list {cp}")
         return None if reply is None else ([info_dict(e) for e in reply.entries], reply.next_after)
 
-    def _meta_no_grpc(self, state: _ProcessState, key: str, request: Any, what: str) -> Any:
-        """A metadata operation over the workers' sockets; None: none answered, read the store
-        (fallback on); raises the worker's error, or WorkerUnavailableError (fallback off)."""
+    def _meta_by_socket(self, state: _ProcessState, key: str, request: Any, what: str) -> Any:
+        """A metadata operation over the workers' sockets, the way every process asks first;
+        raises the worker's error. None when no socket answered: a process with gRPC asks
+        through it next; one without reads the store (fallback on) or raises
+        WorkerUnavailableError (fallback off)."""
         try:
             return state.bulk.meta(key, request, what)
         except WorkerUnavailableError:
-            if self.config.fallback:
+            if self.config.fallback or not forksafe.grpc_inherited():
                 return None
             raise
 

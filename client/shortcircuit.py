@@ -11,7 +11,6 @@ usual, so this path can only make a read faster, never fail it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import multiprocessing.util
 import os
@@ -31,7 +30,7 @@ from cachefs.client import forksafe
 from cachefs.client.handles import MAX_TOUCHED, ONCE, HandleCache, Page, TableView, file_identity
 from cachefs.client.namedpages import PARTIAL, NamedPages
 from cachefs.client.socketpool import SocketPool
-from cachefs.errors import REQUEST
+from cachefs.errors import REQUEST, InvalidPathError, UnauthenticatedError, failed_range_error
 from cachefs.peercred import check_server
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
@@ -57,16 +56,16 @@ HOLD_RANGE_PAGES = 8
 
 
 def refusal_error(path: str, message: str) -> OSError | None:
-    """The error a refused request means for a process with no other path than the worker's
-    sockets (its fault is the request's: no other worker would take it either); None for a range
+    """The error a refused request means, as gRPC would have raised it (its fault is the
+    request's: no other worker, and no other path, would take it either); None for a range
     refused as too large (the caller asks for it in pieces) or an unexplained refusal."""
     if "pages in one" in message:
         return None
     if message.startswith("UNAUTHENTICATED"):
-        failure: OSError = PermissionError(errno.EACCES, f"{path}: the worker refused this client's token "
-                                                         f"({message}): set the cluster's token (option token)")
+        failure: OSError = UnauthenticatedError(f"{path}: the worker refused this client's token "
+                                                f"({message}): set the cluster's token (option token)")
     elif message.startswith(("INVALID_ARGUMENT", "malformed")):
-        failure = OSError(errno.EINVAL, f"{path}: {message}")
+        failure = InvalidPathError(f"{path}: {message}")
     else:
         return None
     failure.cachefs_fault = REQUEST  # type: ignore[attr-defined]
@@ -292,8 +291,8 @@ class ShortCircuitReader:
             request.plan_reader = self._pid
 
     def _note_refused(self, path: str, message: str) -> None:
-        """A refusal is final for a process that keeps to this socket (forksafe.grpc_inherited):
-        kept as the error its next read raises (a range too large is not: it is asked in pieces)."""
+        """A refusal (a wrong token) is final, gRPC would refuse it too: kept as the error its
+        next read raises (a range too large is not: it is asked in pieces, or through gRPC)."""
         failure = refusal_error(path, message)
         if failure is not None:
             if len(self._failed) >= _NOT_CACHED_MAX:
@@ -312,9 +311,7 @@ class ShortCircuitReader:
         if len(self._failed) >= _NOT_CACHED_MAX:
             self._failed = {}
         message = got.message if path in got.message else f"{path}: {got.message}"
-        failure = OSError(got.errno or errno.EIO, message)
-        failure.cachefs_fault = REQUEST  # type: ignore[attr-defined]  # the object's, not the socket's
-        self._failed[path] = failure
+        self._failed[path] = failed_range_error(got.errno, message)
 
     def _raise_if_failed(self, path: str) -> None:
         failure = self._failed.pop(path, None)
@@ -388,8 +385,8 @@ class ShortCircuitReader:
             if not persist and self._not_cached and self._known_not_cached(path):
                 return None
             found = self._request([(path, offset, length, version)], False, True, timeout)[0][0]
-            if found is None and persist:
-                self._raise_if_failed(path)  # e.g. no such object: no use asking again
+            if found is None:  # e.g. no such object: no use asking again here or through gRPC
+                self._raise_if_failed(path)
             if found is None:
                 return None
             if hold and any(page.slot in (0, ONCE) for page in found[2]):  # handed out for this read only

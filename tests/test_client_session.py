@@ -200,3 +200,42 @@ def test_a_busy_worker_is_back_on_the_lean_path_within_a_second(local_store, mak
     before = fs.session.bulk_stats["short_circuit"]["reads"]
     assert fs.cat_file("cachefs://data/obj") == data
     assert fs.session.bulk_stats["short_circuit"]["reads"] == before + 1
+
+
+def _worker_rpcs(worker) -> dict[str, float]:
+    """The worker's gRPC calls so far, by method."""
+    out: dict[str, float] = {}
+    for family in worker.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "cachefs_worker_requests_total":
+                out[sample.labels["method"]] = out.get(sample.labels["method"], 0) + sample.value
+    return out
+
+
+@pytest.mark.parametrize("path", ["short_circuit", "data_port"])
+def test_a_main_process_reads_and_lists_over_the_workers_sockets(local_store, make_worker, path):
+    """Info, listings and reads, cold and warm, go over the worker's own sockets in a process
+    that may use gRPC too (the client protocol's first operations moved): the worker answers
+    no gRPC call but the one GetStatus that finds its sockets."""
+    objects = {f"d/o{i}": payload(3 * 65536 + i, 40 + i) for i in range(5)}
+    for key, data in objects.items():
+        local_store.add(key, data)
+    worker = make_worker(local_store.mount, page_size=65536)
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True, short_circuit=path == "short_circuit")
+    try:
+        assert fs.info("cachefs://data/d/o1")["size"] == len(objects["d/o1"])
+        assert sorted(fs.ls("cachefs://data/d")) == sorted(f"data/{k}" for k in objects)
+        assert sorted(fs.find("cachefs://data/")) == sorted(f"data/{k}" for k in objects)
+        for _ in range(2):  # cold (filled by the worker in the same request), then warm
+            for key, data in objects.items():
+                assert fs.cat_file(f"cachefs://data/{key}") == data
+                assert fs.cat_file(f"cachefs://data/{key}", 100, 70000) == data[100:70000]
+        with pytest.raises(FileNotFoundError):
+            fs.cat_file("cachefs://data/d/missing")
+        with pytest.raises(FileNotFoundError):
+            fs.info("cachefs://data/d/missing")
+        rpcs = _worker_rpcs(worker)
+        assert set(rpcs) <= {"GetStatus"}, (rpcs, fs.session.bulk_stats)
+        assert fs.session.bulk_stats[path]["reads"] >= 2 * 2 * len(objects)
+    finally:
+        fs.close()

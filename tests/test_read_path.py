@@ -376,9 +376,9 @@ def test_pages_waiting_for_the_disk_are_bounded(local_store, make_worker, monkey
     real_put = worker.pages.put
     worker.pages.put = lambda pid, page: (release.wait(timeout=30), real_put(pid, page))[1]
     try:
-        # Through gRPC (a same-host client would ask the worker to fill the range first, which
-        # waits for the disk: fill.py), served in full regardless
-        assert client(worker.address, short_circuit=False).cat_file("data/obj.bin") == data
+        # Through gRPC (a client with a socket to the worker would ask it to fill the range
+        # first, which waits for the disk, at most FILL_SECONDS: fill.py), served in full regardless
+        assert client(worker.address, short_circuit=False, data_port=False).cat_file("data/obj.bin") == data
         dropped = worker.metrics.registry.get_sample_value("cachefs_worker_page_writes_dropped_total")
         assert dropped == 5  # 3 pages queued for the (stuck) disk, the rest not cached
     finally:
