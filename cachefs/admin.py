@@ -52,7 +52,8 @@ class _Master:
         return self.masters.stub()
 
     def call(self, method: str, request: Any) -> Any:
-        return self.masters.call(method, request, timeout=self.timeout, metadata=self.metadata)
+        # --timeout is the whole call's budget: a lost leader is waited for within it.
+        return self.masters.call(method, request, budget=self.timeout, timeout=self.timeout, metadata=self.metadata)
 
 
 def admin_tls(args: argparse.Namespace) -> TLSConfig:
@@ -267,7 +268,8 @@ def add_master_options(parser: argparse.ArgumentParser) -> None:
                         "(default: $CACHEFS_TLS_CA_FILE)")
     parser.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS (default: $CACHEFS_TLS_CERT_FILE)")
     parser.add_argument("--tls-key-file", help="its private key (PEM) (default: $CACHEFS_TLS_KEY_FILE)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the master")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds a call may take in all (a lost leader is waited for within them)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

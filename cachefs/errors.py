@@ -124,10 +124,12 @@ class StaleObjectError(CacheFSError):
 
 class ControlPlaneUnavailableError(CacheFSError, ConnectionError):
     """The control plane cannot act now: no leading master (an election under way), or its etcd
-    cannot be reached. Reads go on from the last view; another master may answer."""
+    cannot be reached. Reads go on from the last view; another master may answer. errno EAGAIN:
+    a leader is to be expected soon (asking again within a budget helps: cachefs/masters.py);
+    ENOTCONN (``soon=False``): etcd cannot be reached, so no master can lead until it can."""
 
-    def __init__(self, message: str) -> None:
-        OSError.__init__(self, errno.EAGAIN, message)
+    def __init__(self, message: str, soon: bool = True) -> None:
+        OSError.__init__(self, errno.EAGAIN if soon else errno.ENOTCONN, message)
 
 
 class StaleLeaderError(CacheFSError):

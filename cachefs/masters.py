@@ -10,6 +10,7 @@ the admin commands use this; it is plain gRPC (no etcd anywhere near a training 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,13 @@ MOVE_ON = ("UNAVAILABLE",)
 MOVE_ON_IF_REPEATABLE = ("DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN")
 REPEATABLE = frozenset({"GetView", "GetMounts", "GetInfo", "GetInfos", "Stat", "GetJob", "ListJobs",
                         "RegisterWorker", "Heartbeat", "CancelJob"})
+
+
+def _not_soon(err: Any) -> bool:
+    """A master said no leader is to be expected soon (ControlPlaneUnavailableError, ENOTCONN)."""
+    from cachefs.errors import parse_detail
+
+    return parse_detail(err).get("errno") == "ENOTCONN"
 
 
 class MasterList:
@@ -76,24 +84,40 @@ class MasterList:
             if address in self.addresses:
                 self._index = self.addresses.index(address)
 
-    def call(self, name: str, request: Any, **kwargs: Any) -> Any:
-        """A unary call on the current master, moving through the list while masters are down."""
+    def call(self, name: str, request: Any, budget: float = 0.0, **kwargs: Any) -> Any:
+        """A unary call on the current master, moving through the list while masters are down.
+
+        ``budget`` > 0: one deadline for the whole call, every master tried again (0.1 s back-off,
+        doubling to 1 s) while none can carry it out, as after the leader was lost, until a new
+        one is elected (its lease: server/master/election.py); each try's ``timeout`` is cut to
+        what is left. 0: each master once."""
         import grpc
 
+        deadline = time.monotonic() + budget
+        pause = 0.1
         last: grpc.RpcError | None = None
-        for _ in range(len(self.addresses)):
-            address = self.current
-            try:
-                return getattr(self.stub(address), name)(request, **kwargs)
-            except grpc.RpcError as err:
-                code = err.code().name
-                if len(self.addresses) == 1 or not (
-                        code in MOVE_ON or (code in MOVE_ON_IF_REPEATABLE and name in REPEATABLE)):
-                    raise
-                last = err
-                self.move_on(address)
-        assert last is not None
-        raise last
+        while True:
+            for _ in range(len(self.addresses)):
+                address = self.current
+                left = deadline - time.monotonic()
+                if budget > 0 and "timeout" in kwargs:
+                    kwargs["timeout"] = max(0.05, min(kwargs["timeout"], left))
+                try:
+                    return getattr(self.stub(address), name)(request, **kwargs)
+                except grpc.RpcError as err:
+                    code = err.code().name
+                    if not (code in MOVE_ON or (code in MOVE_ON_IF_REPEATABLE and name in REPEATABLE)):
+                        raise
+                    if len(self.addresses) == 1 and budget <= 0:
+                        raise
+                    last = err
+                    self.move_on(address)
+            assert last is not None
+            left = deadline - time.monotonic()
+            if left <= 0 or _not_soon(last):  # etcd cannot be reached: waiting for a leader would not help
+                raise last
+            time.sleep(min(pause, left))
+            pause = min(1.0, pause * 2)
 
     def close(self) -> None:
         with self._lock:

@@ -174,6 +174,24 @@ def test_leader_killed_under_reads_and_during_a_load_job(tmp_path, etcd_cluster)
         assert sorted(view.masters) == sorted(ha.addresses.split(","))
 
 
+def test_cachefs_load_right_after_the_leader_is_killed_waits_for_the_new_one(tmp_path, etcd_cluster):
+    """The admin CLI gives a call one budget (--timeout): while no master can carry it out (the
+    standby still names the dead leader) it asks again until one can, instead of failing at once."""
+    with ha_cluster(tmp_path, etcd_cluster) as (ha, objects):
+        old = ha.leader_index()
+        dead_first = ",".join([f"127.0.0.1:{ha.ports[old]}", f"127.0.0.1:{ha.ports[1 - old]}"])
+        ha.masters[old].kill()
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "cachefs.cli", "load", "data/d", "--quiet", "--master", dead_first,
+                              "--timeout", str(6 * LEASE)], capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - started
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        assert "SUCCEEDED" in out.stdout or "succeeded" in out.stdout.lower(), out.stdout
+        assert took < 6 * LEASE + 30, took
+        jobs = ha.list.call("ListJobs", master_pb2.ListJobsRequest(), budget=10, timeout=10).jobs
+        assert len(jobs) == 1, jobs  # submitted once, whatever the retries
+
+
 def test_frozen_leader_never_acts_alongside_the_new_one(tmp_path, etcd_cluster):
     with ha_cluster(tmp_path, etcd_cluster) as (ha, objects):
         old = ha.leader_index()

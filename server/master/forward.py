@@ -37,15 +37,17 @@ class LeaderForwarder:
                 entry = self._stubs[address] = (channel, master_pb2_grpc.MasterServiceStub(channel))
             return entry[1]
 
-    def forward(self, method: str, request: Any, context: grpc.ServicerContext, leader: dict, hint: str) -> Any:
-        """Call ``method`` on the leader; its failure is re-raised as the leader's status."""
+    def forward(self, method: str, request: Any, context: grpc.ServicerContext, leader: dict, hint: str,
+                soon: bool = True) -> Any:
+        """Call ``method`` on the leader; its failure is re-raised as the leader's status.
+        ``soon``: whether a leader is to be expected soon (False: etcd cannot be reached)."""
         metadata = list(context.invocation_metadata() or ())
         if any(key == FORWARDED for key, _ in metadata):
             raise ControlPlaneUnavailableError(f"{method}: passed on by another master, but this one does "
-                                               f"not lead either; {hint}")
+                                               f"not lead either; {hint}", soon)
         address = leader.get("address")
         if not address or leader.get("master_id") == self.master_id:
-            raise ControlPlaneUnavailableError(f"{method} needs the leading master; {hint}")
+            raise ControlPlaneUnavailableError(f"{method} needs the leading master; {hint}", soon)
         passed = [(k, v) for k, v in metadata if k in _PASSED] + [(FORWARDED, self.master_id)]
         remaining = context.time_remaining()
         timeout = self._timeout if remaining is None else max(0.1, min(remaining, self._timeout))

@@ -100,6 +100,10 @@ class ControlPlane:
     def leader_hint(self) -> str:
         return self.election.leader_hint() if self.election is not None else "no election yet"
 
+    def etcd_reachable(self) -> bool:
+        """False while etcd cannot be reached: no master can lead until it can."""
+        return self.election is None or self.election.etcd_ok.is_set()
+
     def _elected(self, epoch: int) -> None:
         with self._term_lock:
             # Everything written before this election is at revisions below the epoch: read it all.

@@ -160,7 +160,8 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         taken over); else the leader's answer, the call passed on to it."""
         if self.control is None or self.control.serving_epoch():
             return None
-        return self.forwarder.forward(method, request, context, self.control.leader(), self.control.leader_hint())
+        return self.forwarder.forward(method, request, context, self.control.leader(), self.control.leader_hint(),
+                                      soon=self.control.etcd_reachable())
 
     @property
     def leader_epoch(self) -> int:
