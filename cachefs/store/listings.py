@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -34,7 +34,10 @@ CHUNK_BYTES = 400  # a chunk's own objects, so that many empty listings count to
 #: How long a lister waits for another's fetch of the same chunk before asking the store itself.
 JOIN_SECONDS = 120.0
 
-Fetch = Callable[[], "tuple[list[ObjectMeta], bool]"]  # (entries sorted by name, final)
+#: Chunks fetched ahead at once (in all listings of a store).
+AHEAD_THREADS = 2
+
+Fetch = Callable[[str], "tuple[list[ObjectMeta], bool]"]  # after -> (entries, final)
 
 
 @dataclass
@@ -65,8 +68,10 @@ class Chunk:
 class ListingCache:
     """Chunks of listings by (listing key, the name they start after)."""
 
-    def __init__(self, ttl: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl, self.max_bytes, self._clock = ttl, max_bytes, clock
+    def __init__(self, ttl: float, max_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 read_ahead: bool = True) -> None:
+        self.ttl, self.max_bytes, self._clock, self.read_ahead = ttl, max_bytes, clock, read_ahead
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._afters: dict[Hashable, list[str]] = {}  # per listing: its chunks' starting names, sorted
         self._chunks: OrderedDict[tuple[Hashable, str], Chunk] = OrderedDict()  # least recently used first
@@ -92,32 +97,59 @@ class ListingCache:
 
     def chunk(self, key: Hashable, after: str, fetch: Fetch, refresh: bool = False) -> Chunk:
         """The chunk of listing ``key`` that covers the entries after ``after``: kept, another
-        lister's fetch of it, or ``fetch()`` (which lists the store after ``after``). ``refresh``:
-        drop what is kept of the listing and ask the store (the first page of a refreshed listing)."""
+        lister's fetch of it, or ``fetch(after)`` (which lists the store after that name).
+        ``refresh``: drop what is kept of the listing and ask the store (the first page of a
+        refreshed listing). The chunk after it is then fetched behind (read-ahead)."""
         with self._lock:
             if refresh:
                 self._drop_listing(key)
+                found = None
             else:
                 found = self._covering(key, after)
-                if found is not None:
-                    return found
-            pending = self._inflight.get((key, after))
-            if pending is None:
-                pending = self._inflight[(key, after)] = Future()
-                started = self._drops
-                self._fetching[key] = self._fetching.get(key, 0) + 1
-                leader = True
-            else:
-                self.joined += 1
-                leader = False
-        if not leader:
+            if found is None:
+                pending = self._inflight.get((key, after))
+                started = None if pending is not None else self._lead(key, after)
+                if pending is None:
+                    pending = self._inflight[(key, after)]
+                else:
+                    self.joined += 1
+        if found is None and started is None:
             try:
-                return pending.result(timeout=JOIN_SECONDS)
+                found = pending.result(timeout=JOIN_SECONDS)
             except FutureTimeout:  # a store this slow: ask on our own, keep nothing
-                entries, final = fetch()
+                entries, final = fetch(after)
                 return Chunk(after, entries, final)
+        elif found is None:
+            found = self._fetch(key, after, fetch, pending, started)
+        if self.read_ahead and not found.final:
+            self._ahead(key, found.last, fetch)
+        return found
+
+    def _ahead(self, key: Hashable, after: str, fetch: Fetch) -> None:
+        """Fetch the chunk after ``after`` in the background unless it is kept or under way:
+        the store lists it while the lister takes the page before (one chunk ahead at most)."""
+        with self._lock:
+            if (key, after) in self._inflight or self._covering(key, after, touch=False) is not None:
+                return
+            started = self._lead(key, after)
+            pending = self._inflight[(key, after)]
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="listing-ahead")
+        self._pool.submit(self._fetch, key, after, fetch, pending, started, False)
+
+    def _lead(self, key: Hashable, after: str) -> int:
+        """(Under the lock) register a fetch of chunk ``after``: others join it. Returns the count
+        of drops it started at."""
+        self._inflight[(key, after)] = Future()
+        self._fetching[key] = self._fetching.get(key, 0) + 1
+        return self._drops
+
+    def _fetch(self, key: Hashable, after: str, fetch: Fetch, pending: "Future[Chunk]", started: int,
+               raise_errors: bool = True) -> Chunk | None:
+        """Ask the store for the chunk after ``after``, keep it (unless its listing was dropped
+        meanwhile) and hand it to those who joined."""
         try:
-            entries, final = fetch()
+            entries, final = fetch(after)
             chunk = Chunk(after, entries, final, self._clock() + self.ttl)
             with self._lock:
                 self.fetched += 1
@@ -125,7 +157,9 @@ class ListingCache:
                     self._keep(key, chunk)
         except BaseException as exc:
             pending.set_exception(exc)
-            raise
+            if raise_errors:
+                raise
+            return None  # read-ahead: whoever joined it has the error; a later lister asks again
         else:
             pending.set_result(chunk)
         finally:
@@ -160,7 +194,7 @@ class ListingCache:
                 self._drop_listing(key)
 
     # -- under the lock -------------------------------------------------------------------------
-    def _covering(self, key: Hashable, after: str) -> Chunk | None:
+    def _covering(self, key: Hashable, after: str, touch: bool = True) -> Chunk | None:
         afters = self._afters.get(key)
         if not afters:
             return None
@@ -173,7 +207,8 @@ class ListingCache:
             return None
         if not chunk.covers(after):
             return None
-        self._chunks.move_to_end((key, chunk.after))
+        if touch:
+            self._chunks.move_to_end((key, chunk.after))
         return chunk
 
     def _keep(self, key: Hashable, chunk: Chunk) -> None:

@@ -357,21 +357,21 @@ class ObjectStore:
                 return Chunk(after, [], True)
             after = ""
 
-        def fetch() -> tuple[list[ObjectMeta], bool]:
+        def fetch(start: str) -> tuple[list[ObjectMeta], bool]:
             try:
                 with self._call(path, "listing"):
                     found = self._backend(resolved).list_after(resolved.fs, resolved.store_path, recursive,
-                                                               after[len(below):], LIST_CHUNK)
+                                                               start[len(below):], LIST_CHUNK)
                     if found is not None:  # else no request was made: list() makes (and counts) it
                         self._count("list")
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"{path}: no such directory") from exc
-            if found is None or (not after and found == ([], True)):
+            if found is None or (not start and found == ([], True)):
                 # No paging here, or nothing below the path (a file's own path lists the file itself):
                 # the whole listing, as before.
-                return [m for m in self.list(path, recursive, refresh) if str(m.path) > after], True
+                return [m for m in self.list(path, recursive, refresh and not start) if str(m.path) > start], True
             entries = self._listed(path, found[0], str(resolved.store_path))
-            if not after and found[1]:
+            if not start and found[1]:
                 self._note_listing(path, recursive, entries)
             return entries, found[1]
 
