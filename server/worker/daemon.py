@@ -414,7 +414,7 @@ class Worker:
         try:
             self.data_port_server = DataPortServer(self.config.host, self.config.data_port, cached,
                                                    on_served=self.metrics.served_data_port, filler=self.filler,
-                                                   meta=self.meta_ops).start()
+                                                   meta=self.meta_ops, check_page=self.pages.get).start()
         except OSError as exc:  # port taken: bulk bytes go through gRPC
             log.warning("data port off: cannot listen on %s:%s: %s", self.config.host, self.config.data_port, exc)
             return 0

@@ -19,6 +19,7 @@ Plain TCP: a worker serving TLS does not open this port (daemon.py).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import select
 import socket
@@ -35,6 +36,8 @@ from cachefs.server.worker.bulkpath import NOT_CACHED, OK, CachedPages, OpenedRa
 from cachefs.server.worker.connections import SEND_TIMEOUT, Connection, ConnectionServer, listen_tcp
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.metaops import MetaOps
+
+log = logging.getLogger(__name__)
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
@@ -75,13 +78,16 @@ class DataPortServer(ConnectionServer):
 
     def __init__(self, host: str, port: int, pages: CachedPages,
                  on_served: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
-                 meta: MetaOps | None = None, **limits: Any) -> None:
+                 meta: MetaOps | None = None, check_page: Callable[[Any], Any] | None = None,
+                 **limits: Any) -> None:
         """``filler``: ranges asked for with ``fill`` are fetched into the page store first
         (fill.py); ``meta``: metadata operations (metaops.py), and the view version in every reply.
+        ``check_page(pid)``: reads and checks a page found bad here (the page store drops it if it
+        is, and counts it: PageStore.get), so it is fetched again rather than refused for good.
         ``limits``: ConnectionServer's (max_connections, max_per_peer, threads, timeouts)."""
         super().__init__(**limits)
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
-        self.filler, self.meta = filler, meta
+        self.filler, self.meta, self._check_page = filler, meta, check_page
 
     def _listen(self) -> socket.socket:
         sock = listen_tcp(self.host, self.port, 128)
@@ -133,6 +139,13 @@ class DataPortServer(ConnectionServer):
         self._answer(conn.sock, request)
         return True
 
+    def _bad(self, pid: Any) -> None:
+        if self._check_page is not None and pid is not None:
+            try:
+                self._check_page(pid)
+            except Exception:  # noqa: BLE001 - the page stays; the client's read goes another way
+                log.exception("checking page %s failed", pid)
+
     @staticmethod
     def _send_reply(conn: socket.socket, reply: Reply) -> None:
         data = reply.SerializeToString()
@@ -156,27 +169,32 @@ class DataPortServer(ConnectionServer):
                 self._send_reply(conn, Reply(code=Reply.OK, meta=self.meta.answer(request.meta),
                                              view_version=view_version))
             return
-        opened = self.pages.open(request)
         filled = False
-        if opened.code == NOT_CACHED and request.fill and self.filler is not None:
-            fetched: list[set[Any]] = [set()]
-            failures: list[OSError | None] = [None]
-            if self.filler.fill([request], fetched, failures):
-                if failures[0] is not None:  # no use asking again: the client raises it
-                    failure = failures[0]
-                    self._send_reply(conn, Reply(code=Reply.FAILED, errno=failure.errno or errno.EIO,
-                                                 message=failure.strerror or str(failure),
-                                                 view_version=view_version))
-                    return
-                opened, filled = self.pages.open(request), True
+        for attempt in range(2):  # the second: after a bad page was dropped, to fill it again
+            opened = self.pages.open(request)
+            if opened.code == NOT_CACHED and request.fill and self.filler is not None:
+                fetched: list[set[Any]] = [set()]
+                failures: list[OSError | None] = [None]
+                if self.filler.fill([request], fetched, failures):
+                    if failures[0] is not None:  # no use asking again: the client raises it
+                        failure = failures[0]
+                        self._send_reply(conn, Reply(code=Reply.FAILED, errno=failure.errno or errno.EIO,
+                                                     message=failure.strerror or str(failure),
+                                                     view_version=view_version))
+                        return
+                    opened.close()
+                    opened, filled = self.pages.open(request), True
+            plan = self._plan(opened) if opened.code == OK else []
+            if plan is not None or attempt or not request.fill:
+                break
+            opened.close()  # a bad page, dropped by _plan: fetched again on the next attempt
         try:
             info = info_message(opened.meta) if opened.meta is not None else None
             if opened.code != OK:
                 self._send_reply(conn, Reply(code=opened.code, message=opened.message, info=info,
                                              view_version=view_version))
                 return
-            plan = self._plan(opened)
-            if plan is None:  # a page is bad: gRPC reads it, finds it bad, drops and refetches it
+            if plan is None:  # a bad page (dropped): read again, it is fetched again
                 self._send_reply(conn, Reply(code=Reply.NOT_CACHED, info=info))
                 return
             self._send_reply(conn, Reply(code=Reply.OK, info=info, segments=[seg for seg, _ in plan],
@@ -194,22 +212,24 @@ class DataPortServer(ConnectionServer):
             opened.close()
 
     def _plan(self, opened: OpenedRange) -> list[tuple[dataport_pb2.DataSegment, bytes | None]] | None:
-        """Per page: (segment, None) to sendfile the whole page, or (segment, bytes) of a checked part."""
+        """Per page: (segment, None) to sendfile the whole page, or (segment, bytes) of a checked
+        part; None if a page is bad (it is dropped: ``check_page``)."""
         plan = []
-        for fd, start, length in zip(opened.fds, opened.page_offsets, opened.page_lengths):
+        for fd, start, length, pid in zip(opened.fds, opened.page_offsets, opened.page_lengths,
+                                          opened.pages or [None] * len(opened.fds)):
             lo, hi = max(opened.offset, start), min(opened.end, start + length)
             try:
                 payload_len, checksum = decode_trailer(os.pread(fd, TRAILER_SIZE, length))
             except (CorruptPageError, OSError):
-                return None
+                return self._bad(pid)
             if payload_len != length:
-                return None
+                return self._bad(pid)
             if hi - lo >= WHOLE_PAGE_SHARE * length:
                 plan.append((dataport_pb2.DataSegment(offset=start, length=length, checksum=checksum), None))
                 continue
             data = os.pread(fd, length, 0)
             if len(data) != length or xxhash.xxh3_64_intdigest(data) != checksum:
-                return None
+                return self._bad(pid)
             plan.append((dataport_pb2.DataSegment(offset=lo, length=hi - lo, verified=True),
                          data[lo - start:hi - start]))
         return plan
