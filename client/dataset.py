@@ -705,6 +705,16 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.publish_plan()
 
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("sizes", None)  # a view of the index's buffer: it travels mapped with ``paths``, not copied
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.sizes = self.paths.sizes
+
+
 class CacheSampler(Sampler[int]):
     """Positions ``samples_seen .. len(ds)-1`` of the dataset's current epoch plan, read at ``iter``."""
 

@@ -152,6 +152,8 @@ class PlanPublisher:
         for handle, part in self._index.parts.values():
             self._send_derived(handle, part, report)
             part.release()  # sent: a worker that forgets it (a restart) is sent it made again
+        if self._index.size >= 100_000:
+            trim_heap()  # each unit's key, placement and request came and went: their memory too
         self.report = report
         self._start()
         return report
@@ -177,8 +179,6 @@ class PlanPublisher:
             part.add(sample, key, offset, length)
         for _, part in groups.values():
             part.freeze()
-        if len(units) >= 100_000:
-            trim_heap()  # each unit's key and placement came and went: their memory too
         return _Index(h.hexdigest(), len(units), groups)
 
     def _send_derived(self, handle: Any, part: "_Part", report: PlanReport) -> None:

@@ -44,6 +44,10 @@ MAGIC = b"CFSIDX01"
 FORMAT = 1
 #: An index this small pickles as bytes (portable); a larger one is shared memory on this host.
 SMALL_BYTES = 1 << 20
+#: Paths decoded per step of an iteration.
+ITER_CHUNK = 4096
+#: An index this long gives the memory its building used back to the OS (``trim_heap``).
+TRIM_AFTER = 100_000
 
 
 def _pad8(n: int) -> int:
@@ -100,9 +104,11 @@ class SampleIndex(Sequence[str]):
         return self.head + str(self._blob[int(self.starts[i]):int(self.starts[i + 1])], "utf-8")
 
     def __iter__(self) -> Iterator[str]:
-        head, blob, starts = self.head, self._blob, self.starts.tolist()
-        for s, e in zip(starts, starts[1:]):
-            yield head + str(blob[s:e], "utf-8")
+        head, blob, n = self.head, self._blob, len(self)
+        for lo in range(0, n, ITER_CHUNK):  # a chunk's starts as ints at a time, not n of them
+            starts = self.starts[lo:min(n, lo + ITER_CHUNK) + 1].tolist()
+            for s, e in zip(starts, starts[1:]):
+                yield head + str(blob[s:e], "utf-8")
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, SampleIndex) and self.head == other.head:
@@ -163,7 +169,8 @@ class Units(Sequence[tuple[str, int, int]]):
         return self.index[i], 0, int(self.index.sizes[i])
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
-        return ((p, 0, s) for p, s in zip(self.index, self.index.sizes.tolist()))
+        sizes = self.index.sizes
+        return ((p, 0, int(sizes[i])) for i, p in enumerate(self.index))
 
 
 def _release(fd: int, mapped: mmap.mmap | None) -> None:
@@ -255,7 +262,10 @@ class IndexBuilder:
         if sort and not (self.sorted and self.unique):
             ends, sizes, blob = _sorted(ends, sizes, bytes(self._blob))
         index = build(self._head or "", ends, sizes, blob, meta)
+        del ends, sizes, blob
         self._blob, self._ends, self._sizes = bytearray(), array("q"), array("q")
+        if len(index) >= TRIM_AFTER:
+            trim_heap()  # the growing arrays' old copies
         return index
 
 
