@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_scale.py                    # 100k and 1M samples, 4 ranks
     .venv/bin/python benchmarks/bench_scale.py --explicit         # and the plan sent sample by sample at 100k
+    .venv/bin/python benchmarks/bench_scale.py --index --sizes 1000000   # the data set's index (below)
 
 A real worker (in this process, an empty local mount: no object is read) and ``--ranks``
 CacheDatasets over a synthetic index (``cachefs://data/train/<i>.jpg``, sizes given, 110 KB each:
@@ -18,6 +19,23 @@ job does. Measured, per size:
 
 ``--explicit`` also times the plan sent sample by sample (the fallback: what set_epoch cost
 before) for one rank, at sizes up to ``--explicit-max`` (100 k: 1 M takes minutes). Writes benchmarks/results/scale-<timestamp>.json and prints it.
+
+``--index`` measures the data set's index instead (client/sampleindex.py), each size in a fresh
+process (``--index-one``), a worker in another (an empty mount: nothing is read), keys
+``cachefs://data/train/<dir of 1,000>/<7 digits>.jpg`` (27-byte names, as the issue's):
+
+* ``main_bytes_per_sample``: (RSS after making the dataset and touching every path and size,
+  minus RSS before) / samples, from ``/proc/self/smaps_rollup`` (the memfd's pages are in RSS);
+  ``main_plan_bytes_per_sample``: the same for a second dataset that also publishes its read plan
+  (the publisher's per-worker index parts: plans.py);
+* ``worker_uss_bytes_per_sample``: each DataLoader worker's USS (Private_Clean + Private_Dirty)
+  after it touched the path and size of every sample of its share, minus the USS of a worker of
+  a 1,000-sample dataset doing the same, / samples; with ``fork`` and ``spawn`` workers
+  (``--loader-workers``, default 4); ``_parsed``: the same where each worker also parses each path
+  as a read does (``_cache_path``);
+* ``kept_load_s``: mapping a kept index file (``KeptIndexes.load``), and ``kept_scan_s`` reading
+  every path of it once; ``kept_start_s``: ``from_prefix(kept_index="auto")``, the dataset made
+  from it (no listing; plan_ahead off).
 """
 
 from __future__ import annotations
@@ -26,13 +44,19 @@ import argparse
 import datetime as dt
 import gc
 import json
+import logging
+import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from collections.abc import Iterator
 from types import SimpleNamespace
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -40,6 +64,8 @@ from read_common import machine_info  # noqa: E402
 
 from cachefs.client.dataset import CacheDataset  # noqa: E402
 from cachefs.client.plans import PlanPublisher  # noqa: E402
+from cachefs.client.prefixindex import KeptIndexes  # noqa: E402
+from cachefs.client.sampleindex import build  # noqa: E402
 from cachefs.config import CacheDirSpec, WorkerConfig  # noqa: E402
 from cachefs.mounts import MountSpec  # noqa: E402
 from cachefs.proto import worker_pb2  # noqa: E402
@@ -159,6 +185,133 @@ def measure_explicit(n: int, tmp: Path) -> dict[str, object]:
         worker.stop(grace=0.5)
 
 
+def _smaps(pid: int | str = "self") -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
+def _uss(pid: int | str = "self") -> int:
+    m = _smaps(pid)
+    return m["Private_Clean"] + m["Private_Dirty"]
+
+
+def _synthetic(n: int) -> Iterator[str]:
+    return (f"cachefs://data/train/{i // 1000:04d}/{i:07d}.jpg" for i in range(n))
+
+
+def _serve_worker(tmp: str, conn) -> None:  # a spawned process: the worker's memory is not ours
+    worker = _worker(Path(tmp))
+    conn.send(worker.address)
+    conn.recv()
+    worker.stop(grace=0.5)
+
+
+class _Touch(IterableDataset):
+    """A DataLoader worker's share of the epoch, each sample's path and size touched (and parsed,
+    if asked) as a read would; then the worker's USS."""
+
+    def __init__(self, ds: CacheDataset, parse: bool) -> None:
+        self.ds, self.parse = ds, parse
+
+    def __iter__(self):
+        info = get_worker_info()
+        ds, touched = self.ds, 0
+        parts = ds._local.get() if self.parse else None
+        for pos in range(info.id, len(ds), info.num_workers):
+            s = ds.plan.sample(pos)
+            touched += len(ds.paths[s]) + int(ds.sizes[s])
+            if parts is not None:
+                ds._cache_path(parts, s)
+        gc.collect()
+        yield {"id": info.id, "uss": _uss(), "touched": touched}
+
+
+def _worker_uss(ds: CacheDataset, workers: int, context: str, parse: bool) -> list[int]:
+    loader = DataLoader(_Touch(ds, parse), batch_size=None, num_workers=workers, timeout=600,
+                        multiprocessing_context=multiprocessing.get_context(context))
+    return sorted(r["uss"] for r in loader)
+
+
+def measure_index_one(n: int, loader_workers: int) -> dict[str, object]:
+    """One size, in this (fresh) process: see the module doc (``--index``)."""
+    import numpy as np
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        here, there = ctx.Pipe()
+        server = ctx.Process(target=_serve_worker, args=(tmp, there), daemon=True)
+        server.start()
+        try:
+            if not here.poll(120):
+                raise RuntimeError("the worker did not start in 120 s")
+            opts = {"workers": here.recv()}
+            row: dict[str, object] = {"index": True, "samples": n, "loader_workers": loader_workers}
+            common = dict(storage_options=opts, seed=7, hint_samples=0, stats=False)
+            gc.collect()
+            rss0 = _smaps()["Rss"]
+            t0 = time.perf_counter()
+            ds = CacheDataset(_synthetic(n), sizes=np.full(n, SIZE, dtype=np.int64), plan_ahead=False, **common)
+            row["construct_s"] = round(time.perf_counter() - t0, 2)
+            touched = sum(len(p) for p in ds.paths) + int(ds.sizes.sum())
+            gc.collect()
+            rss1 = _smaps()["Rss"]
+            row.update(index_bytes=ds.paths.nbytes, index_bytes_per_sample=round(ds.paths.nbytes / n, 1),
+                       main_rss_mb=round((rss1 - rss0) / 1e6, 1), main_bytes_per_sample=round((rss1 - rss0) / n, 1))
+            small = CacheDataset(_synthetic(1000), sizes=np.full(1000, SIZE, dtype=np.int64), plan_ahead=False,
+                                 **common)
+            for context in ("fork", "spawn"):
+                for parse in (False, True):
+                    base = _worker_uss(small, loader_workers, context, parse)
+                    full = _worker_uss(ds, loader_workers, context, parse)
+                    key = f"worker_uss_{context}" + ("_parsed" if parse else "")
+                    row[key + "_mb"] = [round(u / 1e6, 1) for u in full]
+                    row[key + "_base_mb"] = [round(u / 1e6, 1) for u in base]
+                    row[key + "_bytes_per_sample"] = round((max(full) - min(base)) / n, 1)
+                    print(json.dumps({key: row[key + "_bytes_per_sample"]}), file=sys.stderr, flush=True)
+            # The kept index: written once, then mapped as a restart would.
+            kept = KeptIndexes(os.path.join(tmp, "kept"))
+            url = "cachefs://data/train"
+            key = kept.key(url, opts)
+            index = build(ds.paths.head, ds.paths.starts[1:], ds.paths.sizes, ds.paths._blob,
+                          {"url": url, "listing": {}})
+            kept.save(key, index)
+            del index
+            t0 = time.perf_counter()
+            loaded = kept.load(key, url)
+            row["kept_load_s"] = round(time.perf_counter() - t0, 4)
+            t0 = time.perf_counter()
+            assert loaded is not None and sum(len(p) for p in loaded) + int(loaded.sizes.sum()) == touched
+            row["kept_scan_s"] = round(time.perf_counter() - t0, 2)
+            del loaded
+            logging.getLogger("cachefs.client.prefixindex").setLevel(logging.ERROR)  # its recheck finds nothing
+            t0 = time.perf_counter()
+            again = CacheDataset.from_prefix(url, kept_index="auto", index_cache=kept.directory, plan_ahead=False,
+                                             **common)
+            row["kept_start_s"] = round(time.perf_counter() - t0, 3)
+            assert len(again) == len(ds)
+            del again
+            # What a training job holds besides: the read plan's publisher (its index per worker).
+            gc.collect()
+            rss2 = _smaps()["Rss"]
+            t0 = time.perf_counter()
+            planned = CacheDataset(ds.paths, plan_ahead=True, **common)
+            row["plan_construct_s"] = round(time.perf_counter() - t0, 2)
+            gc.collect()
+            rss3 = _smaps()["Rss"]
+            row.update(main_plan_rss_mb=round((rss3 - rss2) / 1e6, 1),
+                       main_plan_bytes_per_sample=round((rss3 - rss2) / n, 1))
+            planned._publisher.close()  # type: ignore[union-attr]
+            return row
+        finally:
+            here.send("stop")
+            server.join(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100000,1000000")
@@ -167,11 +320,25 @@ def main() -> None:
                         help="also time the sample-by-sample plan (1 rank), at sizes up to --explicit-max")
     parser.add_argument("--explicit-max", type=int, default=100_000)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--index", action="store_true", help="measure the data set's index instead (see the doc)")
+    parser.add_argument("--index-one", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--loader-workers", type=int, default=4)
     args = parser.parse_args()
+    if args.index_one:
+        print(json.dumps(measure_index_one(args.index_one, args.loader_workers)))
+        return
     result: dict[str, object] = {"benchmark": "scale", "machine": machine_info(),
                                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.sizes.split(",")):
+            if args.index:  # each size in a fresh process: its RSS is the index's alone
+                out = subprocess.run([sys.executable, __file__, "--index-one", str(n), "--loader-workers",
+                                      str(args.loader_workers)], check=True, stdout=subprocess.PIPE, text=True,
+                                     timeout=3600).stdout
+                row = json.loads(out.strip().splitlines()[-1])
+                result["rows"].append(row)  # type: ignore[union-attr]
+                print(json.dumps(row), flush=True)
+                continue
             row = measure(n, args.ranks, Path(tmp))
             row.pop("worker_plans", None)
             result["rows"].append(row)  # type: ignore[union-attr]
