@@ -364,8 +364,9 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         """Every object below ``url`` (sorted by path), with sizes, from one recursive listing
         taken a page at a time into a compact index (prefixindex.py).
 
-        ``kept_index``: ``None`` lists (the default); ``"refresh"`` lists and keeps the index in
-        ``index_cache`` (default ``$CACHEFS_INDEX_CACHE``, else ``~/.cache/cachefs/shard-index``);
+        ``kept_index``: ``None`` lists (the default); ``"refresh"`` lists the store (no listing the
+        workers cached) and keeps the index in ``index_cache`` (default ``$CACHEFS_INDEX_CACHE``,
+        else ``~/.cache/cachefs/shard-index``);
         ``"auto"`` starts from a kept index without listing, rechecks it in the background
         (``ds.index_check``: warns if the prefix changed, and keeps the fresh listing for the next
         start) and lists and keeps where there is none."""
@@ -382,7 +383,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             return ds
         fs = cls._filesystem(options)
         try:
-            index, _ = list_prefix(fs, url)
+            index, _ = list_prefix(fs, url, refresh=kept_index == "refresh")  # "refresh": the store's listing now
         finally:
             fs.close()
         if kept is not None:
