@@ -27,7 +27,7 @@ from cachefs.addresses import split_address
 from cachefs.client import forksafe
 from cachefs.client.dataport import DataPortReader
 from cachefs.client.shortcircuit import Prepared, ShortCircuitReader
-from cachefs.errors import REQUEST, WORKER, WorkerUnavailableError, fault_of, from_wire_error
+from cachefs.errors import REQUEST, WORKER, WorkerUnavailableError, fault_of, from_wire_error, is_worker_fault
 from cachefs import rawbytes
 from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.proto import common_pb2, worker_pb2
@@ -52,6 +52,17 @@ AWAY_RETRY = 2.0
 #: In a process without gRPC, seconds before a worker's lean path that failed is tried again:
 #: it has no other way to that worker (reads go to the ring's next workers meanwhile).
 NO_GRPC_RETRY = 0.2
+
+
+#: Less than this left of a call's budget is not worth another try (a worker, a socket).
+MIN_TRY_SECONDS = 0.05
+
+
+def try_share(left: float, more: bool) -> float:
+    """What one try may take of the ``left`` seconds of its call's budget: half while another way
+    follows it (the next worker, gRPC after a socket), so a frozen or cut-off worker leaves time
+    to fail over within the budget; all of it for the last."""
+    return max(MIN_TRY_SECONDS, left / 2) if more else left
 
 
 def read_budget(config: Any, length: int) -> float:
@@ -152,7 +163,7 @@ class BulkPaths:
     def enabled(self) -> bool:
         return bool(self.config.short_circuit or self.config.data_port)
 
-    def _status(self, handle: Any) -> Any:
+    def _status(self, handle: Any, timeout: float = SOCKET_TIMEOUT) -> Any:
         # Kept (threads of this process may probe at once) until this worker's lean path fails;
         # the view's copy is used until then too (after a failure a process with gRPC asks the
         # worker itself: its sockets may have moved ahead of the view).
@@ -166,7 +177,7 @@ class BulkPaths:
                                              "(a worker older than this client?), and this forked process "
                                              "cannot ask it through gRPC")
         if status is None:
-            status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+            status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=min(SOCKET_TIMEOUT, timeout))
         self._statuses[handle.address] = status
         return status
 
@@ -197,9 +208,9 @@ class BulkPaths:
         """Every worker's GetStatus known here (probed or handed down), by address."""
         return {**self._handed_down, **self._statuses}
 
-    def _probe(self, handle: Any) -> Reader | None:
+    def _probe(self, handle: Any, timeout: float = SOCKET_TIMEOUT) -> Reader | None:
         config = self.config
-        status = self._status(handle)
+        status = self._status(handle, timeout)
         timeout = min(SOCKET_TIMEOUT, config.timeout)
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
                 and os.path.exists(status.short_circuit_socket):
@@ -212,50 +223,57 @@ class BulkPaths:
                                   counts=self.stats["data_port"], huge_pages=config.huge_pages)
         return None
 
-    def _reader(self, handle: Any) -> Reader | None:
+    def _reader(self, handle: Any, timeout: float = SOCKET_TIMEOUT) -> Reader | None:
+        """``handle``'s lean path (None: none now); ``timeout``: what a probe may take of the
+        caller's budget."""
         known = self._readers.get(handle.address)
         if known is not None and (known[0] is not None or time.monotonic() - known[1] < PROBE_RETRY):
             return known[0]
         reader, since = None, time.monotonic()
         try:
-            reader = self._probe(handle)
+            reader = self._probe(handle, timeout)
         except Exception as exc:  # an old worker, an unreachable one: gRPC only
             log.debug("probe of %s for lean read paths failed: %s", handle.address, exc)
             if forksafe.grpc_inherited():
                 since -= PROBE_RETRY - NO_GRPC_RETRY
-            elif _worker_away(exc):
-                since -= PROBE_RETRY - AWAY_RETRY
+            elif _worker_away(exc) or (hasattr(exc, "code") and is_worker_fault(exc)):  # an RpcError
+                since -= PROBE_RETRY - AWAY_RETRY  # away, or too slow for this call: asked again soon
         with self._lock:
             self._readers[handle.address] = (reader, since)
         return reader
 
     def read(self, path: str, offset: int, length: int, version: str,
-             out: memoryview | None = None) -> tuple[Any, int, str] | None:
+             out: memoryview | None = None, deadline: float | None = None) -> tuple[Any, int, str] | None:
         """The range from the first placed worker's lean path, or None: read it through gRPC.
 
         Any failure of a lean path (a socket error, a bad or undecodable reply, a bug) sends the
         read to gRPC, is counted, and drops that worker's lean path for a while; the first one
         per worker is logged at warning. In a process that must not use gRPC: ``_read_no_grpc``.
+        ``deadline`` (monotonic): the read's budget, which the socket exchange stays within.
         """
         if forksafe.grpc_inherited():
-            return self._read_no_grpc(path, offset, length, version, out)
+            return self._read_no_grpc(path, offset, length, version, out, deadline)
         candidates = self.workers.candidates(path, offset, include_broken=False)
         if not candidates:
             return None
         handle = candidates[0]
-        reader = self._reader(handle)
+        reader = self._reader(handle, SOCKET_TIMEOUT if deadline is None else
+                              try_share(deadline - time.monotonic(), True))
         if reader is None:
             return None
         stats = self.stats[reader.kind]
         try:
             # A miss is filled by the worker in the same request on either socket: the bytes
             # then come as pages (descriptors, sendfile), not copied through gRPC messages.
-            got = (reader.read(path, offset, length, version, out, fill=True) if isinstance(reader, DataPortReader)
-                   else reader.read(path, offset, length, version, out))
+            left = None if deadline is None else try_share(deadline - time.monotonic(), True)  # gRPC follows
+            got = (reader.read(path, offset, length, version, out, fill=True, timeout=left)
+                   if isinstance(reader, DataPortReader) else reader.read(path, offset, length, version, out, timeout=left))
         except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
             if getattr(exc, "cachefs_fault", None) == REQUEST:
                 raise  # about the object or the request (no such object): gRPC would say the same
             self._failed(handle, reader, exc, "reading through gRPC")
+            if isinstance(exc, TimeoutError):  # the worker did not answer: gRPC tries the next one first
+                handle.breaker.record_failure()
             got = None
         if got is None:
             stats["fallbacks"] += 1
@@ -287,12 +305,13 @@ class BulkPaths:
             reader.close()
 
     def _read_no_grpc(self, path: str, offset: int, length: int, version: str,
-                      out: memoryview | None) -> tuple[Any, int, str] | None:
+                      out: memoryview | None, deadline: float | None = None) -> tuple[Any, int, str] | None:
         """A read in a process that must not use gRPC, in pieces a socket serves in one request
         (half of MAX_PAGES pages of the placed worker's page size: gRPC is not there to take a
         range the socket refuses as too large)."""
         chunk = self._chunk_bytes(path, offset)
-        deadline = time.monotonic() + read_budget(self.config, length)
+        if deadline is None:
+            deadline = time.monotonic() + read_budget(self.config, length)
         if 0 <= length <= chunk:
             return self._read_no_grpc_once(path, offset, length, version, out, deadline)
         parts: list[Any] = []
@@ -359,17 +378,25 @@ class BulkPaths:
             time.sleep(min(pause, left))
             pause = min(0.5, pause * 2)
 
-    def meta(self, key: str, request: Any, what: str) -> Any:
+    def meta(self, key: str, request: Any, what: str, deadline: float | None = None) -> Any:
         """A metadata operation (common_pb2.MetaRequest) answered by the first of the workers
         placed for ``key`` whose lean path answers (a process that must not use gRPC); raises
         the error the worker reported, or WorkerUnavailableError if none answered."""
         last: BaseException | None = None
-        for handle in self.workers.candidates(key, 0, include_broken=True):
-            reader = self._reader(handle)
+        if deadline is None:
+            deadline = time.monotonic() + self.config.timeout
+        handles = self.workers.candidates(key, 0, include_broken=True)
+        for i, handle in enumerate(handles):
+            left = deadline - time.monotonic()
+            if left <= MIN_TRY_SECONDS:
+                break
+            # Another worker, or (in a process with gRPC) gRPC, may follow: half of what is left.
+            share = try_share(left, i + 1 < len(handles) or not forksafe.grpc_inherited())
+            reader = self._reader(handle, share)
             if reader is None:
                 continue
             try:
-                reply = reader.meta(request)
+                reply = reader.meta(request, timeout=max(MIN_TRY_SECONDS, share - (left - (deadline - time.monotonic()))))
             except Exception as exc:  # noqa: BLE001 - the next worker may answer
                 self._failed(handle, reader, exc, "trying the next worker")
                 handle.breaker.record_failure()

@@ -125,13 +125,16 @@ class DataPortReader:
         if failure:
             raise failure[0]
         if result is not None:
-            self.counts["hits"] += len(reply.segments)
+            misses = sum(1 for seg in reply.segments if seg.fetched)
+            self.counts["hits"] += len(reply.segments) - misses
+            self.counts["misses"] += misses
         return result
 
-    def meta(self, request: Any) -> Any:
-        """The worker's answer to a metadata operation (a common_pb2.MetaRequest: metaops.py)."""
+    def meta(self, request: Any, timeout: float | None = None) -> Any:
+        """The worker's answer to a metadata operation (a common_pb2.MetaRequest: metaops.py);
+        ``timeout``: what is left of the caller's budget (at most the reader's own timeout)."""
         result, reply = self._roundtrip(dataport_pb2.DataRequest(token=self.token, meta=request),
-                                        lambda _sock, reply: reply)
+                                        lambda _sock, reply: reply, timeout)
         if reply.code != Reply.OK:
             raise ConnectionError(f"data port {self.host}:{self.port} refused a metadata request: {reply.message}")
         return result.meta

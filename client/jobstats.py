@@ -43,7 +43,7 @@ COLUMNS: tuple[str, ...] = (
     # pages read, by hit or miss as the worker knew them, per worker path (held_*: part of short_circuit_*)
     "short_circuit_hits", "short_circuit_misses", "held_hits", "held_misses", "data_port_hits",
     "grpc_hits", "grpc_misses", "errors", "hints_answered",
-    "prefetch_in_flight", "prefetch_in_flight_bytes",
+    "prefetch_in_flight", "prefetch_in_flight_bytes", "data_port_misses",
 )
 GAUGES = frozenset({"prefetch_in_flight", "prefetch_in_flight_bytes"})
 _MAX = np.array([c.startswith("max_") for c in COLUMNS])  # for totals()
@@ -163,7 +163,7 @@ class ProcessCounts:
                 p["hits"], p["on_demand"], p["max_in_flight_bytes"],
                 c["short_circuit_hits"], c["short_circuit_misses"], c["held_hits"], c["held_misses"],
                 c["data_port_hits"], c["grpc_hits"], c["grpc_misses"], c["errors"], h["answered"],
-                prefetcher.in_flight, prefetcher.in_flight_bytes]
+                prefetcher.in_flight, prefetcher.in_flight_bytes, c["data_port_misses"]]
 
 
 def describe(totals: dict[str, int]) -> dict[str, Any]:
@@ -175,7 +175,7 @@ def describe(totals: dict[str, int]) -> dict[str, Any]:
     out["bytes"] = sum(totals[f"{k}_bytes"] for k in ("short_circuit", "data_port", "grpc", "store"))
     out["reads"] = sum(totals[f"{k}_reads"] for k in ("short_circuit", "data_port", "grpc", "store"))
     out["hits"] = totals["short_circuit_hits"] + totals["data_port_hits"] + totals["grpc_hits"]
-    out["misses"] = totals["short_circuit_misses"] + totals["grpc_misses"]
+    out["misses"] = totals["short_circuit_misses"] + totals["data_port_misses"] + totals["grpc_misses"]
     looked = out["hits"] + out["misses"]
     out["hit_ratio"] = out["hits"] / looked if looked else 0.0
     return out

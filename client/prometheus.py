@@ -75,7 +75,7 @@ class JobCollector:
             for path, hit, miss in (("held", held["hit"], held["miss"]),
                                     ("short_circuit", s.get("short_circuit_hits", 0) - held["hit"],
                                      s.get("short_circuit_misses", 0) - held["miss"]),
-                                    ("data_port", s.get("data_port_hits", 0), 0),
+                                    ("data_port", s.get("data_port_hits", 0), s.get("data_port_misses", 0)),
                                     ("grpc", s.get("grpc_hits", 0), s.get("grpc_misses", 0))):
                 pages.add_metric([path, "hit"], float(hit))
                 pages.add_metric([path, "miss"], float(miss))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from cachefs import rawbytes
-from cachefs.client.bulkpaths import BulkPaths, read_budget
+from cachefs.client.bulkpaths import MIN_TRY_SECONDS, BulkPaths, read_budget, try_share
 from cachefs.client.shortcircuit import Prepared
 from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
@@ -34,6 +35,7 @@ from cachefs.client import viewfetch
 from cachefs.client.view import ViewWatcher, fetch_view_once, supersedes
 from cachefs.config import ClientConfig
 from cachefs.errors import (
+    DeadlineExceededError,
     StaleObjectError,
     UnknownMountError,
     WorkerUnavailableError,
@@ -283,24 +285,33 @@ class ClientSession:
                 groups.setdefault(candidates[0].address, (candidates[0], []))[1].append(key)
         return list(groups.values())
 
-    def call(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub], T], what: str,
-             offset: int = 0) -> T | None:
-        """Run ``call(stub)`` on the workers placed for ``key`` (its stripe at ``offset``), in order.
+    def call(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub, float], T], what: str,
+             offset: int = 0, deadline: float | None = None) -> T | None:
+        """Run ``call(stub, timeout)`` on the workers placed for ``key`` (its stripe at ``offset``),
+        in order, all within one budget: ``deadline`` (monotonic; default the metadata timeout
+        from now), each try's ``timeout`` what is left of it.
 
         A worker fault (down, overloaded, too slow) opens that worker's breaker and the next one
         is tried; an error about the request or about the object store behind the worker (which
         every worker would meet the same way) reaches the caller at once and opens no breaker.
-        Returns None when no worker answered and fallback is on; raises otherwise.
+        Returns None when no worker answered and fallback is on; raises otherwise (past the
+        deadline: DeadlineExceededError, a TimeoutError).
         """
         state = self._state.get()
         if forksafe.grpc_inherited():
             if self.config.fallback:
                 return None
             forksafe.forbid_grpc(what)
+        if deadline is None:
+            deadline = time.monotonic() + self.config.timeout
         last_error: grpc.RpcError | None = None
-        for handle in state.workers.candidates(key, offset, include_broken=not self.config.fallback):
+        handles = state.workers.candidates(key, offset, include_broken=not self.config.fallback)
+        for i, handle in enumerate(handles):
+            left = deadline - time.monotonic()
+            if left <= MIN_TRY_SECONDS:
+                break
             try:
-                result = call(handle.stub())
+                result = call(handle.stub(), try_share(left, any(h.breaker.available() for h in handles[i + 1:])))
             except grpc.RpcError as err:
                 if not is_worker_fault(err):
                     handle.breaker.record_success()  # it answered: the error is about the request or the store
@@ -315,15 +326,19 @@ class ClientSession:
             return result
         if self.config.fallback:
             return None
+        if deadline - time.monotonic() <= MIN_TRY_SECONDS:
+            raise DeadlineExceededError(f"{what}: no worker served it within its budget"
+                                        + (f" (last: {last_error.code().name})" if last_error is not None else ""))
         if last_error is not None:
             hint = explain(last_error.details(), self.config.tls)  # e.g. a TLS cluster dialled in plaintext
             raise from_rpc_error(last_error, f"{what}: no worker could serve it"
                                  + (f" ({hint})" if hint else "")) from None
         raise WorkerUnavailableError(f"{what}: no worker is available")
 
-    def call_owner(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub], T], what: str) -> T:
+    def call_owner(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub, float], T], what: str,
+                   deadline: float | None = None) -> T:
         """``call`` for an operation that only a worker can do (writes, frees): never None."""
-        result = self.call(key, call, what)
+        result = self.call(key, call, what, deadline=deadline)
         if result is None:
             raise WorkerUnavailableError(f"{what}: no worker answered")
         return result
@@ -341,6 +356,7 @@ class ClientSession:
         what came with them (never staler than the worker's own metadata); with ``read_ahead``
         (a read follows: open()), its first bytes' handles are asked for in the same message."""
         state = self._state.get()
+        deadline = time.monotonic() + self.config.timeout  # the call's one budget, every path inside it
         if not refresh:
             known = state.bulk.info(str(cp), read_ahead) if state.bulk.enabled else None
             if known is not None:
@@ -348,13 +364,14 @@ class ClientSession:
                 return {"name": str(cp), "size": size, "type": "file", "version": version, "mtime": mtime}
         if state.bulk.enabled:  # over the workers' sockets (bulkpaths.py)
             reply = self._meta_by_socket(state, str(cp), common_pb2.MetaRequest(
-                op=common_pb2.MetaRequest.INFO, path=str(cp), refresh=refresh), f"info {cp}")
+                op=common_pb2.MetaRequest.INFO, path=str(cp), refresh=refresh), f"info {cp}", deadline)
             if reply is not None:
                 return info_dict(reply.info)
             if forksafe.grpc_inherited():
                 return meta_dict(self.fallback_store().info(cp, refresh))
         request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
-        msg = self.call(str(cp), lambda stub: stub.GetInfo(request, timeout=self.config.timeout), f"info {cp}")
+        msg = self.call(str(cp), lambda stub, left: stub.GetInfo(request, timeout=left), f"info {cp}",
+                        deadline=deadline)
         if msg is not None:
             return info_dict(msg)
         return meta_dict(self.fallback_store().info(cp, refresh))
@@ -371,10 +388,11 @@ class ClientSession:
         state = self._state.get()
         after = ""
         while True:
-            page = self._list_page_by_socket(state, cp, recursive, refresh and not after, after) \
+            deadline = time.monotonic() + self.config.timeout  # a page's budget (no call carries a whole prefix)
+            page = self._list_page_by_socket(state, cp, recursive, refresh and not after, after, deadline) \
                 if state.bulk.enabled else None
             if page is None and not (forksafe.grpc_inherited() and state.bulk.enabled):
-                page = self._list_page(cp, recursive, refresh and not after, after)
+                page = self._list_page(cp, recursive, refresh and not after, after, deadline)
             if page is None:  # no worker answered, fallback on: the store's listing, past what was yielded
                 rest = [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh and not after)]
                 yield sorted((e for e in rest if e["name"] > after), key=lambda e: e["name"]) if after else rest
@@ -384,36 +402,36 @@ class ClientSession:
             if not after:
                 return
 
-    def _list_page(self, cp: CachePath, recursive: bool, refresh: bool,
-                   after: str) -> tuple[list[dict[str, Any]], str] | None:
+    def _list_page(self, cp: CachePath, recursive: bool, refresh: bool, after: str,
+                   deadline: float) -> tuple[list[dict[str, Any]], str] | None:
         """One page of a listing through gRPC: (entries, the name to ask the next page after)."""
         request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh, paged=True,
                                          start_after=after)
 
-        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[list[dict[str, Any]], str]:
+        def call(stub: worker_pb2_grpc.WorkerServiceStub, left: float) -> tuple[list[dict[str, Any]], str]:
             entries, next_after = [], ""
-            for batch in stub.List(request, timeout=self.config.timeout):
+            for batch in stub.List(request, timeout=left):
                 entries.extend(info_dict(e) for e in batch.entries)
                 next_after = batch.next_after or next_after
             return entries, next_after
 
-        return self.call(str(cp), call, f"list {cp}")
+        return self.call(str(cp), call, f"list {cp}", deadline=deadline)
 
     def _list_page_by_socket(self, state: _ProcessState, cp: CachePath, recursive: bool, refresh: bool,
-                             after: str) -> tuple[list[dict[str, Any]], str] | None:
+                             after: str, deadline: float) -> tuple[list[dict[str, Any]], str] | None:
         """One page of a listing over the workers' sockets (as ``_list_page``)."""
         reply = self._meta_by_socket(state, str(cp), common_pb2.MetaRequest(
             op=common_pb2.MetaRequest.LIST, path=str(cp), recursive=recursive, refresh=refresh, start_after=after),
-            f"list {cp}")
+            f"list {cp}", deadline)
         return None if reply is None else ([info_dict(e) for e in reply.entries], reply.next_after)
 
-    def _meta_by_socket(self, state: _ProcessState, key: str, request: Any, what: str) -> Any:
+    def _meta_by_socket(self, state: _ProcessState, key: str, request: Any, what: str, deadline: float) -> Any:
         """A metadata operation over the workers' sockets, the way every process asks first;
         raises the worker's error. None when no socket answered: a process with gRPC asks
         through it next; one without reads the store (fallback on) or raises
         WorkerUnavailableError (fallback off)."""
         try:
-            return state.bulk.meta(key, request, what)
+            return state.bulk.meta(key, request, what, deadline)
         except WorkerUnavailableError:
             if self.config.fallback or not forksafe.grpc_inherited():
                 return None
@@ -424,8 +442,8 @@ class ClientSession:
         view = self.view
         if view is not None and view.mounts:
             return [MountSpec(m.name, m.url, json.loads(m.options_json or "{}"), m.read_only) for m in view.mounts]
-        resp = self.call("", lambda stub: stub.ListMounts(worker_pb2.ListMountsRequest(),
-                                                           timeout=self.config.timeout), "list mounts")
+        resp = self.call("", lambda stub, left: stub.ListMounts(worker_pb2.ListMountsRequest(), timeout=left),
+                         "list mounts")
         if resp is None:
             raise WorkerUnavailableError(
                 "no worker answered and no fallback_mounts are configured: cannot read the store directly")
@@ -467,10 +485,11 @@ class ClientSession:
         size = -1
         while pos < end or size < 0:
             want = min(end, (pos // stripe + 1) * stripe) - pos
-            got = state.bulk.read(str(cp), pos, want, version, view[pos - offset:pos - offset + want]) \
-                if state.bulk.enabled and want else None
+            deadline = time.monotonic() + self.read_timeout(want)
+            got = state.bulk.read(str(cp), pos, want, version, view[pos - offset:pos - offset + want],
+                                  deadline) if state.bulk.enabled and want else None
             if got is None:
-                data, size, version = self._read_stripe(cp, pos, want, version, bulk=False)
+                data, size, version = self._read_stripe(cp, pos, want, version, bulk=False, deadline=deadline)
                 view[pos - offset:pos - offset + len(data)] = data
                 n = len(data)
             else:
@@ -486,11 +505,14 @@ class ClientSession:
         return [self.read(cp, start, -1 if end < 0 else max(0, end - start))[0] for cp, start, end in ranges]
 
     def _read_stripe(self, cp: CachePath, offset: int, length: int, version: str,
-                     bulk: bool = True) -> tuple[bytes, int, str]:
-        """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version."""
+                     bulk: bool = True, deadline: float | None = None) -> tuple[bytes, int, str]:
+        """Up to ``length`` bytes at ``offset`` (within one stripe), the object's size and version,
+        within one budget (``deadline``; default the read timeout for ``length`` from now)."""
         state = self._state.get()
+        if deadline is None:
+            deadline = time.monotonic() + self.read_timeout(length)
         if bulk and state.bulk.enabled:  # cached bytes: page files or the data port, not gRPC messages
-            got = state.bulk.read(str(cp), offset, length, version)
+            got = state.bulk.read(str(cp), offset, length, version, deadline=deadline)
             if got is not None:
                 self._learn_mounts(state)  # (a worker answered: as in call)
                 return got
@@ -502,9 +524,8 @@ class ClientSession:
                 if state.bulk.enabled else f"read {cp}: short_circuit and data_port are both off, and this "
                 "process was forked from one that had loaded gRPC, so it has no way to a worker")
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
-        timeout = self.read_timeout(length)
 
-        def call(stub: worker_pb2_grpc.WorkerServiceStub) -> tuple[bytes, int, str, int, int]:
+        def call(stub: worker_pb2_grpc.WorkerServiceStub, timeout: float) -> tuple[bytes, int, str, int, int]:
             # The first block in one unary call (a streaming call costs a thread and ~1 ms more
             # here, which is most of a small object's read); only what is left streams.
             reply = stub.ReadBlock(request, timeout=timeout)
@@ -523,7 +544,7 @@ class ClientSession:
 
         counts = state.counts
         try:
-            result = self.call(str(cp), call, f"read {cp}", offset=offset)
+            result = self.call(str(cp), call, f"read {cp}", offset=offset, deadline=deadline)
             if result is not None:
                 data, size, version, hits, misses = result
                 counts["grpc_reads"] += 1
@@ -607,7 +628,7 @@ class ClientSession:
         ``grpc_*``, ``store_*`` (fallback), and per worker path the pages read by hit or miss
         as the worker knew them (``short_circuit_hits``/``_misses``, of which ``held_*`` through
         held descriptors and ``named_hits`` through page files opened by name;
-        ``data_port_hits``: it serves cached pages only; ``grpc_hits``/``_misses`` from the
+        ``data_port_hits``/``_misses``: a miss is a page it filled for the request; ``grpc_hits``/``_misses`` from the
         replies); ``lean_fallbacks``, ``lean_errors``, ``failovers`` (a worker fault that moved
         a call to the next worker or the store), ``errors`` (reads that failed for their caller)."""
         state = self._state.get()

@@ -186,9 +186,10 @@ class ShortCircuitReader:
         if reply.view_version > self.view_version:
             self.view_version = reply.view_version
 
-    def meta(self, request: Any) -> Any:
-        """The worker's answer to a metadata operation (a common_pb2.MetaRequest: metaops.py)."""
-        message, fds = self._exchange(shortcircuit_pb2.ShortCircuitRequest(token=self.token, meta=request))
+    def meta(self, request: Any, timeout: float | None = None) -> Any:
+        """The worker's answer to a metadata operation (a common_pb2.MetaRequest: metaops.py);
+        ``timeout``: what is left of the caller's budget (at most the reader's own timeout)."""
+        message, fds = self._exchange(shortcircuit_pb2.ShortCircuitRequest(token=self.token, meta=request), timeout)
         for fd in fds:
             os.close(fd)
         reply = Reply()

@@ -224,8 +224,7 @@ class Writes:
         return sink.finish()
 
     def _call(self, cp: CachePath, what: str, rpc: str, request: Any) -> Any:
-        timeout = self.session.config.timeout
-        return self.session.call_owner(str(cp), lambda stub: getattr(stub, rpc)(request, timeout=timeout), what)
+        return self.session.call_owner(str(cp), lambda stub, left: getattr(stub, rpc)(request, timeout=left), what)
 
     def remove(self, cp: CachePath, recursive: bool) -> None:
         if self.via == "client":

@@ -27,16 +27,18 @@ class DataRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., token: _Optional[str] = ..., fill: _Optional[bool] = ..., meta: _Optional[_Union[_common_pb2.MetaRequest, _Mapping]] = ...) -> None: ...
 
 class DataSegment(_message.Message):
-    __slots__ = ("offset", "length", "checksum", "verified")
+    __slots__ = ("offset", "length", "checksum", "verified", "fetched")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
     checksum: int
     verified: bool
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., verified: _Optional[bool] = ...) -> None: ...
+    fetched: bool
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., verified: _Optional[bool] = ..., fetched: _Optional[bool] = ...) -> None: ...
 
 class DataReply(_message.Message):
     __slots__ = ("code", "message", "info", "segments", "errno", "meta", "view_version", "filled")

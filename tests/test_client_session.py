@@ -239,3 +239,46 @@ def test_a_main_process_reads_and_lists_over_the_workers_sockets(local_store, ma
         assert fs.session.bulk_stats[path]["reads"] >= 2 * 2 * len(objects)
     finally:
         fs.close()
+
+
+def test_a_frozen_worker_costs_a_main_process_call_its_budget_once(tmp_path):
+    """One budget per call (``timeout`` for metadata, the read timeout for a read): the worker's
+    socket and then gRPC are both tried within it, so a call to a frozen worker ends within
+    budget + 1 s with a precise error (before: each path, and each try, had a budget of its own)."""
+    import os
+    import signal
+
+    from cachefs.errors import WorkerUnavailableError
+    from cachefs.local import worker_process
+
+    store = tmp_path / "store"
+    store.mkdir()
+    for name in ("warm", "cold", "other"):  # each in a directory of its own: no listing answers for another
+        (store / name).mkdir()
+        (store / name / name).write_bytes(payload(100_000, len(name)))
+    with worker_process({"data": str(store)}, str(tmp_path / "cache")) as worker:
+        fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True, timeout=2.0, fallback=False,
+                             scan_ahead=False)
+        try:
+            assert fs.cat_file("cachefs://data/warm/warm") == payload(100_000, 4)  # sockets probed, connected
+            os.kill(worker.pid, signal.SIGSTOP)
+            try:  # stopped once the kernel says so (a request already in hand may still be answered)
+                assert wait_for(lambda: open(f"/proc/{worker.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T",
+                                timeout=10, interval=0.02)
+                for what, call in [("info", lambda: fs.info("cachefs://data/cold/cold", refresh=True)),
+                                   ("ls", lambda: fs.ls("cachefs://data/cold/", refresh=True)),
+                                   ("read", lambda: fs.cat_file("cachefs://data/other/other", 0, 100_000))]:
+                    started = time.monotonic()
+                    try:
+                        got = call()
+                    except (TimeoutError, WorkerUnavailableError):
+                        pass
+                    else:
+                        pytest.fail(f"{what} answered from a frozen worker: {got!r:.200}")
+                    took = time.monotonic() - started
+                    budget = fs.session.read_timeout(100_000)
+                    assert took <= budget + 1.0, (what, took, budget)
+            finally:
+                os.kill(worker.pid, signal.SIGCONT)
+        finally:
+            fs.close()

@@ -77,7 +77,7 @@ class DataPortServer(ConnectionServer):
     name = "dataport"
 
     def __init__(self, host: str, port: int, pages: CachedPages,
-                 on_served: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
+                 on_served: Callable[[int, int, int], None] | None = None, filler: RangeFiller | None = None,
                  meta: MetaOps | None = None, check_page: Callable[[Any], Any] | None = None,
                  **limits: Any) -> None:
         """``filler``: ranges asked for with ``fill`` are fetched into the page store first
@@ -170,10 +170,10 @@ class DataPortServer(ConnectionServer):
                                              view_version=view_version))
             return
         filled = False
+        fetched: list[set[Any]] = [set()]
         for attempt in range(2):  # the second: after a bad page was dropped, to fill it again
             opened = self.pages.open(request)
             if opened.code == NOT_CACHED and request.fill and self.filler is not None:
-                fetched: list[set[Any]] = [set()]
                 failures: list[OSError | None] = [None]
                 if self.filler.fill([request], fetched, failures):
                     if failures[0] is not None:  # no use asking again: the client raises it
@@ -184,7 +184,7 @@ class DataPortServer(ConnectionServer):
                         return
                     opened.close()
                     opened, filled = self.pages.open(request), True
-            plan = self._plan(opened) if opened.code == OK else []
+            plan = self._plan(opened, fetched[0]) if opened.code == OK else []
             if plan is not None or attempt or not request.fill:
                 break
             opened.close()  # a bad page, dropped by _plan: fetched again on the next attempt
@@ -207,13 +207,15 @@ class DataPortServer(ConnectionServer):
                     sendfile_all(conn, fd, 0, seg.length, self.send_timeout)
                 sent += seg.length
             if self._on_served is not None:
-                self._on_served(len(plan), sent)
+                self._on_served(len(plan), sent, sum(1 for seg, _ in plan if seg.fetched))
         finally:
             opened.close()
 
-    def _plan(self, opened: OpenedRange) -> list[tuple[dataport_pb2.DataSegment, bytes | None]] | None:
+    def _plan(self, opened: OpenedRange,
+              fetched: set[Any]) -> list[tuple[dataport_pb2.DataSegment, bytes | None]] | None:
         """Per page: (segment, None) to sendfile the whole page, or (segment, bytes) of a checked
-        part; None if a page is bad (it is dropped: ``check_page``)."""
+        part; None if a page is bad (it is dropped: ``check_page``). ``fetched``: ids of the pages
+        fetched for this request (flagged: misses)."""
         plan = []
         for fd, start, length, pid in zip(opened.fds, opened.page_offsets, opened.page_lengths,
                                           opened.pages or [None] * len(opened.fds)):
@@ -225,11 +227,12 @@ class DataPortServer(ConnectionServer):
             if payload_len != length:
                 return self._bad(pid)
             if hi - lo >= WHOLE_PAGE_SHARE * length:
-                plan.append((dataport_pb2.DataSegment(offset=start, length=length, checksum=checksum), None))
+                plan.append((dataport_pb2.DataSegment(offset=start, length=length, checksum=checksum,
+                                                      fetched=pid in fetched), None))
                 continue
             data = os.pread(fd, length, 0)
             if len(data) != length or xxhash.xxh3_64_intdigest(data) != checksum:
                 return self._bad(pid)
-            plan.append((dataport_pb2.DataSegment(offset=lo, length=hi - lo, verified=True),
+            plan.append((dataport_pb2.DataSegment(offset=lo, length=hi - lo, verified=True, fetched=pid in fetched),
                          data[lo - start:hi - start]))
         return plan

@@ -251,9 +251,10 @@ class WorkerMetrics:
     def watch_page_store(self, stats: Callable[[], PageStoreStats]) -> None:
         self.registry.register(_PageStoreCollector(stats))
 
-    def served_short_circuit(self, pages: int, nbytes: int) -> None:
-        """A short-circuit read (page file descriptors over the Unix socket)."""
-        self._served_bulk(self.short_circuit_bytes, pages, nbytes)
+    def served_short_circuit(self, pages: int, nbytes: int, misses: int = 0) -> None:
+        """A short-circuit read (page file descriptors over the Unix socket); ``misses``: of the
+        pages, those fetched for this request (a fill)."""
+        self._served_bulk(self.short_circuit_bytes, pages, nbytes, misses)
 
     def read_by_name(self, pages: int, nbytes: int) -> None:
         """Pages a local client read by opening the page files itself (server/worker/names.py)."""
@@ -272,13 +273,17 @@ class WorkerMetrics:
     def watch_handles(self, in_use: Callable[[], int]) -> None:
         self.held_handles.set_function(in_use)
 
-    def served_data_port(self, pages: int, nbytes: int) -> None:
-        """A read through the data port (page files sent with sendfile)."""
-        self._served_bulk(self.data_port_bytes, pages, nbytes)
+    def served_data_port(self, pages: int, nbytes: int, misses: int = 0) -> None:
+        """A read through the data port (page files sent with sendfile); ``misses`` as above."""
+        self._served_bulk(self.data_port_bytes, pages, nbytes, misses)
 
-    def _served_bulk(self, path_bytes: Counter, pages: int, nbytes: int) -> None:
-        """Page hits and bytes from cache like any other cached read, plus the path's own count."""
-        self.page_reads.labels("hit").inc(pages)
+    def _served_bulk(self, path_bytes: Counter, pages: int, nbytes: int, misses: int = 0) -> None:
+        """Page lookups (a page filled for the request a miss, the rest hits) and bytes from cache
+        like any other cached read, plus the path's own count."""
+        if pages > misses:
+            self.page_reads.labels("hit").inc(pages - misses)
+        if misses:
+            self.page_reads.labels("miss").inc(misses)
         self.bytes_from_cache.inc(nbytes)
         self.bytes_served.inc(nbytes)
         path_bytes.inc(nbytes)

@@ -63,7 +63,7 @@ class ShortCircuitServer(ConnectionServer):
     peers: PeerPolicy = PeerPolicy()
 
     def __init__(self, path: str, pages: CachedPages, mode: int = 0o660,
-                 on_served: Callable[[int, int], None] | None = None, table: HandleTable | None = None,
+                 on_served: Callable[[int, int, int], None] | None = None, table: HandleTable | None = None,
                  hold: Callable[[list[str], float, bool], bool] | None = None,
                  still_cached: Callable[[str], bool] | None = None,
                  on_touched: Callable[[int, int], None] | None = None, filler: RangeFiller | None = None,
@@ -238,7 +238,8 @@ class ShortCircuitServer(ConnectionServer):
         once = [slot == 0 and self._passing is not None and self._passing(pid.digest())
                 for slot, pid in zip(slots, opened.pages)]
         if self._on_served is not None and opened.fds and not wanted.ahead:
-            self._on_served(len(opened.fds), opened.end - opened.offset)
+            self._on_served(len(opened.fds), opened.end - opened.offset,
+                            sum(1 for pid in opened.pages if pid in missed) if missed else 0)
         elif self._on_handed_out is not None and opened.fds:
             self._on_handed_out(opened.end - opened.offset)
         range_fds, opened.fds = opened.fds, []
