@@ -26,7 +26,6 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
+from cachefs.client import forksafe
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.forksafe import ProcessLocal
 from cachefs.client.hints import Hinter
@@ -202,7 +202,7 @@ class PerProcessParts:
     def publish_plan(self) -> PlanReport | None:
         """Tell the workers this rank's read order, so their caches keep what is read next
         (called at construction, ``set_epoch`` and ``load_state_dict``; main process only)."""
-        if not self.plan_ahead or os.getpid() != self._owner_pid:
+        if not self.plan_ahead or forksafe.pid() != self._owner_pid:
             return None
         try:
             if self._publisher is None:
@@ -342,7 +342,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
         self._counters = CounterBlock() if stats else CounterBlock("")
         self.learn_cluster()
-        self.plan_ahead, self._owner_pid = bool(plan_ahead), os.getpid()
+        self.plan_ahead, self._owner_pid = bool(plan_ahead), forksafe.pid()
         self.publish_plan()
 
     # -- construction --------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +27,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.spec import AbstractBufferedFile
 
+from cachefs.client import forksafe
 from cachefs.client.fscompat import S3CompatMethods, s3_fields
 from cachefs.client.hints import Hinter
 from cachefs.client.scanahead import ScanAhead
@@ -108,8 +108,8 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        if self._pid != os.getpid() or self._loop is _NO_LOOP_YET:  # forked: the parent's loop thread is not here
-            self._pid = os.getpid()
+        if self._pid != forksafe.pid() or self._loop is _NO_LOOP_YET:  # forked: the parent's loop thread is not here
+            self._pid = forksafe.pid()
             self._loop = fsspec.asyn.get_loop()
         return self._loop
 

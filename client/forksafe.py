@@ -114,6 +114,13 @@ os.register_at_fork(before=_HOOKS.before, after_in_parent=_HOOKS.after_in_parent
                     after_in_child=_HOOKS.after_in_child)
 
 
+def pid() -> int:
+    """This process's id: the one place the client asks which process it is in (a value built
+    for one process is never used in another; per-process values are ``ProcessLocal``s, state
+    kept beside them compares ``pid()`` with the one it was made in)."""
+    return os.getpid()
+
+
 def grpc_inherited() -> bool:
     """Whether this process was forked from one that had loaded gRPC. Its first gRPC channel
     can then hang, holding the GIL, so the whole process stops (seen in about 1 of 10 DataLoader

@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Any
 
+from cachefs.client import forksafe
 from cachefs.client.fusefs import CacheFuseOps
 from cachefs.client.fusewrite import WritableFuseOps
 from cachefs.client.session import ClientSession
@@ -179,7 +180,7 @@ class _MountedSettings:
                      conn.capable, conn.want, conn.max_write, conn.max_readahead)
         if self.config.read_ahead:  # after the kernel has the init reply (which caps it): a thread
             threading.Thread(target=self._read_ahead, name="cachefs-fuse-readahead", daemon=True).start()
-        print(json.dumps({"event": "mounted", "mountpoint": self.mountpoint, "pid": os.getpid(),
+        print(json.dumps({"event": "mounted", "mountpoint": self.mountpoint, "pid": forksafe.pid(),
                           "writable": self.config.writable}), flush=True)
 
     def _read_ahead(self) -> None:

@@ -14,7 +14,6 @@ already cached" (a warm epoch) hinting backs off, so it costs the workers almost
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -47,7 +46,7 @@ class Hinter(forksafe.ForkHook):
         self._lock = threading.Lock()
         self._idle_cv = threading.Condition(self._lock)
         self._futures: set[grpc.Future] = set()
-        self._pid = os.getpid()
+        self._pid = forksafe.pid()
         self._in_flight = 0
         self._sent: set[str] = set()
         self._idle = 0        # consecutive replies that loaded nothing
@@ -67,11 +66,11 @@ class Hinter(forksafe.ForkHook):
         # The parent's calls are not ours, and a parent thread may have held the lock.
         self._lock = threading.Lock()
         self._idle_cv = threading.Condition(self._lock)
-        self._in_flight, self._sent, self._futures, self._pid = 0, set(), set(), os.getpid()
+        self._in_flight, self._sent, self._futures, self._pid = 0, set(), set(), forksafe.pid()
 
     def drain(self, timeout: float) -> bool:
         """Cancel outstanding hints and wait (up to ``timeout``) until none is in flight."""
-        if self._pid != os.getpid():
+        if self._pid != forksafe.pid():
             return True
         with self._lock:
             futures = list(self._futures)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from cachefs.client import forksafe
 from cachefs.client.dataset import (ConsumptionTracking, PerProcessParts, ProcessParts, SampleReadError,
                                     _default_rank_world, profiled)
 from cachefs.client.filesystem import CacheFileSystem, split_storage_options
@@ -108,7 +108,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
         self._counters = CounterBlock() if stats else CounterBlock("")
         self.learn_cluster()
-        self.plan_ahead, self._owner_pid = bool(plan_ahead), os.getpid()
+        self.plan_ahead, self._owner_pid = bool(plan_ahead), forksafe.pid()
         if self._scan is None:
             self.publish_plan()
 

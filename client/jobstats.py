@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def _shm_dir() -> str:
 
 
 def _unlink(path: str, owner: int) -> None:
-    if os.getpid() == owner:  # never from a forked child that inherited the dataset
+    if forksafe.pid() == owner:  # never from a forked child that inherited the dataset
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -101,7 +102,7 @@ class CounterBlock:
             os.ftruncate(fd, self.rows * len(COLUMNS) * 8)
         finally:
             os.close(fd)
-        self._finalizer = weakref.finalize(self, _unlink, path, os.getpid())
+        self._finalizer = weakref.finalize(self, _unlink, path, forksafe.pid())
         return path
 
     def _map(self) -> _Mapped | None:

@@ -35,6 +35,7 @@ from array import array
 
 import numpy as np
 
+from cachefs.client import forksafe
 from cachefs.client.sampleindex import trim_heap
 from cachefs.paths import parse_path, strip_protocol
 from cachefs.proto import worker_pb2
@@ -85,7 +86,7 @@ class PlanPublisher:
         if not 0 < renew_seconds < lease_seconds:
             raise ValueError("renew_seconds must be > 0 and less than lease_seconds")
         self.session, self._position, self.prefetch = session, position, prefetch
-        self.job = job or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.job = job or f"{os.uname().nodename}:{forksafe.pid()}:{uuid.uuid4().hex[:12]}"
         self.lease_seconds, self.renew_seconds = float(lease_seconds), float(renew_seconds)
         self._lock = threading.Lock()
         self._runs: dict[str, tuple[Any, list[Any]]] = {}  # address -> (handle, runs)
@@ -101,7 +102,7 @@ class PlanPublisher:
         self._last: tuple[float, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._owner = os.getpid()
+        self._owner = forksafe.pid()
         self.report = PlanReport()
 
     # -- the plan ------------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ class PlanPublisher:
         more a fork of this process (DataLoader workers starting) must wait for."""
         pause, sent_at, sent_position = self.renew_seconds, time.monotonic(), -1
         while not self._stop.wait(pause):
-            if os.getpid() != self._owner:
+            if forksafe.pid() != self._owner:
                 return
             try:
                 position = self._position() - self._base

@@ -21,7 +21,6 @@ wait for prefetches nobody will read. Every wait has a timeout.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -110,9 +109,9 @@ class Prefetcher(forksafe.ForkHook):
         return len(self._entries)
 
     def _ensure_pool(self) -> _Pool:
-        if self._pid != os.getpid():  # a forked child: the parent's threads do not exist here
+        if self._pid != forksafe.pid():  # a forked child: the parent's threads do not exist here
             self._entries, self.in_flight_bytes, self._pool = {}, 0, None
-            self._pid = os.getpid()
+            self._pid = forksafe.pid()
         if self._pool is None:
             self._pool = _Pool(self._threads)
         return self._pool
@@ -211,7 +210,7 @@ class Prefetcher(forksafe.ForkHook):
 
     def drain(self, timeout: float) -> bool:
         """Drop everything in flight and wait (up to ``timeout``) until no fetch is running."""
-        if self._pid != os.getpid() or self._pool is None:
+        if self._pid != forksafe.pid() or self._pool is None:
             return True
         self.reset()
         end = time.monotonic() + timeout
@@ -227,6 +226,6 @@ class Prefetcher(forksafe.ForkHook):
 
     def close(self) -> None:
         self.reset()
-        if self._pool is not None and self._pid == os.getpid():
+        if self._pool is not None and self._pid == forksafe.pid():
             self._pool.close()
         self._pool = None

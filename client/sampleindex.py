@@ -34,6 +34,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from cachefs.client import forksafe
 from cachefs.memseal import sealed_table
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class SampleIndex(Sequence[str]):
     def __reduce__(self) -> Any:
         if self._fd < 0 or self.nbytes <= SMALL_BYTES:
             return SampleIndex, (self.tobytes(),)
-        return _map_shared, (os.getpid(), self._fd, os.fstat(self._fd).st_ino, self.nbytes)
+        return _map_shared, (forksafe.pid(), self._fd, os.fstat(self._fd).st_ino, self.nbytes)
 
     # -- files ---------------------------------------------------------------------------------------
     @classmethod

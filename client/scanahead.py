@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from cachefs.client import forksafe
 from cachefs.client.forksafe import ForkSafeLock
 from cachefs.paths import CachePath
 
@@ -66,7 +66,7 @@ class ScanAhead:
         self._lock = ForkSafeLock()
         self._dirs: OrderedDict[tuple[str, str], _Dir] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
-        self._pid = os.getpid()
+        self._pid = forksafe.pid()
         self.stats = {"listed": 0, "hinted": 0, "too_large": 0, "list_failed": 0}
 
     def note(self, cp: CachePath) -> None:
@@ -74,8 +74,8 @@ class ScanAhead:
         slash = cp.key.rfind("/")
         where, name = (cp.mount, cp.key[:slash] if slash >= 0 else ""), cp.key[slash + 1:]
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's state and thread are not ours
-                self._dirs, self._pool, self._pid = OrderedDict(), None, os.getpid()
+            if self._pid != forksafe.pid():  # a forked child: the parent's state and thread are not ours
+                self._dirs, self._pool, self._pid = OrderedDict(), None, forksafe.pid()
             d = self._dirs.get(where)
             if d is None:
                 self._dirs[where] = _Dir(name)
@@ -165,5 +165,5 @@ class ScanAhead:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
+        if pool is not None and self._pid == forksafe.pid():
             pool.shutdown(wait=False, cancel_futures=True)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cachefs.client import forksafe
 from cachefs.client.shards import ShardIndex, index_from_json, index_to_json
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,13 @@ class ShardScan:
         self._samples = 0  # samples in those
         self._changed = threading.Condition()
         self._owner = False
-        self._pid = os.getpid()
+        self._pid = forksafe.pid()
 
     def _here(self) -> None:
         """A forked child (a DataLoader worker) has this object but not the scanning threads, and
         maybe a lock one of them held: from here on it reads the directory as any other process."""
-        if self._pid != os.getpid():
-            self._pid, self._owner, self._changed = os.getpid(), False, threading.Condition()
+        if self._pid != forksafe.pid():
+            self._pid, self._owner, self._changed = forksafe.pid(), False, threading.Condition()
 
     # -- pickling: another process reads the directory -------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -77,7 +78,7 @@ class ShardScan:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._changed, self._pid = threading.Condition(), os.getpid()
+        self._changed, self._pid = threading.Condition(), forksafe.pid()
 
     # -- the scanning process ---------------------------------------------------------------------------
     def start(self) -> "ShardScan":
@@ -87,7 +88,7 @@ class ShardScan:
             if name.endswith(".error"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.directory, name))
-        self._owner, self._pid = True, os.getpid()
+        self._owner, self._pid = True, forksafe.pid()
         threading.Thread(target=self._run, name="cachefs-shard-scan", daemon=True).start()
         return self
 

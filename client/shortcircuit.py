@@ -115,7 +115,7 @@ class ShortCircuitReader:
         self.path, self.token, self.timeout, self.max_idle = path, token, timeout, max_idle
         self.huge_pages = huge_pages
         self._progress = progress
-        self._pid = os.getpid()  # a reader belongs to one process (forksafe.py): the plan's reader id
+        self._pid = forksafe.pid()  # a reader belongs to one process (forksafe.py): the plan's reader id
         # Pages read, as the worker knew them: hits, misses (fetched for this process's request),
         # and the part of those read through held handles (held_*). Shared with BulkPaths.stats.
         self.counts = counts if counts is not None else {}
@@ -650,7 +650,7 @@ class ShortCircuitReader:
         leaves after its epoch without closing anything: without this its reads by name never
         reached the worker's recency and counters, nor did the objects it read past their
         entries' time, which the worker refreshes (else the next epoch finds them run out)."""
-        request = self._report_request() if self._pid == os.getpid() else None
+        request = self._report_request() if self._pid == forksafe.pid() else None
         if request is None:
             return
         sock = self._connect(EXIT_REPORT_TIMEOUT)

@@ -8,7 +8,6 @@ keeps routing by the last view it had: the master is never on the data path.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -64,7 +63,7 @@ class ViewWatcher(forksafe.ForkHook):
         self._outside = threading.Event()
         self._outside.set()
         self._gate = threading.Lock()
-        self._pid = os.getpid()
+        self._pid = forksafe.pid()
         forksafe.register(self)
 
     # -- fork hooks (client/forksafe.py) ---------------------------------------------------------------
@@ -79,7 +78,7 @@ class ViewWatcher(forksafe.ForkHook):
     # In a child the session drops this watcher with the rest of the parent's state.
 
     def _pause(self, deadline: float) -> None:
-        if self._pid != os.getpid() or self._thread is None:
+        if self._pid != forksafe.pid() or self._thread is None:
             return
         with self._gate:
             self._running.clear()
@@ -105,7 +104,7 @@ class ViewWatcher(forksafe.ForkHook):
             channel.close()
 
     def _resume(self) -> None:
-        if self._pid == os.getpid():
+        if self._pid == forksafe.pid():
             self._running.set()
 
     def _deliver(self, view: master_pb2.ClusterView) -> bool:

@@ -195,3 +195,28 @@ def test_every_package_is_in_pyprojects_packages_list():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {m for m, path in MODULES.items() if path.name == "__init__.py"}
     assert packages == listed, (packages - listed, listed - packages)
+
+
+def _asks_for_the_pid(source: str) -> list[int]:
+    """Lines of ``source`` that ask the OS which process this is (``os.getpid``, however imported)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "getpid":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(a.name == "getpid" for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_finder_of_pid_checks_finds_them():
+    assert _asks_for_the_pid("import os\nx = os.getpid()\n") == [2]
+    assert _asks_for_the_pid("from os import getpid\n") == [1]
+    assert _asks_for_the_pid("from cachefs.client import forksafe\nx = forksafe.pid()\n") == []
+
+
+def test_only_forksafe_asks_which_process_the_client_is_in():
+    """Fork safety in one place (#45): the client's per-process state is forksafe's ProcessLocal,
+    or compares ``forksafe.pid()``; no other client module asks the OS for its pid."""
+    found = {name: lines for name, path in MODULES.items() if name.startswith("cachefs.client")
+             and name != "cachefs.client.forksafe" and (lines := _asks_for_the_pid(path.read_text()))}
+    assert not found, found
