@@ -133,6 +133,9 @@ class WorkerConfig:
     # Past metadata_ttl, for this many seconds more, a read still uses the last size/version
     # (serving cached pages at once) while the worker revalidates it in the background.
     metadata_stale_grace: float = 600.0
+    # Objects' metadata kept (cachefs/store/metatable.py: ~60 bytes an object, counted as the docs
+    # say), bytes at most; past it the entries put longest ago go. 0: none kept (every read asks).
+    metadata_cache_bytes: int = 1 << 30
     list_ttl: float = 30.0  # seconds a directory listing is trusted
     # Listings kept (in chunks shared by listers of a prefix: cachefs/store/listings.py), estimated
     # bytes at most; 0: none kept past the request (simultaneous listers still share a fetch).
@@ -236,6 +239,8 @@ class WorkerConfig:
             raise ValueError("max_pending_write_bytes must be >= 0")
         if self.list_cache_bytes < 0:
             raise ValueError("list_cache_bytes must be >= 0")
+        if self.metadata_cache_bytes < 0:
+            raise ValueError("metadata_cache_bytes must be >= 0")
         if self.heap_keep_bytes < 0:
             raise ValueError("heap_keep_bytes must be >= 0")
         if self.readahead_pages < 0:
@@ -391,7 +396,7 @@ _COMPLEX_FIELDS = {
     "client": lambda v: v,  # FuseConfig's: a ClientConfig, built by load_fuse_config
     "umask": lambda v: int(v, 8) if isinstance(v, str) else int(v),  # FuseConfig's: octal text
 }
-_SIZE_FIELDS = {"page_size", "extent_size", "max_pending_write_bytes", "heap_keep_bytes", "list_cache_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
+_SIZE_FIELDS = {"page_size", "extent_size", "max_pending_write_bytes", "heap_keep_bytes", "list_cache_bytes", "metadata_cache_bytes", "stripe_size", "block_size", "min_throughput", "max_read", "read_ahead"}
 
 
 def _gid(value: Any) -> int:

@@ -25,19 +25,36 @@ class Clock:
 
 
 def check_invariants(t: MetadataTable) -> None:
-    """Every live row is reachable through the index from its key; the counters add up."""
-    recs = [t._row(r) for r in range(len(t._rows) // metatable._RS)]  # hash, off, klen, mf, vlen, ...
-    live = [r for r, rec in enumerate(recs) if rec[3] & metatable._LIVE]
+    """Every live row is reachable through the index from its key and in its directory's chain
+    once; the counters add up."""
+    recs = [t._row(r) for r in range(len(t._rows) // metatable._RS)]  # hash, off, klen, vlen, df, ...
+    live = [r for r, rec in enumerate(recs) if rec[4] & metatable._LIVE]
     assert t._live == len(live)
-    assert t._live_bytes == sum(recs[r][2] + recs[r][4] for r in live)
+    assert t._live_bytes == sum(recs[r][2] + recs[r][3] for r in live)
     assert sorted(r for r in t._index if r >= 0) == live
     assert t._used == sum(1 for r in t._index if r != metatable._EMPTY)
     assert t._used <= metatable._MAX_LOAD * len(t._index)
     assert set(t._free).isdisjoint(live)
     for r in live:
-        h, o, klen, mf = recs[r][:4]
-        _, found, _ = t._find(mf >> metatable._FLAG_BITS, bytes(t._arena[o:o + klen]), h)
+        h, o, klen, _, df = recs[r][:5]
+        _, found, _ = t._find(df >> metatable._FLAG_BITS, bytes(t._arena[o:o + klen]), h)
         assert found == r
+    chained = []
+    charged = 0
+    for (mid, dpath), d in t._dirs.items():
+        assert t._dir_path[d] == dpath and t._dir_mount[d] == mid
+        r, prev, n = t._dir_head[d], -1, 0
+        while r >= 0:
+            assert recs[r][4] >> metatable._FLAG_BITS == d and recs[r][7] == prev
+            chained.append(r)
+            prev, r, n = r, recs[r][8], n + 1
+        assert n == t._dir_count[d] > 0
+        charged += metatable.DIR_BYTES + len(dpath)
+    assert sorted(chained) == live
+    for mid, paths in t._sorted.items():
+        assert paths == sorted(p for (m, p) in t._dirs if m == mid)
+    charged += sum(metatable.ENTRY_BYTES + recs[r][2] + recs[r][3] for r in live)
+    assert t._charged == charged
 
 
 KEYS = ["a", "b/c", "data/x.bin", "ünïcødé/ключ/鍵", "emoji/🙂.jpg", "", "a" * 300, "k\ud800x"]
@@ -70,6 +87,7 @@ def run_against_model(ops_list: list, max_entries: int, ttl: float = 10.0) -> Me
     model: TTLCache[CachePath, ObjectMeta] = TTLCache(ttl, max_entries=max_entries, clock=clock)
     for op in ops_list:
         if op[0] == "put":
+            clock.now += 0.001  # eviction is by put time to the millisecond: one put a millisecond
             meta = make_meta(op[1], op[2])
             table.put(op[1], meta)
             model.put(op[1], meta)
@@ -84,7 +102,7 @@ def run_against_model(ops_list: list, max_entries: int, ttl: float = 10.0) -> Me
         elif op[0] == "pop_where":
             mount, prefix = op[1], op[2]
             pred = lambda p, m=mount, pre=prefix: p.mount == m and p.key.startswith(pre)  # noqa: E731
-            table.pop_where(pred)
+            table.pop_prefix(mount, prefix)
             model.pop_where(pred)
         else:
             clock.now += op[1]
@@ -165,8 +183,8 @@ def test_versions_and_directories_round_trip():
         got = t.get(CachePath("m", key))
         assert (got.size, got.version, got.mtime, got.is_dir) == (size, version, mtime, is_dir)
         assert type(got.version) is str and type(got.is_dir) is bool
-    assert t._row(0)[3] & metatable._ETAG and t._row(0)[4] == 16
-    assert t._row(3)[3] & metatable._DERIVED and t._row(3)[4] == 0
+    assert t._row(0)[4] & metatable._ETAG and t._row(0)[3] == 16
+    assert t._row(3)[4] & metatable._DERIVED and t._row(3)[3] == 0
 
 
 def test_update_changes_version_length_both_ways():
@@ -191,6 +209,7 @@ def test_eviction_order_with_batched_scans_matches_ttlcache():
         p = rng.choice(keys)
         r = rng.random()
         if r < 0.6:
+            clock.now += 0.001
             meta = ObjectMeta(p, step, f"{step:032x}" if step % 3 else f"v{step}", float(step))
             t.put(p, meta)
             model.put(p, meta)
@@ -200,7 +219,8 @@ def test_eviction_order_with_batched_scans_matches_ttlcache():
             t.pop(p)
             model.pop(p)
         elif r < 0.995:
-            t.pop_where(lambda q: q.key.startswith("dir3"))
+            for mount in MOUNTS:
+                t.pop_prefix(mount, "dir3")
             model.pop_where(lambda q: q.key.startswith("dir3"))
         else:
             clock.now += rng.choice([1.0, 20.0])
@@ -242,18 +262,22 @@ def test_arena_compaction_keeps_every_entry(monkeypatch):
         assert t.get(p) == meta
 
 
-def test_pop_where_gets_real_paths():
+def test_pop_prefix_drops_exactly_the_prefix():
     t = MetadataTable(100)
+    keys = ("x/1", "x/2", "x/10", "xy/1", "x", "y/ü", "x/a/b", "x/a/c/d", "ü/ü", "ü/üa")
     for mount in ("a", "b"):
-        for key in ("x/1", "x/2", "y/ü"):
+        for key in keys:
             p = CachePath(mount, key)
             t.put(p, ObjectMeta(p, 1, "v", 1.0))
-    seen = []
-    t.pop_where(lambda p: seen.append(p) or (p.mount == "a" and p.key.startswith("x/")))
-    assert sorted(seen, key=str) == sorted((CachePath(m, k) for m in "ab" for k in ("x/1", "x/2", "y/ü")), key=str)
-    assert [t.get(CachePath("a", k)) is None for k in ("x/1", "x/2", "y/ü")] == [True, True, False]
-    assert all(t.get(CachePath("b", k)) is not None for k in ("x/1", "x/2", "y/ü"))
-    check_invariants(t)
+    for prefix in ("x/1", "x/a/", "ü/ü", "x", ""):
+        assert t.pop_prefix("a", prefix) == sum(1 for k in keys if k.startswith(prefix))
+        check_invariants(t)
+        assert [k for k in keys if t.get(CachePath("a", k)) is not None] == [k for k in keys if not k.startswith(prefix)]
+        assert all(t.get(CachePath("b", k)) is not None for k in keys)
+        for key in keys:
+            p = CachePath("a", key)
+            t.put(p, ObjectMeta(p, 1, "v", 1.0))
+    assert t.pop_prefix("nomount", "") == 0
 
 
 def test_threads_share_one_table():
@@ -298,8 +322,8 @@ def test_objectstore_uses_it():
     from cachefs.mounts import MountTable
     from cachefs.store.objects import ObjectStore
 
-    store = ObjectStore(MountTable([]), max_objects=5)
-    assert isinstance(store._meta, MetadataTable) and store._meta._max == 5
+    store = ObjectStore(MountTable([]), metadata_cache_bytes=5000)
+    assert isinstance(store._meta, MetadataTable) and store._meta.max_bytes == 5000
 
 
 @pytest.mark.parametrize("max_entries", [0, -1])
@@ -308,3 +332,89 @@ def test_no_room_means_nothing_kept(max_entries):
     p = CachePath("m", "k")
     t.put(p, ObjectMeta(p, 1, "v", 1.0))
     assert t.get(p) is None
+
+
+def test_bound_is_bytes_and_the_oldest_put_goes_first():
+    """Each entry is charged ENTRY_BYTES + its name after the last "/" + its stored version,
+    each directory DIR_BYTES + its path; past max_bytes the entries put longest ago go."""
+    clock = Clock()
+    one = metatable.ENTRY_BYTES + len("k0000") + 16  # an ETag is kept as 16 bytes
+    bound = metatable.DIR_BYTES + len("d/") + 100 * one
+    t = MetadataTable(1000, max_bytes=bound, clock=clock)
+    for i in range(250):
+        clock.now += 0.001
+        p = CachePath("m", f"d/k{i:04d}")
+        t.put(p, ObjectMeta(p, i, f"{i:032x}", 1.0))
+        assert t.charged_bytes() <= bound
+    assert len(t) == 100
+    assert [i for i in range(250) if t.get(CachePath("m", f"d/k{i:04d}")) is not None] == list(range(150, 250))
+    # Put again: the refreshed entry is the youngest, so the next one out is the one after it.
+    clock.now += 0.001
+    p = CachePath("m", "d/k0150")
+    t.put(p, ObjectMeta(p, 150, f"{150:032x}", 1.0))
+    clock.now += 0.001
+    q = CachePath("m", "d/k9999")
+    t.put(q, ObjectMeta(q, 1, f"{1:032x}", 1.0))
+    assert t.get(p) is not None and t.get(CachePath("m", "d/k0151")) is None
+    check_invariants(t)
+
+
+def test_sizes_past_32_bits_and_expiry_past_49_days():
+    clock = Clock()
+    t = MetadataTable(10, clock=clock)
+    p, q = CachePath("m", "big"), CachePath("m", "small")
+    t.put(p, ObjectMeta(p, 5 << 40, "v", 1.0))
+    t.put(q, ObjectMeta(q, 0xFFFFFFFE, "v", 1.0))
+    assert t.get(p).size == 5 << 40 and t.get(q).size == 0xFFFFFFFE
+    t.put(p, ObjectMeta(p, 3, "v", 1.0))  # shrinks: no longer in the side table
+    assert t.get(p).size == 3 and not t._big
+    for _ in range(3):  # expiries are 32-bit milliseconds: the epoch moves on
+        clock.now += 30 * 86400
+        assert t.get(p) is None
+        t.put(p, ObjectMeta(p, 3, "v", 1.0))
+        clock.now += 9.999
+        assert t.get(p) is not None
+        assert t.get_with_expiry(p)[1] == pytest.approx(clock.now + 0.001, abs=1e-6)
+        clock.now += 0.001
+        assert t.get(p) is None
+    check_invariants(t)
+
+
+def test_freeing_a_prefix_costs_what_it_frees_and_never_stalls_reads():
+    """#47: a Free of 1,000 objects among 1,000,000 returns in milliseconds (a walk of the whole
+    table under its lock took ~1.5 s, every read waiting) and a reader meanwhile never waits long."""
+    import time
+
+    from cachefs.mounts import MountTable
+    from cachefs.store.objects import ObjectStore
+
+    store = ObjectStore(MountTable([]), metadata_ttl=3600)
+    table = store._meta
+    for i in range(1_000_000):
+        p = CachePath("data", f"train/{i // 1000:05d}/{i:08d}.jpg")
+        table.put(p, ObjectMeta(p, 4096, f"4096-{1.7e9!r}", 1.7e9))
+    probe = CachePath("data", "train/00999/00999999.jpg")
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            assert table.get(probe) is not None
+            waits.append(time.perf_counter() - t0)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        store.forget_prefix("data", "train/00500/")
+        took = time.perf_counter() - t0
+    finally:
+        stop.set()
+        reader.join(timeout=10)
+    assert took < 0.1, took
+    assert max(waits) < 0.1, max(waits)
+    assert len(table) == 999_000
+    assert table.get(CachePath("data", "train/00500/00500000.jpg")) is None
+    assert table.get(CachePath("data", "train/00501/00501000.jpg")) is not None

@@ -1,31 +1,39 @@
-"""A compact object-metadata table: millions of ``CachePath -> ObjectMeta`` entries, no object each.
+"""A compact object-metadata table: ten million ``CachePath -> ObjectMeta`` entries in < 64 bytes each.
 
-Drop-in for ``TTLCache[CachePath, ObjectMeta]`` as :class:`ObjectStore` uses it (``get``, ``put``,
-``pop``, ``pop_where``), with the same semantics: entries expire ``ttl`` seconds after their last
-``put`` (``get`` of an expired entry drops it and answers None), ``ttl <= 0`` makes ``put`` a no-op,
-and when ``max_entries`` are held a ``put`` of a new key evicts the entry put longest ago (FIFO by
-put order, exactly as TTLCache's OrderedDict; with one ttl the oldest put is also the first to
-expire, so expired entries go first).
+What :class:`ObjectStore` keeps of each object it has seen (``get``, ``put``, ``pop``,
+``pop_prefix``), as TTLCache did: entries expire ``ttl`` seconds after their last ``put``
+(``get`` of one past its grace drops it and answers None), ``ttl <= 0`` makes ``put`` a no-op.
 
-Layout (why it fits DESIGN.md section 5's "10 M objects in < 2 GiB"): one fixed 60-byte record per
-entry in one ``bytearray`` (read and written with one ``struct`` call, so a lookup touches one or
-two cache lines rather than one per column; ``numpy.frombuffer`` with a packed structured dtype
-gives zero-copy column views for the bulk operations), and the key and version bytes in a second
-``bytearray`` arena. Record: hash 8, arena offset 8, key length 4, mount id + flags 4, version
-length 4, size 8, mtime 8, expiry 8, put sequence 8 = 60 bytes, plus the key's UTF-8 bytes, plus the version:
-an ETag of 32 lowercase hex digits is kept as its 16 raw bytes, a version equal to
-``f"{size}-{mtime!r}"`` (what local and generic stores get from ``version_of``) takes no bytes at
-all, anything else is kept as UTF-8 text. Mount names are interned in a small side table.
+Bound (issue #47): ``max_bytes``, not a count. Each entry is charged ``ENTRY_BYTES`` (its record
+and its share of the index) plus its name's bytes after the last ``/`` plus its stored version
+bytes; each directory ``DIR_BYTES`` plus its path. A ``put`` that would take the total past
+``max_bytes`` first drops the entries put longest ago (their expiry, to the millisecond, is the
+order; with one ttl the oldest put is also the first to expire, so expired entries go first).
+``max_entries`` is an optional count bound on top (tests compare against TTLCache with it).
 
-Index: open addressing over an ``array('i')`` of row numbers (power-of-two size, load <= 0.7
-counting tombstones, linear probing), keyed by ``xxh3_64(key bytes, seed=mount id)``; a hash hit
-is confirmed against the stored key bytes, so a collision never answers with another object's
-metadata. Freed rows go on a free list and are reused (their arena bytes too, when the new entry
-fits); the arena is compacted in place when more than half of it is garbage.
+Layout: one 40-byte record per entry in one ``bytearray`` (one ``struct`` call per access;
+``numpy.frombuffer`` gives column views for bulk work): hash 4, arena offset 4, name length 2,
+version length 2, directory id + flags 4, size 4 (sizes of 4 GiB and more: in a side dict),
+expiry 4 (milliseconds after the table's epoch, rebased before it wraps), previous and next
+entry of the same directory 4 + 4, mtime 8. Keys are split at their last ``/``: the directory
+is interned once (a ``dict``, with a sorted list per mount for prefixes), the record keeps the
+name's UTF-8 bytes in an arena, with the version: an ETag of 32 lowercase hex digits as its 16
+raw bytes, a version equal to ``f"{size}-{mtime!r}"`` (local and generic stores) as nothing.
+
+Index: open addressing over an ``array('i')`` of row numbers, keyed by ``xxh3_64(name,
+seed=directory id)`` (low 32 bits), confirmed against the stored name, so a collision never
+answers for another object. Freed rows are reused; the arena is compacted when over half garbage.
+
+Removing a prefix costs what it removes: the directories under it come from a bisect of the
+sorted directory list, their entries from each directory's chain, freed a batch at a time with
+the lock let go in between (reads never wait for a whole prefix); only the one directory a
+prefix ends inside is walked whole (its names are tested).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import struct
 import sys
 import threading
@@ -44,27 +52,37 @@ _hash = xxhash.xxh3_64_intdigest  # module level so tests can force collisions
 _EMPTY = -1
 _TOMB = -2
 _MAX_LOAD = 0.7
-_DEAD_SEQ = (1 << 64) - 1  # freed rows: never chosen for eviction
+_DEAD = 0xFFFFFFFF  # expiry of freed rows: never chosen for eviction
+_MAX_EXPIRY = 0xFFFFFFF0  # a later expiry rebases the epoch first
+_MAX_TTL_MS = 1 << 31  # ttls past ~24.8 days count as that
+_BIG = 0xFFFFFFFF  # size column: the real size is in _big
 _COMPACT_MIN = 1 << 20  # garbage arena bytes tolerated before a compaction is considered
+_MAX_NAME = 0xFFFF  # longer names (after the last "/") or versions are not kept
+_BATCH = 256  # entries a prefix removal frees per hold of the lock
 
-# Low 4 bits of the mount/flags column; the mount id sits above them.
+# Low 4 bits of the directory/flags column; the directory id sits above them.
 _LIVE = 1
 _DIR = 2
 _ETAG = 4  # version = 16 raw bytes in the arena, shown as 32 lowercase hex digits
 _DERIVED = 8  # version == f"{size}-{mtime!r}": nothing stored
 _FLAG_BITS = 4
 
-_ROW = struct.Struct("<QqIIIqddQ")  # hash, off, klen, mf, vlen, size, mtime, expiry, seq
+#: Bytes each entry is charged besides its name and version: its record and about 8 of index.
+ENTRY_BYTES = 48
+#: Bytes each directory is charged besides its path (its dict and list entries).
+DIR_BYTES = 160
+
+_ROW = struct.Struct("<IIHHIIIiid")  # hash, off, klen, vlen, df, size, expiry, prev, next, mtime
 _RS = _ROW.size
 _ZERO_ROW = bytes(_RS)
-_MF_AT, _MF = 20, struct.Struct("<I")
-_SEQ_AT, _SEQ = 52, struct.Struct("<Q")
-_OFF_AT, _OFF = 8, struct.Struct("<q")
-_LENS = struct.Struct("<qII")  # off, klen, mf at +8
-_ROW_DTYPE = np.dtype({"names": ["hash", "off", "klen", "mf", "vlen", "size", "mtime", "expiry", "seq"],
-                       "formats": ["<u8", "<i8", "<u4", "<u4", "<u4", "<i8", "<f8", "<f8", "<u8"],
-                       "offsets": [0, 8, 16, 20, 24, 28, 36, 44, 52], "itemsize": _RS})
-assert _RS == 60
+_DF_AT, _U32 = 12, struct.Struct("<I")
+_EXP_AT = 20
+_PREV_AT, _NEXT_AT, _I32 = 24, 28, struct.Struct("<i")
+_LINKS = struct.Struct("<ii")
+_ROW_DTYPE = np.dtype({"names": ["hash", "off", "klen", "vlen", "df", "size", "expiry", "prev", "next", "mtime"],
+                       "formats": ["<u4", "<u4", "<u2", "<u2", "<u4", "<u4", "<u4", "<i4", "<i4", "<f8"],
+                       "offsets": [0, 4, 8, 10, 12, 16, 20, 24, 28, 32], "itemsize": _RS})
+assert _RS == 40
 
 
 def _encode(text: str) -> bytes:
@@ -74,41 +92,67 @@ def _encode(text: str) -> bytes:
         return text.encode("utf-8", "surrogatepass")
 
 
-class MetadataTable:
-    """``CachePath -> ObjectMeta`` with a TTL and a bound, about 130 bytes per entry."""
+def _split(key: str) -> tuple[str, str]:
+    """(directory with its trailing "/", or "" at the top; the name after it)."""
+    head, sep, name = key.rpartition("/")
+    return head + sep, name
 
-    def __init__(self, ttl: float, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic,
-                 grace: float = 0.0):
+
+class MetadataTable:
+    """``CachePath -> ObjectMeta`` with a TTL, bounded by bytes; about 60 bytes per entry."""
+
+    def __init__(self, ttl: float, max_bytes: int = 1 << 30, clock: Callable[[], float] = time.monotonic,
+                 grace: float = 0.0, max_entries: int | None = None):
         self.ttl = ttl
         self.grace = grace  # an expired entry is kept this long more, for get_stale()
+        self.max_bytes = max_bytes
         self._max = max_entries
         self._clock = clock
+        self._epoch = clock()  # expiries are milliseconds after this
         self._lock = threading.Lock()
         self._mount_ids: dict[str, int] = {}
         self._mounts: list[str] = []
         self._rows = bytearray()  # _RS bytes per row
         self._arena = bytearray()
         self._free = array("i")  # reusable rows
+        self._big: dict[int, int] = {}  # row -> size, sizes that do not fit 32 bits
         self._live = 0
         self._live_bytes = 0  # arena bytes owned by live rows; the rest is garbage
-        self._next_seq = 0
+        self._charged = 0  # what max_bytes bounds
+        # Directories: (mount id, path) -> id; per id its path, mount, first entry, entry count.
+        self._dirs: dict[tuple[int, str], int] = {}
+        self._dir_path: list[str | None] = []
+        self._dir_mount = array("i")
+        self._dir_head = array("i")
+        self._dir_count = array("i")
+        self._dir_free = array("i")
+        self._sorted: dict[int, list[str]] = {}  # mount id -> its directories' paths, sorted
         # Index: row numbers, _EMPTY or _TOMB.
         self._index = array("i", [_EMPTY]) * 8
         self._mask = 7
         self._used = 0  # live + tombstone slots
-        # Eviction candidates: the oldest rows at the last scan, oldest first, with their seq then.
+        # Eviction candidates: the oldest rows at the last scan, oldest first, with their expiry then.
         self._evict_rows: list[int] = []
-        self._evict_seqs: list[int] = []
+        self._evict_exps: list[int] = []
         self._evict_at = 0
 
     def __len__(self) -> int:
         with self._lock:
             return self._live
 
-    def memory_bytes(self) -> int:
-        """Bytes allocated for the entries (records, arena, index, free list)."""
+    def charged_bytes(self) -> int:
+        """What ``max_bytes`` bounds (see the module's docstring)."""
         with self._lock:
-            return sum(sys.getsizeof(p) for p in (self._rows, self._arena, self._free, self._index))
+            return self._charged
+
+    def memory_bytes(self) -> int:
+        """Bytes allocated for the entries (records, arena, index, free list, directories)."""
+        with self._lock:
+            arrays = (self._rows, self._arena, self._free, self._index, self._dir_mount, self._dir_head,
+                      self._dir_count, self._dir_free)
+            dirs = sys.getsizeof(self._dirs) + sys.getsizeof(self._dir_path) + sum(
+                sys.getsizeof(p) + 64 + 8 for p in self._dir_path if p is not None)  # path, tuple key, list slot
+            return sum(sys.getsizeof(p) for p in arrays) + dirs + 100 * len(self._big)
 
     def _view(self) -> np.ndarray:
         """Column view of the records; drop it before the records can grow."""
@@ -117,10 +161,13 @@ class MetadataTable:
     def _row(self, r: int) -> tuple:
         return _ROW.unpack_from(self._rows, r * _RS)
 
+    def _now_ms(self) -> int:
+        return round((self._clock() - self._epoch) * 1000)
+
     # -- lookups -------------------------------------------------------------------------------
 
-    def _find(self, mid: int, kb: bytes, h: int) -> tuple[int, int, tuple | None]:
-        """(slot, row, record) of the key, or (first reusable slot, -1, None) when absent."""
+    def _find(self, d: int, kb: bytes, h: int) -> tuple[int, int, tuple | None]:
+        """(slot, row, record) of the name in directory ``d``, or (first reusable slot, -1, None)."""
         index, rows, arena, unpack = self._index, self._rows, self._arena, _ROW.unpack_from
         mask = self._mask
         i = h & mask
@@ -135,11 +182,18 @@ class MetadataTable:
                     reuse = i
             else:
                 rec = unpack(rows, r * _RS)
-                if rec[0] == h and rec[2] == n and rec[3] >> _FLAG_BITS == mid:
+                if rec[0] == h and rec[2] == n and rec[4] >> _FLAG_BITS == d:
                     o = rec[1]
                     if arena[o:o + n] == kb:
                         return i, r, rec
             i = (i + 1) & mask
+
+    def _slot_of(self, r: int, h: int) -> int:
+        index, mask = self._index, self._mask
+        i = h & mask
+        while index[i] != r:
+            i = (i + 1) & mask
+        return i
 
     def get(self, path: CachePath) -> ObjectMeta | None:
         """The entry while it is fresh (younger than the TTL)."""
@@ -148,46 +202,57 @@ class MetadataTable:
 
     def get_stale(self, path: CachePath) -> tuple[ObjectMeta, bool] | None:
         """The entry and whether it is still fresh, up to ``grace`` seconds past its TTL."""
-        found = self.get_with_expiry(path)
-        return None if found is None else (found[0], found[1] > self._clock())
+        found = self._get(path)
+        return None if found is None else (found[0], found[1] > found[2])
 
     def get_fresh_until(self, path: CachePath) -> tuple[ObjectMeta, float] | None:
         """The entry while it is fresh, and when (on this table's clock) it stops being so."""
-        found = self.get_with_expiry(path)
-        return found if found is not None and found[1] > self._clock() else None
+        found = self._get(path)
+        return (found[0], self._epoch + found[1] / 1000) if found is not None and found[1] > found[2] else None
 
     def get_with_expiry(self, path: CachePath) -> tuple[ObjectMeta, float] | None:
         """The entry (up to ``grace`` seconds past its TTL) and its expiry on this table's clock."""
+        found = self._get(path)
+        return None if found is None else (found[0], self._epoch + found[1] / 1000)
+
+    def _get(self, path: CachePath) -> tuple[ObjectMeta, int, int] | None:
+        """(entry, expiry, now) in table milliseconds, up to ``grace`` past its TTL."""
         mid = self._mount_ids.get(path.mount)
         if mid is None:
             return None
-        kb = _encode(path.key)
-        h = _hash(kb, mid)
+        dpath, name = _split(path.key)
+        kb = _encode(name)
         with self._lock:
-            slot, r, rec = self._find(mid, kb, h)
+            d = self._dirs.get((mid, dpath))
+            if d is None:
+                return None
+            slot, r, rec = self._find(d, kb, _hash(kb, d) & 0xFFFFFFFF)
             if rec is None:
                 return None
-            _, o, klen, flags, vlen, size, mtime, expiry, _ = rec
-            now = self._clock()
-            if expiry + self.grace <= now:
+            _, o, klen, vlen, df, size, expiry, _, _, mtime = rec
+            now = self._now_ms()
+            if expiry + round(self.grace * 1000) <= now:
                 self._free_row(slot, r)
                 return None
-            if flags & _ETAG:
+            if size == _BIG:
+                size = self._big[r]
+            if df & _ETAG:
                 o += klen
                 version = self._arena[o:o + 16].hex()
-            elif flags & _DERIVED:
+            elif df & _DERIVED:
                 version = f"{size}-{mtime!r}"
             else:
                 o += klen
                 version = self._arena[o:o + vlen].decode("utf-8", "surrogatepass")
-        return ObjectMeta(path, size, version, mtime, bool(flags & _DIR)), expiry
+        return ObjectMeta(path, size, version, mtime, bool(df & _DIR)), expiry, now
 
     # -- updates -------------------------------------------------------------------------------
 
     def put(self, path: CachePath, meta: ObjectMeta) -> None:
-        if self.ttl <= 0 or self._max <= 0:
+        if self.ttl <= 0 or self.max_bytes <= 0 or (self._max is not None and self._max <= 0):
             return
-        kb = _encode(path.key)
+        dpath, name = _split(path.key)
+        kb = _encode(name)
         size, mtime, version = meta.size, float(meta.mtime), meta.version
         flags = _LIVE | (_DIR if meta.is_dir else 0)
         vb = b""
@@ -204,28 +269,55 @@ class MetadataTable:
                 flags |= _DERIVED
             else:
                 vb = _encode(version)
+        if len(kb) > _MAX_NAME or len(vb) > _MAX_NAME:
+            return  # no real name is that long; the store is asked each time
+        small = 0 <= size < _BIG
         with self._lock:
+            now = self._now_ms()
+            expiry = now + min(_MAX_TTL_MS, math.ceil(self.ttl * 1000))
+            if expiry > _MAX_EXPIRY:
+                self._rebase(now)
+                now = self._now_ms()
+                expiry = now + min(_MAX_TTL_MS, math.ceil(self.ttl * 1000))
             mid = self._mount_ids.get(path.mount)
             if mid is None:
                 mid = self._mount_ids[path.mount] = len(self._mounts)
                 self._mounts.append(path.mount)
-            h = _hash(kb, mid)
-            now = self._clock()
-            slot, r, rec = self._find(mid, kb, h)
+            d = self._dirs.get((mid, dpath))
+            if d is None:
+                d = self._new_dir(mid, dpath)
+            h = _hash(kb, d) & 0xFFFFFFFF
+            slot, r, rec = self._find(d, kb, h)
             if rec is not None:  # update in place: a new put moves the entry to the back of the queue
                 off = self._store_version(rec, kb, vb)
+                self._charged += len(vb) - rec[3]
+                prev, nxt = rec[7], rec[8]
             else:
-                if self._live >= self._max:
+                charge = ENTRY_BYTES + len(kb) + len(vb)
+                while self._live and (self._charged + charge > self.max_bytes
+                                      or (self._max is not None and self._live >= self._max)):
                     self._evict_one()
-                    slot, _, _ = self._find(mid, kb, h)  # eviction may have left an earlier tombstone
+                if (mid, dpath) not in self._dirs:  # eviction emptied (and dropped) it
+                    d = self._new_dir(mid, dpath)
+                    h = _hash(kb, d) & 0xFFFFFFFF
+                slot, _, _ = self._find(d, kb, h)  # eviction may have left an earlier tombstone
                 r, off = self._new_row(kb, vb)
                 if self._index[slot] == _EMPTY:
                     self._used += 1
                 self._index[slot] = r
                 self._live += 1
-            _ROW.pack_into(self._rows, r * _RS, h, off, len(kb), mid << _FLAG_BITS | flags, len(vb), size, mtime,
-                           now + self.ttl, self._next_seq)
-            self._next_seq += 1
+                self._charged += charge
+                prev, nxt = -1, self._dir_head[d]
+                if nxt >= 0:
+                    _I32.pack_into(self._rows, nxt * _RS + _PREV_AT, r)
+                self._dir_head[d] = r
+                self._dir_count[d] += 1
+            if small:
+                self._big.pop(r, None)
+            else:
+                self._big[r] = size
+            _ROW.pack_into(self._rows, r * _RS, h, off, len(kb), len(vb), d << _FLAG_BITS | flags,
+                           size if small else _BIG, expiry, prev, nxt, mtime)
             if self._used > _MAX_LOAD * (self._mask + 1):
                 self._rebuild_index()
             if len(self._arena) - self._live_bytes > max(_COMPACT_MIN, len(self._arena) >> 1):
@@ -235,36 +327,100 @@ class MetadataTable:
         mid = self._mount_ids.get(path.mount)
         if mid is None:
             return
-        kb = _encode(path.key)
-        h = _hash(kb, mid)
+        dpath, name = _split(path.key)
+        kb = _encode(name)
         with self._lock:
-            slot, r, _ = self._find(mid, kb, h)
+            d = self._dirs.get((mid, dpath))
+            if d is None:
+                return
+            slot, r, _ = self._find(d, kb, _hash(kb, d) & 0xFFFFFFFF)
             if r >= 0:
                 self._free_row(slot, r)
 
-    def pop_where(self, predicate: Callable[[CachePath], bool]) -> None:
-        with self._lock:
-            view = self._view()
-            rows = np.flatnonzero(view["mf"] & _LIVE).tolist()
-            del view
-            doomed = []
-            mounts, recs, arena, unpack = self._mounts, self._rows, self._arena, _LENS.unpack_from
-            for r in rows:
-                o, klen, mf = unpack(recs, r * _RS + _OFF_AT)
-                path = CachePath(mounts[mf >> _FLAG_BITS], arena[o:o + klen].decode("utf-8", "surrogatepass"))
-                if predicate(path):
-                    doomed.append(r)
-            for r in doomed:
-                self._drop_row(r)
+    def pop_prefix(self, mount: str, prefix: str) -> int:
+        """Drop every entry of ``mount`` whose key starts with ``prefix``; how many were dropped.
+
+        Costs what it drops (plus the one directory the prefix ends inside), a batch of entries
+        per hold of the lock, so reads go on meanwhile. Entries put while it runs may stay."""
+        mid = self._mount_ids.get(mount)
+        if mid is None:
+            return 0
+        dropped = 0
+        inside, rest = _split(prefix)
+        if rest:  # the directory the prefix ends inside: only its names that start with the rest
+            rb = _encode(rest)
+            with self._lock:
+                d = self._dirs.get((mid, inside))
+                r = self._dir_head[d] if d is not None else -1
+                doomed = []
+                rows, arena, unpack = self._rows, self._arena, _ROW.unpack_from
+                while r >= 0:
+                    rec = unpack(rows, r * _RS)
+                    if arena[rec[1]:rec[1] + rec[2]].startswith(rb):
+                        doomed.append((r, rec[0]))
+                    r = rec[8]
+                for r, h in doomed:
+                    self._free_row(self._slot_of(r, h), r)
+                dropped += len(doomed)
+        with self._lock:  # every directory whose path starts with the prefix: all of it
+            paths = self._sorted.get(mid, [])
+            i = bisect.bisect_left(paths, prefix)
+            under = []
+            while i < len(paths) and paths[i].startswith(prefix):
+                under.append((paths[i], self._dirs[(mid, paths[i])]))
+                i += 1
+        for dpath, d in under:
+            while True:
+                with self._lock:
+                    if self._dirs.get((mid, dpath)) != d:
+                        break  # emptied (or emptied and made again) meanwhile
+                    r = self._dir_head[d]
+                    for _ in range(_BATCH):
+                        if r < 0:
+                            break
+                        h, nxt = _U32.unpack_from(self._rows, r * _RS)[0], _I32.unpack_from(self._rows, r * _RS + _NEXT_AT)[0]
+                        self._free_row(self._slot_of(r, h), r)
+                        dropped += 1
+                        r = nxt
+                    if r < 0:
+                        break
+        return dropped
 
     # -- internals (lock held) ---------------------------------------------------------------
+
+    def _new_dir(self, mid: int, dpath: str) -> int:
+        if self._dir_free:
+            d = self._dir_free.pop()
+            self._dir_path[d] = dpath
+            self._dir_mount[d] = mid
+            self._dir_head[d] = -1
+            self._dir_count[d] = 0
+        else:
+            d = len(self._dir_path)
+            self._dir_path.append(dpath)
+            self._dir_mount.append(mid)
+            self._dir_head.append(-1)
+            self._dir_count.append(0)
+        self._dirs[(mid, dpath)] = d
+        bisect.insort(self._sorted.setdefault(mid, []), dpath)
+        self._charged += DIR_BYTES + len(dpath)
+        return d
+
+    def _drop_dir(self, d: int) -> None:
+        dpath, mid = self._dir_path[d], self._dir_mount[d]
+        del self._dirs[(mid, dpath)]
+        paths = self._sorted[mid]
+        del paths[bisect.bisect_left(paths, dpath)]
+        self._dir_path[d] = None
+        self._dir_free.append(d)
+        self._charged -= DIR_BYTES + len(dpath)
 
     def _new_row(self, kb: bytes, vb: bytes) -> tuple[int, int]:
         """(row, arena offset) for a new entry, ``kb + vb`` already in the arena; the caller packs the record."""
         n = len(kb) + len(vb)
         if self._free:
             r = self._free.pop()
-            _, o, klen, _, vlen = _ROW.unpack_from(self._rows, r * _RS)[:5]
+            _, o, klen, vlen = _ROW.unpack_from(self._rows, r * _RS)[:4]
             if n <= klen + vlen:  # reuse its arena bytes
                 self._arena[o:o + n] = kb + vb
             else:
@@ -281,12 +437,12 @@ class MetadataTable:
         return r, o
 
     def _store_version(self, rec: tuple, kb: bytes, vb: bytes) -> int:
-        """Write a live row's new version bytes (its key stays); its arena offset, perhaps moved."""
-        o, old = rec[1], rec[4]
+        """Write a live row's new version bytes (its name stays); its arena offset, perhaps moved."""
+        o, old = rec[1], rec[3]
         if len(vb) <= old:
             if vb:
                 self._arena[o + len(kb):o + len(kb) + len(vb)] = vb
-        else:  # does not fit: move key and version to the end
+        else:  # does not fit: move name and version to the end
             o = len(self._arena)
             self._arena += kb
             self._arena += vb
@@ -295,50 +451,67 @@ class MetadataTable:
 
     def _free_row(self, slot: int, r: int) -> None:
         at = r * _RS
-        _, _, klen, _, vlen = _ROW.unpack_from(self._rows, at)[:5]
+        _, _, klen, vlen, df = _ROW.unpack_from(self._rows, at)[:5]
+        prev, nxt = _LINKS.unpack_from(self._rows, at + _PREV_AT)
+        d = df >> _FLAG_BITS
+        if prev >= 0:
+            _I32.pack_into(self._rows, prev * _RS + _NEXT_AT, nxt)
+        else:
+            self._dir_head[d] = nxt
+        if nxt >= 0:
+            _I32.pack_into(self._rows, nxt * _RS + _PREV_AT, prev)
+        self._dir_count[d] -= 1
+        if not self._dir_count[d]:
+            self._drop_dir(d)
         self._index[slot] = _TOMB
-        _MF.pack_into(self._rows, at + _MF_AT, 0)
-        _SEQ.pack_into(self._rows, at + _SEQ_AT, _DEAD_SEQ)
+        _U32.pack_into(self._rows, at + _DF_AT, 0)
+        _U32.pack_into(self._rows, at + _EXP_AT, _DEAD)
+        self._big.pop(r, None)
         self._live -= 1
         self._live_bytes -= klen + vlen
+        self._charged -= ENTRY_BYTES + klen + vlen
         self._free.append(r)
 
-    def _drop_row(self, r: int) -> None:
-        """Free live row ``r`` (finding its index slot from its own key)."""
-        h, o, klen, mf = _ROW.unpack_from(self._rows, r * _RS)[:4]
-        slot, found, _ = self._find(mf >> _FLAG_BITS, bytes(self._arena[o:o + klen]), h)
-        assert found == r
-        self._free_row(slot, r)
-
     def _evict_one(self) -> None:
-        """Drop the entry put longest ago (TTLCache's order)."""
+        """Drop the entry put longest ago (the smallest expiry)."""
         while True:
             while self._evict_at < len(self._evict_rows):
                 r = self._evict_rows[self._evict_at]
-                s = self._evict_seqs[self._evict_at]
+                e = self._evict_exps[self._evict_at]
                 self._evict_at += 1
-                if _SEQ.unpack_from(self._rows, r * _RS + _SEQ_AT)[0] == s:  # live, not put again since
-                    self._drop_row(r)
+                rec = _ROW.unpack_from(self._rows, r * _RS)
+                if rec[6] == e and rec[4] & _LIVE:  # live, not put again since
+                    self._free_row(self._slot_of(r, rec[0]), r)
                     return
             self._scan_oldest()
 
     def _scan_oldest(self) -> None:
-        """Refill the eviction queue with the oldest live rows (1/256 of the bound, at least 1).
+        """Refill the eviction queue with the oldest live rows (1/256 of them, at least 1).
 
-        Rows not chosen were all put after every chosen one, and rows put later are younger
-        still, so the queue's head (skipping rows freed or put again since) is the oldest entry.
-        """
+        Rows not chosen expire no sooner than every chosen one, and rows put later later still,
+        so the queue's head (skipping rows freed or put again since) is the oldest entry."""
         view = self._view()
-        seq = view["seq"].copy()
+        exp = view["expiry"].copy()
         del view
-        k = min(max(1, self._max >> 8), self._live, len(seq))
-        cand = np.argpartition(seq, k - 1)[:k] if k < len(seq) else np.arange(len(seq))
-        cand = cand[np.argsort(seq[cand], kind="stable")]
-        seqs = seq[cand]
-        keep = seqs != np.uint64(_DEAD_SEQ)
+        k = min(max(1, self._live >> 8), self._live, len(exp))
+        cand = np.argpartition(exp, k - 1)[:k] if k < len(exp) else np.arange(len(exp))
+        cand = cand[np.argsort(exp[cand], kind="stable")]
+        exps = exp[cand]
+        keep = exps != np.uint32(_DEAD)
         self._evict_rows = cand[keep].tolist()
-        self._evict_seqs = seqs[keep].tolist()
+        self._evict_exps = exps[keep].tolist()
         self._evict_at = 0
+
+    def _rebase(self, now: int) -> None:
+        """Move the epoch to now before expiries outgrow 32 bits (every ~49 days)."""
+        view = self._view()
+        exp = view["expiry"].astype(np.int64)
+        live = exp != _DEAD
+        exp[live] = np.maximum(exp[live] - now, 0)
+        view["expiry"] = exp.astype(np.uint32)
+        del view
+        self._epoch += now / 1000
+        self._evict_rows, self._evict_exps, self._evict_at = [], [], 0
 
     def _rebuild_index(self) -> None:
         """Rehash every live row into a fresh index (doubling it when over half full), vectorised."""
@@ -347,8 +520,8 @@ class MetadataTable:
             size <<= 1
         mask = size - 1
         view = self._view()
-        live = np.flatnonzero(view["mf"] & _LIVE)
-        pos = (view["hash"][live] & np.uint64(mask)).astype(np.int64)
+        live = np.flatnonzero(view["df"] & _LIVE)
+        pos = (view["hash"][live] & np.uint32(mask)).astype(np.int64)
         del view
         index = np.full(size, _EMPTY, dtype=np.int32)
         rows = live.astype(np.int32)
@@ -369,22 +542,27 @@ class MetadataTable:
         self._used = self._live
 
     def _compact_arena(self) -> None:
-        """Slide live rows' bytes down over the garbage, in offset order, and truncate."""
+        """Copy live rows' bytes into a fresh arena, in offset order, a chunk of rows at a time (vectorised)."""
         view = self._view()
-        live = np.flatnonzero(view["mf"] & _LIVE)
-        order = live[np.argsort(view["off"][live], kind="stable")].tolist()
-        del view, live
-        arena, recs, unpack, pack = self._arena, self._rows, _ROW.unpack_from, _OFF.pack_into
-        to = 0
-        for r in order:
-            _, o, klen, _, vlen = unpack(recs, r * _RS)[:5]
-            n = klen + vlen
-            if o != to:
-                arena[to:to + n] = arena[o:o + n]
-                pack(recs, r * _RS + _OFF_AT, to)
-            to += n
-        del arena[to:]
-        for r in self._free:  # their bytes are gone: a reused free row appends
-            struct.pack_into("<II", recs, r * _RS + 16, 0, 0)  # klen, mf (already 0)
-            struct.pack_into("<I", recs, r * _RS + 24, 0)  # vlen
-        self._live_bytes = to
+        live = np.flatnonzero(view["df"] & _LIVE)
+        offs = view["off"][live].astype(np.int64)
+        lens = view["klen"][live].astype(np.int64) + view["vlen"][live]
+        order = np.argsort(offs, kind="stable")
+        live, offs, lens = live[order], offs[order], lens[order]
+        to = np.cumsum(lens) - lens
+        total = int(lens.sum())
+        out = bytearray(total)
+        src, dst = np.frombuffer(self._arena, np.uint8), np.frombuffer(out, np.uint8)
+        for a in range(0, len(live), 1 << 16):
+            o, n, t = offs[a:a + (1 << 16)], lens[a:a + (1 << 16)], to[a:a + (1 << 16)]
+            count = int(n.sum())
+            if count:
+                start = int(t[0])
+                dst[start:start + count] = src[np.repeat(o - t, n) + np.arange(start, start + count)]
+        view["off"][live] = to.astype(np.uint32)
+        free = np.frombuffer(self._free, np.int32)
+        view["klen"][free] = 0  # their bytes are gone: a reused free row appends
+        view["vlen"][free] = 0
+        del view, src, dst, free
+        self._arena = out
+        self._live_bytes = total

@@ -110,6 +110,7 @@ class CacheFSErrorPassThrough(CacheFSError):
 STALE_HOLD = 2.0
 OPEN_JOIN_SECONDS = 120.0  # how long a caller waits on another's open of the same object
 LIST_CACHE_BYTES = 256 << 20  # listings kept, estimated bytes at most (WorkerConfig.list_cache_bytes)
+METADATA_CACHE_BYTES = 1 << 30  # objects' metadata kept, bytes at most (WorkerConfig.metadata_cache_bytes)
 LIST_CHUNK = 1000  # entries a store listing request returns at most (S3's own page)
 
 
@@ -117,7 +118,7 @@ class ObjectStore:
     """Metadata, listings and versioned ranged reads over every mount."""
 
     def __init__(self, mounts: MountTable, metadata_ttl: float = 30.0, list_ttl: float = 30.0,
-                 max_objects: int = 1_000_000, breaker: StoreBreaker | None = None, stale_grace: float = 0.0,
+                 metadata_cache_bytes: int = METADATA_CACHE_BYTES, breaker: StoreBreaker | None = None, stale_grace: float = 0.0,
                  s3_client: str = "auto", list_cache_bytes: int = LIST_CACHE_BYTES):
         if s3_client not in S3_CLIENTS:
             raise ValueError(f"s3_client must be one of {', '.join(S3_CLIENTS)}, got {s3_client!r}")
@@ -125,7 +126,7 @@ class ObjectStore:
         self.s3_client = s3_client  # which client S3 data reads take (backends.py)
         # Per mount: after a few connection failures in a row, fail at once (see health.py).
         self.breaker = breaker or StoreBreaker()
-        self._meta = MetadataTable(metadata_ttl, max_entries=max_objects, grace=stale_grace)
+        self._meta = MetadataTable(metadata_ttl, max_bytes=metadata_cache_bytes, grace=stale_grace)
         # Stale-while-revalidate: past its TTL (within the grace) an entry is still used, and
         # refreshed in the background, one refresh per object at a time, many of one directory
         # by one listing (revalidate.py).
@@ -444,14 +445,14 @@ class ObjectStore:
 
     def forget_mount(self, name: str) -> None:
         """A mount changed or went away: nothing cached about it may be trusted."""
-        self._meta.pop_where(lambda p: p.mount == name)
+        self._meta.pop_prefix(name, "")
         self._lists.forget(lambda k: k[0].mount == name)
         self._forgotten(None)
 
     def forget_prefix(self, mount: str, prefix: str) -> None:
         """Drop the metadata of every key starting with ``prefix`` (and the mount's listings),
         so what is read or loaded after a free is looked up afresh."""
-        self._meta.pop_where(lambda p: p.mount == mount and p.key.startswith(prefix))
+        self._meta.pop_prefix(mount, prefix)
         self._lists.forget(lambda k: k[0].mount == mount)
         # (Not told to on_forgotten: both callers, a free and a remove, delete the pages under
         # the prefix, so nothing of it can be read by name; telling would have to clear every

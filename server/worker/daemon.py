@@ -105,7 +105,8 @@ class Worker:
             self.mounts.awaiting = f"this worker has not had the mount table from master {config.master} yet"
         self.objects = ObjectStore(self.mounts, config.metadata_ttl, config.list_ttl,
                                    stale_grace=config.metadata_stale_grace, s3_client=config.s3_client,
-                                   list_cache_bytes=config.list_cache_bytes)
+                                   list_cache_bytes=config.list_cache_bytes,
+                                   metadata_cache_bytes=config.metadata_cache_bytes)
         # Training jobs' read plans (plans.py): with eviction "future" the page store evicts by them.
         # A plan changed (completed, replaced, expired): the sweeper thread asks every cached page's
         # next use again, off the RPC thread (at millions of pages that takes seconds).
