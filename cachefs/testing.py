@@ -1,4 +1,5 @@
-"""Helpers shared by the tests and the benchmarks: a real S3 endpoint (moto, server mode).
+"""Helpers shared by the tests and the benchmarks: a real S3 endpoint (moto, server mode), and
+a synthetic store of as many objects as asked for (``synthetic://``, :class:`SyntheticFileSystem`).
 
 moto runs in its own process, as a real object store would, so that its CPU time (a few ms
 per request) is not charged to the process under test. Needs the ``test`` extra.
@@ -12,7 +13,11 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from typing import Any
+
+import fsspec
+from fsspec import AbstractFileSystem
 
 _MOTO_MAIN = r"""
 import os, sys
@@ -109,3 +114,97 @@ class MotoServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SyntheticFileSystem(AbstractFileSystem):
+    """``count`` objects that exist only as arithmetic: ``{root}/dNNNNN/NNNNNNNN.bin``, object
+    ``i`` in directory ``i // per_dir``, each ``size`` bytes (a pattern made on read) with mtime
+    ``mtime``. Lists and stats ten million objects with no file behind them (#47's scale checks:
+    10 M page files would use most of a machine's free inodes). ``requests`` counts the calls a
+    store would answer, by kind. Mount it as ``synthetic://data`` with options ``count``,
+    ``per_dir``, ``size``, ``mtime``."""
+
+    protocol = "synthetic"
+    cachable = False  # each mount its own counters
+    root_marker = ""
+
+    def __init__(self, count: int = 1000, per_dir: int = 1000, size: int = 0, mtime: float = 1.7e9,
+                 root: str = "data", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.count, self.per_dir, self.size, self.mtime = int(count), int(per_dir), int(size), float(mtime)
+        self.root = root
+        self.requests: Counter[str] = Counter()
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        path = path[len("synthetic://"):] if path.startswith("synthetic://") else path
+        return path.strip("/")
+
+    def key(self, i: int) -> str:
+        """Object ``i``'s key below the root."""
+        return f"d{i // self.per_dir:05d}/{i:08d}.bin"
+
+    def _object(self, i: int) -> dict[str, Any]:
+        return {"name": f"{self.root}/{self.key(i)}", "size": self.size, "type": "file", "mtime": self.mtime}
+
+    def _dir(self, j: int) -> dict[str, Any]:
+        return {"name": f"{self.root}/d{j:05d}", "size": 0, "type": "directory"}
+
+    def _parse(self, path: str) -> tuple[str, int]:
+        """("root", 0), ("dir", j) or ("object", i); FileNotFoundError for anything else."""
+        path = self._strip_protocol(path)
+        if path == self.root:
+            return "root", 0
+        rest = path[len(self.root) + 1:] if path.startswith(self.root + "/") else ""
+        head, _, name = rest.partition("/")
+        if head[:1] == "d" and head[1:].isdigit() and int(head[1:]) * self.per_dir < self.count:
+            j = int(head[1:])
+            if not name and head == f"d{j:05d}":
+                return "dir", j
+            if name.endswith(".bin") and name[:-4].isdigit():
+                i = int(name[:-4])
+                if i < self.count and self.key(i) == rest:
+                    return "object", i
+        raise FileNotFoundError(path)
+
+    def _children(self, kind: str, n: int) -> list[dict[str, Any]]:
+        if kind == "root":
+            return [self._dir(j) for j in range(-(-self.count // self.per_dir))]
+        return [self._object(i) for i in range(n * self.per_dir, min(self.count, (n + 1) * self.per_dir))]
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        self.requests["info"] += 1
+        kind, n = self._parse(path)
+        if kind == "object":
+            return self._object(n)
+        return self._dir(n) if kind == "dir" else {"name": self.root, "size": 0, "type": "directory"}
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        self.requests["ls"] += 1
+        kind, n = self._parse(path)
+        found = [self._object(n)] if kind == "object" else self._children(kind, n)
+        return found if detail else [f["name"] for f in found]
+
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
+             **kwargs: Any) -> Any:
+        self.requests["find"] += 1
+        kind, n = self._parse(path)
+        if kind == "object":
+            found = [self._object(n)]
+        elif kind == "dir":
+            found = self._children(kind, n)
+        else:
+            found = [self._object(i) for i in range(self.count)]
+        return {f["name"]: f for f in found} if detail else [f["name"] for f in found]
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        self.requests["read"] += 1
+        kind, i = self._parse(path)
+        if kind != "object":
+            raise IsADirectoryError(path)
+        unit = f"{i:08d}\n".encode()  # each object's own bytes: a mixed-up read shows
+        data = (unit * (self.size // len(unit) + 1))[:self.size]
+        return data[start:end]
+
+
+fsspec.register_implementation("synthetic", SyntheticFileSystem, clobber=True)
