@@ -6,7 +6,11 @@ Layout (dirs 0o700, files 0o600)::
     <root>/store.json                    {"format": 1, "page_size": N}: pages of another page
                                          size cover other byte ranges, so a change empties the dir
     <root>/pages/<digest[:2]>/<digest>   page files (see pagefile.py)
-    <root>/tmp/<digest>.<random>.tmp     pages being written; leftovers are removed at startup
+    <root>/tmp/<digest>.<pid>-<n>.tmp    pages being written; another process's are leftovers
+                                         (removed in the background after a start: sweep.py)
+    <root>/clean                         written by a clean close once every row is committed;
+                                         taken (removed) at the next start: its absence means an
+                                         unclean stop, so orphan page files are swept (sweep.py)
     <root>/index/                        diskcache: digest -> (mount, key, version, index,
                                          file_size, checksum, last_access)
 
@@ -16,7 +20,7 @@ Index settings, measured on this machine (2 cores, ext4 on virtio; medians of 30
                                  DELETE journal+NORMAL 626 us | DELETE journal+OFF 59 us
     diskcache.delete             WAL+NORMAL 19 us
     batched last_access flush    16 us/page (one transaction, contains + set)
-    recovery scan                7 us/entry (iterkeys + get)
+    recovery scan                7 us/entry (iterkeys + get); one streamed SELECT: less (performance.md #47)
     1 MiB page file write+rename 2,650 us (3,490 us with fsync)
     diskcache.set, 1 MiB value   2,290 us
     xxh3_64 over 1 MiB           18.5 us (~57 GB/s)
@@ -33,8 +37,10 @@ import fcntl
 import json
 import logging
 import os
+import pickle
 import shutil
 import sqlite3
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import diskcache
@@ -43,7 +49,7 @@ from cachefs.pagenames import PAGES_SUBDIR, dir_score, page_file
 from cachefs.runtimedir import private_dir
 from cachefs.server.pagestore.policy import EvictionOrder, LruOrder
 
-__all__ = ["INDEX_ERRORS", "CacheDirInUseError", "DirHandle", "remove_path"]
+__all__ = ["INDEX_ERRORS", "CacheDirInUseError", "DirHandle", "IndexReset", "remove_path"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,10 @@ def _private_index(path: str) -> None:
             os.chmod(name, 0o600)
 
 
+class IndexReset(Exception):
+    """The index was unreadable while scanned and has been replaced by an empty one."""
+
+
 class CacheDirInUseError(RuntimeError):
     """Another PageStore (in this or another process) holds the cache dir's lock file."""
 
@@ -83,6 +93,7 @@ class DirHandle:
         self.pages = os.path.join(root, PAGES_SUBDIR)
         self.tmp = os.path.join(root, "tmp")
         self.used = 0  # bytes of READY + WRITING + not-yet-released REMOVING pages
+        self.reset = False  # the index was emptied this run: every page file is an orphan
         self.order: EvictionOrder = order if order is not None else LruOrder()  # READY pages
         private_dir(root)  # ours, not a symlink; refused if another user made it (cachefs/runtimedir.py)
         lock_path = os.path.join(root, "lock")
@@ -144,6 +155,7 @@ class DirHandle:
     def _open_index(self, reset: bool = False) -> diskcache.Cache:
         path = os.path.join(self.root, "index")
         if reset:
+            self.reset = True
             shutil.rmtree(path, ignore_errors=True)
         _private_index(path)
         try:
@@ -154,34 +166,49 @@ class DirHandle:
             log.warning("page index %s is unreadable (%s); starting empty", path, exc)
             return self._open_index(reset=True)
 
-    def scan_index(self) -> list[tuple[str, object]]:
-        """All (digest, record) pairs; an unreadable index is replaced by an empty one."""
-        assert self.index is not None
+    def scan_index(self) -> Iterator[tuple[str, object]]:
+        """Every (digest, record) pair, streamed by one SELECT (no per-key lookup, no list of a
+        million rows). An unreadable index is replaced by an empty one and IndexReset raised:
+        what was yielded must then be discarded (its pages become orphans, swept later)."""
+        index = self.index
+        assert index is not None
         try:
-            return [(digest, self.index.get(digest)) for digest in list(self.index.iterkeys())]
-        except sqlite3.DatabaseError as exc:  # its pages become orphans and are removed
+            cursor = index._sql("SELECT key, raw, mode, filename, value FROM Cache")
+            disk = index.disk
+            while batch := cursor.fetchmany(4096):
+                for key, raw, mode, filename, value in batch:
+                    if raw and mode == diskcache.core.MODE_PICKLE and value is not None and type(key) is str:
+                        yield key, pickle.loads(value)  # what disk.get/fetch do, without their copies
+                    else:
+                        yield disk.get(key, raw), disk.fetch(mode, filename, value, False)
+        except (sqlite3.DatabaseError, pickle.UnpicklingError, EOFError, OSError) as exc:
             log.warning("page index in %s is unreadable (%s); starting empty", self.root, exc)
-            self.index.close()
+            index.close()
             self.index = self._open_index(reset=True)
-            return []
+            raise IndexReset(self.root) from exc
 
-    def clean_tmp(self) -> int:
-        """Remove writes torn by a crash; returns how many."""
-        names = os.listdir(self.tmp)
-        for name in names:
-            remove_path(os.path.join(self.tmp, name))
-        return len(names)
+    def take_clean_mark(self) -> bool:
+        """True if the last run closed cleanly (every row committed, no debris left); the mark is
+        removed at once, durably, so a crash of this run reads as unclean at the next start."""
+        path = os.path.join(self.root, "clean")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return not self.reset
 
-    def remove_orphans(self, known: set[str]) -> int:
-        """Remove page files the index does not know (crash between rename and insert)."""
-        removed = 0
-        for fan in os.listdir(self.pages):
-            fan_path = os.path.join(self.pages, fan)
-            for name in os.listdir(fan_path) if os.path.isdir(fan_path) else ():
-                if name not in known or name[:2] != fan:
-                    remove_path(os.path.join(fan_path, name))
-                    removed += 1
-        return removed
+    def mark_clean(self) -> None:
+        """Record a clean stop (close(): rows committed, the orphan sweep done or not needed)."""
+        path = os.path.join(self.root, "clean")
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+        except OSError as exc:  # the next start sweeps for orphans: slower, never wrong
+            log.warning("cannot mark %s cleanly closed: %s", self.root, exc)
 
     def close(self) -> None:
         """Close the index and release the lock. Idempotent."""

@@ -19,8 +19,17 @@ Why it is built this way (DESIGN.md s2-s4):
   (:mod:`cachefs.server.pagestore.rows`): a page is READY once its file is renamed into place; its
   row, or its deletion (queued before the unlink), reaches SQLite in a batch, one transaction per
   dir, within ``row_delay`` seconds (a flush thread), sooner when ``batch_rows`` are queued, and
-  on close. A crash leaves at worst orphan files (removed at startup: their pages are lost) or
-  entries without files (dropped at startup). ``last_access`` is batched too: the same thread
+  on close. A crash leaves at worst orphan files (their pages are lost) or rows without files.
+* A restart trusts the index (#47): no stat or open per page, so a million pages load in seconds.
+  The rule that makes this safe: a row is queued only after its page file was written complete
+  and renamed into place, so a committed row never names a partial file, whatever instant a
+  process is killed at (a power loss may still tear or lose a file: its checksum or size fails).
+  Each page is verified on its first read as on every read, and a missing or bad file is then
+  dropped and refetched. A row without a file keeps its bytes counted until it is read or evicted
+  (at most the operations queued at the crash). Orphan files and tmp files are removed behind
+  (sweep.py): tmp files after every start, orphans only after an unclean stop (a clean close
+  leaves a ``clean`` mark, dirs.py) or an index reset; a put of a page being swept is refused.
+  ``last_access`` is batched too: the same thread
   writes it every ``flush_interval`` seconds, and only where the index's value is at least
   ``access_granularity`` seconds (60 by default) older than the page's last read, like the
   ``relatime`` mount option: a warm epoch that reads every page again within a minute writes
@@ -51,11 +60,12 @@ from typing import Any
 from cachefs.localhost import HELD_CLOSE_SECONDS
 from cachefs.pagenames import page_digest
 from cachefs.runtimedir import trusted_path
-from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, remove_path
+from cachefs.server.pagestore.dirs import INDEX_ERRORS, CacheDirInUseError, DirHandle, IndexReset
 from cachefs.server.pagestore.health import DiskHealth
 from cachefs.server.pagestore.passing import PassingPages
 from cachefs.server.pagestore.policy import NextUse, NextUseOrder
 from cachefs.server.pagestore.rows import RowQueue
+from cachefs.server.pagestore.sweep import Sweeper
 from cachefs.pagefile import (
     TRAILER_SIZE,
     CorruptPageError,
@@ -195,6 +205,7 @@ class PageStore:
         self._entries: dict[str, _Entry] = {}
         self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access is to be written at the next flush
+        self._sweeping: set[str] = set()  # orphan files being removed (sweep.py): puts of them refused
         self._rows = RowQueue(self._lock, batch_rows=batch_rows, max_rows=max_rows, delay=row_delay)
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
         self._write_cpu_s = 0.0
@@ -220,14 +231,17 @@ class PageStore:
         self._unlink_listener: Callable[[list[str]], None] | None = None
         self.health = DiskHealth(degraded_settle_s)
         self._dirs: list[DirHandle] = []
+        unclean: list[bool] = []
         try:
             for cfg, root in zip(dirs, roots):
                 order = NextUseOrder(next_use, plan_moment) if next_use is not None else None
                 self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size, order))
-                self._recover(self._dirs[-1])
+                unclean.append(self._recover(self._dirs[-1]))
         except BaseException:
             self._release_dirs()
             raise
+        self.sweeper = Sweeper(self._dirs, unclean, self._claim_orphans, self._release_orphans)
+        self.sweeper.start()
         # Names of tmp files: this process's id and a count (unique among this store's writers;
         # a crashed process's leftovers are removed at the next start).
         self._tmp_names = itertools.count()
@@ -288,8 +302,8 @@ class PageStore:
             return self._passing.open(pid.digest())  # served, not admitted (passing.py): read once
         try:
             fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:  # evicted or dropped under our feet: a miss
-            self._read_done(hit=False)
+        except FileNotFoundError as exc:  # evicted under our feet (a miss), or gone since a restart (dropped)
+            self._read_failed(entry, exc)
             return None
         except BaseException:
             self._read_done(hit=False)
@@ -319,6 +333,8 @@ class PageStore:
                 if existing.state is _State.READY:
                     self._touch(existing)
                     return True
+                return False
+            if digest in self._sweeping:  # an orphan file of it is being unlinked (sweep.py)
                 return False
             now = time.monotonic()
             self._release_held(now)
@@ -607,6 +623,7 @@ class PageStore:
             if not self._idle.wait_for(lambda: self._busy == 0, timeout=_CLOSE_WAIT_S):
                 log.warning("page store closing with %d operations still running", self._busy)
         self._stop.set()
+        self.sweeper.stop(_CLOSE_WAIT_S)
         with self._lock:
             self._rows.wake()
         self._flusher.join(timeout=_CLOSE_WAIT_S)
@@ -614,6 +631,11 @@ class PageStore:
             self._flush_rows()
             self._flush_rows()  # deletions queued by the first one's failures, if any
             self._flush_access(every=True)
+            with self._lock:
+                committed = len(self._rows) == 0 and self._busy == 0
+            for d, swept in zip(self._dirs, self.sweeper.swept):
+                if committed and swept:
+                    d.mark_clean()  # the next start trusts the files too: no orphan sweep
         finally:
             self._release_dirs()
 
@@ -883,26 +905,32 @@ class PageStore:
             except INDEX_ERRORS as exc:
                 log.warning("cannot flush access times in %s: %s", d.root, exc)
 
-    def _recover(self, d: DirHandle) -> None:
-        """Rebuild memory state from the index and the files; see the module docstring."""
-        tmp_removed = d.clean_tmp()
+    def _recover(self, d: DirHandle) -> bool:
+        """Rebuild memory state from the index alone (no file touched: see the module docstring);
+        True when the dir's page files must be swept for orphans (an unclean stop, an index reset)."""
+        clean = d.take_clean_mark()
         loaded: list[_Entry] = []
         stale: list[str] = []
-        for digest, record in d.scan_index():
-            entry = self._entry_from_record(d, digest, record)
-            if entry is None:
-                stale.append(digest)
-            else:
-                loaded.append(entry)
+        try:
+            for digest, record in d.scan_index():
+                entry = self._entry_from_record(d, digest, record)
+                if entry is None:
+                    stale.append(digest)
+                else:
+                    loaded.append(entry)
+        except IndexReset:  # emptied: every page file is an orphan now
+            loaded, stale, clean = [], [], False
         assert d.index is not None
-        for digest in stale:
-            d.index.delete(digest)
-        orphans = d.remove_orphans({e.digest for e in loaded})
+        if stale:
+            with d.index.transact():
+                for digest in stale:
+                    d.index.delete(digest)
         loaded.sort(key=lambda e: e.last_access)
         for entry in loaded:
             d.order.add(entry)
             d.used += entry.size
             self._add(entry)
+        del loaded
         evicted: list[_Entry] = []
         excess = d.used - d.quota  # the quota was lowered since the last run
         while excess > 0 and (entry := d.order.first()) is not None:
@@ -912,33 +940,39 @@ class PageStore:
             excess -= entry.size
         self._evictions += len(evicted)
         self._remove(evicted)
-        log.info(
-            "page store %s: %d pages, %d/%d bytes; dropped %d stale index entries, %d orphan "
-            "and %d tmp files; evicted %d to fit the quota",
-            d.root, len(d.order), d.used, d.quota, len(stale), orphans, tmp_removed,
-            len(evicted),
-        )
+        log.info("page store %s: %d pages, %d/%d bytes (%s stop); dropped %d bad index rows; evicted %d to fit "
+                 "the quota", d.root, len(d.order), d.used, d.quota, "clean" if clean else "unclean",
+                 len(stale), len(evicted))
+        return not clean
 
     def _entry_from_record(self, d: DirHandle, digest: str, record: object) -> _Entry | None:
-        """A READY entry for an index record whose file exists with the right size, else None."""
+        """A READY entry for an index record we wrote, else None; its file is trusted (checked on
+        its first read)."""
         try:
             mount, key, version, index, size, checksum, last_access = record  # type: ignore[misc]
             pid = PageId(mount, key, version, index)
-            valid = pid.digest() == digest and TRAILER_SIZE <= size <= self.page_size + TRAILER_SIZE
+            valid = TRAILER_SIZE <= size <= self.page_size + TRAILER_SIZE and pid.digest() == digest
         except (TypeError, ValueError, AttributeError):  # not a record we wrote
             return None
         if not valid or digest in self._entries:
             return None
-        entry = _Entry(pid, digest, d, size, _State.READY, float(last_access), checksum,
-                       saved_access=float(last_access))
-        try:
-            st = os.stat(entry.path)
-        except OSError:
-            return None
-        if st.st_size != size:
-            remove_path(entry.path)
-            return None
-        return entry
+        return _Entry(pid, digest, d, size, _State.READY, float(last_access), checksum,
+                      saved_access=float(last_access))
+
+    def _claim_orphans(self, d: DirHandle, names: list[str]) -> list[str]:
+        """The sweep's names (in their right fan-out dir of ``d``) no page of ``d`` owns, reserved
+        for removal: a put of one is refused until ``_release_orphans``."""
+        with self._lock:
+            if self._closed:
+                return []
+            entries, sweeping = self._entries, self._sweeping
+            out = [n for n in names if n not in sweeping and ((e := entries.get(n)) is None or e.dir is not d)]
+            sweeping.update(out)
+            return out
+
+    def _release_orphans(self, names: list[str]) -> None:
+        with self._lock:
+            self._sweeping.difference_update(names)
 
     def _release_dirs(self) -> None:
         for d in self._dirs:
