@@ -27,7 +27,7 @@ class Clock:
 def check_invariants(t: MetadataTable) -> None:
     """Every live row is reachable through the index from its key and in its directory's chain
     once; the counters add up."""
-    recs = [t._row(r) for r in range(len(t._rows) // metatable._RS)]  # hash, off, klen, vlen, df, ...
+    recs = [t._row(r) for r in range(t._nrows)]  # hash, off, klen, vlen, df, ...
     live = [r for r, rec in enumerate(recs) if rec[4] & metatable._LIVE]
     assert t._live == len(live)
     assert t._live_bytes == sum(recs[r][2] + recs[r][3] for r in live)
@@ -244,7 +244,7 @@ def test_arena_compaction_keeps_every_entry(monkeypatch):
             p = CachePath("m", f"long/{'y' * 100}/{j}")
             t.pop(p)
             del want[p]
-    before = len(t._arena)
+    before = t._arena_len
     for step in range(5000):
         p = CachePath("m", "x" * rng.randint(0, 60) + str(rng.randint(0, 300)))
         if rng.random() < 0.4 and want:
@@ -255,9 +255,9 @@ def test_arena_compaction_keeps_every_entry(monkeypatch):
         t.put(p, meta)
         want[p] = meta
         if step == 0:
-            assert len(t._arena) < before // 4  # compacted on the first put
+            assert t._arena_len < before // 4  # compacted on the first put
     check_invariants(t)
-    assert len(t._arena) - t._live_bytes <= max(256, len(t._arena) // 2)
+    assert t._arena_len - t._live_bytes <= max(256, t._arena_len // 2)
     for p, meta in want.items():
         assert t.get(p) == meta
 
@@ -418,3 +418,32 @@ def test_freeing_a_prefix_costs_what_it_frees_and_never_stalls_reads():
     assert len(table) == 999_000
     assert table.get(CachePath("data", "train/00500/00500000.jpg")) is None
     assert table.get(CachePath("data", "train/00501/00501000.jpg")) is not None
+
+
+def test_a_prefix_inside_one_big_directory_is_freed_a_batch_at_a_time():
+    """A flat bucket: the prefix ends inside its one directory, whose names are tested in
+    batches, the lock let go in between; entries freed meanwhile by others do not lose the place."""
+    t = MetadataTable(100)
+    for i in range(20_000):
+        p = CachePath("m", f"img{i:06d}")
+        t.put(p, ObjectMeta(p, i, "v", 1.0))
+    real_free = t._free_row
+    popped = []
+
+    def free_and_pop_another(slot: int, r: int) -> None:  # another thread's pop, between batches
+        real_free(slot, r)
+        if not popped:
+            victim = CachePath("m", "img019999")
+            popped.append(victim)
+            t._lock.release()
+            try:
+                t.pop(victim)
+            finally:
+                t._lock.acquire()
+
+    t._free_row = free_and_pop_another
+    assert t.pop_prefix("m", "img0100") == 100
+    t._free_row = real_free
+    assert len(t) == 20_000 - 101
+    assert t.get(CachePath("m", "img010050")) is None and t.get(CachePath("m", "img011000")) is not None
+    check_invariants(t)

@@ -27,7 +27,7 @@ answers for another object. Freed rows are reused; the arena is compacted when o
 Removing a prefix costs what it removes: the directories under it come from a bisect of the
 sorted directory list, their entries from each directory's chain, freed a batch at a time with
 the lock let go in between (reads never wait for a whole prefix); only the one directory a
-prefix ends inside is walked whole (its names are tested).
+prefix ends inside is walked whole (its names tested, 4,096 per hold of the lock).
 """
 
 from __future__ import annotations
@@ -92,6 +92,13 @@ def _encode(text: str) -> bytes:
         return text.encode("utf-8", "surrogatepass")
 
 
+def _grown(buf: bytearray, need: int) -> bytearray:
+    """A copy of ``buf`` with room for ``need`` bytes and a 16th more (allocated exactly)."""
+    new = bytearray(max(need, len(buf) + (len(buf) >> 4), 4096))
+    new[:len(buf)] = buf
+    return new
+
+
 def _split(key: str) -> tuple[str, str]:
     """(directory with its trailing "/", or "" at the top; the name after it)."""
     head, sep, name = key.rpartition("/")
@@ -112,8 +119,12 @@ class MetadataTable:
         self._lock = threading.Lock()
         self._mount_ids: dict[str, int] = {}
         self._mounts: list[str] = []
-        self._rows = bytearray()  # _RS bytes per row
-        self._arena = bytearray()
+        # Records and arena are grown by hand (a 16th at a time, exactly): bytearray's own growth
+        # keeps an eighth spare, 5 bytes an entry here.
+        self._rows = bytearray()  # _RS bytes per row, self._nrows of them used
+        self._nrows = 0
+        self._arena = bytearray()  # self._arena_len bytes used
+        self._arena_len = 0
         self._free = array("i")  # reusable rows
         self._big: dict[int, int] = {}  # row -> size, sizes that do not fit 32 bits
         self._live = 0
@@ -156,7 +167,7 @@ class MetadataTable:
 
     def _view(self) -> np.ndarray:
         """Column view of the records; drop it before the records can grow."""
-        return np.frombuffer(self._rows, dtype=_ROW_DTYPE)
+        return np.frombuffer(self._rows, dtype=_ROW_DTYPE, count=self._nrows)
 
     def _row(self, r: int) -> tuple:
         return _ROW.unpack_from(self._rows, r * _RS)
@@ -320,7 +331,7 @@ class MetadataTable:
                            size if small else _BIG, expiry, prev, nxt, mtime)
             if self._used > _MAX_LOAD * (self._mask + 1):
                 self._rebuild_index()
-            if len(self._arena) - self._live_bytes > max(_COMPACT_MIN, len(self._arena) >> 1):
+            if self._arena_len - self._live_bytes > max(_COMPACT_MIN, self._arena_len >> 1):
                 self._compact_arena()
 
     def pop(self, path: CachePath) -> None:
@@ -352,16 +363,25 @@ class MetadataTable:
             with self._lock:
                 d = self._dirs.get((mid, inside))
                 r = self._dir_head[d] if d is not None else -1
-                doomed = []
-                rows, arena, unpack = self._rows, self._arena, _ROW.unpack_from
-                while r >= 0:
-                    rec = unpack(rows, r * _RS)
-                    if arena[rec[1]:rec[1] + rec[2]].startswith(rb):
-                        doomed.append((r, rec[0]))
-                    r = rec[8]
-                for r, h in doomed:
-                    self._free_row(self._slot_of(r, h), r)
-                dropped += len(doomed)
+            while r >= 0:  # _BATCH * 16 names tested per hold of the lock (a flat bucket's one directory)
+                with self._lock:
+                    rows, arena, unpack = self._rows, self._arena, _ROW.unpack_from
+                    if self._dirs.get((mid, inside)) != d:
+                        break  # emptied meanwhile
+                    df = unpack(rows, r * _RS)[4]
+                    if not df & _LIVE or df >> _FLAG_BITS != d:
+                        r = self._dir_head[d]  # our place was freed meanwhile: from the start again
+                    doomed = []
+                    for _ in range(_BATCH * 16):
+                        if r < 0:
+                            break
+                        rec = unpack(rows, r * _RS)
+                        if arena[rec[1]:rec[1] + rec[2]].startswith(rb):
+                            doomed.append((r, rec[0]))
+                        r = rec[8]
+                    for row, h in doomed:  # never r, the next to test
+                        self._free_row(self._slot_of(row, h), row)
+                    dropped += len(doomed)
         with self._lock:  # every directory whose path starts with the prefix: all of it
             paths = self._sorted.get(mid, [])
             i = bisect.bisect_left(paths, prefix)
@@ -424,17 +444,24 @@ class MetadataTable:
             if n <= klen + vlen:  # reuse its arena bytes
                 self._arena[o:o + n] = kb + vb
             else:
-                o = len(self._arena)
-                self._arena += kb
-                self._arena += vb
+                o = self._append(kb + vb)
         else:
-            r = len(self._rows) // _RS
-            self._rows += _ZERO_ROW
-            o = len(self._arena)
-            self._arena += kb
-            self._arena += vb
+            r = self._nrows
+            if (r + 1) * _RS > len(self._rows):
+                self._rows = _grown(self._rows, (r + 1) * _RS)
+            self._nrows = r + 1
+            o = self._append(kb + vb)
         self._live_bytes += n
         return r, o
+
+    def _append(self, data: bytes) -> int:
+        """Put ``data`` at the arena's end; its offset."""
+        o, n = self._arena_len, len(data)
+        if o + n > len(self._arena):
+            self._arena = _grown(self._arena, o + n)
+        self._arena[o:o + n] = data
+        self._arena_len = o + n
+        return o
 
     def _store_version(self, rec: tuple, kb: bytes, vb: bytes) -> int:
         """Write a live row's new version bytes (its name stays); its arena offset, perhaps moved."""
@@ -443,9 +470,7 @@ class MetadataTable:
             if vb:
                 self._arena[o + len(kb):o + len(kb) + len(vb)] = vb
         else:  # does not fit: move name and version to the end
-            o = len(self._arena)
-            self._arena += kb
-            self._arena += vb
+            o = self._append(kb + vb)
         self._live_bytes += len(vb) - old
         return o
 
@@ -565,4 +590,4 @@ class MetadataTable:
         view["vlen"][free] = 0
         del view, src, dst, free
         self._arena = out
-        self._live_bytes = total
+        self._arena_len = self._live_bytes = total
