@@ -272,8 +272,6 @@ class BulkPaths:
             if getattr(exc, "cachefs_fault", None) == REQUEST:
                 raise  # about the object or the request (no such object): gRPC would say the same
             self._failed(handle, reader, exc, "reading through gRPC")
-            if isinstance(exc, TimeoutError):  # the worker did not answer: gRPC tries the next one first
-                handle.breaker.record_failure()
             got = None
         if got is None:
             stats["fallbacks"] += 1
@@ -399,7 +397,8 @@ class BulkPaths:
                 reply = reader.meta(request, timeout=max(MIN_TRY_SECONDS, share - (left - (deadline - time.monotonic()))))
             except Exception as exc:  # noqa: BLE001 - the next worker may answer
                 self._failed(handle, reader, exc, "trying the next worker")
-                handle.breaker.record_failure()
+                if forksafe.grpc_inherited():  # (with gRPC, its calls keep the breakers: the lean path has its own window)
+                    handle.breaker.record_failure()
                 last = exc
                 continue
             handle.breaker.record_success()
