@@ -447,3 +447,15 @@ def test_a_prefix_inside_one_big_directory_is_freed_a_batch_at_a_time():
     assert len(t) == 20_000 - 101
     assert t.get(CachePath("m", "img010050")) is None and t.get(CachePath("m", "img011000")) is not None
     check_invariants(t)
+
+
+def test_a_name_or_version_too_long_to_keep_is_asked_each_time():
+    t = MetadataTable(100)
+    p = CachePath("m", "d/k")
+    t.put(p, ObjectMeta(p, 1, "v1", 1.0))
+    t.put(p, ObjectMeta(p, 1, "v" * 70_000, 1.0))  # not kept, and the old version not served
+    assert t.get(p) is None
+    q = CachePath("m", "d/" + "n" * 70_000)
+    t.put(q, ObjectMeta(q, 1, "v", 1.0))
+    assert t.get(q) is None and len(t) == 0
+    check_invariants(t)

@@ -11,7 +11,7 @@ bytes; each directory ``DIR_BYTES`` plus its path. A ``put`` that would take the
 order; with one ttl the oldest put is also the first to expire, so expired entries go first).
 ``max_entries`` is an optional count bound on top (tests compare against TTLCache with it).
 
-Layout: one 40-byte record per entry in one ``bytearray`` (one ``struct`` call per access;
+Layout: one 40-byte record per entry in one anonymous memory map (one ``struct`` call per access;
 ``numpy.frombuffer`` gives column views for bulk work): hash 4, arena offset 4, name length 2,
 version length 2, directory id + flags 4, size 4 (sizes of 4 GiB and more: in a side dict),
 expiry 4 (milliseconds after the table's epoch, rebased before it wraps), previous and next
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import mmap
 import struct
 import sys
 import threading
@@ -92,11 +93,23 @@ def _encode(text: str) -> bytes:
         return text.encode("utf-8", "surrogatepass")
 
 
-def _grown(buf: bytearray, need: int) -> bytearray:
-    """A copy of ``buf`` with room for ``need`` bytes and a 16th more (allocated exactly)."""
-    new = bytearray(max(need, len(buf) + (len(buf) >> 4), 4096))
-    new[:len(buf)] = buf
-    return new
+def _buffer(size: int = mmap.PAGESIZE) -> mmap.mmap:
+    """Anonymous memory: its pages cost nothing until written, so room to grow is free."""
+    return mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _grown(buf: mmap.mmap, need: int) -> mmap.mmap:
+    """``buf`` with room for ``need`` bytes (at least twice its size): resized in place where
+    the system can (Linux: mremap, no copy), else copied."""
+    size = -(-max(need, 2 * len(buf)) // mmap.PAGESIZE) * mmap.PAGESIZE
+    try:
+        buf.resize(size)
+        return buf
+    except (OSError, SystemError, ValueError):
+        new = _buffer(size)
+        new[:len(buf)] = buf[:]
+        buf.close()
+        return new
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -119,11 +132,11 @@ class MetadataTable:
         self._lock = threading.Lock()
         self._mount_ids: dict[str, int] = {}
         self._mounts: list[str] = []
-        # Records and arena are grown by hand (a 16th at a time, exactly): bytearray's own growth
-        # keeps an eighth spare, 5 bytes an entry here.
-        self._rows = bytearray()  # _RS bytes per row, self._nrows of them used
+        # Records and arena in anonymous memory, grown in place: only written pages are resident
+        # (a bytearray keeps an eighth spare, and a copy of one left the old in the heap).
+        self._rows = _buffer()  # _RS bytes per row, self._nrows of them used
         self._nrows = 0
-        self._arena = bytearray()  # self._arena_len bytes used
+        self._arena = _buffer()  # self._arena_len bytes used
         self._arena_len = 0
         self._free = array("i")  # reusable rows
         self._big: dict[int, int] = {}  # row -> size, sizes that do not fit 32 bits
@@ -157,13 +170,13 @@ class MetadataTable:
             return self._charged
 
     def memory_bytes(self) -> int:
-        """Bytes allocated for the entries (records, arena, index, free list, directories)."""
+        """Bytes allocated for the entries (records and arena as used, index, free list, directories)."""
         with self._lock:
-            arrays = (self._rows, self._arena, self._free, self._index, self._dir_mount, self._dir_head,
-                      self._dir_count, self._dir_free)
+            arrays = (self._free, self._index, self._dir_mount, self._dir_head, self._dir_count, self._dir_free)
             dirs = sys.getsizeof(self._dirs) + sys.getsizeof(self._dir_path) + sum(
                 sys.getsizeof(p) + 64 + 8 for p in self._dir_path if p is not None)  # path, tuple key, list slot
-            return sum(sys.getsizeof(p) for p in arrays) + dirs + 100 * len(self._big)
+            used = self._nrows * _RS + self._arena_len
+            return used + sum(sys.getsizeof(p) for p in arrays) + dirs + 100 * len(self._big)
 
     def _view(self) -> np.ndarray:
         """Column view of the records; drop it before the records can grow."""
@@ -281,7 +294,8 @@ class MetadataTable:
             else:
                 vb = _encode(version)
         if len(kb) > _MAX_NAME or len(vb) > _MAX_NAME:
-            return  # no real name is that long; the store is asked each time
+            self.pop(path)  # no real name is that long; the store is asked each time
+            return
         small = 0 <= size < _BIG
         with self._lock:
             now = self._now_ms()
@@ -576,7 +590,7 @@ class MetadataTable:
         live, offs, lens = live[order], offs[order], lens[order]
         to = np.cumsum(lens) - lens
         total = int(lens.sum())
-        out = bytearray(total)
+        out = _buffer(max(total, 1))
         src, dst = np.frombuffer(self._arena, np.uint8), np.frombuffer(out, np.uint8)
         for a in range(0, len(live), 1 << 16):
             o, n, t = offs[a:a + (1 << 16)], lens[a:a + (1 << 16)], to[a:a + (1 << 16)]
@@ -589,5 +603,6 @@ class MetadataTable:
         view["klen"][free] = 0  # their bytes are gone: a reused free row appends
         view["vlen"][free] = 0
         del view, src, dst, free
-        self._arena = out
+        old, self._arena = self._arena, out
+        old.close()
         self._arena_len = self._live_bytes = total
