@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_scale.py                    # 100k and 1M samples, 4 ranks
     .venv/bin/python benchmarks/bench_scale.py --explicit         # and the plan sent sample by sample at 100k
     .venv/bin/python benchmarks/bench_scale.py --index --sizes 1000000   # the data set's index (below)
+    .venv/bin/python benchmarks/bench_scale.py --metadata --sizes 1000000,10000000   # #47, the worker's metadata
 
 A real worker (in this process, an empty local mount: no object is read) and ``--ranks``
 CacheDatasets over a synthetic index (``cachefs://data/train/<i>.jpg``, sizes given, 110 KB each:
@@ -36,6 +37,22 @@ process (``--index-one``), a worker in another (an empty mount: nothing is read)
 * ``kept_load_s``: mapping a kept index file (``KeptIndexes.load``), and ``kept_scan_s`` reading
   every path of it once; ``kept_start_s``: ``from_prefix(kept_index="auto")``, the dataset made
   from it (no listing; plan_ahead off).
+
+``--metadata`` (#47) measures the worker's object-metadata table instead, each size in a fresh
+process (``--metadata-one``): an ObjectStore over cachefs.testing's synthetic store (``size``
+objects of 4 KiB, 1,000 a directory, ``d<5 digits>/<8 digits>.bin``: 12-byte names, versions the
+store's size and mtime, as a local mount's), every directory listed from the store and each
+entry remembered as a listing does (``ObjectStore._listed``; the listing cache is left out):
+
+* ``rss_bytes_per_object``: (RSS after, minus before) / objects, ``/proc/self/smaps_rollup``;
+  ``table_bytes_per_object``: what the table allocated (``MetadataTable.memory_bytes``);
+* ``store_requests_for_cached``: store requests made by ``info()`` of 10,000 of the objects after
+  (0: every one answered from the table);
+* ``free_ms``: ``forget_prefix`` of one directory (1,000 objects: what a ``Free`` or ``Remove``
+  does to the metadata) while a thread reads another object's metadata in a loop;
+  ``read_max_wait_ms``: that reader's longest ``get`` among those overlapping the free
+  (``reads_meanwhile`` of them); ``free_many_ms``, ``many_read_max_wait_ms``: the same for a
+  prefix of 100 directories (100,000 objects), long enough for the reader to get in between.
 """
 
 from __future__ import annotations
@@ -312,6 +329,73 @@ def measure_index_one(n: int, loader_workers: int) -> dict[str, object]:
             server.join(timeout=30)
 
 
+def measure_metadata_one(n: int) -> dict[str, object]:
+    """#47: the worker's metadata table at ``n`` objects of a synthetic store (see the doc)."""
+    import random
+    import threading
+
+    import cachefs.testing  # noqa: F401 - registers synthetic://
+    from cachefs.mounts import MountTable
+    from cachefs.paths import CachePath
+    from cachefs.store.objects import ObjectStore
+
+    objects = ObjectStore(MountTable([MountSpec("syn", "synthetic://data", {"count": n, "size": 4096})]),
+                          metadata_ttl=3600, list_ttl=0)
+    fs = objects.mounts.resolve(CachePath("syn", "")).fs
+    gc.collect()
+    rss0 = _smaps()["Rss"]
+    t0 = time.perf_counter()
+    for j in range(-(-n // fs.per_dir)):
+        directory = CachePath("syn", f"d{j:05d}")
+        objects._listed(directory, fs.ls(f"data/d{j:05d}"), "data/" + directory.key)
+    fill_s = time.perf_counter() - t0
+    gc.collect()
+    rss1 = _smaps()["Rss"]
+    table = objects._meta
+    table_bytes, charged = table.memory_bytes(), table.charged_bytes()
+    asked = sum(fs.requests.values())
+    for i in random.Random(1).sample(range(n), 10_000):
+        assert objects.info(CachePath("syn", fs.key(i))).size == 4096
+    cached_requests = sum(fs.requests.values()) - asked
+    probe = CachePath("syn", fs.key(n - 1))
+    waits: list[tuple[float, float]] = []  # (start, took)
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            s = time.perf_counter()
+            table.get(probe)
+            waits.append((s, time.perf_counter() - s))
+
+    def free(prefix: str) -> tuple[int, float, list[float]]:
+        """(objects freed, seconds, the waits of reads that overlapped it)."""
+        before = len(table)
+        t0 = time.perf_counter()
+        objects.forget_prefix("syn", prefix)
+        end = time.perf_counter()
+        time.sleep(0.05)
+        return before - len(table), end - t0, [took for start, took in list(waits) if start < end and start + took > t0]
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    mid = (n // fs.per_dir) // 2
+    freed, free_s, during = free(f"d{mid:05d}/")
+    # 100 directories (d<mid+100..mid+199>/, 100,000 objects): long enough for the reader to get in.
+    many = f"d{mid + 100:05d}"[:-2] if mid >= 100 else ""
+    freed_many, many_s, during_many = free(many) if many else (0, 0.0, [])
+    stop.set()
+    reader.join(timeout=30)
+    return {"metadata": True, "objects": n, "fill_s": round(fill_s, 1),
+            "rss_bytes_per_object": round((rss1 - rss0) / n, 1),
+            "table_bytes_per_object": round(table_bytes / n, 1), "charged_bytes_per_object": round(charged / n, 1),
+            "store_requests_for_cached": cached_requests, "freed": freed,
+            "free_ms": round(free_s * 1000, 2), "read_max_wait_ms": round(max(during, default=0) * 1000, 2),
+            "reads_meanwhile": len(during), "freed_many": freed_many, "free_many_ms": round(many_s * 1000, 1),
+            "many_read_max_wait_ms": round(max(during_many, default=0) * 1000, 2),
+            "many_reads_meanwhile": len(during_many)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100000,1000000")
@@ -323,7 +407,12 @@ def main() -> None:
     parser.add_argument("--index", action="store_true", help="measure the data set's index instead (see the doc)")
     parser.add_argument("--index-one", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--loader-workers", type=int, default=4)
+    parser.add_argument("--metadata", action="store_true", help="measure the worker's metadata table (#47; the doc)")
+    parser.add_argument("--metadata-one", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.metadata_one:
+        print(json.dumps(measure_metadata_one(args.metadata_one)))
+        return
     if args.index_one:
         print(json.dumps(measure_index_one(args.index_one, args.loader_workers)))
         return
@@ -331,8 +420,9 @@ def main() -> None:
                                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.sizes.split(",")):
-            if args.index:  # each size in a fresh process: its RSS is the index's alone
-                out = subprocess.run([sys.executable, __file__, "--index-one", str(n), "--loader-workers",
+            if args.index or args.metadata:  # each size in a fresh process: its RSS is the index's alone
+                one = ["--metadata-one", str(n)] if args.metadata else ["--index-one", str(n)]
+                out = subprocess.run([sys.executable, __file__, *one, "--loader-workers",
                                       str(args.loader_workers)], check=True, stdout=subprocess.PIPE, text=True,
                                      timeout=3600).stdout
                 row = json.loads(out.strip().splitlines()[-1])
