@@ -126,6 +126,54 @@ def test_sweep_never_unlinks_a_page_being_put(tmp_path):
                 assert os.path.getsize(page_file(tmp_path, pid(i))) == 64 + FILE - PAGE
 
 
+def test_reads_are_served_while_the_index_loads_behind(tmp_path, monkeypatch):
+    """A large index loads behind (here forced, and held until the test lets it go): a read loads
+    its page's row ahead of the loader, a put waits for the quota's use to be known, and pages
+    removed meanwhile (one by one, by prefix, dropped on a bad read) do not come back with it."""
+    small = 100 + FILE - PAGE
+    with open_store(tmp_path) as s:
+        for i in range(N):
+            assert s.put(pid(i), payload(i, 100))
+        for i in range(5):
+            assert s.put(pid(i, key="gone/x"), payload(i, 100))
+        assert s.sweeper.wait(30)
+    release = threading.Event()
+    real = PageStore._recover
+
+    def held(self, d):
+        assert release.wait(30)
+        return real(self, d)
+
+    monkeypatch.setattr(PageStore, "_recover", held)
+    s = PageStore([CacheDir(str(tmp_path), 2 * N * FILE)], page_size=PAGE, background_load_rows=0)
+    try:
+        assert not s.loaded.is_set() and s.stats().pages == 0
+        assert s.get(pid(3)) == payload(3, 100)  # its row read on its own
+        assert s.contains(pid(4)) and s.holds_object("data", "anything")  # may hold: metadata only
+        assert not s.put(pid(N), payload(N, 100))  # nothing added until the quota's use is known
+        assert s.delete(pid(5))  # loaded, then removed for good
+        assert s.delete_prefix("data", "gone/") == 0  # none loaded yet: the loader drops them
+        os.unlink(page_file(tmp_path, pid(6)))
+        assert s.get(pid(6)) is None  # dropped on its first read
+        release.set()
+        assert s.loaded.wait(30)
+        st = s.stats()
+        assert st.pages == N - 2 and st.used_bytes == (N - 2) * small
+        assert not s.contains(pid(5)) and not s.contains(pid(6))
+        assert not any(s.contains(pid(i, key="gone/x")) for i in range(5))
+        assert not any(os.path.exists(page_file(tmp_path, pid(i, key="gone/x"))) for i in range(5))
+        assert s.get(pid(7)) == payload(7, 100)
+        assert s.put(pid(N), payload(N, 100))
+        assert s.sweeper.wait(30)
+        assert disk_bytes(tmp_path) == s.stats().used_bytes == (N - 1) * small
+    finally:
+        s.close()
+    monkeypatch.undo()
+    with open_store(tmp_path) as s:  # the index followed: the removed pages' rows are gone
+        assert s.stats().pages == N - 1
+        assert s.get(pid(N)) == payload(N, 100) and s.get(pid(5)) is None
+
+
 # ----------------------------------------------------------------------- worker processes
 WPAGE = 64 << 10
 

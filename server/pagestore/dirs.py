@@ -187,6 +187,14 @@ class DirHandle:
             self.index = self._open_index(reset=True)
             raise IndexReset(self.root) from exc
 
+    def row_count(self) -> int:
+        """How many rows the index holds (one COUNT: ~0.05 s at a million rows); 0 if unreadable."""
+        assert self.index is not None
+        try:
+            return int(self.index._sql("SELECT COUNT(*) FROM Cache").fetchone()[0])
+        except sqlite3.DatabaseError:
+            return 0
+
     def take_clean_mark(self) -> bool:
         """True if the last run closed cleanly (every row committed, no debris left); the mark is
         removed at once, durably, so a crash of this run reads as unclean at the next start."""

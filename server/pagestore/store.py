@@ -29,6 +29,7 @@ Why it is built this way (DESIGN.md s2-s4):
   (at most the operations queued at the crash). Orphan files and tmp files are removed behind
   (sweep.py): tmp files after every start, orphans only after an unclean stop (a clean close
   leaves a ``clean`` mark, dirs.py) or an index reset; a put of a page being swept is refused.
+  A large index is loaded behind while the store serves (``_load_behind``).
   ``last_access`` is batched too: the same thread
   writes it every ``flush_interval`` seconds, and only where the index's value is at least
   ``access_granularity`` seconds (60 by default) older than the page's last read, like the
@@ -83,6 +84,8 @@ log = logging.getLogger(__name__)
 _CLOSE_WAIT_S = 10.0
 #: How much older than a page's last read its index row's access time may be (see the docstring).
 ACCESS_GRANULARITY_S = 60.0
+#: An index of more rows than this is loaded behind while the store serves (_load_behind).
+BACKGROUND_LOAD_ROWS = 100_000
 _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EBADMSG, errno.EISDIR, errno.ENOTDIR})
 
 
@@ -178,7 +181,7 @@ class PageStore:
         self, dirs: Sequence[CacheDir], page_size: int = 1 << 20, *, flush_interval: float = 2.0,
         next_use: NextUse | None = None, plan_moment: Callable[[], Any] | None = None, row_delay: float = 0.1,
         batch_rows: int = 512, max_rows: int = 8192, access_granularity: float = ACCESS_GRANULARITY_S,
-        degraded_settle_s: float = 0.0,
+        degraded_settle_s: float = 0.0, background_load_rows: int = BACKGROUND_LOAD_ROWS,
     ) -> None:
         """With ``next_use`` (the worker's plan table, server/worker/plans.py), pages leave by
         furthest next use (policy.NextUseOrder; with ``plan_moment``, reads are placed in that
@@ -186,7 +189,8 @@ class PageStore:
         wait up to ``row_delay`` s for a batch of ``batch_rows``; a put that finds ``max_rows``
         queued writes them itself (the flush thread fell behind). A read's time reaches the
         index only once it is ``access_granularity`` s past the time the index holds (and at
-        close). A dir stays degraded ``degraded_settle_s`` s past its last disk error (health.py)."""
+        close). A dir stays degraded ``degraded_settle_s`` s past its last disk error (health.py).
+        An index of more than ``background_load_rows`` rows is loaded behind (see ``_load_behind``)."""
         if not dirs or not all(isinstance(d, CacheDir) for d in dirs):
             raise ValueError("dirs must be a non-empty sequence of CacheDir")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -208,6 +212,14 @@ class PageStore:
         self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access is to be written at the next flush
         self._sweeping: set[str] = set()  # orphan files being removed (sweep.py): puts of them refused
+        # While the index loads behind (_load_behind): pages that left meanwhile (the loader must
+        # not bring them back), prefixes removed meanwhile (mount, key or prefix, exact), and
+        # pages a read loaded ahead of the loader (moved to the recent end when it is done).
+        self._loading = False
+        self.loaded = threading.Event()
+        self._gone: set[str] = set()
+        self._tombstones: list[tuple[str, str, bool]] = []
+        self._loaded_ahead: list[_Entry] = []
         self._rows = RowQueue(self._lock, batch_rows=batch_rows, max_rows=max_rows, delay=row_delay)
         self._hits = self._misses = self._evictions = self._corrupt = self._put_failures = 0
         self._write_cpu_s = 0.0
@@ -234,27 +246,28 @@ class PageStore:
         self.health = DiskHealth(degraded_settle_s)
         self._dirs: list[DirHandle] = []
         unclean: list[bool] = []
-        # A million pages are a few million new objects: without this, the collector walks the
-        # growing heap again and again while they are made (~1/4 of the load's time here).
-        collecting = gc.isenabled()
-        gc.disable()
         try:
+            rows = 0
             for cfg, root in zip(dirs, roots):
                 order = NextUseOrder(next_use, plan_moment) if next_use is not None else None
                 self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size, order))
-                unclean.append(self._recover(self._dirs[-1]))
+                unclean.append(not self._dirs[-1].take_clean_mark())
+                rows += self._dirs[-1].row_count()
+            self.sweeper = Sweeper(self._dirs, unclean, self._claim_orphans, self._release_orphans)
+            self._stop = threading.Event()
+            self._loader: threading.Thread | None = None
+            if rows > background_load_rows:
+                self._loading = True
+                self._loader = threading.Thread(target=self._load_behind, name="pagestore-load", daemon=True)
+                self._loader.start()
+            else:
+                self._load_behind()
         except BaseException:
             self._release_dirs()
             raise
-        finally:
-            if collecting:
-                gc.enable()
-        self.sweeper = Sweeper(self._dirs, unclean, self._claim_orphans, self._release_orphans)
-        self.sweeper.start()
         # Names of tmp files: this process's id and a count (unique among this store's writers;
         # a crashed process's leftovers are removed at the next start).
         self._tmp_names = itertools.count()
-        self._stop = threading.Event()
         self._flusher = threading.Thread(
             target=self._flush_loop, args=(flush_interval,), name="pagestore-flush", daemon=True
         )
@@ -343,8 +356,8 @@ class PageStore:
                     self._touch(existing)
                     return True
                 return False
-            if digest in self._sweeping:  # an orphan file of it is being unlinked (sweep.py)
-                return False
+            if digest in self._sweeping or self._loading:  # an orphan being unlinked (sweep.py); the
+                return False  # quota's use is not known until the index is loaded: nothing added
             now = time.monotonic()
             self._release_held(now)
             if self._next_use is not None and self._not_worth_room(target, pid, size):
@@ -550,16 +563,20 @@ class PageStore:
         return self._passing.opened(digest)
 
     def contains_digest(self, digest: str) -> bool:
+        if self._loading:
+            self._load_one(digest)
         with self._lock:
             entry = self._entries.get(digest)
             return entry is not None and entry.state is _State.READY
 
     def holds_object(self, mount: str, key: str) -> bool:
-        """True if any page of any version of the object is stored (or being written)."""
-        return self.held_pages(mount, key) > 0
+        """True if any page of any version of the object is stored (or being written); while the
+        index loads behind, True (may be: the caller asks for metadata, not for the bytes)."""
+        return self._loading or self.held_pages(mount, key) > 0
 
     def held_pages(self, mount: str, key: str) -> int:
-        """Pages of the object stored or being written, any version (from memory: no file touched)."""
+        """Pages of the object stored or being written, any version (from memory: no file touched;
+        while the index loads behind, those loaded so far)."""
         with self._lock:
             return len(self._by_object.get(mount, {}).get(key, ()))
 
@@ -581,8 +598,11 @@ class PageStore:
         return self._delete_digests([pid.digest()]) > 0
 
     def delete_object(self, mount: str, key: str) -> int:
-        """Drop every version's pages of one object (invalidation); returns the page count."""
+        """Drop every version's pages of one object (invalidation); returns the page count (while
+        the index loads behind, of those loaded so far: the loader drops the others)."""
         with self._lock:
+            if self._loading:
+                self._tombstones.append((mount, key, True))
             digests = list(self._by_object.get(mount, {}).get(key, ()))
         return self._delete_digests(digests)
 
@@ -593,8 +613,11 @@ class PageStore:
                     if (e := self._entries.get(d)) is not None and e.pid.version != version]
 
     def delete_prefix(self, mount: str, prefix: str) -> int:
-        """Drop the pages of every object whose key starts with ``prefix``; returns the count."""
+        """Drop the pages of every object whose key starts with ``prefix``; returns the count (as
+        :meth:`delete_object` while the index loads behind)."""
         with self._lock:
+            if self._loading:
+                self._tombstones.append((mount, prefix, False))
             keys = self._by_object.get(mount, {})
             digests = [d for k, ds in keys.items() if k.startswith(prefix) for d in ds]
         return self._delete_digests(digests)
@@ -632,6 +655,8 @@ class PageStore:
             if not self._idle.wait_for(lambda: self._busy == 0, timeout=_CLOSE_WAIT_S):
                 log.warning("page store closing with %d operations still running", self._busy)
         self._stop.set()
+        if self._loader is not None:
+            self._loader.join(_CLOSE_WAIT_S)
         self.sweeper.stop(_CLOSE_WAIT_S)
         with self._lock:
             self._rows.wake()
@@ -641,7 +666,7 @@ class PageStore:
             self._flush_rows()  # deletions queued by the first one's failures, if any
             self._flush_access(every=True)
             with self._lock:
-                committed = len(self._rows) == 0 and self._busy == 0
+                committed = len(self._rows) == 0 and self._busy == 0 and self.loaded.is_set()
             for d, swept in zip(self._dirs, self.sweeper.swept):
                 if committed and swept:
                     d.mark_clean()  # the next start trusts the files too: no orphan sweep
@@ -659,6 +684,8 @@ class PageStore:
     # ------------------------------------------------------------ read helpers
     def _lookup(self, pid: PageId) -> _Entry | None:
         digest = pid.digest()
+        if self._loading:
+            self._load_one(digest)
         with self._lock:
             entry = self._entries.get(digest)
             if self._closed or entry is None or entry.state is not _State.READY:
@@ -764,6 +791,10 @@ class PageStore:
     def _delete_digests(self, digests: Iterable[str]) -> int:
         claimed: list[_Entry] = []
         count = 0
+        if self._loading:  # a page not loaded yet is loaded first, so that it leaves for good
+            digests = list(digests)
+            for digest in digests:
+                self._load_one(digest)
         with self._lock:
             if self._closed:
                 return 0
@@ -832,6 +863,8 @@ class PageStore:
         for entry in entries:
             if self._entries.get(entry.digest) is not entry:
                 continue
+            if self._loading:
+                self._gone.add(entry.digest)  # the loader must not bring it back
             del self._entries[entry.digest]
             self._dirty.pop(entry.digest, None)
             keys = self._by_object[entry.pid.mount]
@@ -914,45 +947,134 @@ class PageStore:
             except INDEX_ERRORS as exc:
                 log.warning("cannot flush access times in %s: %s", d.root, exc)
 
+    def _load_behind(self) -> None:
+        """Load every dir's index, then start the debris sweep. Run by __init__ for a small index,
+        else by a thread while the store serves (a million rows take ~5 s of CPU here): a read
+        of a page not loaded yet asks the index for its row (``_load_one``), a removal is
+        remembered so the loader does not bring its pages back, and puts are refused (the
+        quota's use is not known yet) until ``loaded`` is set."""
+        # A million pages are a few million new objects: without this, the collector walks the
+        # growing heap again and again while they are made (~1/4 of the load's time here).
+        collecting = gc.isenabled()
+        gc.disable()
+        failed = True
+        try:
+            for i, d in enumerate(self._dirs):
+                if self._stop.is_set():
+                    break
+                if self._recover(d):
+                    self.sweeper.need_orphans(i)
+            failed = False
+        except Exception:  # pages not loaded are fetched again; their files are swept as orphans
+            if self._loader is None:
+                raise
+            log.exception("page index load failed")
+            for i in range(len(self._dirs)):
+                self.sweeper.need_orphans(i)
+            failed = False
+        finally:
+            if collecting:
+                gc.enable()
+            with self._lock:
+                self._loading = False
+                ahead, self._loaded_ahead = self._loaded_ahead, []
+                for entry in ahead:  # read while loading: more recent than what the loader added
+                    if self._entries.get(entry.digest) is entry and entry.state is _State.READY:
+                        entry.dir.order.touch(entry)
+                self._gone.clear()
+                self._tombstones.clear()
+                start = not failed and not self._closed and not self._stop.is_set()
+            self.loaded.set()
+            if start:
+                self.sweeper.start()
+
     def _recover(self, d: DirHandle) -> bool:
         """Rebuild memory state from the index alone (no file touched: see the module docstring);
-        True when the dir's page files must be swept for orphans (an unclean stop, an index reset)."""
-        clean = d.take_clean_mark()
+        True when the dir's page files must be swept for orphans (an index reset)."""
         loaded: list[_Entry] = []
         stale: list[str] = []
+        reset = False
         try:
-            for digest, record in d.scan_index():
+            for n, (digest, record) in enumerate(d.scan_index()):
                 entry = self._entry_from_record(d, digest, record)
                 if entry is None:
                     stale.append(digest)
                 else:
                     loaded.append(entry)
+                if n & 8191 == 0 and self._stop.is_set():  # closed while loading
+                    return False
         except IndexReset:  # emptied: every page file is an orphan now
-            loaded, stale, clean = [], [], False
-        assert d.index is not None
-        if stale:
+            loaded, stale, reset = [], [], True
+        if stale and d.index is not None:
             with d.index.transact():
                 for digest in stale:
                     d.index.delete(digest)
         loaded.sort(key=lambda e: e.last_access)
-        for entry in loaded:
-            d.order.add(entry)
-            d.used += entry.size
-            self._add(entry)
+        doomed: list[_Entry] = []
+        for i in range(0, len(loaded), 8192):  # slices: reads and lookups go on between them
+            if self._stop.is_set():
+                return reset
+            with self._lock:
+                for entry in loaded[i:i + 8192]:
+                    digest = entry.digest
+                    if digest in self._entries or digest in self._gone:  # loaded ahead, or left since
+                        continue
+                    if self._tombstones and self._tombstoned(entry.pid):  # removed while loading
+                        doomed.append(entry)
+                        continue
+                    d.order.add(entry)
+                    d.used += entry.size
+                    self._add(entry)
+        count = len(loaded)
         del loaded
+        self._unlink(doomed)
         evicted: list[_Entry] = []
-        excess = d.used - d.quota  # the quota was lowered since the last run
-        while excess > 0 and (entry := d.order.first()) is not None:
-            d.order.remove(entry)
-            entry.state = _State.REMOVING
-            evicted.append(entry)
-            excess -= entry.size
-        self._evictions += len(evicted)
+        with self._lock:
+            excess = d.used - d.quota  # the quota was lowered since the last run
+            while excess > 0 and (entry := d.order.first()) is not None:
+                d.order.remove(entry)
+                entry.state = _State.REMOVING
+                evicted.append(entry)
+                excess -= entry.size
+            self._evictions += len(evicted)
         self._remove(evicted)
-        log.info("page store %s: %d pages, %d/%d bytes (%s stop); dropped %d bad index rows; evicted %d to fit "
-                 "the quota", d.root, len(d.order), d.used, d.quota, "clean" if clean else "unclean",
-                 len(stale), len(evicted))
-        return not clean
+        log.info("page store %s: %d pages, %d/%d bytes; dropped %d bad index rows and %d removed while "
+                 "loading; evicted %d to fit the quota", d.root, count, d.used, d.quota, len(stale),
+                 len(doomed), len(evicted))
+        return reset
+
+    def _tombstoned(self, pid: PageId) -> bool:  # caller holds the lock
+        return any(pid.mount == mount and (pid.key == key if exact else pid.key.startswith(key))
+                   for mount, key, exact in self._tombstones)
+
+    def _load_one(self, digest: str) -> None:
+        """While the index loads behind: the page's row, if any, read now (a point query) and its
+        entry added ahead of the loader."""
+        with self._lock:
+            if not self._loading or digest in self._entries or digest in self._gone:
+                return
+        for d in self._dirs:
+            index = d.index
+            if index is None:
+                return
+            try:
+                record = index.get(digest)
+            except INDEX_ERRORS as exc:
+                log.warning("cannot read page index row in %s: %s", d.root, exc)
+                continue
+            if record is None:
+                continue
+            entry = self._entry_from_record(d, digest, record)
+            if entry is None:
+                return
+            with self._lock:
+                if self._loading and digest not in self._entries and digest not in self._gone and \
+                        not (self._tombstones and self._tombstoned(entry.pid)):
+                    d.order.add(entry)
+                    d.used += entry.size
+                    self._add(entry)
+                    self._loaded_ahead.append(entry)
+            return
 
     def _entry_from_record(self, d: DirHandle, digest: str, record: object) -> _Entry | None:
         """A READY entry for an index record we wrote, else None; its file is trusted (checked on
@@ -966,7 +1088,7 @@ class PageStore:
             valid = TRAILER_SIZE <= size <= self.page_size + TRAILER_SIZE and len(digest) == 32
         except (TypeError, ValueError, AttributeError):  # not a record we wrote
             return None
-        if not valid or digest in self._entries:
+        if not valid:
             return None
         return _Entry(pid, digest, d, size, _State.READY, float(last_access), checksum,
                       saved_access=float(last_access))

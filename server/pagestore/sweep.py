@@ -47,10 +47,16 @@ class Sweeper:
         self._stop = threading.Event()
         self.done = threading.Event()
         self.swept = [not o for o in self._orphans]  # dir i has no orphan left to find (close() marks it clean)
+        self.started = False
         self.tmp_removed = self.orphans_removed = 0
         self._thread = threading.Thread(target=self._run, name="pagestore-sweep", daemon=True)
 
+    def need_orphans(self, i: int) -> None:
+        """Dir i's page files must be walked too (its index was found unreadable); before start()."""
+        self._orphans[i], self.swept[i] = True, False
+
     def start(self) -> None:
+        self.started = True
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
