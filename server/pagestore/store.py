@@ -209,7 +209,9 @@ class PageStore:
         self._busy = 0
         self._closed = False
         self._entries: dict[str, _Entry] = {}
-        self._by_object: dict[str, dict[str, set[str]]] = {}  # mount -> key -> digests
+        # mount -> key -> its pages' digests: one page's digest itself, a set only for several
+        # (a one-element set costs ~220 bytes more: most small objects are one page; _digests_of)
+        self._by_object: dict[str, dict[str, str | set[str]]] = {}
         self._dirty: dict[str, _Entry] = {}  # pages whose last_access is to be written at the next flush
         self._sweeping: set[str] = set()  # orphan files being removed (sweep.py): puts of them refused
         # While the index loads behind (_load_behind): pages that left meanwhile (the loader must
@@ -578,7 +580,7 @@ class PageStore:
         """Pages of the object stored or being written, any version (from memory: no file touched;
         while the index loads behind, those loaded so far)."""
         with self._lock:
-            return len(self._by_object.get(mount, {}).get(key, ()))
+            return len(self._digests_of(mount, key))
 
     def cached_bytes(self, mount: str, key: str, version: str) -> int:
         """Payload bytes of one version's READY pages: what a read would find, from memory only.
@@ -587,7 +589,7 @@ class PageStore:
         """
         total = 0
         with self._lock:
-            for digest in self._by_object.get(mount, {}).get(key, ()):
+            for digest in self._digests_of(mount, key):
                 entry = self._entries.get(digest)
                 if entry is not None and entry.state is _State.READY and entry.pid.version == version:
                     total += entry.size - TRAILER_SIZE
@@ -603,13 +605,13 @@ class PageStore:
         with self._lock:
             if self._loading:
                 self._tombstones.append((mount, key, True))
-            digests = list(self._by_object.get(mount, {}).get(key, ()))
+            digests = list(self._digests_of(mount, key))
         return self._delete_digests(digests)
 
     def other_versions(self, mount: str, key: str, version: str) -> list[str]:
         """Digests of the pages of every version of an object but ``version``."""
         with self._lock:
-            return [d for d in self._by_object.get(mount, {}).get(key, ())
+            return [d for d in self._digests_of(mount, key)
                     if (e := self._entries.get(d)) is not None and e.pid.version != version]
 
     def delete_prefix(self, mount: str, prefix: str) -> int:
@@ -619,7 +621,8 @@ class PageStore:
             if self._loading:
                 self._tombstones.append((mount, prefix, False))
             keys = self._by_object.get(mount, {})
-            digests = [d for k, ds in keys.items() if k.startswith(prefix) for d in ds]
+            digests = [d for k, ds in keys.items() if k.startswith(prefix)
+                       for d in ((ds,) if isinstance(ds, str) else ds)]
         return self._delete_digests(digests)
 
     def stats(self) -> PageStoreStats:
@@ -854,10 +857,22 @@ class PageStore:
                 stuck.append(entry)
         return stuck
 
+    def _digests_of(self, mount: str, key: str) -> tuple[str, ...] | set[str]:  # caller holds the lock
+        held = self._by_object.get(mount, {}).get(key)
+        return () if held is None else (held,) if isinstance(held, str) else held
+
     def _add(self, entry: _Entry) -> None:  # caller holds the lock
-        self._entries[entry.digest] = entry
+        digest = entry.digest
+        self._entries[digest] = entry
         keys = self._by_object.setdefault(entry.pid.mount, {})
-        keys.setdefault(entry.pid.key, set()).add(entry.digest)
+        held = keys.get(entry.pid.key)
+        if held is None:
+            keys[entry.pid.key] = digest
+        elif isinstance(held, str):
+            if held != digest:
+                keys[entry.pid.key] = {held, digest}
+        else:
+            held.add(digest)
 
     def _forget(self, entries: Iterable[_Entry]) -> None:  # caller holds the lock
         for entry in entries:
@@ -868,9 +883,12 @@ class PageStore:
             del self._entries[entry.digest]
             self._dirty.pop(entry.digest, None)
             keys = self._by_object[entry.pid.mount]
-            digests = keys[entry.pid.key]
-            digests.discard(entry.digest)
-            if not digests:
+            held = keys[entry.pid.key]
+            if isinstance(held, set):
+                held.discard(entry.digest)
+                if len(held) == 1:
+                    keys[entry.pid.key] = next(iter(held))
+            elif held == entry.digest:
                 del keys[entry.pid.key]
                 if not keys:
                     del self._by_object[entry.pid.mount]
