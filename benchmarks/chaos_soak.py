@@ -15,6 +15,7 @@ time until reads were served at normal speed again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -70,6 +71,22 @@ emit("EPOCHS", epoch)
 '''
 
 
+def _outputs(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """The training process's stdout and stderr once it ends (or ``timeout`` passes): then
+    whatever is left of its process group is killed, so its pipes close."""
+    got: dict[str, str] = {}
+    reader = threading.Thread(target=lambda: got.update(zip(("out", "err"), proc.communicate())), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(60)
+    return got.get("out", ""), got.get("err", "")
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -113,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(script, "w") as f:
                 f.write(TRAINING)
             seconds = args.minutes * 60
+            # Its own process group: if it dies, its DataLoader workers (which hold its pipes) go
+            # with it instead of keeping the report waiting; a crash prints where (faulthandler).
             proc = subprocess.Popen([sys.executable, script, cluster.master_address, str(seconds),
                                      str(args.samples), json.dumps(want)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env, cwd=tmp)
+                                    stderr=subprocess.PIPE, text=True, env={**env, "PYTHONFAULTHANDLER": "1"},
+                                    cwd=tmp, start_new_session=True)
             stop = threading.Event()
 
             def inject() -> None:
@@ -147,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
             injector = threading.Thread(target=inject, daemon=True)
             injector.start()
-            out, err = proc.communicate(timeout=seconds + 300)
+            out, err = _outputs(proc, seconds + 300)
             stop.set()
             injector.join(60)
         finally:
@@ -197,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed_read_examples": read_errors[:10],
         "read_latency_s": {"p50": _pct(latencies, 0.5), "p99": _pct(latencies, 0.99),
                            "max": round(max(latencies), 4) if latencies else None},
+        "training_exit": proc.returncode,
         "fault_log": faults, "training_stderr_tail": err[-2000:] if proc.returncode else "",
     }
     print(json.dumps({k: v for k, v in report.items() if k not in ("fault_log",)}, indent=1))
