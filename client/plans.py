@@ -170,10 +170,10 @@ class PlanPublisher:
             h.update(f"{key}\0{offset}\0{length}\n".encode())
             if length <= 0:
                 continue
-            candidates = self.session.candidates(key, offset, include_broken=False)
-            if not candidates:
+            # Placement, not health: a breaker open for a moment must not leave its units unplanned.
+            handle = self.session.placed(key, offset)
+            if handle is None:
                 continue
-            handle = candidates[0]
             if only and handle.address != only:
                 continue
             part = groups.setdefault(handle.address, (handle, _Part()))[1]
@@ -236,10 +236,9 @@ class PlanPublisher:
             if length <= 0:
                 continue
             key = str(parse_path(strip_protocol(raw)))
-            candidates = self.session.candidates(key, offset, include_broken=False)
-            if not candidates:
+            handle = self.session.placed(key, offset)
+            if handle is None:
                 continue
-            handle = candidates[0]
             run = worker_pb2.PlanRun(path=key, offset=offset, length=length, positions=where)
             out.setdefault(handle.address, (handle, []))[1].append(run)
         return out

@@ -276,6 +276,11 @@ class ClientSession:
         """The workers placed for the stripe of ``key`` at ``offset``, in the order to try them."""
         return self.workers.candidates(key, offset, include_broken=include_broken)
 
+    def placed(self, key: str, offset: int = 0) -> WorkerHandle | None:
+        """The worker the ring places the stripe of ``key`` at ``offset`` on, whatever its breaker
+        says now (None: no worker)."""
+        return self.workers.placed(key, offset)
+
     def owners(self, keys: Iterable[str]) -> list[tuple[WorkerHandle, list[str]]]:
         """``keys`` grouped by the healthy worker placed first for each (keys with none are left out)."""
         groups: dict[str, tuple[WorkerHandle, list[str]]] = {}

@@ -229,6 +229,15 @@ class WorkerSet:
             return healthy
         return healthy + [h for h in ranked if not h.breaker.available(now)]
 
+    def placed(self, key: str, offset: int = 0) -> WorkerHandle | None:
+        """The worker the ring places the stripe of ``key`` at ``offset`` on, whatever its breaker
+        says now (None: no worker): what follows placement, not a moment's health (read plans)."""
+        ring, handles = self._state
+        if not handles:
+            return None
+        ranked = self._ranked(ring, handles, key, offset)
+        return ranked[0] if ranked else None
+
     def first_healthy(self, reads: list[tuple[str, int]]) -> list[WorkerHandle | None]:
         """``candidates(key, offset, include_broken=False)[0]`` (or None) for many reads at once:
         a batch of samples asks once, not once a sample (a held read costs ~15 us in all)."""

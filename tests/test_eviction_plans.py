@@ -161,6 +161,9 @@ class _NoWorkers:
     def candidates(self, *args, **kwargs):
         return []
 
+    def placed(self, *args, **kwargs):
+        return None
+
 
 def test_requests_carry_the_furthest_position_read_since_the_last_one():
     """A pass read by name sends no message: the next request tells where that pass got to,

@@ -224,3 +224,17 @@ def test_set_epoch_at_a_million_samples_is_constant_time(local_store, make_worke
         assert ds.plan_report.derived == 1
     assert sorted(took)[1] < 1.0, took
     assert worker.plans.derived_bytes() < 100e6
+
+
+def test_a_breaker_open_at_construction_leaves_no_unit_unplanned(samples, make_worker, monkeypatch):
+    """The plan follows the ring's placement, not a moment's health: with every worker's breaker
+    open while the dataset is made (a loaded machine, a slow call a moment before), its units are
+    still planned on the worker that holds them (before: none was, derived 0)."""
+    from cachefs.client.transport import Breaker
+
+    store, paths = samples
+    worker = make_worker(store.mount, page_size=PAGE)
+    monkeypatch.setattr(Breaker, "available", lambda self, now=None: False)
+    ds = CacheDataset(paths, storage_options={"workers": worker.address}, seed=4, rank=0, world_size=1,
+                      hint_samples=0)
+    assert ds.plan_report.derived == 1 and ds.plan_report.failed == 0, ds.plan_report
