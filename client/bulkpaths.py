@@ -257,15 +257,14 @@ class BulkPaths:
         if not candidates:
             return None
         handle = candidates[0]
-        reader = self._reader(handle, SOCKET_TIMEOUT if deadline is None else
-                              try_share(deadline - time.monotonic(), True))
+        left = None if deadline is None else try_share(deadline - time.monotonic(), True)  # gRPC follows
+        reader = self._reader(handle, SOCKET_TIMEOUT if left is None else left)
         if reader is None:
             return None
         stats = self.stats[reader.kind]
         try:
             # A miss is filled by the worker in the same request on either socket: the bytes
             # then come as pages (descriptors, sendfile), not copied through gRPC messages.
-            left = None if deadline is None else try_share(deadline - time.monotonic(), True)  # gRPC follows
             got = (reader.read(path, offset, length, version, out, fill=True, timeout=left)
                    if isinstance(reader, DataPortReader) else reader.read(path, offset, length, version, out, timeout=left))
         except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
@@ -390,11 +389,12 @@ class BulkPaths:
                 break
             # Another worker, or (in a process with gRPC) gRPC, may follow: half of what is left.
             share = try_share(left, i + 1 < len(handles) or not forksafe.grpc_inherited())
+            try_end = time.monotonic() + share  # the probe (if any) and the request within it
             reader = self._reader(handle, share)
             if reader is None:
                 continue
             try:
-                reply = reader.meta(request, timeout=max(MIN_TRY_SECONDS, share - (left - (deadline - time.monotonic()))))
+                reply = reader.meta(request, timeout=max(MIN_TRY_SECONDS, try_end - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - the next worker may answer
                 self._failed(handle, reader, exc, "trying the next worker")
                 if forksafe.grpc_inherited():  # (with gRPC, its calls keep the breakers: the lean path has its own window)
