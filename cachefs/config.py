@@ -328,6 +328,9 @@ class MasterConfig:
     etcd_timeout: float = 3.0  # seconds for one etcd call over all endpoints (admin commands fail within it)
     election_lease_seconds: float = 5.0  # the leader's lease: a dead leader is replaced within ~2x this
     advertise_address: str = ""  # what workers and the other masters dial; default host:port
+    # Serve the cluster view to training processes on port + 1, plain TCP with no gRPC
+    # (server/master/clientport.py); never with TLS (its clients then use gRPC).
+    client_port: bool = True
     # What a mount may point at (cachefs/mountpolicy.py): remote stores by URL scheme ("*": any
     # scheme); local directories (file://, plain paths) only at or under allowed_local_roots
     # (by realpath) or under a mount in this config (`mounts`, --mount: the operator's own).

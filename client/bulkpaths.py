@@ -165,10 +165,11 @@ class BulkPaths:
 
     def _status(self, handle: Any, timeout: float = SOCKET_TIMEOUT) -> Any:
         # Kept (threads of this process may probe at once) until this worker's lean path fails;
-        # the view's copy is used until then too (after a failure a process with gRPC asks the
-        # worker itself: its sockets may have moved ahead of the view).
+        # then the view's copy (a worker that restarted on new sockets re-registers them: the
+        # view moves, and this process follows it), so no process asks gRPC for it. Only a
+        # worker the view publishes no sockets of (an older one) is asked through gRPC.
         status = self._handed_down.get(handle.address)
-        if status is None and handle.address not in self._failures:
+        if status is None:
             status = self._from_view.get(handle.address)
         if status is None and forksafe.grpc_inherited():
             status = self._known_status(handle.address)
@@ -503,17 +504,37 @@ class BulkPaths:
             log.debug("short-circuit info of %s failed: %s", path, exc)
             return None
 
-    def hint(self, handle: Any, keys: list[str]) -> int:
-        """Ask ``handle``'s worker through its short-circuit socket to load ``keys`` in the
-        background; how many it took (0: busy, not on this host, or the socket failed)."""
+    def hint(self, handle: Any, keys: list[str]) -> int | None:
+        """Ask ``handle``'s worker over its socket (short-circuit or data port) to load ``keys``
+        in the background; how many it took (0: busy, or the socket failed); None when this
+        process has no socket to that worker."""
         reader = self._reader(handle)
-        if reader is None or not hasattr(reader, "hint"):
-            return 0
+        if reader is None:
+            return None
         try:
-            return reader.hint(keys)
+            if hasattr(reader, "hint"):
+                return reader.hint(keys)
+            return reader.meta(common_pb2.MetaRequest(op=common_pb2.MetaRequest.LOAD, paths=keys)).loading
         except Exception as exc:  # noqa: BLE001 - only a hint
-            log.debug("short-circuit hint of %d objects failed: %s", len(keys), exc)
+            log.debug("hint of %d objects over %s failed: %s", len(keys), reader.kind, exc)
             return 0
+
+    def meta_on(self, handle: Any, request: Any, timeout: float) -> Any | None:
+        """A metadata operation on ``handle``'s worker itself over its socket (a read plan goes to
+        the worker that holds the pages); None when this process has no socket to it. Raises the
+        socket's failure (the caller's request is advisory or retried by it)."""
+        reader = self._reader(handle, timeout)
+        if reader is None:
+            return None
+        try:
+            reply = reader.meta(request, timeout=timeout)
+        except Exception as exc:
+            self._failed(handle, reader, exc, "the operation fails")
+            raise
+        self._follow_view(reader)
+        if reply.error_code:
+            raise from_wire_error(reply.error_code, reply.error_detail, reply.error_message, f"worker {handle.address}")
+        return reply
 
     def report(self) -> None:
         """Tell each local worker of the reads made through held page handles since the last

@@ -136,7 +136,8 @@ class DataPortReader:
         result, reply = self._roundtrip(dataport_pb2.DataRequest(token=self.token, meta=request),
                                         lambda _sock, reply: reply, timeout)
         if reply.code != Reply.OK:
-            raise ConnectionError(f"data port {self.host}:{self.port} refused a metadata request: {reply.message}")
+            raise refusal_error(f"{self.host}:{self.port}", reply.message) or ConnectionError(
+                f"data port {self.host}:{self.port} refused a metadata request: {reply.message}")
         return result.meta
 
     def _roundtrip(self, request: Any, receive: Callable[[socket.socket, Any], Any],

@@ -166,8 +166,8 @@ class _ForkSupportWarning:
         self.said = False
 
     def check(self) -> None:
-        if self.said:
-            return
+        if self.said or "grpc" not in sys.modules:
+            return  # a process that has not loaded gRPC has no at-fork handler of it (and loads none here)
         self.said = True
         try:
             enabled = grpc_fork_support()

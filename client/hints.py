@@ -1,4 +1,4 @@
-"""Telling the cache what comes next: fire-and-forget ``Load`` requests for upcoming objects.
+"""Telling the cache what comes next: fire-and-forget loads of upcoming objects.
 
 A dataset knows its epoch order long before it reads each sample. The in-memory prefetch
 window is bounded in bytes (it holds data in the training process), so it reaches only a few
@@ -6,6 +6,8 @@ samples ahead; a hint reaches much further at no memory cost here: the worker th
 an object fetches it from the store into its page store now, so on a cold epoch the reader
 finds it cached instead of waiting on the store.
 
+A hint goes over the worker's socket (its LOAD operation, answered at once: server/worker/
+metaops.py), else, to a worker this process has no socket to, as a ``Load`` call through gRPC.
 Hints are advisory. A hint that cannot be sent at once (too many in flight, no worker) is
 dropped, a failed one is only counted, and once the cache keeps answering "all of that was
 already cached" (a warm epoch) hinting backs off, so it costs the workers almost nothing.
@@ -17,8 +19,6 @@ import logging
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from cachefs.client import forksafe
 from cachefs.paths import parse_path, strip_protocol
@@ -45,7 +45,7 @@ class Hinter(forksafe.ForkHook):
         self.warm_streak = warm_streak
         self._lock = threading.Lock()
         self._idle_cv = threading.Condition(self._lock)
-        self._futures: set[grpc.Future] = set()
+        self._futures: set[Any] = set()  # grpc.Future
         self._pid = forksafe.pid()
         self._in_flight = 0
         self._sent: set[str] = set()
@@ -98,9 +98,11 @@ class Hinter(forksafe.ForkHook):
             return 0
         sent = 0
         for handle, keys in self.session.owners(fresh):
-            if forksafe.grpc_inherited():
-                sent += self._hint_by_socket(handle, keys)
+            by_socket = self._hint_by_socket(handle, keys)
+            if by_socket is not None or forksafe.grpc_inherited():
+                sent += by_socket or 0
                 continue
+            # No socket to that worker (TLS, an older worker): a Load call through gRPC.
             for i in range(0, len(keys), self.batch):
                 chunk = keys[i:i + self.batch]
                 with self._lock:
@@ -122,14 +124,15 @@ class Hinter(forksafe.ForkHook):
                 self.stats["paths"] += len(chunk)
         return sent
 
-    def _hint_by_socket(self, handle: Any, keys: list[str]) -> int:
-        """Hints from a process whose first gRPC channel could hang (a forked DataLoader worker:
-        forksafe.grpc_inherited): through the short-circuit socket of a worker on this host,
-        answered at once; to any other worker, none."""
+    def _hint_by_socket(self, handle: Any, keys: list[str]) -> int | None:
+        """Hints over the worker's socket (short-circuit or data port), answered at once: how
+        many paths it took; None when this process has no socket to that worker."""
         sent = 0
         for i in range(0, len(keys), self.batch):
             chunk = keys[i:i + self.batch]
             taken = self.session.hint_by_socket(handle, chunk)
+            if taken is None:
+                return None if i == 0 else sent
             with self._lock:
                 if not taken:
                     self.stats["dropped"] += len(chunk)
@@ -141,7 +144,7 @@ class Hinter(forksafe.ForkHook):
             sent += len(chunk)
         return sent
 
-    def _done(self, future: grpc.Future | None) -> None:
+    def _done(self, future: Any) -> None:
         loaded = -1
         try:
             if future is not None and future.exception() is None:

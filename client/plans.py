@@ -44,11 +44,13 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PlanPublisher", "PlanReport"]
 
-#: Runs per Plan request (a few MB at most: well under gRPC's message limit).
-CHUNK_RUNS = 20_000
-#: Units per index chunk, and path bytes at most (well under the message limit: cachefs/tls.py).
-CHUNK_UNITS = 50_000
-CHUNK_PATH_BYTES = 4 << 20
+#: A plan request's encoded runs at most: it goes over the worker's socket, whose request is one
+#: 64 KiB message (cachefs/localhost.py MAX_MESSAGE, the data port's MAX_REQUEST) with its header.
+CHUNK_BYTES = 48 << 10
+#: Units per index chunk, and path bytes at most: with each unit's numbers (at most ~21 bytes
+#: encoded) a chunk stays under that message too.
+CHUNK_UNITS = 1_000
+CHUNK_PATH_BYTES = 32 << 10
 DEFAULT_LEASE_SECONDS = 30.0
 DEFAULT_RENEW_SECONDS = 1.0
 CALL_TIMEOUT = 30.0
@@ -191,16 +193,15 @@ class PlanPublisher:
             job=self.job, replace=True, done=True, position=position, rate=rate, lease_seconds=self.lease_seconds,
             no_prefetch=not self.prefetch, index_id=self._index.id, order=self._order)
         try:
-            stub = handle.stub()
-            reply = stub.Plan(request, timeout=CALL_TIMEOUT)
+            reply = self.session.plan(handle, request, CALL_TIMEOUT)
             if not reply.derived and not reply.index_known:
                 if part.released:  # the index's part for this worker, made again from the units
                     assert self._units is not None
                     part = self._build_index(self._units(), only=handle.address).parts.get(
                         handle.address, (handle, _Part().frozen()))[1]
                 for chunk in part.chunks(self._index, self.job, self.lease_seconds):
-                    stub.Plan(chunk, timeout=CALL_TIMEOUT)
-                reply = stub.Plan(request, timeout=CALL_TIMEOUT)
+                    self.session.plan(handle, chunk, CALL_TIMEOUT)
+                reply = self.session.plan(handle, request, CALL_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - advisory: the cache falls back to LRU order for it
             report.failed += 1
             log.debug("derived plan for %s not taken by %s: %s", self.job, handle.address, exc)
@@ -248,11 +249,11 @@ class PlanPublisher:
         position, rate = self._progress()
         try:
             reply = None
-            chunks = [runs[i:i + CHUNK_RUNS] for i in range(0, len(runs), CHUNK_RUNS)] or [[]]
+            chunks = _byte_chunks(runs, CHUNK_BYTES)
             for i, chunk in enumerate(chunks):
-                reply = handle.stub().Plan(worker_pb2.PlanRequest(
+                reply = self.session.plan(handle, worker_pb2.PlanRequest(
                     job=self.job, replace=i == 0, runs=chunk, done=i == len(chunks) - 1, position=position,
-                    rate=rate, lease_seconds=self.lease_seconds, no_prefetch=not self.prefetch), timeout=CALL_TIMEOUT)
+                    rate=rate, lease_seconds=self.lease_seconds, no_prefetch=not self.prefetch), CALL_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - advisory: the cache falls back to LRU order for it
             report.failed += 1
             log.debug("plan for %s not taken by %s: %s", self.job, handle.address, exc)
@@ -294,9 +295,8 @@ class PlanPublisher:
         report = PlanReport(resent=self.report.resent)
         for handle, worker_runs in runs.values():
             try:
-                reply = handle.stub().Plan(worker_pb2.PlanRequest(
-                    job=self.job, position=position, rate=rate, lease_seconds=self.lease_seconds),
-                    timeout=CALL_TIMEOUT)
+                reply = self.session.plan(handle, worker_pb2.PlanRequest(
+                    job=self.job, position=position, rate=rate, lease_seconds=self.lease_seconds), CALL_TIMEOUT)
             except Exception as exc:  # noqa: BLE001 - a worker away: tried again next round
                 report.failed += 1
                 log.debug("renewing plan %s on %s failed: %s", self.job, handle.address, exc)
@@ -400,6 +400,21 @@ class _Part:
             start = end
             if start >= n:
                 return
+
+
+def _byte_chunks(runs: list[Any], limit: int) -> list[list[Any]]:
+    """``runs`` cut into lists of at most ``limit`` encoded bytes each (one run at least; one
+    empty list when there are none: a plan of nothing still replaces the job's runs)."""
+    chunks: list[list[Any]] = [[]]
+    size = 0
+    for run in runs:
+        cost = run.ByteSize() + 4  # the field's tag and length
+        if chunks[-1] and size + cost > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(run)
+        size += cost
+    return chunks
 
 
 @dataclass

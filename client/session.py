@@ -23,20 +23,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
-
 from cachefs import rawbytes
 from cachefs.client.bulkpaths import MIN_TRY_SECONDS, BulkPaths, read_budget, try_share
 from cachefs.client.shortcircuit import Prepared
 from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
-from cachefs.client.transport import CHANNEL_OPTIONS, GatedChannel, WorkerHandle, WorkerSet
+from cachefs.client.transport import WorkerHandle, WorkerSet
 from cachefs.client import viewfetch
-from cachefs.client.view import ViewWatcher, fetch_view_once, supersedes
+from cachefs.client.masterport import MasterPort, ViewPoller, supersedes
 from cachefs.config import ClientConfig
 from cachefs.errors import (
     DeadlineExceededError,
     StaleObjectError,
+    UnauthenticatedError,
     UnknownMountError,
     WorkerUnavailableError,
     from_rpc_error,
@@ -44,7 +43,7 @@ from cachefs.errors import (
 )
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import CachePath
-from cachefs.proto import common_pb2, master_pb2, worker_pb2, worker_pb2_grpc
+from cachefs.proto import common_pb2, master_pb2, worker_pb2
 from cachefs.ring import RingConfig
 from cachefs.tls import explain, open_channel
 
@@ -115,35 +114,81 @@ class _ProcessState:
         self.counts = {"grpc_reads": 0, "grpc_bytes": 0, "grpc_hits": 0, "grpc_misses": 0,
                        "store_reads": 0, "store_bytes": 0, "failovers": 0, "errors": 0}
         self.lock = threading.Lock()
-        self.watcher: ViewWatcher | None = None
+        self.watcher: Any = None  # ViewWatcher (client/view.py): the view through gRPC
+        self.poller: ViewPoller | None = None  # the view through the master's client port
         self.bulk.on_view = self.view_from_worker
         known_view = bootstrap.cluster_view() if bootstrap is not None else None
         if known_view is not None:
             self.apply_view(known_view)
-        if config.master and forksafe.grpc_inherited():
-            # A DataLoader worker forked from a gRPC process never calls gRPC (forksafe.py): it
-            # routes by the view it was handed and learns newer ones from the workers' replies.
+        if not config.master:
+            return
+        if forksafe.grpc_inherited() or (known_view is not None and self.bulk.enabled):
+            # A process started with a view (a DataLoader worker, forked or spawned) follows it
+            # through the workers' replies: no thread, no master connection per process; one
+            # forked from a gRPC process never calls gRPC (forksafe.py).
             if known_view is None and not self.workers:
-                # No view handed down with this session: the parent's last one for this master, else
-                # one asked for from a fresh interpreter (client/viewfetch.py).
-                data = viewfetch.last_known(config.master) or viewfetch.from_helper_process(
-                    config.master, config.timeout, config.tls, config.token)
+                # No view handed down with this session: the parent's last one for this master,
+                # else the master's client port, else one asked for from a fresh interpreter
+                # (client/viewfetch.py).
+                data = viewfetch.last_known(config.master) or self._view_from_port(config) \
+                    or viewfetch.from_helper_process(config.master, config.timeout, config.tls, config.token)
                 if not data:
                     forksafe.forbid_grpc(f"the cluster view from master {config.master} (none was handed to "
-                                         "this process, and a helper process could not get one)")
-                known_view = master_pb2.ClusterView()
-                known_view.ParseFromString(data)
-                self.apply_view(known_view)
-            log.debug("following the cluster view through the workers in this forked process")
-        elif config.master:
+                                         "this process, and neither the master's client port nor a helper "
+                                         "process gave one)")
+                self.apply_view(master_pb2.ClusterView.FromString(data))
+            log.debug("following the cluster view through the workers in this process")
+        elif not self._poll_master(config, known_view):
+            from cachefs.client.view import ViewWatcher  # gRPC: a master without a client port, or TLS
+
             self.watcher = ViewWatcher(config.master, self.apply_view, timeout=config.timeout,
                                        tls=config.tls, token=config.token, known=known_view)
             if known_view is None:
                 self.watcher.fetch()  # the first use in this process: one GetView, then a watch thread
             self.watcher.start()
 
-    def _connect(self, address: str) -> grpc.Channel:
-        """A channel to one worker with this session's TLS and token (cachefs/tls.py)."""
+    @staticmethod
+    def _view_from_port(config: ClientConfig, timeout: float | None = None) -> bytes:
+        """The view from the master's client port, serialized (b"": none answered within
+        ``timeout``, by default the config's)."""
+        if config.tls.enabled:
+            return b""
+        timeout = config.timeout if timeout is None else timeout
+        port = MasterPort(config.master, config.token, timeout)
+        try:
+            view, _ = port.view(0, timeout)
+        except OSError as exc:
+            log.debug("master %s: no view from its client port: %s", config.master, exc)
+            return b""
+        finally:
+            port.close()
+        return view.SerializeToString() if view is not None else b""
+
+    def _poll_master(self, config: ClientConfig, known_view: master_pb2.ClusterView | None) -> bool:
+        """Follow the view through the master's client port (client/masterport.py): False when
+        no master of the list has one (TLS, an older master, all down: then gRPC)."""
+        if config.tls.enabled:
+            return False
+        poller = ViewPoller(MasterPort(config.master, config.token, config.timeout), self.apply_view,
+                            supersedes, known=known_view)
+        if known_view is None:
+            try:
+                poller.fetch(config.timeout)
+            except UnauthenticatedError:
+                poller.stop()
+                raise  # gRPC would refuse the same token
+            except OSError as exc:
+                poller.stop()
+                log.info("master %s: no client port answered (%s); following the view through gRPC",
+                         config.master, exc)
+                return False
+        self.poller = poller.start()
+        return True
+
+    def _connect(self, address: str) -> Any:
+        """A gRPC channel to one worker with this session's TLS and token (cachefs/tls.py)."""
+        from cachefs.client.grpcchannels import CHANNEL_OPTIONS, GatedChannel  # gRPC only where it is used
+
         channel = open_channel(address, self.config.tls, options=CHANNEL_OPTIONS, token=self.config.token)
         return GatedChannel(channel, self.rpc_gate)
 
@@ -177,6 +222,8 @@ class _ProcessState:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        if self.poller is not None:
+            self.poller.stop()
         self.workers.close()
         self.bulk.close()
 
@@ -191,6 +238,8 @@ class _ProcessState:
         """In a forked child: the parent's sockets may be closed here (the parent keeps its own
         descriptors); its gRPC channels and watcher are left untouched."""
         state.bulk.release_inherited()
+        if state.poller is not None:
+            state.poller.port.release_inherited()
 
 
 class _ViewForChildren(forksafe.ForkHook):
@@ -235,11 +284,17 @@ class ClientSession:
         if self._state.peek() is not None or (self._bootstrap is not None and self._bootstrap.view) \
                 or forksafe.grpc_inherited() or timeout <= 0:
             return
-        try:
-            view = fetch_view_once(self.config.master, timeout, self.config.tls, self.config.token)
-        except Exception as exc:  # noqa: BLE001 - a fork must go on; the child then says what it lacks
-            log.debug("no view for the children of this fork: %s", exc)
-            return
+        data = _ProcessState._view_from_port(self.config, timeout)
+        if data:
+            view: Any = master_pb2.ClusterView.FromString(data)
+        else:  # a master without a client port: through gRPC
+            from cachefs.client.view import fetch_view_once
+
+            try:
+                view = fetch_view_once(self.config.master, timeout, self.config.tls, self.config.token)
+            except Exception as exc:  # noqa: BLE001 - a fork must go on; the child then says what it lacks
+                log.debug("no view for the children of this fork: %s", exc)
+                return
         if view is not None:
             known = self._bootstrap.statuses if self._bootstrap is not None else ()
             self._bootstrap = SessionBootstrap(view.SerializeToString(), known)
@@ -290,7 +345,7 @@ class ClientSession:
                 groups.setdefault(candidates[0].address, (candidates[0], []))[1].append(key)
         return list(groups.values())
 
-    def call(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub, float], T], what: str,
+    def call(self, key: str, call: Callable[[Any, float], T], what: str,
              offset: int = 0, deadline: float | None = None) -> T | None:
         """Run ``call(stub, timeout)`` on the workers placed for ``key`` (its stripe at ``offset``),
         in order, all within one budget: ``deadline`` (monotonic; default the metadata timeout
@@ -307,6 +362,8 @@ class ClientSession:
             if self.config.fallback:
                 return None
             forksafe.forbid_grpc(what)
+        import grpc  # only a process that calls gRPC loads it
+
         if deadline is None:
             deadline = time.monotonic() + self.config.timeout
         last_error: grpc.RpcError | None = None
@@ -340,7 +397,7 @@ class ClientSession:
                                  + (f" ({hint})" if hint else "")) from None
         raise WorkerUnavailableError(f"{what}: no worker is available")
 
-    def call_owner(self, key: str, call: Callable[[worker_pb2_grpc.WorkerServiceStub, float], T], what: str,
+    def call_owner(self, key: str, call: Callable[[Any, float], T], what: str,
                    deadline: float | None = None) -> T:
         """``call`` for an operation that only a worker can do (writes, frees): never None."""
         result = self.call(key, call, what, deadline=deadline)
@@ -348,7 +405,7 @@ class ClientSession:
             raise WorkerUnavailableError(f"{what}: no worker answered")
         return result
 
-    def owner_stub(self, key: str, what: str) -> worker_pb2_grpc.WorkerServiceStub:
+    def owner_stub(self, key: str, what: str) -> Any:
         """The stub of the worker placed first for ``key`` (a write stream goes there)."""
         candidates = self.candidates(key, 0)
         if not candidates:
@@ -413,7 +470,7 @@ class ClientSession:
         request = worker_pb2.ListRequest(path=str(cp), recursive=recursive, refresh=refresh, paged=True,
                                          start_after=after)
 
-        def call(stub: worker_pb2_grpc.WorkerServiceStub, left: float) -> tuple[list[dict[str, Any]], str]:
+        def call(stub: Any, left: float) -> tuple[list[dict[str, Any]], str]:
             entries, next_after = [], ""
             for batch in stub.List(request, timeout=left):
                 entries.extend(info_dict(e) for e in batch.entries)
@@ -530,7 +587,7 @@ class ClientSession:
                 "process was forked from one that had loaded gRPC, so it has no way to a worker")
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
 
-        def call(stub: worker_pb2_grpc.WorkerServiceStub, timeout: float) -> tuple[bytes, int, str, int, int]:
+        def call(stub: Any, timeout: float) -> tuple[bytes, int, str, int, int]:
             # The first block in one unary call (a streaming call costs a thread and ~1 ms more
             # here, which is most of a small object's read); only what is left streams.
             reply = stub.ReadBlock(request, timeout=timeout)
@@ -681,12 +738,21 @@ class ClientSession:
                 log.debug("could not learn mounts for fallback: %s", exc)
 
     # -- hints -------------------------------------------------------------------------------------------
-    def hint_by_socket(self, handle: WorkerHandle, keys: list[str]) -> int:
-        """``load_future``'s hint through ``handle``'s short-circuit socket (a worker on this
-        host); how many keys it took (0: busy, or no such socket)."""
+    def hint_by_socket(self, handle: WorkerHandle, keys: list[str]) -> int | None:
+        """``load_future``'s hint over ``handle``'s socket (short-circuit or data port); how many
+        keys it took (0: busy, or the socket failed); None when this process has no socket to it."""
         return self._state.get().bulk.hint(handle, keys)
 
-    def load_future(self, handle: WorkerHandle, keys: list[str], timeout: float) -> grpc.Future:
+    def plan(self, handle: WorkerHandle, request: Any, timeout: float) -> Any:
+        """A read plan's request (worker_pb2.PlanRequest) to ``handle``'s worker: over its socket,
+        else (no socket to it) through gRPC; the PlanReply. Raises what failed."""
+        reply = self._state.get().bulk.meta_on(handle, common_pb2.MetaRequest(
+            op=common_pb2.MetaRequest.PLAN, plan=request.SerializeToString()), timeout)
+        if reply is not None:
+            return worker_pb2.PlanReply.FromString(reply.plan)
+        return handle.stub().Plan(request, timeout=timeout)
+
+    def load_future(self, handle: WorkerHandle, keys: list[str], timeout: float) -> Any:
         """Ask ``handle``'s worker to cache ``keys`` (a hint: metadata and first page in one GET)."""
         return handle.stub().Load.future(worker_pb2.LoadRequest(paths=keys, hint=True), timeout=timeout)
 

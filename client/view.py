@@ -16,20 +16,13 @@ from collections.abc import Callable
 import grpc
 
 from cachefs.client import forksafe
-from cachefs.client.transport import OWN_CONNECTIONS, SINGLE_THREADED_STREAMS
+from cachefs.client.grpcchannels import OWN_CONNECTIONS, SINGLE_THREADED_STREAMS
+from cachefs.client.masterport import supersedes
 from cachefs.proto import master_pb2, master_pb2_grpc
 from cachefs.addresses import split_addresses
 from cachefs.tls import PLAINTEXT, TLSConfig, explain, open_channel
 
 log = logging.getLogger(__name__)
-
-def supersedes(view: master_pb2.ClusterView, version: int, master_id: str) -> bool:
-    """Whether ``view`` replaces the view (``version``, ``master_id``) a process has. Newer views
-    only; but a different master (its state lost and rebuilt) starts its own numbering, so a new
-    master_id is always taken. Masters on etcd (leader_epoch set) number views alike (etcd
-    revisions): there only a newer version is taken."""
-    return view.version > version or (view.master_id != master_id and not view.leader_epoch)
-
 
 class ViewWatcher(forksafe.ForkHook):
     def __init__(self, master: str, on_view: Callable[[master_pb2.ClusterView], None], timeout: float = 5.0,

@@ -18,7 +18,6 @@ import os
 import queue
 from typing import TYPE_CHECKING, Any, Protocol
 
-import grpc
 from fsspec.callbacks import DEFAULT_CALLBACK
 from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import isfilelike
@@ -96,6 +95,8 @@ class WriteStream:
             self._sent += len(piece)
 
     def finish(self) -> dict[str, Any]:
+        import grpc  # a write is a gRPC stream (loaded by its call already): only its exceptions here
+
         self._put(worker_pb2.WriteChunk(commit=True))  # only this publishes the object
         self._put(_END)
         try:
@@ -107,6 +108,8 @@ class WriteStream:
             raise from_rpc_error(err, f"write {self.cp}") from None
 
     def _raise(self) -> None:
+        import grpc
+
         try:
             self._future.result(timeout=0)
         except grpc.RpcError as err:

@@ -43,7 +43,7 @@ class MountInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., options_json: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class MetaRequest(_message.Message):
-    __slots__ = ("op", "path", "refresh", "recursive", "start_after", "max_entries")
+    __slots__ = ("op", "path", "refresh", "recursive", "start_after", "max_entries", "known_version", "plan", "paths", "protocol")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[MetaRequest.Op]
@@ -51,27 +51,41 @@ class MetaRequest(_message.Message):
         LIST: _ClassVar[MetaRequest.Op]
         VIEW: _ClassVar[MetaRequest.Op]
         STATUS: _ClassVar[MetaRequest.Op]
+        PLAN: _ClassVar[MetaRequest.Op]
+        LOAD: _ClassVar[MetaRequest.Op]
+        HELLO: _ClassVar[MetaRequest.Op]
     NONE: MetaRequest.Op
     INFO: MetaRequest.Op
     LIST: MetaRequest.Op
     VIEW: MetaRequest.Op
     STATUS: MetaRequest.Op
+    PLAN: MetaRequest.Op
+    LOAD: MetaRequest.Op
+    HELLO: MetaRequest.Op
     OP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     REFRESH_FIELD_NUMBER: _ClassVar[int]
     RECURSIVE_FIELD_NUMBER: _ClassVar[int]
     START_AFTER_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     op: MetaRequest.Op
     path: str
     refresh: bool
     recursive: bool
     start_after: str
     max_entries: int
-    def __init__(self, op: _Optional[_Union[MetaRequest.Op, str]] = ..., path: _Optional[str] = ..., refresh: _Optional[bool] = ..., recursive: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ...) -> None: ...
+    known_version: int
+    plan: bytes
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    protocol: int
+    def __init__(self, op: _Optional[_Union[MetaRequest.Op, str]] = ..., path: _Optional[str] = ..., refresh: _Optional[bool] = ..., recursive: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ..., known_version: _Optional[int] = ..., plan: _Optional[bytes] = ..., paths: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class MetaReply(_message.Message):
-    __slots__ = ("error_code", "error_detail", "error_message", "info", "entries", "next_after", "view", "status")
+    __slots__ = ("error_code", "error_detail", "error_message", "info", "entries", "next_after", "view", "status", "plan", "loading", "role", "protocol", "view_version")
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_DETAIL_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +94,11 @@ class MetaReply(_message.Message):
     NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     error_code: str
     error_detail: str
     error_message: str
@@ -88,4 +107,9 @@ class MetaReply(_message.Message):
     next_after: str
     view: bytes
     status: bytes
-    def __init__(self, error_code: _Optional[str] = ..., error_detail: _Optional[str] = ..., error_message: _Optional[str] = ..., info: _Optional[_Union[ObjectInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., next_after: _Optional[str] = ..., view: _Optional[bytes] = ..., status: _Optional[bytes] = ...) -> None: ...
+    plan: bytes
+    loading: int
+    role: str
+    protocol: int
+    view_version: int
+    def __init__(self, error_code: _Optional[str] = ..., error_detail: _Optional[str] = ..., error_message: _Optional[str] = ..., info: _Optional[_Union[ObjectInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., next_after: _Optional[str] = ..., view: _Optional[bytes] = ..., status: _Optional[bytes] = ..., plan: _Optional[bytes] = ..., loading: _Optional[int] = ..., role: _Optional[str] = ..., protocol: _Optional[int] = ..., view_version: _Optional[int] = ...) -> None: ...

@@ -4,7 +4,7 @@ One server per daemon instance (no process-global state): Prometheus scrapes /me
 Kubernetes probes /healthz (liveness: the process answers and is not stopping) and
 /readyz (readiness: the daemon's own check, e.g. page store open, state readable).
 Requests are served on a bounded pool of threads; idle and slow connections wait in a selector
-and are closed on timeouts (server/worker/connections.py), so thousands of them neither take
+and are closed on timeouts (server/connections.py), so thousands of them neither take
 threads nor keep the others from an answer. Pages are snapshots refreshed at most once a second
 (the master's /status asks every worker), built by one request while the others get the last.
 """
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 if TYPE_CHECKING:
-    from cachefs.server.worker.connections import Connection
+    from cachefs.server.connections import Connection
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +149,10 @@ class _Snapshot:
 def _connections_class() -> type:
     """_HttpConnections, defined on first use: the worker package imports this module, so its
     connection server cannot be imported at this module's import."""
-    from cachefs.server.worker.connections import ConnectionServer, listen_tcp
+    from cachefs.server.connections import ConnectionServer, listen_tcp
 
     class _HttpConnections(ConnectionServer):
-        """The HTTP port on the worker's connection server (server/worker/connections.py): idle and
+        """The HTTP port on the worker's connection server (server/connections.py): idle and
         half-sent connections wait in one selector and cost no thread; a request head is served on
         a bounded pool of threads once it is whole; a head not whole within ``HEAD_TIMEOUT`` seconds
         of its first byte (slowloris) and a connection idle for ``IDLE_TIMEOUT`` are closed; past

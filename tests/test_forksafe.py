@@ -182,8 +182,10 @@ def test_fork_while_hints_and_prefetches_run(served):
 
 
 def test_fork_while_the_view_stream_is_open(served, tmp_path):
+    """The gRPC view watch (a master without a client port, or TLS) across forks."""
     objects, worker = served
-    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "master"))).start()
+    master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "master"),
+                                 client_port=False)).start()
     try:
         fs = client(worker.address, master=master.address)
         paths = _paths(objects)

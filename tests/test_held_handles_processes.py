@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from cachefs.local import worker_process
 from cachefs.pagefile import TRAILER_SIZE
-from cachefs.server.worker.connections import IDLE_TIMEOUT
+from cachefs.server.connections import IDLE_TIMEOUT
 from helpers import payload, scrape, wait_for
 
 PAGE = 64 << 10

@@ -301,7 +301,8 @@ def test_defaults_render_master_and_workers():
     assert config["master"]["state_dir"].startswith(mounts["state"] + "/")
     # Probes reach the HTTP port the daemon is configured to serve them on.
     ports = {p["name"]: p["containerPort"] for p in master["ports"]}
-    assert ports == {"grpc": config["master"]["port"], "http": config["master"]["metrics_port"]}
+    assert ports == {"grpc": config["master"]["port"], "client": config["master"]["port"] + 1,
+                     "http": config["master"]["metrics_port"]}
     assert master["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert master["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
@@ -445,6 +446,13 @@ def test_network_policy_on_by_default_admits_release_and_training_pods_only():
         {"namespaceSelector": {}, "podSelector": {"matchLabels": {"cachefs.io/client": "true"}}},
     ]
     assert {p["port"] for p in worker["ingress"][0]["ports"]} == {29999, 9464, 29998}
+    # The master's gRPC port, its client port (port + 1: the view for training processes) and HTTP.
+    assert {p["port"] for p in policies["rel-cachefs-master"]["ingress"][0]["ports"]} == {19998, 19999, 9465}
+    service = next(s for s in objects["Service"] if s["metadata"]["name"] == "rel-cachefs-master")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 19998, "client": 19999, "http": 9465}
+    off = _render({"master": {"config": {"port": 19998, "metrics_port": 9465, "client_port": False}}})
+    off_service = next(s for s in off["Service"] if s["metadata"]["name"] == "rel-cachefs-master")
+    assert {p["name"] for p in off_service["spec"]["ports"]} == {"grpc", "http"}
     assert "NetworkPolicy" not in _render({"networkPolicy": {"enabled": False}})
 
 

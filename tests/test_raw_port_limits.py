@@ -21,7 +21,7 @@ import grpc
 
 from cachefs.client.filesystem import CacheFileSystem
 from cachefs.proto import dataport_pb2, worker_pb2, worker_pb2_grpc
-from cachefs.server.worker.connections import THREAD_KEEPALIVE
+from cachefs.server.connections import THREAD_KEEPALIVE
 from helpers import payload, wait_for
 
 PAGE = 64 << 10

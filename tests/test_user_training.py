@@ -31,9 +31,13 @@ TRAIN = textwrap.dedent('''
     import torch, cachefs
 
     master, kind, workers, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    grpc_seen = sys.argv[5]  # a process that has loaded gRPC by the time it reads a sample says so here
     options = {"master": master}
 
     def crc(sample):
+        if "grpc" in sys.modules:
+            with open(grpc_seen, "a") as f:
+                f.write(f"{__import__('os').getpid()}\\n")
         return zlib.crc32(sample.numpy().tobytes() if hasattr(sample, "numpy") else bytes(sample))
 
     if kind == "map":
@@ -50,6 +54,7 @@ TRAIN = textwrap.dedent('''
             ds.set_epoch(epoch)
         crcs = sorted(int(x) for batch in loader for x in batch)
         print(json.dumps({"epoch": epoch, "crcs": crcs}), flush=True)
+    print(json.dumps({"grpc_loaded": "grpc" in sys.modules}), flush=True)
     from grpc._cython import cygrpc
     print(json.dumps({"grpc_fork_support": bool(cygrpc.is_fork_support_enabled()),
                       "env": __import__("os").environ.get("GRPC_ENABLE_FORK_SUPPORT")}), flush=True)
@@ -90,17 +95,27 @@ def local_cluster(tmp_path_factory):
             proc.wait(10)
 
 
-@pytest.mark.parametrize(("kind", "workers"), [("map", 2), ("map", 0), ("iter", 2)])
+@pytest.mark.parametrize(("kind", "workers"), [("map", 2), ("map", 0), ("iter", 2), ("iter", 0)])
 def test_the_readme_training_loop_runs_every_epoch(local_cluster, tmp_path: Path, kind: str, workers: int):
+    """Every epoch, every byte; and neither the training process nor a DataLoader worker ever
+    loads gRPC (the view from the master's client port, reads, listings, plans and hints over
+    the workers' sockets), even with grpcio's fork support asked for in the environment."""
     master, want = local_cluster
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    done = subprocess.run([sys.executable, str(script), master, kind, str(workers), str(EPOCHS)],
-                          capture_output=True, text=True, timeout=240, env=_user_environment(), cwd=tmp_path)
+    grpc_seen = tmp_path / "grpc-seen"
+    # With DataLoader workers, grpcio's fork support asked for as a user's environment might.
+    env = {**_user_environment(), **({"GRPC_ENABLE_FORK_SUPPORT": "1"} if workers else {})}
+    done = subprocess.run([sys.executable, str(script), master, kind, str(workers), str(EPOCHS), str(grpc_seen)],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, f"the training script failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     epochs = [line for line in lines if "epoch" in line]
     assert [e["epoch"] for e in epochs] == list(range(EPOCHS))
     for e in epochs:
         assert e["crcs"] == want, f"epoch {e['epoch']}: wrong or missing samples"
-    assert lines[-1] == {"grpc_fork_support": False, "env": None}  # the client turned nothing on
+    assert {"grpc_loaded": False} in lines, f"the training process loaded gRPC:\n{done.stderr[-3000:]}"
+    assert not grpc_seen.exists(), f"processes that loaded gRPC while reading: {grpc_seen.read_text()}"
+    # The client changed no gRPC setting: what the environment asked for, nothing more.
+    assert lines[-1] == ({"grpc_fork_support": True, "env": "1"} if workers else
+                         {"grpc_fork_support": False, "env": None})

@@ -18,7 +18,9 @@ from cachefs.proto import master_pb2_grpc
 from cachefs.ring import RingConfig
 from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.store.s3config import pin_mount
+from cachefs.server.connections import token_checker
 from cachefs.server.master.catalog import Catalog
+from cachefs.server.master.clientport import CLIENT_PORT_OFFSET, MasterClientPort
 from cachefs.server.master.jobs import JobManager, JobRecord, JobSettings
 from cachefs.server.master.loadrun import LoadProgress
 from cachefs.server.master.metrics import MasterFigures, MasterMetrics
@@ -42,6 +44,8 @@ MAX_WATCHERS = 256
 # Calls that answer without the access token when ``open_status`` is set: the view is what
 # `cachefs status` shows (workers, their stats, mount names and URLs; never credentials).
 MASTER_OPEN_METHODS = ("GetView",)
+#: Free ports picked for the client port before its gRPC neighbour is found free too (port 0).
+PORT_PAIR_TRIES = 32
 
 
 class Master:
@@ -59,6 +63,7 @@ class Master:
         self.metrics_port: int | None = None
         self._server: grpc.Server | None = None
         self._metrics_http: HttpServer | None = None
+        self.client_port: MasterClientPort | None = None  # the view for training processes (clientport.py)
         self._stopping = threading.Event()
         self.control = None  # several masters on etcd: the election and the state there
         if config.etcd:
@@ -155,7 +160,7 @@ class Master:
         """What workers and the other masters dial to reach this one."""
         return self.config.advertise_address or self.address
 
-    def start(self) -> "Master":
+    def _grpc_server(self) -> grpc.Server:
         threads = self.config.rpc_threads + self._max_watchers
         server = grpc.server(
             ThreadPoolExecutor(threads, thread_name_prefix="cachefs-master-rpc"),
@@ -165,7 +170,49 @@ class Master:
                                              MASTER_OPEN_METHODS if self.config.open_status else ()),
         )
         master_pb2_grpc.add_MasterServiceServicer_to_server(self.servicer, server)
-        port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
+        return server
+
+    def _client_port(self, port: int) -> MasterClientPort:
+        config = self.config
+        return MasterClientPort(
+            config.host, port, self.servicer.build_view, lambda: self.versions.value,
+            token_checker([config.access_token, config.cluster_token]) if config.access_token else None,
+            open_view=config.open_status, on_view_sent=self.metrics.views_sent.inc).start()
+
+    def _bind(self) -> tuple[grpc.Server, int]:
+        """The gRPC server bound to its port, and the client port on the next one (clientport.py).
+        With port 0 both are picked together; a fixed port whose neighbour is taken leaves the
+        client port off (training processes then use gRPC), with a warning."""
+        config, address = self.config, f"{self.config.host}:{{}}"
+        if not config.client_port or config.tls.enabled:
+            server = self._grpc_server()
+            return server, bind_port(server, address.format(config.port), config.tls)
+        if config.port:
+            server = self._grpc_server()
+            port = bind_port(server, address.format(config.port), config.tls)
+            try:
+                self.client_port = self._client_port(port + CLIENT_PORT_OFFSET)
+            except OSError as exc:
+                log.warning("client port %d not served (%s): training processes will follow the view "
+                            "through gRPC", port + CLIENT_PORT_OFFSET, exc)
+            return server, port
+        for _ in range(PORT_PAIR_TRIES):
+            client = self._client_port(0)
+            if client.port - CLIENT_PORT_OFFSET >= 1024:
+                server = self._grpc_server()
+                try:
+                    port = bind_port(server, address.format(client.port - CLIENT_PORT_OFFSET), config.tls)
+                except (OSError, RuntimeError):  # that neighbour is taken: another pair
+                    port = 0
+                if port:
+                    self.client_port = client
+                    return server, port
+                server.stop(0)
+            client.stop()
+        raise OSError(f"no two free ports in a row on {config.host} after {PORT_PAIR_TRIES} tries")
+
+    def start(self) -> "Master":
+        server, port = self._bind()
         server.start()
         self._server, self.port = server, port
         if self.control is not None:
@@ -180,7 +227,8 @@ class Master:
                 self.metrics.registry, live=self._live, ready=self._ready,
                 pages={"/status": page.html}, redirects={"/": "/status"})).start()
             self.metrics_port = self._metrics_http.port
-        log.info("master %s serving on %s (metrics port %s)", self.master_id, self.address, self.metrics_port)
+        log.info("master %s serving on %s (client port %s, metrics port %s)", self.master_id, self.address,
+                 self.client_port.port if self.client_port is not None else "off", self.metrics_port)
         if not self.config.cluster_token and self.config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no cluster token: anyone who reaches %s may register workers, change mounts "
                         "and read mount credentials", self.address)
@@ -193,6 +241,8 @@ class Master:
         self._stopping.set()
         self.versions.wake_all()
         grace = self.config.shutdown_grace if grace is None else grace
+        if self.client_port is not None:
+            self.client_port.stop()
         if self._server is not None:
             self._server.stop(grace).wait(grace + 1)
         self.jobs.stop(timeout=grace + 2)
@@ -252,6 +302,7 @@ def serve(config: MasterConfig) -> int:
     return serve_until_signalled(
         master.stop,
         ready={"master_id": master.master_id, "address": master.address, "port": master.port,
+               "client_port": master.client_port.port if master.client_port is not None else None,
                "metrics_port": master.metrics_port},
         stopped={"master_id": master.master_id},
     )

@@ -118,7 +118,8 @@ class MasterMetrics:
             "cachefs_master_requests", "RPCs by method and status code.", ["method", "code"], registry=r
         )
         self.watchers = Gauge("cachefs_master_watchers", "Open WatchView streams.", registry=r)
-        self.views_sent = Counter("cachefs_master_views_sent", "Views sent on WatchView streams.", registry=r)
+        self.views_sent = Counter("cachefs_master_views_sent", "Views sent on WatchView streams and the client "
+                                  "port (a poll with an unchanged view sends none).", registry=r)
         self.job_bytes_loaded = Counter(
             "cachefs_master_job_bytes_loaded", "Bytes load jobs made workers fetch from the store.", registry=r
         )

@@ -11,7 +11,6 @@ reads it through gRPC, which fetches, caches and serves it as usual.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 from collections.abc import Callable
@@ -102,11 +101,3 @@ class CachedPages:
             opened.close()
             raise
         return opened
-
-
-def token_checker(tokens: list[str]) -> Callable[[str], bool] | None:
-    """None when the worker has no token; else a constant-time check against any of ``tokens``."""
-    wanted = [t.encode() for t in tokens if t]
-    if not wanted:
-        return None
-    return lambda given: any(hmac.compare_digest(given.encode(), t) for t in wanted)

@@ -37,7 +37,8 @@ from cachefs.server.worker.metaops import MetaOps
 from cachefs.server.worker.registration import Registrar, ViewRelay, worker_stats
 from cachefs.server.worker.plans import PlanTable
 from cachefs.server.worker.service import HOST_ID, WorkerServicer
-from cachefs.server.worker.bulkpath import CachedPages, token_checker
+from cachefs.server.connections import token_checker
+from cachefs.server.worker.bulkpath import CachedPages
 from cachefs.server.worker.dataport import DataPortServer
 from cachefs.server.worker.handles import HandleTable
 from cachefs.server.worker.names import NameIndex
@@ -225,7 +226,8 @@ class Worker:
         # Metadata on the same sockets, for clients that must not use gRPC (metaops.py).
         self.view_relay = ViewRelay()
         self.meta_ops = MetaOps(self.objects, lambda: WorkerServicer.GetStatus.__wrapped__(
-            servicer, worker_pb2.GetStatusRequest(), None).SerializeToString(), self.view_relay.get)
+            servicer, worker_pb2.GetStatusRequest(), None).SerializeToString(), self.view_relay.get,
+            plan=servicer.take_plan, load=self.hint_loads.submit)
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)

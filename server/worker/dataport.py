@@ -23,8 +23,7 @@ import logging
 import os
 import select
 import socket
-import struct
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -33,16 +32,13 @@ from cachefs.proto import dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import NOT_CACHED, OK, CachedPages, OpenedRange
-from cachefs.server.worker.connections import SEND_TIMEOUT, Connection, ConnectionServer, listen_tcp
+from cachefs.server.connections import SEND_TIMEOUT, FramedServer
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.metaops import MetaOps
 
 log = logging.getLogger(__name__)
 
 Reply = dataport_pb2.DataReply
-FRAME = struct.Struct(">I")
-MAX_REQUEST = 64 << 10
-_READ_SIZE = 16 << 10  # bytes read at a time while a request comes in (one read for any usual request)
 #: A page of which less than this share is wanted is read and checked here and only that
 #: part is sent; above it the whole page goes out (sendfile) and the client checks it.
 WHOLE_PAGE_SHARE = 0.5
@@ -73,7 +69,7 @@ def sendfile_all(conn: socket.socket, fd: int, offset: int, count: int, timeout:
         offset += sent
 
 
-class DataPortServer(ConnectionServer):
+class DataPortServer(FramedServer):
     name = "dataport"
 
     def __init__(self, host: str, port: int, pages: CachedPages,
@@ -89,55 +85,8 @@ class DataPortServer(ConnectionServer):
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
         self.filler, self.meta, self._check_page = filler, meta, check_page
 
-    def _listen(self) -> socket.socket:
-        sock = listen_tcp(self.host, self.port, 128)
-        self.port = sock.getsockname()[1]
-        return sock
-
-    def _peer(self, sock: socket.socket, address: Any) -> Hashable:
-        return address[0]  # the remote IP
-
-    def _setup(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def _read_request(self, conn: Connection) -> bytes | int | None:
-        """A whole frame's body, or its size when it is too large; None while it is incomplete."""
-        if conn.buf:
-            got = self._frame(conn.buf)
-            if got is not None:
-                return got
-        try:
-            data = os.read(conn.fd, _READ_SIZE)
-        except BlockingIOError:
-            return None
-        if not data:
-            if conn.buf:
-                raise ConnectionError("connection closed inside a frame")
-            raise EOFError
-        if not conn.buf and len(data) >= FRAME.size and FRAME.unpack_from(data)[0] == len(data) - FRAME.size:
-            return data[FRAME.size:]  # the usual case: one whole request in one read
-        conn.buf += data
-        return self._frame(conn.buf)
-
-    @staticmethod
-    def _frame(buf: bytearray) -> bytes | int | None:
-        if len(buf) < FRAME.size:
-            return None
-        (size,) = FRAME.unpack_from(buf)
-        if size > MAX_REQUEST:
-            return size
-        if len(buf) < FRAME.size + size:
-            return None
-        body = bytes(buf[FRAME.size:FRAME.size + size])
-        del buf[:FRAME.size + size]
-        return body
-
-    def _handle(self, conn: Connection, request: bytes | int) -> bool:
-        if isinstance(request, int):
-            self._send_reply(conn.sock, Reply(code=Reply.REFUSED, message=f"request of {request} bytes is too large"))
-            return False  # the stream is out of step: close it
-        self._answer(conn.sock, request)
-        return True
+    def _refuse(self, conn: socket.socket, message: str) -> None:
+        self.send_frame(conn, Reply(code=Reply.REFUSED, message=message))
 
     def _bad(self, pid: Any) -> None:
         if self._check_page is not None and pid is not None:
@@ -146,27 +95,22 @@ class DataPortServer(ConnectionServer):
             except Exception:  # noqa: BLE001 - the page stays; the client's read goes another way
                 log.exception("checking page %s failed", pid)
 
-    @staticmethod
-    def _send_reply(conn: socket.socket, reply: Reply) -> None:
-        data = reply.SerializeToString()
-        conn.sendall(FRAME.pack(len(data)) + data)
-
     def _answer(self, conn: socket.socket, body: bytes) -> None:
         request = dataport_pb2.DataRequest()
         try:
             request.ParseFromString(body)
         except Exception:
-            self._send_reply(conn, Reply(code=Reply.REFUSED, message="malformed request"))
+            self.send_frame(conn, Reply(code=Reply.REFUSED, message="malformed request"))
             return
         if not self.pages.token_ok(request.token):
-            self._send_reply(conn, Reply(code=Reply.REFUSED, message="UNAUTHENTICATED: missing or wrong access token"))
+            self.send_frame(conn, Reply(code=Reply.REFUSED, message="UNAUTHENTICATED: missing or wrong access token"))
             return
         view_version = self.meta.view_version() if self.meta is not None else 0
         if request.HasField("meta"):
             if self.meta is None:
-                self._send_reply(conn, Reply(code=Reply.REFUSED, message="no metadata operations here"))
+                self.send_frame(conn, Reply(code=Reply.REFUSED, message="no metadata operations here"))
             else:
-                self._send_reply(conn, Reply(code=Reply.OK, meta=self.meta.answer(request.meta),
+                self.send_frame(conn, Reply(code=Reply.OK, meta=self.meta.answer(request.meta),
                                              view_version=view_version))
             return
         filled = False
@@ -178,7 +122,7 @@ class DataPortServer(ConnectionServer):
                 if self.filler.fill([request], fetched, failures):
                     if failures[0] is not None:  # no use asking again: the client raises it
                         failure = failures[0]
-                        self._send_reply(conn, Reply(code=Reply.FAILED, errno=failure.errno or errno.EIO,
+                        self.send_frame(conn, Reply(code=Reply.FAILED, errno=failure.errno or errno.EIO,
                                                      message=failure.strerror or str(failure),
                                                      view_version=view_version))
                         return
@@ -191,13 +135,13 @@ class DataPortServer(ConnectionServer):
         try:
             info = info_message(opened.meta) if opened.meta is not None else None
             if opened.code != OK:
-                self._send_reply(conn, Reply(code=opened.code, message=opened.message, info=info,
+                self.send_frame(conn, Reply(code=opened.code, message=opened.message, info=info,
                                              view_version=view_version))
                 return
             if plan is None:  # a bad page (dropped): read again, it is fetched again
-                self._send_reply(conn, Reply(code=Reply.NOT_CACHED, info=info))
+                self.send_frame(conn, Reply(code=Reply.NOT_CACHED, info=info))
                 return
-            self._send_reply(conn, Reply(code=Reply.OK, info=info, segments=[seg for seg, _ in plan],
+            self.send_frame(conn, Reply(code=Reply.OK, info=info, segments=[seg for seg, _ in plan],
                                          view_version=view_version, filled=filled))
             sent = 0
             for (seg, part), fd in zip(plan, opened.fds):

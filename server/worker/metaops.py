@@ -4,7 +4,8 @@ A process forked from one that had loaded gRPC must not touch gRPC (client/forks
 DataLoader worker reads pages over the short-circuit socket (shortcircuit.py) or the data port
 (dataport.py), and asks for what else it needs the same way: an object's info, a listing (in
 pages: a reply of the short-circuit socket is one 64 KiB message), the cluster view the worker
-last had from the master, the worker's status. Each socket server parses its own framing and
+last had from the master, the worker's status, read plans (the worker's Plan call) and hinted
+loads. Each socket server parses its own framing and
 hands the ``MetaRequest`` here; errors go back as gRPC would have carried them (status code
 name, the ``cachefs-error`` detail, the message: cachefs/errors.py), so the client raises the
 same exception either way.
@@ -19,18 +20,28 @@ from typing import Any
 
 from cachefs.errors import wire_error
 from cachefs.paths import parse_path
-from cachefs.proto import common_pb2
+from cachefs.proto import common_pb2, worker_pb2
 from cachefs.server.rpc import info_message
 
 log = logging.getLogger(__name__)
 
 MetaRequest = common_pb2.MetaRequest
 MetaReply = common_pb2.MetaReply
+#: The version of the client protocol on the daemons' raw sockets (HELLO's answer). 1: info,
+#: listing pages, view, status, plans and hinted loads as metadata operations.
+PROTOCOL = 1
 
 #: Entries in one listing page at most, and their encoded bytes at most: a short-circuit reply
 #: is one SOCK_SEQPACKET message of 64 KiB (cachefs/localhost.py MAX_MESSAGE) with its header.
 LIST_PAGE_ENTRIES = 1000
 LIST_PAGE_BYTES = 48 << 10
+
+
+def _parsed(message: Any, data: bytes) -> Any:
+    try:
+        return message.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError: the request's fault
+        raise ValueError(f"malformed {message.DESCRIPTOR.name}: {exc}") from None
 
 
 class ListingPages:
@@ -68,12 +79,16 @@ class MetaOps:
     """Answers ``MetaRequest``s with the worker's object store and what it knows of the cluster."""
 
     def __init__(self, objects: Any, status: Callable[[], bytes],
-                 view: Callable[[], tuple[int, bytes]] | None = None) -> None:
+                 view: Callable[[], tuple[int, bytes]] | None = None,
+                 plan: Callable[[Any], Any] | None = None, load: Callable[[list[str]], int] | None = None) -> None:
         """``objects``: the worker's ObjectStore (its metadata and listing caches);
         ``status()``: its serialized WorkerStatus; ``view()``: (version, serialized ClusterView)
-        of the view it last had from the master ((0, b"") without one)."""
+        of the view it last had from the master ((0, b"") without one); ``plan(PlanRequest)``:
+        the PlanReply (the Plan call's work); ``load(paths)``: hinted loads started in the
+        background, how many were taken (hintloads.py)."""
         self._objects, self._status = objects, status
         self._view = view or (lambda: (0, b""))
+        self._plan, self._load = plan, load
         self._pages = ListingPages(objects)
 
     def view_version(self) -> int:
@@ -91,6 +106,14 @@ class MetaOps:
                 return MetaReply(view=self._view()[1])
             if request.op == MetaRequest.STATUS:
                 return MetaReply(status=self._status())
+            if request.op == MetaRequest.PLAN and self._plan is not None:
+                return MetaReply(plan=self._plan(_parsed(worker_pb2.PlanRequest, request.plan)).SerializeToString())
+            if request.op == MetaRequest.LOAD and self._load is not None:
+                for raw in request.paths:
+                    parse_path(raw)  # a bad path is the request's error, not a failed background load
+                return MetaReply(loading=self._load(list(request.paths)))
+            if request.op == MetaRequest.HELLO:
+                return MetaReply(role="worker", protocol=PROTOCOL)
             raise ValueError(f"unknown metadata operation {request.op}")
         except Exception as exc:  # noqa: BLE001 - every failure goes back as the error it is
             if not isinstance(exc, (OSError, ValueError, NotImplementedError)):

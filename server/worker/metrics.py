@@ -90,7 +90,7 @@ class _PageStoreCollector(Collector):
 
 
 class _RawServersCollector(Collector):
-    """Connections of the short-circuit socket and the data port (server/worker/connections.py)."""
+    """Connections of the short-circuit socket and the data port (server/connections.py)."""
 
     def __init__(self, servers: Callable[[], dict[str, Any]]) -> None:
         self._servers = servers

@@ -326,6 +326,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @rpc("Plan")
     def Plan(self, request: worker_pb2.PlanRequest, context: grpc.ServicerContext) -> worker_pb2.PlanReply:
         """A job's read order for this worker's pages (plans.py): eviction follows it."""
+        return self.take_plan(request)
+
+    def take_plan(self, request: worker_pb2.PlanRequest) -> worker_pb2.PlanReply:
+        """Plan's work, also for plans that come over the worker's sockets (metaops.py)."""
         known, index_known, derived = self.plans.take(request)
         if known:
             self.plan_ahead(request.job)

@@ -28,8 +28,9 @@ from cachefs.localhost import MAX_MESSAGE, MAX_PAGES
 from cachefs.peercred import PeerPolicy
 from cachefs.proto import shortcircuit_pb2
 from cachefs.server.rpc import info_message
-from cachefs.server.worker.bulkpath import OK, CachedPages, token_checker
-from cachefs.server.worker.connections import Connection, ConnectionServer
+from cachefs.server.connections import token_checker
+from cachefs.server.worker.bulkpath import OK, CachedPages
+from cachefs.server.connections import Connection, ConnectionServer
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.handles import HandleTable
 from cachefs.server.worker.metaops import MetaOps

@@ -1,4 +1,5 @@
-"""The connections of the worker's two raw servers (short-circuit socket, data port).
+"""The connections of the daemons' raw servers: the worker's short-circuit socket and data
+port, the master's client port, the HTTP ports.
 
 Connections waiting for a request cost no thread: one epoll selector per server reads requests
 without blocking, and a whole request is served on a bounded pool of threads, a busy connection
@@ -11,14 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -485,3 +488,82 @@ class ConnectionServer:
         conn.sock.close()
 
 
+def token_checker(tokens: list[str]) -> Callable[[str], bool] | None:
+    """None when the server has no token; else a constant-time check against any of ``tokens``."""
+    wanted = [t.encode() for t in tokens if t]
+    if not wanted:
+        return None
+    return lambda given: any(hmac.compare_digest(given.encode(), t) for t in wanted)
+
+
+FRAME = struct.Struct(">I")  # a frame's header: the length of the message that follows, big-endian
+MAX_REQUEST = 64 << 10  # a request frame's body at most (a larger one is refused and closed)
+_READ_SIZE = 16 << 10  # bytes read at a time while a request comes in (one read for any usual request)
+
+
+class FramedServer(ConnectionServer):
+    """A TCP server of length-prefixed frames (``FRAME``, then a message of that many bytes),
+    one request at a time per connection: the data port's framing (proto/dataport.proto), also
+    spoken by the master's client port. A subclass answers ``_answer(sock, body)``."""
+
+    def _listen(self) -> socket.socket:
+        sock = listen_tcp(self.host, self.port, 128)
+        self.port = sock.getsockname()[1]
+        return sock
+
+    def _peer(self, sock: socket.socket, address: Any) -> Hashable:
+        return address[0]  # the remote IP
+
+    def _setup(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _read_request(self, conn: Connection) -> bytes | int | None:
+        """A whole frame's body, or its size when it is too large; None while it is incomplete."""
+        if conn.buf:
+            got = self._frame(conn.buf)
+            if got is not None:
+                return got
+        try:
+            data = os.read(conn.fd, _READ_SIZE)
+        except BlockingIOError:
+            return None
+        if not data:
+            if conn.buf:
+                raise ConnectionError("connection closed inside a frame")
+            raise EOFError
+        if not conn.buf and len(data) >= FRAME.size and FRAME.unpack_from(data)[0] == len(data) - FRAME.size:
+            return data[FRAME.size:]  # the usual case: one whole request in one read
+        conn.buf += data
+        return self._frame(conn.buf)
+
+    @staticmethod
+    def _frame(buf: bytearray) -> bytes | int | None:
+        if len(buf) < FRAME.size:
+            return None
+        (size,) = FRAME.unpack_from(buf)
+        if size > MAX_REQUEST:
+            return size
+        if len(buf) < FRAME.size + size:
+            return None
+        body = bytes(buf[FRAME.size:FRAME.size + size])
+        del buf[:FRAME.size + size]
+        return body
+
+    def _handle(self, conn: Connection, request: bytes | int) -> bool:
+        if isinstance(request, int):
+            self._refuse(conn.sock, f"request of {request} bytes is too large")
+            return False  # the stream is out of step: close it
+        self._answer(conn.sock, request)
+        return True
+
+    @staticmethod
+    def send_frame(conn: socket.socket, message: Any) -> None:
+        data = message.SerializeToString()
+        conn.sendall(FRAME.pack(len(data)) + data)
+
+    def _refuse(self, conn: socket.socket, message: str) -> None:
+        """A reply refusing the request (each protocol's own message)."""
+        raise NotImplementedError
+
+    def _answer(self, conn: socket.socket, body: bytes) -> None:
+        raise NotImplementedError

@@ -1,0 +1,89 @@
+"""The master's client port: the cluster view for training processes, with no gRPC.
+
+A training process must never load gRPC (client/forksafe.py: its at-fork handlers and its core's
+threads in forked DataLoader workers hung and crashed jobs), so it follows the cluster view here:
+a plain TCP port next to the gRPC one (``port + 1``, which a client derives from the master
+address it was given), in the data port's framing (proto/dataport.proto, server/connections.py
+``FramedServer``): a ``DataRequest`` carrying a ``MetaRequest``. ``HELLO`` says who answers (role
+``master``, the protocol version); ``VIEW`` with the version the client has is answered with the
+view only when it differs (as ``WatchView``), so a poll costs a few dozen bytes. The token is the
+gRPC port's: the access token or the cluster token; ``open_status`` lets ``VIEW`` through
+without one, as it does ``GetView``. A master serving TLS opens no client port (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from cachefs.proto import common_pb2, dataport_pb2
+from cachefs.server.connections import FramedServer
+
+log = logging.getLogger(__name__)
+
+Reply = dataport_pb2.DataReply
+MetaRequest = common_pb2.MetaRequest
+#: The client port is this far above the gRPC port: a client given ``host:19998`` dials 19999.
+CLIENT_PORT_OFFSET = 1
+#: The client protocol's version (the same as the workers' sockets: server/worker/metaops.py).
+PROTOCOL = 1
+#: Connections at most: one idle one per training process polling the view, so many more than a
+#: worker's raw servers take, within half of the descriptors this process may open.
+MAX_CONNECTIONS = 4096
+
+
+def connection_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(64, min(MAX_CONNECTIONS, soft // 2))
+
+
+class MasterClientPort(FramedServer):
+    name = "clientport"
+
+    def __init__(self, host: str, port: int, view: Callable[[], Any], version: Callable[[], int],
+                 token_ok: Callable[[str], bool] | None, open_view: bool = False,
+                 on_view_sent: Callable[[], None] | None = None, **limits: Any) -> None:
+        """``view()``: the ClusterView now (MasterServicer.build_view); ``version()``: its version
+        without building it; ``token_ok(token)``: None when the master has no token."""
+        limits.setdefault("max_connections", connection_limit())
+        super().__init__(**limits)
+        self.host, self.port = host, port
+        self._view, self._version, self._token_ok, self._open_view = view, version, token_ok, open_view
+        self._on_view_sent = on_view_sent
+
+    def _refuse(self, conn: socket.socket, message: str) -> None:
+        self.send_frame(conn, Reply(code=Reply.REFUSED, message=message))
+
+    def _answer(self, conn: socket.socket, body: bytes) -> None:
+        request = dataport_pb2.DataRequest()
+        try:
+            request.ParseFromString(body)
+        except Exception:  # protobuf's DecodeError
+            self._refuse(conn, "malformed request")
+            return
+        if not request.HasField("meta"):
+            self._refuse(conn, "the master's client port answers metadata operations only (HELLO, VIEW)")
+            return
+        op = request.meta.op
+        if op == MetaRequest.HELLO:
+            self.send_frame(conn, Reply(code=Reply.OK, meta=common_pb2.MetaReply(role="master", protocol=PROTOCOL)))
+            return
+        if op != MetaRequest.VIEW:
+            self._refuse(conn, f"unknown operation {op} on the master's client port (HELLO, VIEW)")
+            return
+        if self._token_ok is not None and not self._open_view and not self._token_ok(request.token):
+            self._refuse(conn, "UNAUTHENTICATED: missing or wrong access token")
+            return
+        version = self._version()
+        known = request.meta.known_version
+        if known and known == version:
+            self.send_frame(conn, Reply(code=Reply.OK, meta=common_pb2.MetaReply(view_version=version)))
+            return
+        view = self._view()
+        if self._on_view_sent is not None:
+            self._on_view_sent()
+        self.send_frame(conn, Reply(code=Reply.OK, meta=common_pb2.MetaReply(
+            view=view.SerializeToString(), view_version=view.version)))
