@@ -155,6 +155,8 @@ class BulkPaths:
         self.stats["short_circuit"].update(held_hits=0, held_misses=0)
         # The part of stats["short_circuit"] read through page handles held here (no message).
         self.held = {"reads": 0, "bytes": 0}
+        # Worker faults that moved a read or a metadata operation to the next worker's socket.
+        self.failovers = 0
         # Where this process's dataset reads in its registered plan (client/plans.py), told to
         # local workers with every short-circuit request.
         self.plan_progress = PlanProgress()
@@ -213,13 +215,13 @@ class BulkPaths:
         config = self.config
         status = self._status(handle, timeout)
         timeout = min(SOCKET_TIMEOUT, config.timeout)
-        if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
-                and os.path.exists(status.short_circuit_socket):
+        kind = self._socket_of(status, handle)
+        if kind == "short_circuit":
             return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout,
                                       handles=config.short_circuit_handles, counts=self.stats["short_circuit"],
                                       progress=self.plan_progress.take, by_name=config.short_circuit_by_name,
                                       huge_pages=config.huge_pages)
-        if config.data_port and status.data_port and not config.tls.enabled:
+        if kind == "data_port":
             return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout,
                                   counts=self.stats["data_port"], huge_pages=config.huge_pages)
         return None
@@ -235,7 +237,7 @@ class BulkPaths:
             reader = self._probe(handle, timeout)
         except Exception as exc:  # an old worker, an unreachable one: gRPC only
             log.debug("probe of %s for lean read paths failed: %s", handle.address, exc)
-            if forksafe.grpc_inherited():
+            if forksafe.grpc_avoided():
                 since -= PROBE_RETRY - NO_GRPC_RETRY
             elif _worker_away(exc) or (hasattr(exc, "code") and is_worker_fault(exc)):  # an RpcError
                 since -= PROBE_RETRY - AWAY_RETRY  # away, or too slow for this call: asked again soon
@@ -249,19 +251,21 @@ class BulkPaths:
 
         Any failure of a lean path (a socket error, a bad or undecodable reply, a bug) sends the
         read to gRPC, is counted, and drops that worker's lean path for a while; the first one
-        per worker is logged at warning. In a process that must not use gRPC: ``_read_no_grpc``.
+        per worker is logged at warning. In a process that must not use gRPC: ``_read_no_grpc``;
+        in one that keeps off it (forksafe.grpc_avoided), ``_read_no_grpc`` after the first try
+        (the rest of the budget), unless no placed worker offers a socket at all.
         ``deadline`` (monotonic): the read's budget, which the socket exchange stays within.
         """
         if forksafe.grpc_inherited():
             return self._read_no_grpc(path, offset, length, version, out, deadline)
         candidates = self.workers.candidates(path, offset, include_broken=False)
         if not candidates:
-            return None
+            return self._read_off_grpc(path, offset, length, version, out, deadline)
         handle = candidates[0]
         left = None if deadline is None else try_share(deadline - time.monotonic(), True)  # gRPC follows
         reader = self._reader(handle, SOCKET_TIMEOUT if left is None else left)
         if reader is None:
-            return None
+            return self._read_off_grpc(path, offset, length, version, out, deadline)
         stats = self.stats[reader.kind]
         try:
             # A miss is filled by the worker in the same request on either socket: the bytes
@@ -271,16 +275,49 @@ class BulkPaths:
         except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
             if getattr(exc, "cachefs_fault", None) == REQUEST:
                 raise  # about the object or the request (no such object): gRPC would say the same
-            self._failed(handle, reader, exc, "reading through gRPC")
+            avoided = forksafe.grpc_avoided()
+            self._failed(handle, reader, exc, "trying the next worker's socket" if avoided else "reading through gRPC")
+            if avoided:
+                self.failovers += 1
             got = None
         if got is None:
             stats["fallbacks"] += 1
-            return None
+            return self._read_off_grpc(path, offset, length, version, out, deadline)
         if self._failures:
             self._failures.pop(handle.address, None)
         stats["reads"] += 1
         stats["bytes"] += len(got[0])
         return got
+
+    def _read_off_grpc(self, path: str, offset: int, length: int, version: str,
+                       out: memoryview | None, deadline: float | None) -> tuple[Any, int, str] | None:
+        """What a first try did not serve, in a process that keeps off gRPC: the placed workers'
+        sockets again, within the budget (``_read_no_grpc``); None (gRPC) in a process that has
+        gRPC loaded already, or where no placed worker offers a socket."""
+        if not forksafe.grpc_avoided() or not self.offers_socket(path, offset):
+            return None
+        return self._read_no_grpc(path, offset, length, version, out, deadline)
+
+    def offers_socket(self, key: str, offset: int = 0) -> bool:
+        """Whether a worker placed for ``key`` offers this process a socket (as far as is known
+        here, asking no one): then a process that keeps off gRPC has a way other than gRPC."""
+        if not self.enabled:
+            return False
+        for handle in self.workers.candidates(key, offset, include_broken=True):
+            status = self._known_status(handle.address)
+            if status is not None and self._socket_of(status, handle) is not None:
+                return True
+        return False
+
+    def _socket_of(self, status: Any, handle: Any) -> str | None:
+        """The lean path a worker's status offers this process: "short_circuit", "data_port" or None."""
+        config = self.config
+        if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
+                and os.path.exists(status.short_circuit_socket):
+            return "short_circuit"
+        if config.data_port and status.data_port and not config.tls.enabled:
+            return "data_port"
+        return None
 
     def _failed(self, handle: Any, reader: Any, exc: BaseException, then: str) -> None:
         """``handle``'s lean path failed: counted, dropped, asked again later (the first failure
@@ -288,7 +325,7 @@ class BulkPaths:
         row up to PROBE_RETRY (a busy or briefly slow worker is not a wedged one); a process
         without gRPC asks again at once (it has no other way)."""
         self.stats[reader.kind]["errors"] += 1
-        no_grpc = forksafe.grpc_inherited()
+        no_grpc = forksafe.grpc_avoided()
         with self._lock:
             failures = self._failures[handle.address] = self._failures.get(handle.address, 0) + 1
             retry = NO_GRPC_RETRY if no_grpc else min(PROBE_RETRY, LEAN_RETRY_FIRST * 2 ** min(failures - 1, 16))
@@ -362,6 +399,7 @@ class BulkPaths:
                         raise
                     self._failed(handle, reader, exc, "trying the next worker")
                     handle.breaker.record_failure()  # asked after the others for a while (a frozen worker)
+                    self.failovers += 1
                     continue
                 handle.breaker.record_success()
                 self._follow_view(reader)
@@ -389,7 +427,7 @@ class BulkPaths:
             if left <= MIN_TRY_SECONDS:
                 break
             # Another worker, or (in a process with gRPC) gRPC, may follow: half of what is left.
-            share = try_share(left, i + 1 < len(handles) or not forksafe.grpc_inherited())
+            share = try_share(left, i + 1 < len(handles) or not forksafe.grpc_avoided())
             try_end = time.monotonic() + share  # the probe (if any) and the request within it
             reader = self._reader(handle, share)
             if reader is None:
@@ -398,7 +436,8 @@ class BulkPaths:
                 reply = reader.meta(request, timeout=max(MIN_TRY_SECONDS, try_end - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - the next worker may answer
                 self._failed(handle, reader, exc, "trying the next worker")
-                if forksafe.grpc_inherited():  # (with gRPC, its calls keep the breakers: the lean path has its own window)
+                self.failovers += 1
+                if forksafe.grpc_avoided():  # (with gRPC, its calls keep the breakers: the lean path has its own window)
                     handle.breaker.record_failure()
                 last = exc
                 continue

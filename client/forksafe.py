@@ -129,6 +129,15 @@ def grpc_inherited() -> bool:
     return _HOOKS.forks_seen > 0 and "grpc" in sys.modules
 
 
+def grpc_avoided() -> bool:
+    """Whether this process keeps off gRPC: it must (:func:`grpc_inherited`), or it has not
+    loaded gRPC: a training process that follows the view through the master's client port and
+    reads over the workers' sockets, which stays so, so that the DataLoader workers it forks
+    inherit no gRPC state. Such a process loads gRPC only for what no socket serves (a write, a
+    worker with no socket in the view, a cluster on TLS), never to retry what a socket failed."""
+    return "grpc" not in sys.modules or grpc_inherited()
+
+
 class GrpcInheritedError(RuntimeError):
     """gRPC was asked for in a process forked from one that had loaded it (see the module doc)."""
 

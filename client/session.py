@@ -429,7 +429,7 @@ class ClientSession:
                 op=common_pb2.MetaRequest.INFO, path=str(cp), refresh=refresh), f"info {cp}", deadline)
             if reply is not None:
                 return info_dict(reply.info)
-            if forksafe.grpc_inherited():
+            if self._sockets_only(state, str(cp)):
                 return meta_dict(self.fallback_store().info(cp, refresh))
         request = worker_pb2.InfoRequest(path=str(cp), refresh=refresh)
         msg = self.call(str(cp), lambda stub, left: stub.GetInfo(request, timeout=left), f"info {cp}",
@@ -453,7 +453,7 @@ class ClientSession:
             deadline = time.monotonic() + self.config.timeout  # a page's budget (no call carries a whole prefix)
             page = self._list_page_by_socket(state, cp, recursive, refresh and not after, after, deadline) \
                 if state.bulk.enabled else None
-            if page is None and not (forksafe.grpc_inherited() and state.bulk.enabled):
+            if page is None and not self._sockets_only(state, str(cp)):
                 page = self._list_page(cp, recursive, refresh and not after, after, deadline)
             if page is None:  # no worker answered, fallback on: the store's listing, past what was yielded
                 rest = [meta_dict(m) for m in self.fallback_store().list(cp, recursive, refresh and not after)]
@@ -495,9 +495,17 @@ class ClientSession:
         try:
             return state.bulk.meta(key, request, what, deadline)
         except WorkerUnavailableError:
-            if self.config.fallback or not forksafe.grpc_inherited():
+            if self.config.fallback or not self._sockets_only(state, key):
                 return None
             raise
+
+    @staticmethod
+    def _sockets_only(state: _ProcessState, key: str, offset: int = 0) -> bool:
+        """Whether an operation on ``key`` that no worker's socket served must not go to gRPC:
+        in a process that must not use it, or one that keeps off it while a placed worker offers
+        a socket (forksafe.grpc_avoided: gRPC there would only be loaded to ask the same workers;
+        the fallback store, when on, reads instead)."""
+        return forksafe.grpc_inherited() or (forksafe.grpc_avoided() and state.bulk.offers_socket(key, offset))
 
     def public_mounts(self) -> list[MountSpec]:
         """The mount table without secrets: from the cluster view, else from a worker."""
@@ -573,16 +581,19 @@ class ClientSession:
         state = self._state.get()
         if deadline is None:
             deadline = time.monotonic() + self.read_timeout(length)
-        if bulk and state.bulk.enabled:  # cached bytes: page files or the data port, not gRPC messages
+        # Cached bytes: page files or the data port, not gRPC messages (a caller that tried them
+        # already says bulk=False; an empty range it skipped: its size from there too).
+        if state.bulk.enabled and (bulk or length == 0):
             got = state.bulk.read(str(cp), offset, length, version, deadline=deadline)
             if got is not None:
                 self._learn_mounts(state)  # (a worker answered: as in call)
                 return got
-        if forksafe.grpc_inherited() and not self.config.fallback:
+        sockets_only = self._sockets_only(state, str(cp), offset)
+        if sockets_only and not self.config.fallback:
             state.counts["errors"] += 1
             raise WorkerUnavailableError(
                 f"read {cp}: no worker's socket served it within {self.read_timeout(length):.0f} s (this process "
-                "was forked from one that had loaded gRPC, so it reads over the workers' sockets only)"
+                "reads over the workers' sockets only: client/forksafe.py grpc_avoided)"
                 if state.bulk.enabled else f"read {cp}: short_circuit and data_port are both off, and this "
                 "process was forked from one that had loaded gRPC, so it has no way to a worker")
         request = worker_pb2.ReadRequest(path=str(cp), offset=offset, length=length, version=version)
@@ -606,7 +617,8 @@ class ClientSession:
 
         counts = state.counts
         try:
-            result = self.call(str(cp), call, f"read {cp}", offset=offset, deadline=deadline)
+            result = None if sockets_only else self.call(str(cp), call, f"read {cp}", offset=offset,
+                                                         deadline=deadline)
             if result is not None:
                 data, size, version, hits, misses = result
                 counts["grpc_reads"] += 1
@@ -706,6 +718,7 @@ class ClientSession:
         out["named_hits"] = short.get("named_hits", 0)
         out["lean_fallbacks"] = sum(s["fallbacks"] for s in bulk.stats.values())
         out["lean_errors"] = sum(s["errors"] for s in bulk.stats.values())
+        out["failovers"] += bulk.failovers  # moved to the next worker's socket
         return out
 
     @property

@@ -379,10 +379,10 @@ class ShortCircuitReader:
             if by_name is not None:
                 return self._read_named(by_name, offset, length, out)
         if found is None:
-            # A process without gRPC (forksafe.grpc_inherited) has no other way: it asks the
-            # socket every time (its caller asks again, within its budget: client/bulkpaths.py),
-            # and an error that asking again cannot mend is raised here.
-            persist = forksafe.grpc_inherited()
+            # A process off gRPC (forksafe.grpc_avoided) has no other way: it asks the socket
+            # every time (its caller asks again, within its budget: client/bulkpaths.py), and an
+            # error that asking again cannot mend is raised here.
+            persist = forksafe.grpc_avoided()
             if not persist and self._not_cached and self._known_not_cached(path):
                 return None
             found = self._request([(path, offset, length, version)], False, True, timeout)[0][0]

@@ -85,7 +85,7 @@ def local_cluster(tmp_path_factory):
                              f"data={data}", "--dir", str(root / "cluster")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=_user_environment())
     try:
-        yield local_master(proc, timeout=90), sorted(zlib.crc32(b) for b in blobs.values())
+        yield local_master(proc, timeout=90), sorted(zlib.crc32(b) for b in blobs.values()), root / "cluster"
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -100,7 +100,7 @@ def test_the_readme_training_loop_runs_every_epoch(local_cluster, tmp_path: Path
     """Every epoch, every byte; and neither the training process nor a DataLoader worker ever
     loads gRPC (the view from the master's client port, reads, listings, plans and hints over
     the workers' sockets), even with grpcio's fork support asked for in the environment."""
-    master, want = local_cluster
+    master, want, _ = local_cluster
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     grpc_seen = tmp_path / "grpc-seen"
@@ -119,3 +119,44 @@ def test_the_readme_training_loop_runs_every_epoch(local_cluster, tmp_path: Path
     # The client changed no gRPC setting: what the environment asked for, nothing more.
     assert lines[-1] == ({"grpc_fork_support": True, "env": "1"} if workers else
                          {"grpc_fork_support": False, "env": None})
+
+
+READ_THROUGH_A_CRASH = textwrap.dedent('''
+    import json, sys, zlib
+    import cachefs, fsspec
+
+    # The data port (another host's path): a dead worker is a refused connection, not page
+    # files still readable by name on this host.
+    fs = fsspec.filesystem("cachefs", master=sys.argv[1], short_circuit=False)
+    paths = sorted(fs.ls("data/train", detail=False))
+    crcs = sorted(zlib.crc32(fs.cat_file(p)) for p in paths)
+    print(json.dumps({"warm": crcs}), flush=True)
+    sys.stdin.readline()  # the test kills a worker now
+    crcs = sorted(zlib.crc32(fs.cat_file(p)) for p in paths)
+    print(json.dumps({"after": crcs, "grpc_loaded": "grpc" in sys.modules}), flush=True)
+''')
+
+
+def test_a_worker_killed_under_a_training_process_is_failed_over_without_loading_grpc(local_cluster, tmp_path):
+    """Last in this file: it kills a worker of the shared cluster (its supervisor restarts it).
+    The training process reads every sample again right after: the killed worker's samples come
+    from the other worker's socket (filled there) or the restarted one; none fails, and the
+    process still has not loaded gRPC (it keeps off it: client/forksafe.py grpc_avoided)."""
+    master, want, cluster = local_cluster
+    script = tmp_path / "crash.py"
+    script.write_text(READ_THROUGH_A_CRASH)
+    proc = subprocess.Popen([sys.executable, str(script), master], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_user_environment(), cwd=tmp_path)
+    try:
+        first = json.loads(proc.stdout.readline() or "{}")
+        assert first.get("warm") == want, proc.stderr.read() if proc.poll() is not None else "wrong bytes"
+        victim = json.loads((cluster / "local.json").read_text())["workers"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate("go\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err[-5000:]
+    after = json.loads(out.strip().splitlines()[-1])
+    assert after == {"after": want, "grpc_loaded": False}, err[-3000:]
