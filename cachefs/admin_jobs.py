@@ -37,6 +37,8 @@ def job_dict(job: Any) -> dict[str, Any]:
         "objects_failed": job.objects_failed, "bytes_total": job.bytes_total, "bytes_done": job.bytes_done,
         "bytes_skipped": job.bytes_skipped, "error": job.error, "created_at": job.created_at,
         "updated_at": job.updated_at, "finished_at": job.finished_at,
+        # A load whose listing has not reached its end: the totals are what was listed so far.
+        "listing": bool(getattr(job, "listing", False)),
     }
 
 
@@ -45,8 +47,9 @@ def _summary(job: Any) -> str:
     took = duration(job.finished_at - job.created_at) if job.finished_at else "-"
     if d["kind"] == "FREE":
         return f"job {job.job_id} {d['state']}: free {job.path} ({took})"
-    return (f"job {job.job_id} {d['state']}: load {job.path}: {job.objects_done}/{job.objects_total} objects, "
-            f"{human_bytes(job.bytes_done)} of {human_bytes(job.bytes_total)} "
+    more = "+" if d["listing"] else ""  # totals so far (a job cancelled or stopped while listing)
+    return (f"job {job.job_id} {d['state']}: load {job.path}: {job.objects_done}/{job.objects_total}{more} objects, "
+            f"{human_bytes(job.bytes_done)} of {human_bytes(job.bytes_total)}{more} "
             f"({human_bytes(job.bytes_skipped)} already cached), {job.objects_failed} failed, in {took}")
 
 
@@ -155,8 +158,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             return EXIT_OK
         print(f"{'job':12} {'kind':5} {'state':9} {'objects':>13} {'bytes':>21} {'created':19}  path")
         for j in jobs:
-            objects = f"{j['objects_done'] + j['objects_failed']}/{j['objects_total']}"
-            nbytes = f"{human_bytes(j['bytes_done'])}/{human_bytes(j['bytes_total'])}"
+            more = "+" if j["listing"] else ""  # still listing: the totals so far
+            objects = f"{j['objects_done'] + j['objects_failed']}/{j['objects_total']}{more}"
+            nbytes = f"{human_bytes(j['bytes_done'])}/{human_bytes(j['bytes_total'])}{more}"
             created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_at"]))
             print(f"{j['job_id']:12} {j['kind']:5} {j['state']:9} {objects:>13} {nbytes:>21} {created:19}  {j['path']}")
         return EXIT_OK

@@ -48,12 +48,18 @@ class JobProgress:
         rate = (job.bytes_done - b0) / (now - t0) if now > t0 else 0.0
         fraction = job.bytes_done / job.bytes_total if job.bytes_total else (1.0 if job.objects_total == 0 else 0.0)
         finished = job.objects_done + job.objects_failed
-        parts = [f"{fraction * 100:5.1f}%",
-                 f"{human_bytes(job.bytes_done)} / {human_bytes(job.bytes_total)}",
-                 f"{finished}/{job.objects_total} objects" + (f" ({job.objects_failed} failed)" if job.objects_failed else "")]
+        # A load still listing knows only the totals so far: no fraction, no ETA, "+" on the totals.
+        listing = bool(getattr(job, "listing", False))
+        more = "+" if listing else ""
+        parts = ["listing" if listing else f"{fraction * 100:5.1f}%",
+                 f"{human_bytes(job.bytes_done)} / {human_bytes(job.bytes_total)}{more}",
+                 f"{finished}/{job.objects_total}{more} objects"
+                 + (f" ({job.objects_failed} failed)" if job.objects_failed else "")]
         parts.append(f"{human_bytes(rate)}/s" if rate > 0 else "-/s")
         left = job.bytes_total - job.bytes_done
-        parts.append(f"ETA {duration(left / rate)}" if rate > 0 and left > 0 else "ETA -")
+        parts.append(f"ETA {duration(left / rate)}" if rate > 0 and left > 0 and not listing else "ETA -")
+        if listing:
+            fraction = 0.0
         if self.tty:
             filled = int(BAR_WIDTH * min(1.0, fraction))
             return "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "] " + "  ".join(parts)

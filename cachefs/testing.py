@@ -122,18 +122,30 @@ class SyntheticFileSystem(AbstractFileSystem):
     ``mtime``. Lists and stats ten million objects with no file behind them (#47's scale checks:
     10 M page files would use most of a machine's free inodes). ``requests`` counts the calls a
     store would answer, by kind. Mount it as ``synthetic://data`` with options ``count``,
-    ``per_dir``, ``size``, ``mtime``."""
+    ``per_dir``, ``size``, ``mtime`` and ``trace`` (a file: each listing request appends a line
+    ``<pid> <kind> <after>``, so a test can see what a master in another process asked).
+
+    Listings page as S3's do (``cachefs_list_after``: up to ``limit`` keys after a name, found by
+    bisection, not by listing what comes before), so a load of ten million objects can stream."""
 
     protocol = "synthetic"
     cachable = False  # each mount its own counters
     root_marker = ""
 
     def __init__(self, count: int = 1000, per_dir: int = 1000, size: int = 0, mtime: float = 1.7e9,
-                 root: str = "data", **kwargs: Any) -> None:
+                 root: str = "data", trace: str = "", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.count, self.per_dir, self.size, self.mtime = int(count), int(per_dir), int(size), float(mtime)
         self.root = root
+        self.trace = trace
         self.requests: Counter[str] = Counter()
+
+    def _traced(self, kind: str, after: str = "") -> None:
+        self.requests[kind] += 1
+        if self.trace:
+            # One write of one short line in append mode: lines of several processes do not mix.
+            with open(self.trace, "a") as f:
+                f.write(f"{os.getpid()} {kind} {after}\n")
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -180,14 +192,14 @@ class SyntheticFileSystem(AbstractFileSystem):
         return self._dir(n) if kind == "dir" else {"name": self.root, "size": 0, "type": "directory"}
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        self.requests["ls"] += 1
+        self._traced("ls")
         kind, n = self._parse(path)
         found = [self._object(n)] if kind == "object" else self._children(kind, n)
         return found if detail else [f["name"] for f in found]
 
     def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
              **kwargs: Any) -> Any:
-        self.requests["find"] += 1
+        self._traced("find")
         kind, n = self._parse(path)
         if kind == "object":
             found = [self._object(n)]
@@ -196,6 +208,33 @@ class SyntheticFileSystem(AbstractFileSystem):
         else:
             found = [self._object(i) for i in range(self.count)]
         return {f["name"]: f for f in found} if detail else [f["name"] for f in found]
+
+    def cachefs_list_after(self, path: str, recursive: bool, after: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` entries below ``path`` (every object if ``recursive``, else its children)
+        whose names below it sort after ``after``, in order, and whether they are the last: one
+        store request, as a ListObjectsV2 page with StartAfter (``_Backend.list_after``)."""
+        self._traced("list_after", after)
+        kind, n = self._parse(path)
+        if kind == "object":
+            return ([self._object(n)] if not after else []), True
+        if kind == "root" and not recursive:
+            first, end = 0, -(-self.count // self.per_dir)
+            name = lambda k: f"d{k:05d}"  # noqa: E731
+            entry = self._dir
+        else:
+            first, end = (0, self.count) if kind == "root" else (n * self.per_dir, min(self.count, (n + 1) * self.per_dir))
+            cut = len(f"d{n:05d}/") if kind == "dir" else 0
+            name = lambda k: self.key(k)[cut:]  # noqa: E731
+            entry = self._object
+        lo, hi = first, end  # the first index whose name sorts after ``after`` (names grow with it)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if name(mid) <= after:
+                lo = mid + 1
+            else:
+                hi = mid
+        stop = min(end, lo + limit)
+        return [entry(k) for k in range(lo, stop)], stop >= end
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         self.requests["read"] += 1

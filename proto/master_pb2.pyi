@@ -90,7 +90,7 @@ class StatResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., objects: _Optional[int] = ..., total_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerShare, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "kind", "path", "replicas", "state", "objects_total", "objects_done", "objects_failed", "bytes_total", "bytes_done", "bytes_skipped", "error", "created_at", "updated_at", "finished_at")
+    __slots__ = ("job_id", "kind", "path", "replicas", "state", "objects_total", "objects_done", "objects_failed", "bytes_total", "bytes_done", "bytes_skipped", "error", "created_at", "updated_at", "finished_at", "listing")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Job(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    LISTING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     kind: JobKind
     path: str
@@ -121,7 +122,8 @@ class Job(_message.Message):
     created_at: float
     updated_at: float
     finished_at: float
-    def __init__(self, job_id: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., path: _Optional[str] = ..., replicas: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., objects_total: _Optional[int] = ..., objects_done: _Optional[int] = ..., objects_failed: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_skipped: _Optional[int] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    listing: bool
+    def __init__(self, job_id: _Optional[str] = ..., kind: _Optional[_Union[JobKind, str]] = ..., path: _Optional[str] = ..., replicas: _Optional[int] = ..., state: _Optional[_Union[JobState, str]] = ..., objects_total: _Optional[int] = ..., objects_done: _Optional[int] = ..., objects_failed: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_skipped: _Optional[int] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., listing: _Optional[bool] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("kind", "path", "replicas")

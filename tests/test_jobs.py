@@ -318,7 +318,7 @@ def test_running_job_is_resumed_after_a_restart(tmp_path, store_dir):
 def test_a_resumed_job_waits_for_the_workers_it_planned_on(tmp_path, store_dir):
     """A worker that re-registers after the live set looked settled still gets its share."""
     job_id, stored = _job_stopped_mid_load(tmp_path, store_dir)
-    assert stored["state"] == "RUNNING" and sorted(stored["planned_on"]) == sorted(ADDRESSES)
+    assert stored["state"] == "RUNNING" and stored["planned_workers"] == len(ADDRESSES)
 
     # After the restart only two of the three have re-registered; the third comes back late.
     h2 = Harness(tmp_path, store_dir, settle_seconds=0.05, settle_max_seconds=30)
@@ -470,3 +470,123 @@ def test_progress_line_shows_bytes_objects_rate_and_eta():
     bar.update(job)
     bar.close()
     assert tty.getvalue().startswith("\r\x1b[K[############............]  50.0%") and tty.getvalue().endswith("\n")
+
+
+# -- #47: loads that stream (a page of the listing at a time, a cursor, resume after it) --
+
+PAGED = LoadSettings(batch_objects=4, poll_seconds=0.02, base_timeout=5, page_objects=8, pages_ahead=2)
+
+
+def _record_listings(h: Harness) -> list[str]:
+    """The ``after`` of every listing page the harness's catalog is asked for (its store requests)."""
+    asked: list[str] = []
+    real = h.catalog.list_page
+
+    def list_page(path, after, limit):
+        asked.append(after)
+        return real(path, after, limit)
+
+    h.catalog.list_page = list_page
+    return asked
+
+
+def test_a_load_streams_its_listing_a_page_at_a_time(harness):
+    h = harness(load=PAGED)
+    listed_at_load: list[int] = []
+    asked = _record_listings(h)
+    real_load = FakeWorker.Load
+
+    def load(worker, request, timeout=None):
+        listed_at_load.append(len(asked))  # pages listed when this batch went out
+        return real_load(worker, request, timeout)
+
+    for w in h.workers.values():
+        w.Load = load.__get__(w)
+    job = h.wait_done(h.jobs.submit(master_pb2.LOAD, "data/d").job_id)
+    assert job.state == master_pb2.SUCCEEDED, job.error
+    assert (job.objects_total, job.objects_done, job.listing) == (40, 40, False)
+    d = sorted(p for p in h.sizes if p.startswith("data/d/"))
+    assert sorted(p for w in h.workers.values() for p in w.loaded_paths()) == d  # each once
+    # Five pages of 8 (and the last one says it is the last), each asked after the one before.
+    assert asked == ["", d[7], d[15], d[23], d[31]]
+    # A page is asked for only while fewer than pages_ahead (2) have objects not done: when the
+    # first batch went out, 2 pages of the 5 had been listed.
+    assert listed_at_load[0] == 2
+    record = {r["job_id"]: r for r in h.state.jobs()}[job.job_id]
+    assert record["cursor"] == "" and record["committed"] == {}  # finished: nothing to resume from
+    assert "planned_on" not in record and len(json_size(record)) < 600
+
+
+def json_size(record: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(record)
+
+
+def test_a_resumed_load_lists_and_loads_only_after_its_cursor(tmp_path, store_dir):
+    """A master stopped mid-load (its record RUNNING with a cursor); the next one goes on after it."""
+    h1 = Harness(tmp_path, store_dir, load=PAGED)
+    sem = threading.Semaphore(0)
+    real_load = FakeWorker.Load
+
+    def load(worker, request, timeout=None):
+        sem.acquire(timeout=10)
+        return real_load(worker, request, timeout)
+
+    for w in h1.workers.values():
+        w.Load = load.__get__(w)
+    job_id = h1.jobs.submit(master_pb2.LOAD, "data/d").job_id
+    for _ in range(8):
+        sem.release()
+
+    def stored() -> dict[str, Any]:
+        return {r["job_id"]: r for r in h1.state.jobs()}[job_id]
+
+    assert wait_for(lambda: stored()["cursor"] != "", timeout=10)
+    h1.jobs.stop(timeout=0.5)
+    for _ in range(100):
+        sem.release()
+    before = stored()
+    h1.state.close()
+    cursor, committed = before["cursor"], before["committed"]
+    assert before["state"] == "RUNNING" and committed["objects_done"] >= 8
+    done_before = sorted(p for w in h1.workers.values() for p in w.loaded_paths() if p <= cursor)
+    assert len(done_before) == committed["objects_done"]
+
+    h2 = Harness(tmp_path, store_dir, load=PAGED, settle_seconds=0.05, settle_max_seconds=2)
+    asked = _record_listings(h2)
+    try:
+        assert h2.jobs.start() == [job_id]
+        resumed = h2.jobs.get(job_id)
+        assert resumed.objects_done == committed["objects_done"]  # from the committed figures
+        job = h2.wait_done(job_id)
+        assert job.state == master_pb2.SUCCEEDED, job.error
+        assert (job.objects_done, job.objects_total) == (40, 40)  # nothing counted twice
+        assert asked and asked[0] == cursor and all(a >= cursor for a in asked)
+        again = [p for w in h2.workers.values() for p in w.loaded_paths()]
+        assert again and all(p > cursor for p in again)  # what was done is not asked again
+        d = sorted(p for p in h2.sizes if p.startswith("data/d/"))
+        assert sorted(again) == [p for p in d if p > cursor]
+    finally:
+        h2.close()
+
+
+def test_progress_line_while_listing_has_no_fraction_or_eta():
+    import io
+
+    from cachefs.progress import JobProgress
+
+    now = [100.0]
+    job = master_pb2.Job(job_id="j1", kind=master_pb2.LOAD, objects_total=4000, bytes_total=40 << 20, listing=True)
+    plain = io.StringIO()
+    show = JobProgress(plain, tty=False, interval=2.0, clock=lambda: now[0])
+    show.update(job)
+    now[0] += 4
+    job.objects_done, job.bytes_done = 2000, 20 << 20
+    show.update(job)
+    assert plain.getvalue().splitlines()[1] == (
+        "job j1: listing, 20.0 MiB / 40.0 MiB+, 2000/4000+ objects, 5.0 MiB/s, ETA -")
+    job.listing, job.objects_total, job.bytes_total = False, 5000, 50 << 20
+    now[0] += 4
+    show.update(job)
+    assert plain.getvalue().splitlines()[2].startswith("job j1:  40.0%, 20.0 MiB / 50.0 MiB, 2000/5000 objects")

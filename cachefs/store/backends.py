@@ -62,8 +62,10 @@ class _Backend:
                    limit: int) -> tuple[list[dict[str, Any]], bool] | None:
         """Up to ``limit`` entries of ``ls`` (``find`` if ``recursive``) whose keys below
         ``store_path`` sort after ``after`` (""; from the first), in that order, and whether they
-        are the last; None: this store cannot page (the caller lists it whole)."""
-        return None
+        are the last; None: this store cannot page (the caller lists it whole). A filesystem that
+        pages its own listings says so with ``cachefs_list_after`` (cachefs.testing's synthetic store)."""
+        paged = getattr(fs, "cachefs_list_after", None)
+        return None if paged is None else paged(store_path, recursive, after, limit)
 
     def info(self, fs: fsspec.AbstractFileSystem, store_path: str) -> tuple[int, str, float, bool]:
         fs.invalidate_cache(store_path)  # s3fs answers info() from its own listing cache otherwise

@@ -8,6 +8,7 @@ How the version is checked depends on the store (backends.py).
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import threading
@@ -378,7 +379,41 @@ class ObjectStore:
 
         return self._lists.chunk(cache_key, after, fetch, refresh=refresh)
 
-    def _listed(self, path: CachePath, raw: Iterable[dict[str, Any]], below: str = "") -> list[ObjectMeta]:
+    def list_page(self, path: CachePath, after: str, limit: int = LIST_CHUNK) -> tuple[list[ObjectMeta], str, bool]:
+        """Up to ``limit`` objects below ``path`` (recursively) whose names sort after ``after``
+        ("": from the first), asked of the store in one request; the last name that request
+        covered (where the next page starts: a page of directories only has no object), and
+        whether it was the last page.
+        Kept nowhere, neither in the listing cache nor in the metadata table: a load job's listing
+        passes through the master once, and ten million objects must not fill its memory. A
+        store that cannot page is listed whole (``list``, kept as any whole listing is) and cut."""
+        below = f"{path}/"
+        if after and not after.startswith(below):
+            if after > below:  # past every name below the path
+                return [], after, True
+            after = ""
+        resolved = self.mounts.resolve(path)
+        try:
+            with self._call(path, "listing"):
+                found = self._backend(resolved).list_after(resolved.fs, resolved.store_path, True,
+                                                           after[len(below):], limit)
+                if found is not None:
+                    self._count("list")
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{path}: no such directory") from exc
+        if found is None:
+            whole = self.list(path, recursive=True, refresh=not after)
+            start = bisect.bisect_right(whole, after, key=lambda m: str(m.path))
+            entries = whole[start:start + limit]
+            final = start + limit >= len(whole)
+        else:
+            entries = self._listed(path, found[0], str(resolved.store_path), remember=False)
+            final = found[1]
+        last = str(entries[-1].path) if entries else after
+        return [m for m in entries if not m.is_dir], last, final or not entries
+
+    def _listed(self, path: CachePath, raw: Iterable[dict[str, Any]], below: str = "",
+                remember: bool = True) -> list[ObjectMeta]:
         """A store's listing entries as metadata (each object's remembered: a listing is a free
         metadata refresh, which saves one HEAD per object on a cold epoch). ``below``: the
         listed path's store path, where the entries' names are it, "/" and their rest (the paged
@@ -393,7 +428,7 @@ class ObjectStore:
             child = CachePath(path.mount, key)
             meta = ObjectMeta(child, 0 if is_dir else int(info.get("size") or 0),
                               "" if is_dir else version_of(info), _mtime_of(info), is_dir)
-            if not is_dir:
+            if remember and not is_dir:
                 self._remember(child, meta)
             entries.append(meta)
         return entries

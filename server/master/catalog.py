@@ -85,6 +85,11 @@ class Catalog:
     def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> list[ObjectMeta]:
         return self._store_for(path).list(path, recursive=recursive, refresh=refresh)
 
+    def list_page(self, path: CachePath, after: str, limit: int) -> tuple[list[ObjectMeta], str, bool]:
+        """One store request's worth of the objects below ``path`` after the name ``after``, the
+        last name it covered, and whether it was the last (``ObjectStore.list_page``: kept nowhere)."""
+        return self._store_for(path).list_page(path, after, limit)
+
     def objects_under(
         self, path: CachePath, refresh: bool = False, limit: int | None = None
     ) -> tuple[ObjectMeta, list[ObjectMeta], bool]:

@@ -1,16 +1,21 @@
 """Cluster jobs (load a prefix into the cache, free it): durable records, a small pool, resume.
 
-A job's record lives in memory and in the master's SQLite state (written when the state
-changes, about once a second while it makes progress, and at the end), so ``cachefs jobs``
-survives a restart. A job that was PENDING or RUNNING when the master stopped (or died) is
-run again from the start when it comes back (with several masters on etcd: by the next leader,
-from the record the last one kept there): a load re-lists and re-plans, and workers skip
-what they already hold, so running it twice is safe and cheap. Resumed jobs first wait for
-the workers to re-register (the live set to stop changing), or they would be planned on a
-partial ring and fill the wrong workers.
+A job's record lives in memory and in the master's state (SQLite, or etcd with several
+masters; written when the state changes, about once a second while it makes progress, and at
+the end), so ``cachefs jobs`` survives a restart. The record stays a few hundred bytes: its
+figures, a load's cursor (the last name of the listing whose objects, and all before it, are
+done) and the figures committed up to it, and how many workers it planned on. A job that was
+PENDING or RUNNING when the master stopped (or died) is run again when it comes back (with
+several masters: by the next leader, from the record the last one kept): a load lists after
+its cursor and starts from its committed figures, so what was done is neither listed nor
+counted again; what was done after the cursor is asked again, and the workers skip it. Resumed
+jobs first wait for the workers to re-register (the live set to stop changing, and as many as
+it planned on), or they would be planned on a partial ring and fill the wrong workers.
 
-LOAD: list the path through the master's catalog (refreshed: a load should see the store as
-it is), plan by placement (``loadplan``), send the batches (``loadrun``). Ends SUCCEEDED,
+LOAD: list the path a page (one store request) at a time (``loadpages``: not cached, kept
+nowhere), plan each page by placement (``loadplan``) and send its batches (``loadrun``), a few
+pages at a time: the leader holds a few thousand objects of a load, whatever its size. While
+the listing goes on, the totals are what was listed so far (``Job.listing``). Ends SUCCEEDED,
 FAILED (any object failed; the error quotes the first few) or CANCELLED.
 FREE: ``Free(prefix)`` on every live worker; SUCCEEDED when all answered. The prefix is a key
 prefix, as the workers apply it: ``data/d`` also frees ``data/d2``; ``data/d/`` does not.
@@ -36,7 +41,7 @@ from cachefs.paths import parse_path
 from cachefs.proto import master_pb2, worker_pb2
 from cachefs.ring import RingConfig
 from cachefs.server.master.catalog import Catalog
-from cachefs.server.master.loadplan import plan_load
+from cachefs.server.master.loadpages import load_pages
 from cachefs.server.master.loadrun import LoadProgress, LoadRun, LoadSettings
 from cachefs.server.master.membership import Member
 from cachefs.server.master.placement import ring_of
@@ -68,12 +73,18 @@ class JobRecord:
     created_at: float = 0.0
     updated_at: float = 0.0
     finished_at: float = 0.0
-    # Not in the proto: the workers a running job planned on, so that a resumed one waits for them.
-    planned_on: tuple[str, ...] = ()
+    listing: bool = False
+    # Not in the proto: what a resumed job starts from. The workers a running job planned on
+    # (how many: a count, not their addresses, so the record stays small), its cursor and
+    # the figures committed up to it (LoadProgress's counts and first failures).
+    planned_workers: int = 0
+    cursor: str = ""
+    committed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_proto(self) -> master_pb2.Job:
         fields = dataclasses.asdict(self)
-        fields.pop("planned_on")
+        for name in _NOT_IN_PROTO:
+            fields.pop(name)
         return master_pb2.Job(**fields)
 
     def to_json(self) -> dict[str, Any]:
@@ -81,7 +92,6 @@ class JobRecord:
         out = dataclasses.asdict(self)
         out["kind"] = master_pb2.JobKind.Name(self.kind)
         out["state"] = master_pb2.JobState.Name(self.state)
-        out["planned_on"] = list(self.planned_on)
         return out
 
     @classmethod
@@ -90,8 +100,20 @@ class JobRecord:
         values = {k: v for k, v in data.items() if k in fields}
         values["kind"] = master_pb2.JobKind.Value(values["kind"])
         values["state"] = master_pb2.JobState.Value(values["state"])
-        values["planned_on"] = tuple(str(a) for a in values.get("planned_on", ()))
+        if "planned_on" in data and "planned_workers" not in data:  # a record from before #47
+            values["planned_workers"] = len(data["planned_on"])
+        values["cursor"] = str(values.get("cursor", ""))
+        values["committed"] = dict(values.get("committed") or {})
         return cls(**values)
+
+    def start_figures(self) -> LoadProgress:
+        """The progress a resumed load starts from: what was committed up to its cursor."""
+        c = self.committed
+        return LoadProgress(**{name: int(c.get(name, 0)) for name in LoadProgress.COUNTS},
+                            reasons=[str(r) for r in c.get("reasons", ())][:5])
+
+
+_NOT_IN_PROTO = ("planned_workers", "cursor", "committed")
 
 
 @dataclass(frozen=True)
@@ -152,12 +174,16 @@ class JobManager:
                 log.warning("ignoring an unreadable job record %.80r", data)
                 continue
             if record.state in ACTIVE:
-                log.info("job %s was %s with %d of %d objects done (%d failed); the plan is made again and "
-                         "workers skip what they already hold", record.job_id, master_pb2.JobState.Name(record.state),
-                         record.objects_done, record.objects_total, record.objects_failed)
+                start = record.start_figures()
+                log.info("job %s was %s with %d of %d objects done (%d failed); it goes on after %r "
+                         "with %d done", record.job_id, master_pb2.JobState.Name(record.state),
+                         record.objects_done, record.objects_total, record.objects_failed, record.cursor,
+                         start.objects_done)
                 record = dataclasses.replace(
-                    record, state=master_pb2.PENDING, objects_total=0, objects_done=0, objects_failed=0,
-                    bytes_total=0, bytes_done=0, bytes_skipped=0, error="", updated_at=self._clock())
+                    record, state=master_pb2.PENDING, objects_total=start.objects_total,
+                    objects_done=start.objects_done, objects_failed=start.objects_failed,
+                    bytes_total=start.bytes_total, bytes_done=start.bytes_done, bytes_skipped=start.bytes_skipped,
+                    error="", updated_at=self._clock())
                 resumed.append(record.job_id)
             with self._lock:
                 self._jobs[record.job_id] = record
@@ -265,7 +291,7 @@ class JobManager:
             stop = lambda: cancel.is_set() or self._halted()  # noqa: E731
             progress: LoadProgress | None = None
             try:
-                members = self._settled_members(stop, record.planned_on) if resumed else list(self.live())
+                members = self._settled_members(stop, record.planned_workers) if resumed else list(self.live())
                 if stop():
                     pass
                 elif not members:
@@ -295,21 +321,19 @@ class JobManager:
                 self._cancel.pop(job_id, None)
                 self._futures.pop(job_id, None)
 
-    def _settled_members(self, stop: Callable[[], bool], planned_on: Sequence[str] = ()) -> list[Member]:
-        """The live workers once the set has not changed for ``settle_seconds`` and holds every worker
-        the job planned on before the restart (bounded by ``settle_max_seconds``).
+    def _settled_members(self, stop: Callable[[], bool], planned_workers: int = 0) -> list[Member]:
+        """The live workers once the set has not changed for ``settle_seconds`` and is as large as
+        the set the job planned on before the restart (bounded by ``settle_max_seconds``).
 
         Waiting for the planned workers matters: a worker that re-registers after the set looked
         settled would be left out of the resumed plan, and its share loaded onto the wrong workers.
         """
         s = self.settings
         deadline = time.monotonic() + s.settle_max_seconds
-        expected = set(planned_on)
         current = list(self.live())
         since = time.monotonic()
         while not stop() and time.monotonic() < deadline:
-            addresses = {m.address for m in current}
-            if current and expected <= addresses and time.monotonic() - since >= s.settle_seconds:
+            if current and len(current) >= planned_workers and time.monotonic() - since >= s.settle_seconds:
                 break
             self._shutdown.wait(min(0.2, s.settle_seconds))
             now = list(self.live())
@@ -319,30 +343,31 @@ class JobManager:
 
     def _load(self, job_id: str, record: JobRecord, members: list[Member],
               stop: Callable[[], bool]) -> LoadProgress:
-        _, objects, _ = self.catalog.objects_under(parse_path(record.path), refresh=True)
         ring = ring_of(members, self.ring_config())
         s = self.settings.load
-        plan = plan_load(ring, objects, record.replicas, s.batch_objects, s.batch_bytes)
+        pages = load_pages(self.catalog, parse_path(record.path), record.cursor, s.page_objects)
         with self._lock:
-            record.objects_total = plan.objects_total
-            record.bytes_total = plan.bytes_total
-            record.planned_on = tuple(sorted(m.address for m in members))
+            record.planned_workers = len(members)
+            record.listing = True
             record.updated_at = self._clock()
         self._persist(job_id)
         saved = {"at": time.monotonic(), "figures": ()}
 
-        def on_progress(p: LoadProgress) -> None:
-            figures = (p.objects_done, p.objects_failed, p.bytes_done, p.bytes_skipped)
+        def on_progress(run: LoadRun) -> None:
+            p = run.progress
+            figures = (p.objects_total, p.objects_done, p.objects_failed, p.bytes_done, p.bytes_skipped,
+                       run.cursor, run.listing)
             if figures == saved["figures"]:
                 return
-            self._apply(record, p)
+            self._apply(record, p, run)
             if time.monotonic() - saved["at"] >= self.settings.persist_seconds:
                 saved["at"], saved["figures"] = time.monotonic(), figures
                 self._persist(job_id)
 
-        run = LoadRun(plan, ring, self.stubs, s, stop, on_progress, epoch=self.epoch)
+        run = LoadRun(pages, ring, record.replicas, self.stubs, s, stop, on_progress, epoch=self.epoch,
+                      start=record.start_figures(), cursor=record.cursor)
         progress = run.run()
-        self._apply(record, progress)
+        self._apply(record, progress, run)
         return progress
 
     def _free(self, record: JobRecord, members: list[Member]) -> None:
@@ -367,8 +392,20 @@ class JobManager:
 
     # -- records --
 
-    def _apply(self, record: JobRecord, p: LoadProgress) -> None:
+    def _apply(self, record: JobRecord, p: LoadProgress, run: LoadRun | None = None) -> None:
+        """The run's figures into the record; with ``run``, its cursor and what it committed too
+        (taken together on the run's thread, so a saved cursor always matches its figures)."""
+        committed = None
+        if run is not None:
+            c = run.committed
+            committed = {name: getattr(c, name) for name in LoadProgress.COUNTS}
+            if c.reasons:
+                committed["reasons"] = list(c.reasons)
         with self._lock:
+            if run is not None:
+                record.cursor, record.committed, record.listing = run.cursor, committed, run.listing
+            record.objects_total = p.objects_total
+            record.bytes_total = p.bytes_total
             record.objects_done = p.objects_done
             record.objects_failed = p.objects_failed
             record.bytes_done = p.bytes_done
@@ -384,6 +421,7 @@ class JobManager:
             record.state = state
             record.error = error
             record.updated_at = record.finished_at = self._clock()
+            record.cursor, record.committed = "", {}  # never resumed: nothing to start from
         if progress is not None:
             self._apply(record, progress)
         self._persist(job_id)

@@ -172,12 +172,13 @@ def _jobs_table(jobs: Sequence[master_pb2.Job]) -> str:
            "<th>bytes</th><th>error</th></tr>"]
     for j in jobs:
         state = master_pb2.JobState.Name(j.state)
-        objects = f"{j.objects_done}/{j.objects_total}" + (f" ({j.objects_failed} failed)" if j.objects_failed else "")
+        more = "+" if j.listing else ""  # still listing: the totals so far
+        objects = f"{j.objects_done}/{j.objects_total}{more}" + (f" ({j.objects_failed} failed)" if j.objects_failed else "")
         out.append(
             f'<tr class="job" data-job-id="{_e(j.job_id)}" data-state="{_e(state)}">'
             f'<td class="job-id">{_e(j.job_id)}</td><td>{_e(master_pb2.JobKind.Name(j.kind))}</td>'
             f"<td>{_e(j.path)}</td><td class=\"job-state\">{_e(state)}</td><td class=\"num\">{_e(objects)}</td>"
-            f'<td class="num">{_e(_size(j.bytes_done))} / {_e(_size(j.bytes_total))}</td>'
+            f'<td class="num">{_e(_size(j.bytes_done))} / {_e(_size(j.bytes_total))}{more}</td>'
             f"<td>{_e(j.error)}</td></tr>")
     out.append("</table>")
     return "".join(out)
