@@ -11,7 +11,9 @@ and removed through the master) at the moment of each fork. Every sample's bytes
     python benchmarks/fork_storm.py --epochs 25 --workers 4 --spawn-epochs 0   # the CI size
 
 ``--grpc-fork-support`` runs the training process with ``GRPC_ENABLE_FORK_SUPPORT=1`` (as a user's
-environment might have it). Prints one JSON report (starts, hangs, wrong samples, errors, epoch
+environment might have it). ``--view-changer thread`` moves the view from a thread of the training
+process through gRPC (a training process that has loaded gRPC itself; its forked workers then
+keep off gRPC); by default another process does it and the training process never loads gRPC. Prints one JSON report (starts, hangs, wrong samples, errors, epoch
 times); exits 1 if any start hung or any byte was wrong.
 """
 
@@ -33,6 +35,7 @@ import fsspec
 
 master, data_dir, epochs, spawn_epochs, workers, timeout = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 want = json.loads(sys.argv[7])
+view_changer = sys.argv[8]
 
 def crc(sample):
     return zlib.crc32(sample.numpy().tobytes() if hasattr(sample, "numpy") else bytes(sample))
@@ -56,8 +59,39 @@ def lists():
         busy["lists"] += 1
         time.sleep(0.05)
 
+CHANGE_VIEW = """
+import sys, time, grpc
+from cachefs.proto import master_pb2, master_pb2_grpc
+stub = master_pb2_grpc.MasterServiceStub(grpc.insecure_channel(sys.argv[1]))
+n = 0
+while True:
+    stub.AddMount(master_pb2.AddMountRequest(name="storm2", url=sys.argv[2], replace=True), timeout=10)
+    try:
+        stub.RemoveMount(master_pb2.RemoveMountRequest(name="storm2"), timeout=10)
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+    n += 1
+    print(n, flush=True)
+    time.sleep(0.2)
+"""
+
 def view_changes():
-    # A mount added and removed through the master moves the cluster view (version) under the forks.
+    # A mount added and removed through the master moves the cluster view (version) under the
+    # forks: from another process, as an admin would ("process": this process stays off gRPC),
+    # or from a thread of this one ("thread": a training process that has loaded gRPC itself).
+    if view_changer == "process":
+        import subprocess
+        proc = subprocess.Popen([sys.executable, "-c", CHANGE_VIEW, master, data_dir], stdout=subprocess.PIPE, text=True)
+        try:
+            for line in proc.stdout:
+                busy["view_changes"] = int(line)
+                if stop.is_set():
+                    break
+        finally:
+            proc.kill()
+            proc.wait(10)
+        return
     import grpc
     from cachefs.proto import master_pb2, master_pb2_grpc
     stub = master_pb2_grpc.MasterServiceStub(grpc.insecure_channel(master))
@@ -102,6 +136,7 @@ for epoch in range(epochs + spawn_epochs):
     report["epoch_seconds"].append([round(time.monotonic() - t0, 3), context])
 stop.set()
 report["parent"] = {k: v for k, v in busy.items() if k != "errors"}
+report["parent"]["grpc_loaded"] = "grpc" in sys.modules
 report["errors"] += busy["errors"]
 print("REPORT " + json.dumps(report), flush=True)
 '''
@@ -116,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=30, help="DataLoader timeout (s): a hang's deadline")
     parser.add_argument("--grpc-fork-support", action="store_true",
                         help="GRPC_ENABLE_FORK_SUPPORT=1 in the training process's environment")
+    parser.add_argument("--view-changer", choices=("process", "thread"), default="process",
+                        help="who moves the view under the forks: another process (an admin; the training "
+                             "process stays off gRPC) or a thread of the training process (it loads gRPC)")
     parser.add_argument("--json", help="write the report here too")
     args = parser.parse_args(argv)
 
@@ -142,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             done = subprocess.run([sys.executable, script, cluster.master_address, data, str(args.epochs),
                                    str(args.spawn_epochs), str(args.workers), str(args.timeout),
-                                   json.dumps(sorted(want))],
+                                   json.dumps(sorted(want)), args.view_changer],
                                   capture_output=True, text=True, env=env, timeout=budget, cwd=tmp)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     if done.returncode != 0 or not lines:
@@ -154,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         times = sorted(t for t, c in epochs if c == context)
         if times:
             report[f"{context}_epoch_seconds"] = {"p50": times[len(times) // 2], "max": times[-1], "n": len(times)}
-    report.update(grpc_fork_support=args.grpc_fork_support, seconds=round(time.monotonic() - t0, 1))
+    report.update(grpc_fork_support=args.grpc_fork_support, view_changer=args.view_changer,
+                  seconds=round(time.monotonic() - t0, 1))
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -239,7 +239,8 @@ def test_a_worker_that_forgot_the_plan_index_is_sent_it_made_again():
 
     handle = SimpleNamespace(address="w", stub=Stub)
     session = SimpleNamespace(candidates=lambda key, offset=0, include_broken=True: [handle],
-                              placed=lambda key, offset=0: handle)
+                              placed=lambda key, offset=0: handle,
+                              plan=lambda handle, request, timeout: handle.stub().Plan(request, timeout=timeout))
     n = 500
     ds = CacheDataset([f"cachefs://data/train/{i:05d}.bin" for i in range(n)], sizes=[1000] * n,
                       storage_options={"workers": "127.0.0.1:1"}, plan_ahead=False, stats=False, seed=2)

@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -244,10 +246,12 @@ def test_quota_never_exceeded_under_concurrent_writers(tmp_path):
     with open_store(tmp_path, quota=quota) as s:
 
         def writer(t: int) -> None:
-            # per_thread pages at least, more (up to 8x) until the watcher has sampled 5 times:
-            # on a quiet machine the writers could finish before the watcher looked
-            for j in range(8 * per_thread):
-                if j >= per_thread and samples[0] >= 5:
+            # per_thread pages at least, more until the watcher has sampled 5 times (on a quiet
+            # machine the writers could finish before the watcher looked; on a busy one the
+            # watcher's thread may wait long for a turn): bounded by time, not by a page count
+            end = time.monotonic() + 30
+            for j in itertools.count():
+                if j >= per_thread and (samples[0] >= 5 or time.monotonic() > end):
                     break
                 i = t * 1000 + j
                 s.put(pid(i), payload(i))
