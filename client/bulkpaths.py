@@ -27,7 +27,8 @@ from cachefs.addresses import split_address
 from cachefs.client import forksafe
 from cachefs.client.dataport import DataPortReader
 from cachefs.client.shortcircuit import Prepared, ShortCircuitReader
-from cachefs.errors import REQUEST, WORKER, WorkerUnavailableError, fault_of, from_wire_error, is_worker_fault
+from cachefs.errors import (REQUEST, WORKER, OverloadedError, WorkerUnavailableError, fault_of, from_wire_error,
+                            is_worker_fault)
 from cachefs import rawbytes
 from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.proto import common_pb2, worker_pb2
@@ -150,8 +151,8 @@ class BulkPaths:
         self._warned: set[str] = set()
         # Per lean path: reads, bytes, reads sent to gRPC (fallbacks, errors), and pages read by
         # hit or miss as the worker knew them (the readers count those: shortcircuit.py, dataport.py).
-        self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0, "errors": 0, "hits": 0, "misses": 0}
-                      for kind in ("short_circuit", "data_port")}
+        self.stats = {kind: {"reads": 0, "bytes": 0, "fallbacks": 0, "errors": 0, "hits": 0, "misses": 0,
+                             "busy": 0} for kind in ("short_circuit", "data_port")}
         self.stats["short_circuit"].update(held_hits=0, held_misses=0)
         # The part of stats["short_circuit"] read through page handles held here (no message).
         self.held = {"reads": 0, "bytes": 0}
@@ -272,6 +273,9 @@ class BulkPaths:
             # then come as pages (descriptors, sendfile), not copied through gRPC messages.
             got = (reader.read(path, offset, length, version, out, fill=True, timeout=left)
                    if isinstance(reader, DataPortReader) else reader.read(path, offset, length, version, out, timeout=left))
+        except OverloadedError:  # over the worker's connection limit: busy, not wedged (no failure)
+            stats["busy"] += 1
+            got = None
         except Exception as exc:  # noqa: BLE001 - a lean path may make a read faster, never fail it
             if getattr(exc, "cachefs_fault", None) == REQUEST:
                 raise  # about the object or the request (no such object): gRPC would say the same
@@ -381,6 +385,7 @@ class BulkPaths:
         (no such object, denied, a wrong token) is raised at once."""
         pause = 0.02
         while True:
+            busy = 0.0  # the longest retry-after a busy worker asked for this round
             for handle in self.workers.candidates(path, offset, include_broken=True):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -394,6 +399,10 @@ class BulkPaths:
                         got = reader.read(path, offset, length, version, out, fill=True, timeout=left)
                     else:
                         got = reader.read(path, offset, length, version, out, timeout=left)
+                except OverloadedError as exc:  # busy: the next worker, then this one after its retry-after
+                    stats["busy"] += 1
+                    busy = max(busy, getattr(exc, "retry_after", 0.2))
+                    continue
                 except Exception as exc:  # noqa: BLE001 - the next worker may serve it
                     if getattr(exc, "cachefs_fault", None) == REQUEST:
                         raise
@@ -411,7 +420,7 @@ class BulkPaths:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            time.sleep(min(pause, left))
+            time.sleep(min(max(pause, busy), left))
             pause = min(0.5, pause * 2)
 
     def meta(self, key: str, request: Any, what: str, deadline: float | None = None) -> Any:
@@ -434,6 +443,10 @@ class BulkPaths:
                 continue
             try:
                 reply = reader.meta(request, timeout=max(MIN_TRY_SECONDS, try_end - time.monotonic()))
+            except OverloadedError as exc:  # busy, not wedged: no failure recorded; the next worker
+                self.stats[reader.kind]["busy"] += 1
+                last = exc
+                continue
             except Exception as exc:  # noqa: BLE001 - the next worker may answer
                 self._failed(handle, reader, exc, "trying the next worker")
                 self.failovers += 1

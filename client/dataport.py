@@ -10,6 +10,7 @@ caller reads through gRPC instead.
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import time
@@ -21,12 +22,21 @@ import xxhash
 from cachefs import rawbytes
 from cachefs.client.socketpool import SocketPool
 from cachefs.client.shortcircuit import refusal_error
-from cachefs.errors import failed_range_error
+from cachefs.errors import OverloadedError, failed_range_error
 from cachefs.proto import dataport_pb2
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
 MAX_REPLY = 1 << 20
+
+
+def busy_error(where: str, message: str) -> OverloadedError:
+    """A server over its connection limit said BUSY (server/connections.py busy_message): an
+    OverloadedError whose ``retry_after`` (seconds) is what it asked for."""
+    found = re.search(r"retry after (\d+) ms", message)
+    error = OverloadedError(f"{where}: {message}")
+    error.retry_after = int(found.group(1)) / 1000 if found else 0.2  # type: ignore[attr-defined]
+    return error
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -169,6 +179,8 @@ class DataPortReader:
                 if size > MAX_REPLY:
                     raise ConnectionError(f"data port reply header of {size} bytes")
                 reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
+                if reply.code == Reply.REFUSED and reply.message.startswith("BUSY"):
+                    raise busy_error(f"data port {self.host}:{self.port}", reply.message)
                 if reply.view_version > self.view_version:
                     self.view_version = reply.view_version
                 result = receive(sock, reply)

@@ -25,7 +25,7 @@ from typing import Any
 from cachefs.addresses import split_address, split_addresses
 from cachefs.client import forksafe
 from cachefs.client.dataport import DataPortReader
-from cachefs.errors import UnauthenticatedError
+from cachefs.errors import OverloadedError, UnauthenticatedError
 from cachefs.proto import common_pb2, master_pb2
 
 log = logging.getLogger(__name__)
@@ -93,25 +93,35 @@ class MasterPort:
         when none did (NotAMasterError when none is a master's client port)."""
         deadline = time.monotonic() + timeout
         last: BaseException | None = None
-        for step in range(len(self._targets)):
-            index = (self._index + step) % len(self._targets)
+        while True:
+            busy = 0.0  # a master over its connection limit asked for this pause
+            for step in range(len(self._targets)):
+                index = (self._index + step) % len(self._targets)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    reply = self._reader(index, left).meta(
+                        common_pb2.MetaRequest(op=common_pb2.MetaRequest.VIEW, known_version=known_version),
+                        timeout=max(0.05, deadline - time.monotonic()))
+                except UnauthenticatedError:
+                    raise  # every master has the same tokens, and gRPC would refuse it too
+                except OverloadedError as exc:  # busy, not down: asked again after its retry-after
+                    self._forget(index)
+                    busy, last = max(busy, getattr(exc, "retry_after", 0.2)), exc
+                    continue
+                except (OSError, ValueError) as exc:  # down, refused, not a master: the next one
+                    self._forget(index)
+                    last = exc
+                    continue
+                self._index = index
+                if reply.view:
+                    return master_pb2.ClusterView.FromString(reply.view), reply.view_version
+                return None, reply.view_version
             left = deadline - time.monotonic()
-            if left <= 0:
+            if not busy or left <= busy:
                 break
-            try:
-                reply = self._reader(index, left).meta(
-                    common_pb2.MetaRequest(op=common_pb2.MetaRequest.VIEW, known_version=known_version),
-                    timeout=max(0.05, deadline - time.monotonic()))
-            except UnauthenticatedError:
-                raise  # every master has the same tokens, and gRPC would refuse it too
-            except (OSError, ValueError) as exc:  # down, refused, not a master: the next one
-                self._forget(index)
-                last = exc
-                continue
-            self._index = index
-            if reply.view:
-                return master_pb2.ClusterView.FromString(reply.view), reply.view_version
-            return None, reply.view_version
+            time.sleep(busy)
         if isinstance(last, OSError):
             raise last
         raise TimeoutError(f"master {self.master}: no client port answered within {timeout:.1f}s"

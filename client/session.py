@@ -718,6 +718,7 @@ class ClientSession:
         out["named_hits"] = short.get("named_hits", 0)
         out["lean_fallbacks"] = sum(s["fallbacks"] for s in bulk.stats.values())
         out["lean_errors"] = sum(s["errors"] for s in bulk.stats.values())
+        out["lean_busy"] = sum(s["busy"] for s in bulk.stats.values())  # refused over a connection limit
         out["failovers"] += bulk.failovers  # moved to the next worker's socket
         return out
 

@@ -15,6 +15,7 @@ import errno
 import hmac
 import logging
 import os
+import resource
 import select
 import socket
 import struct
@@ -101,7 +102,9 @@ class ConnectionServer:
     ``frame_timeout`` of its first byte, and
     a connection with no request in flight is closed after ``idle_timeout`` (the clients reconnect
     when a pooled connection turns out closed). A connection over ``max_connections`` in all or
-    ``max_per_peer`` for its peer (``_peer``) is closed at once: that client reads through gRPC.
+    ``max_per_peer`` for its peer (``_peer``) is closed at once, told it is busy where the protocol
+    can say so (``_busy``: the framed ports' BUSY reply with a retry-after; the client backs off
+    within its budget instead of taking the server for a wedged one).
     """
 
     name = "bulk"
@@ -143,6 +146,10 @@ class ConnectionServer:
 
     def _setup(self, sock: socket.socket) -> None:
         """Socket options of a new connection."""
+
+    def _busy(self, sock: socket.socket) -> None:
+        """Tell a connection refused over a limit that this server is busy (before it is closed);
+        a protocol without such a reply closes it silently."""
 
     def _read_request(self, conn: Connection) -> Any:
         """One whole request if there is one, reading what the socket has without blocking, else
@@ -294,7 +301,9 @@ class ConnectionServer:
                 self._peers[peer] += 1
                 self._epoll.register(conn.fd, _ARM)
         if refused:
-            sock.close()  # the client reads through gRPC
+            with contextlib.suppress(OSError):
+                self._busy(sock)  # "busy, retry after": not a wedged server (the client backs off)
+            sock.close()
             if now - self._refusal_logged > 60:
                 self._refusal_logged = now
                 log.warning("%s: refused a connection from %s (%d connections in all, %d from it)",
@@ -496,6 +505,22 @@ def token_checker(tokens: list[str]) -> Callable[[str], bool] | None:
     return lambda given: any(hmac.compare_digest(given.encode(), t) for t in wanted)
 
 
+#: What a connection refused over a limit is told to wait before it tries again.
+BUSY_RETRY_AFTER = 0.2
+
+
+def busy_message(retry_after: float) -> str:
+    """A refusal's message that says busy (client/dataport.py reads the retry-after back)."""
+    return f"BUSY: too many connections; retry after {int(retry_after * 1000)} ms"
+
+
+def connection_limit(cap: int, share: int = 4) -> int:
+    """Connections a raw server takes at most: ``1/share`` of the descriptors this process may
+    open (the rest are page files, stores, gRPC), at least 64, at most ``cap``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return cap if soft == resource.RLIM_INFINITY else max(64, min(cap, soft // share))
+
+
 FRAME = struct.Struct(">I")  # a frame's header: the length of the message that follows, big-endian
 MAX_REQUEST = 64 << 10  # a request frame's body at most (a larger one is refused and closed)
 _READ_SIZE = 16 << 10  # bytes read at a time while a request comes in (one read for any usual request)
@@ -564,6 +589,10 @@ class FramedServer(ConnectionServer):
     def _refuse(self, conn: socket.socket, message: str) -> None:
         """A reply refusing the request (each protocol's own message)."""
         raise NotImplementedError
+
+    def _busy(self, sock: socket.socket) -> None:
+        # Sent at accept, before the client's request is read: the reply it reads first.
+        self._refuse(sock, busy_message(BUSY_RETRY_AFTER))
 
     def _answer(self, conn: socket.socket, body: bytes) -> None:
         raise NotImplementedError

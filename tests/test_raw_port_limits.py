@@ -18,10 +18,13 @@ import time
 from collections import Counter
 
 import grpc
+import pytest
 
+from cachefs.client.dataport import DataPortReader
 from cachefs.client.filesystem import CacheFileSystem
+from cachefs.errors import OverloadedError
 from cachefs.proto import dataport_pb2, worker_pb2, worker_pb2_grpc
-from cachefs.server.connections import THREAD_KEEPALIVE
+from cachefs.server.connections import BUSY_RETRY_AFTER, THREAD_KEEPALIVE
 from helpers import payload, wait_for
 
 PAGE = 64 << 10
@@ -88,6 +91,20 @@ def _ask(sock: socket.socket, frame: bytes) -> Reply:
     reply = Reply.FromString(_recv(sock, size))
     _recv(sock, sum(seg.length for seg in reply.segments))
     return reply
+
+
+def _assert_busy_then_closed(sock: socket.socket, timeout: float = 10) -> None:
+    """The server said BUSY (a REFUSED reply with a retry-after) and closed the connection."""
+    sock.settimeout(timeout)
+    got = b""
+    while True:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        got += chunk
+    (size,) = struct.unpack(">I", got[:4])
+    reply = Reply.FromString(got[4:4 + size])
+    assert reply.code == Reply.REFUSED and reply.message.startswith("BUSY") and "retry after" in reply.message
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
@@ -266,16 +283,20 @@ def test_data_port_bounds_connections_per_ip_and_in_all(local_store, make_worker
         for _ in range(3):  # 127.0.0.1's three: each served
             held.append(connect("127.0.0.1"))
             assert _ask(held[-1], frame).code == Reply.OK
-        extra = connect("127.0.0.1")  # its fourth: closed at once
-        assert _closed_by_peer(extra, 10)
+        extra = connect("127.0.0.1")  # its fourth: told BUSY, with a retry-after, and closed
+        _assert_busy_then_closed(extra)
         extra.close()
+        # A client there raises OverloadedError with the retry-after (it backs off; not a failure).
+        with pytest.raises(OverloadedError) as busy:
+            DataPortReader("127.0.0.1", worker.data_port, timeout=10).read("data/o0", 0, 10, "")
+        assert busy.value.retry_after == BUSY_RETRY_AFTER
         for _ in range(2):  # another peer is not bound by 127.0.0.1's limit, but by the total
             held.append(connect("127.0.0.2"))
             assert _ask(held[-1], frame).code == Reply.OK
         extra = connect("127.0.0.3")  # a sixth in all
-        assert _closed_by_peer(extra, 10)
+        _assert_busy_then_closed(extra)
         extra.close()
-        assert dp.stats()["refused"] == 2 and dp.stats()["connections"] == 5 and dp.stats()["peers"] == 2
+        assert dp.stats()["refused"] == 3 and dp.stats()["connections"] == 5 and dp.stats()["peers"] == 2
 
         # A client refused there still reads, through gRPC.
         fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True, short_circuit=False)
@@ -460,7 +481,8 @@ def test_600_connections_of_garbage_are_each_answered_or_closed(tmp_path):
         targets = _raw_targets(worker)
         baseline = _descriptors(worker.pid)
         for kind, target in targets.items():
-            # 10 processes of 60: under the per-process limit (64), over the total (256).
+            # 10 processes of 60: under the socket's per-process limit (64); the data port's limits follow the
+            # descriptor limit (server/connections.py connection_limit): over them, a BUSY reply.
             procs = [subprocess.Popen([sys.executable, "-c", _GARBAGE, target, kind, "60", "10", str(i)],
                                       stdout=subprocess.PIPE, text=True) for i in range(10)]
             results = [json.loads(p.communicate(timeout=60)[0]) for p in procs]

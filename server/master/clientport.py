@@ -14,13 +14,12 @@ without one, as it does ``GetView``. A master serving TLS opens no client port (
 from __future__ import annotations
 
 import logging
-import resource
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from cachefs.proto import common_pb2, dataport_pb2
-from cachefs.server.connections import FramedServer
+from cachefs.server.connections import FramedServer, connection_limit
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +30,9 @@ CLIENT_PORT_OFFSET = 1
 #: The client protocol's version (the same as the workers' sockets: server/worker/metaops.py).
 PROTOCOL = 1
 #: Connections at most: one idle one per training process polling the view, so many more than a
-#: worker's raw servers take, within half of the descriptors this process may open.
+#: worker's raw servers take, within half of the descriptors this process may open; from one IP
+#: (a host of many training processes) half of them.
 MAX_CONNECTIONS = 4096
-
-
-def connection_limit() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(64, min(MAX_CONNECTIONS, soft // 2))
 
 
 class MasterClientPort(FramedServer):
@@ -48,7 +43,8 @@ class MasterClientPort(FramedServer):
                  on_view_sent: Callable[[], None] | None = None, **limits: Any) -> None:
         """``view()``: the ClusterView now (MasterServicer.build_view); ``version()``: its version
         without building it; ``token_ok(token)``: None when the master has no token."""
-        limits.setdefault("max_connections", connection_limit())
+        limits.setdefault("max_connections", connection_limit(MAX_CONNECTIONS, share=2))
+        limits.setdefault("max_per_peer", max(64, limits["max_connections"] // 2))
         super().__init__(**limits)
         self.host, self.port = host, port
         self._view, self._version, self._token_ok, self._open_view = view, version, token_ok, open_view

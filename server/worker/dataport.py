@@ -32,13 +32,15 @@ from cachefs.proto import dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import NOT_CACHED, OK, CachedPages, OpenedRange
-from cachefs.server.connections import SEND_TIMEOUT, FramedServer
+from cachefs.server.connections import MAX_PER_PEER, SEND_TIMEOUT, FramedServer, connection_limit
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.metaops import MetaOps
 
 log = logging.getLogger(__name__)
 
 Reply = dataport_pb2.DataReply
+#: Connections at most, whatever the descriptor limit (server/connections.py connection_limit).
+MAX_CONNECTIONS = 4096
 #: A page of which less than this share is wanted is read and checked here and only that
 #: part is sent; above it the whole page goes out (sendfile) and the client checks it.
 WHOLE_PAGE_SHARE = 0.5
@@ -81,6 +83,10 @@ class DataPortServer(FramedServer):
         ``check_page(pid)``: reads and checks a page found bad here (the page store drops it if it
         is, and counts it: PageStore.get), so it is fetched again rather than refused for good.
         ``limits``: ConnectionServer's (max_connections, max_per_peer, threads, timeouts)."""
+        # Sized from the descriptors this process may open; from one IP (a host of many training
+        # processes and their DataLoader workers, each with its connections) a quarter of them.
+        limits.setdefault("max_connections", connection_limit(MAX_CONNECTIONS))
+        limits.setdefault("max_per_peer", max(MAX_PER_PEER, limits["max_connections"] // 4))
         super().__init__(**limits)
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
         self.filler, self.meta, self._check_page = filler, meta, check_page
