@@ -68,6 +68,7 @@ while time.time() < end:
         emit("EPOCH-ERROR", {"t": time.time(), "epoch": epoch, "error": str(exc)[:300]})
     epoch += 1
 emit("EPOCHS", epoch)
+emit("GRPC", "grpc" in sys.modules)  # the training process loaded gRPC (it should not: client/forksafe.py)
 '''
 
 
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copytree(os.path.join(tmp, "cluster"), args.keep, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("pages", "*.sock", "cache"))
     reads, read_errors, epoch_errors, epochs, garbled = [], [], [], 0, 0
+    grpc_loaded = None
     for line in out.splitlines():
         kind, _, body = line.partition(" ")
         try:
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             epoch_errors.append(json.loads(body))
         elif kind == "EPOCHS":
             epochs = json.loads(body)
+        elif kind == "GRPC":
+            grpc_loaded = json.loads(body)
     ok = [r for r in reads if r[2] == 1.0]
     latencies = [r[1] for r in ok]
     normal = _pct(latencies, 0.99) or 0.0
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed_read_examples": read_errors[:10],
         "read_latency_s": {"p50": _pct(latencies, 0.5), "p99": _pct(latencies, 0.99),
                            "max": round(max(latencies), 4) if latencies else None},
-        "training_exit": proc.returncode,
+        "training_exit": proc.returncode, "training_loaded_grpc": grpc_loaded,
         "fault_log": faults, "training_stderr_tail": err[-2000:] if proc.returncode else "",
     }
     print(json.dumps({k: v for k, v in report.items() if k not in ("fault_log",)}, indent=1))

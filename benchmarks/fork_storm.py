@@ -29,116 +29,119 @@ import time
 import zlib
 
 TRAINING = r'''
-import json, os, sys, threading, time, zlib
+import json, os, sys, textwrap, threading, time, zlib
 import torch, cachefs
 import fsspec
 
-master, data_dir, epochs, spawn_epochs, workers, timeout = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
-want = json.loads(sys.argv[7])
-view_changer = sys.argv[8]
 
 def crc(sample):
     return zlib.crc32(sample.numpy().tobytes() if hasattr(sample, "numpy") else bytes(sample))
 
-ds = cachefs.CacheDataset.from_prefix("cachefs://storm/train", storage_options={"master": master}, transform=crc, seed=0)
-fs = fsspec.filesystem("cachefs", master=master, skip_instance_cache=True)
-names = sorted(fs.ls("cachefs://storm/train", detail=False))
-stop = threading.Event()
-busy = {"reads": 0, "lists": 0, "view_changes": 0, "errors": []}
+# Spawned DataLoader workers run this file again as __mp_main__ (to find crc): only the
+# definitions above run there, never the storm below.
+if __name__ == "__main__":
+    master, data_dir, epochs, spawn_epochs, workers, timeout = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+    want = json.loads(sys.argv[7])
+    view_changer = sys.argv[8]
+    ds = cachefs.CacheDataset.from_prefix("cachefs://storm/train", storage_options={"master": master}, transform=crc, seed=0)
+    fs = fsspec.filesystem("cachefs", master=master, skip_instance_cache=True)
+    names = sorted(fs.ls("cachefs://storm/train", detail=False))
+    stop = threading.Event()
+    busy = {"reads": 0, "lists": 0, "view_changes": 0, "errors": []}
 
-def reads():
-    while not stop.is_set():
-        for name in names[:16]:
-            fs.cat_file(name)
-            busy["reads"] += 1
-        time.sleep(0.005)  # busy, not a spin that takes a core from the DataLoader workers
+    def reads():
+        while not stop.is_set():
+            for name in names[:16]:
+                fs.cat_file(name)
+                busy["reads"] += 1
+            time.sleep(0.005)  # busy, not a spin that takes a core from the DataLoader workers
 
-def lists():
-    while not stop.is_set():
-        fs.ls("cachefs://storm/train")
-        busy["lists"] += 1
-        time.sleep(0.05)
+    def lists():
+        while not stop.is_set():
+            fs.ls("cachefs://storm/train")
+            busy["lists"] += 1
+            time.sleep(0.05)
 
-CHANGE_VIEW = """
-import sys, time, grpc
-from cachefs.proto import master_pb2, master_pb2_grpc
-stub = master_pb2_grpc.MasterServiceStub(grpc.insecure_channel(sys.argv[1]))
-n = 0
-while True:
-    stub.AddMount(master_pb2.AddMountRequest(name="storm2", url=sys.argv[2], replace=True), timeout=10)
-    try:
-        stub.RemoveMount(master_pb2.RemoveMountRequest(name="storm2"), timeout=10)
-    except grpc.RpcError as err:
-        if err.code() != grpc.StatusCode.NOT_FOUND:
-            raise
-    n += 1
-    print(n, flush=True)
-    time.sleep(0.2)
-"""
-
-def view_changes():
-    # A mount added and removed through the master moves the cluster view (version) under the
-    # forks: from another process, as an admin would ("process": this process stays off gRPC),
-    # or from a thread of this one ("thread": a training process that has loaded gRPC itself).
-    if view_changer == "process":
-        import subprocess
-        proc = subprocess.Popen([sys.executable, "-c", CHANGE_VIEW, master, data_dir], stdout=subprocess.PIPE, text=True)
-        try:
-            for line in proc.stdout:
-                busy["view_changes"] = int(line)
-                if stop.is_set():
-                    break
-        finally:
-            proc.kill()
-            proc.wait(10)
-        return
-    import grpc
+    CHANGE_VIEW = """
+    import sys, time, grpc
     from cachefs.proto import master_pb2, master_pb2_grpc
-    stub = master_pb2_grpc.MasterServiceStub(grpc.insecure_channel(master))
-    while not stop.is_set():
-        stub.AddMount(master_pb2.AddMountRequest(name="storm2", url=data_dir, replace=True), timeout=10)
+    stub = master_pb2_grpc.MasterServiceStub(grpc.insecure_channel(sys.argv[1]))
+    n = 0
+    while True:
+        stub.AddMount(master_pb2.AddMountRequest(name="storm2", url=sys.argv[2], replace=True), timeout=10)
         try:
             stub.RemoveMount(master_pb2.RemoveMountRequest(name="storm2"), timeout=10)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-        busy["view_changes"] += 1
+        n += 1
+        print(n, flush=True)
         time.sleep(0.2)
+    """
 
-def guard(fn):
-    def run():
+    def view_changes():
+        # A mount added and removed through the master moves the cluster view (version) under the
+        # forks: from another process, as an admin would ("process": this process stays off gRPC),
+        # or from a thread of this one ("thread": a training process that has loaded gRPC itself).
+        if view_changer == "process":
+            import subprocess
+            proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHANGE_VIEW), master, data_dir], stdout=subprocess.PIPE, text=True)
+            try:
+                for line in proc.stdout:
+                    busy["view_changes"] = int(line)
+                    if stop.is_set():
+                        break
+            finally:
+                proc.kill()
+                proc.wait(10)
+            return
+        import grpc
+        from cachefs.proto import master_pb2, master_pb2_grpc
+        stub = master_pb2_grpc.MasterServiceStub(grpc.insecure_channel(master))
+        while not stop.is_set():
+            stub.AddMount(master_pb2.AddMountRequest(name="storm2", url=data_dir, replace=True), timeout=10)
+            try:
+                stub.RemoveMount(master_pb2.RemoveMountRequest(name="storm2"), timeout=10)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            busy["view_changes"] += 1
+            time.sleep(0.2)
+
+    def guard(fn):
+        def run():
+            try:
+                fn()
+            except Exception as exc:  # reported; the storm goes on
+                busy["errors"].append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
+        return run
+
+    threads = [threading.Thread(target=guard(f), daemon=True) for f in (reads, lists, view_changes)]
+    for t in threads:
+        t.start()
+    report = {"starts": 0, "hangs": 0, "wrong_samples": 0, "errors": [], "epoch_seconds": []}
+    for epoch in range(epochs + spawn_epochs):
+        context = "spawn" if epoch >= epochs else "fork"
+        ds.set_epoch(epoch)  # a new read plan each epoch (renewed with the workers)
+        loader = torch.utils.data.DataLoader(ds, batch_size=16, sampler=ds.sampler(), num_workers=workers,
+                                             timeout=timeout, multiprocessing_context=context)
+        t0 = time.monotonic()
         try:
-            fn()
-        except Exception as exc:  # reported; the storm goes on
-            busy["errors"].append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
-    return run
-
-threads = [threading.Thread(target=guard(f), daemon=True) for f in (reads, lists, view_changes)]
-for t in threads:
-    t.start()
-report = {"starts": 0, "hangs": 0, "wrong_samples": 0, "errors": [], "epoch_seconds": []}
-for epoch in range(epochs + spawn_epochs):
-    context = "spawn" if epoch >= epochs else "fork"
-    ds.set_epoch(epoch)  # a new read plan each epoch (renewed with the workers)
-    loader = torch.utils.data.DataLoader(ds, batch_size=16, sampler=ds.sampler(), num_workers=workers,
-                                         timeout=timeout, multiprocessing_context=context)
-    t0 = time.monotonic()
-    try:
-        got = sorted(int(x) for batch in loader for x in batch)
-        report["wrong_samples"] += sum(1 for a, b in zip(got, want) if a != b) + abs(len(got) - len(want))
-    except RuntimeError as exc:
-        if "timed out" in str(exc):
-            report["hangs"] += 1
-        report["errors"].append(f"epoch {epoch} ({context}): {exc}")
-    except Exception as exc:
-        report["errors"].append(f"epoch {epoch} ({context}): {type(exc).__name__}: {exc}")
-    report["starts"] += workers
-    report["epoch_seconds"].append([round(time.monotonic() - t0, 3), context])
-stop.set()
-report["parent"] = {k: v for k, v in busy.items() if k != "errors"}
-report["parent"]["grpc_loaded"] = "grpc" in sys.modules
-report["errors"] += busy["errors"]
-print("REPORT " + json.dumps(report), flush=True)
+            got = sorted(int(x) for batch in loader for x in batch)
+            report["wrong_samples"] += sum(1 for a, b in zip(got, want) if a != b) + abs(len(got) - len(want))
+        except RuntimeError as exc:
+            if "timed out" in str(exc):
+                report["hangs"] += 1
+            report["errors"].append(f"epoch {epoch} ({context}): {exc}")
+        except Exception as exc:
+            report["errors"].append(f"epoch {epoch} ({context}): {type(exc).__name__}: {exc}")
+        report["starts"] += workers
+        report["epoch_seconds"].append([round(time.monotonic() - t0, 3), context])
+    stop.set()
+    report["parent"] = {k: v for k, v in busy.items() if k != "errors"}
+    report["parent"]["grpc_loaded"] = "grpc" in sys.modules
+    report["errors"] += busy["errors"]
+    print("REPORT " + json.dumps(report), flush=True)
 '''
 
 
