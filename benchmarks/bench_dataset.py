@@ -303,7 +303,7 @@ class Bench:
                 f.write(data)
             self.local_paths.append(path)
         self.fs.pipe({f"{self.bucket}/objs/{i:06d}.bin": d for i, d in enumerate(samples)}, batch_size=16)
-        from cachefs.client.shards import write_tar_shards
+        from cachefs.client.datasets.shards import write_tar_shards
         write_tar_shards(((f"s/{i:06d}", {"bin": d}) for i, d in enumerate(samples)), f"s3://{self.bucket}/tars",
                          shard_bytes=self.args.shard_bytes, storage_options=self.so)
         if "streaming" in self.args.loaders:
@@ -417,8 +417,8 @@ class Bench:
                                                s3client_config=S3ClientConfig(force_path_style=True))
                 return DataLoader(ds, shuffle=True, **kw(w))
             out["s3torchconnector"] = (connector, nothing)
-        from cachefs.client.dataset import CacheDataset
-        from cachefs.client.iterable import CacheIterableDataset
+        from cachefs.client.datasets.dataset import CacheDataset
+        from cachefs.client.datasets.iterable import CacheIterableDataset
         self.map_ds = CacheDataset.from_prefix(f"cachefs://{MOUNT}/objs", storage_options=so, rank=0, world_size=1,
                                                hint_samples=args.hint_samples)
         self.tar_ds = CacheIterableDataset.from_prefix(f"cachefs://{MOUNT}/tars", storage_options=so, batch_size=b,

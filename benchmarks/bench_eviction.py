@@ -8,7 +8,7 @@ worker processes (pages of ``--page-size``) share a quota of ``--quota`` x the d
 ``CacheDataset`` reads ``--epochs`` epochs in a shuffled or sequential order, with 1 or 2 ranks
 (processes reading their halves at once) and 0 or 2 DataLoader workers, once with the workers
 evicting by next use (``--eviction future``, the datasets registering their read order:
-client/plans.py) and once by recency (``--eviction lru``, no plan). For each run it records, per
+client/datasets/plans.py) and once by recency (``--eviction lru``, no plan). For each run it records, per
 epoch, the bytes each worker fetched from the store (its metrics: the honest figure) and its page
 hits and misses; and it computes the offline optimum from the same access trace: Belady's rule
 (evict the page whose next use is furthest, and do not admit a page used later than all cached
@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from read_common import machine_info  # noqa: E402
 
-from cachefs.client.sampling import EpochPlan  # noqa: E402
+from cachefs.client.datasets.sampling import EpochPlan  # noqa: E402
 from cachefs.local import toml_value, worker_process  # noqa: E402
 from cachefs.pagefile import TRAILER_SIZE  # noqa: E402
 from cachefs.testing import MotoServer  # noqa: E402
@@ -102,7 +102,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
 
     paths = json.loads(args.paths_json)
     lockstep = args.ranks > 1
@@ -303,7 +303,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def _owners(addresses: str, keys: list[str]) -> dict[str, str]:
-    from cachefs.client.filesystem import CacheFileSystem
+    from cachefs.client.fs.filesystem import CacheFileSystem
 
     fs = CacheFileSystem(workers=addresses, skip_instance_cache=True)
     try:

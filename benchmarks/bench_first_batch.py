@@ -8,7 +8,7 @@ case the worker's cache is emptied (``Free``), then ``CacheIterableDataset.from_
 dataset and a DataLoader reads one epoch:
 
 * ``scan_first``: ``index_cache=""``: every shard is indexed before the dataset is made (the way it
-  was before client/shardscan.py, and still the way without a kept-index directory);
+  was before client/datasets/shardscan.py, and still the way without a kept-index directory);
 * ``on_the_way``: the default: shards are indexed in file order while the first epoch reads them.
 
 Reported per case and DataLoader workers (0, 2): seconds to make the dataset, to the first batch
@@ -34,8 +34,8 @@ from read_common import machine_info  # noqa: E402
 import grpc  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from cachefs.client.iterable import CacheIterableDataset  # noqa: E402
-from cachefs.client.shards import write_tar_shards  # noqa: E402
+from cachefs.client.datasets.iterable import CacheIterableDataset  # noqa: E402
+from cachefs.client.datasets.shards import write_tar_shards  # noqa: E402
 from cachefs.local import toml_value, worker_process  # noqa: E402
 from cachefs.proto import worker_pb2, worker_pb2_grpc  # noqa: E402
 from cachefs.testing import MotoServer, fake_s3_client  # noqa: E402

@@ -11,7 +11,7 @@ worker (its first batch, which sets the process up, is not timed):
 
 * ``local``: the same files on local disk, open + readinto + close each (the limit);
 * ``cachefs_by_name``: ``CacheDataset``, page files opened by name (the default;
-  client/namedpages.py);
+  client/transport/namedpages.py);
 * ``cachefs_descriptors``: ``CacheDataset`` with ``short_circuit_by_name=false``: each batch's
   page descriptors come over the worker's socket (one message per batch).
 
@@ -73,7 +73,7 @@ def _child(case: str, address: str, src: str, names: list[str], batch: int, work
                 got.append(t)
             return got
     else:
-        from cachefs.client.dataset import CacheDataset
+        from cachefs.client.datasets.dataset import CacheDataset
 
         ds = CacheDataset([f"cachefs://{MOUNT}/{n}" for n in names],
                           storage_options={"workers": address,

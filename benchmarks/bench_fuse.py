@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="JSON result (default benchmarks/baselines/fuse-<date>.json)")
     args = parser.parse_args(argv)
 
-    from cachefs.client.fusemount import fuse_available
+    from cachefs.client.fuse.fusemount import fuse_available
 
     reason = fuse_available()
     if reason:

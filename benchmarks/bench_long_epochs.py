@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
     from cachefs.local import toml_value, worker_process
     from cachefs.testing import MotoServer
 

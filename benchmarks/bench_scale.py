@@ -21,7 +21,7 @@ job does. Measured, per size:
 ``--explicit`` also times the plan sent sample by sample (the fallback: what set_epoch cost
 before) for one rank, at sizes up to ``--explicit-max`` (100 k: 1 M takes minutes). Writes benchmarks/results/scale-<timestamp>.json and prints it.
 
-``--index`` measures the data set's index instead (client/sampleindex.py), each size in a fresh
+``--index`` measures the data set's index instead (client/datasets/sampleindex.py), each size in a fresh
 process (``--index-one``), a worker in another (an empty mount: nothing is read), keys
 ``cachefs://data/train/<dir of 1,000>/<7 digits>.jpg`` (27-byte names, as the issue's):
 
@@ -79,10 +79,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from read_common import machine_info  # noqa: E402
 
-from cachefs.client.dataset import CacheDataset  # noqa: E402
-from cachefs.client.plans import PlanPublisher  # noqa: E402
-from cachefs.client.prefixindex import KeptIndexes  # noqa: E402
-from cachefs.client.sampleindex import build  # noqa: E402
+from cachefs.client.datasets.dataset import CacheDataset  # noqa: E402
+from cachefs.client.datasets.plans import PlanPublisher  # noqa: E402
+from cachefs.client.datasets.prefixindex import KeptIndexes  # noqa: E402
+from cachefs.client.datasets.sampleindex import build  # noqa: E402
 from cachefs.config import CacheDirSpec, WorkerConfig  # noqa: E402
 from cachefs.mounts import MountSpec  # noqa: E402
 from cachefs.proto import worker_pb2  # noqa: E402
@@ -305,7 +305,7 @@ def measure_index_one(n: int, loader_workers: int) -> dict[str, object]:
             assert loaded is not None and sum(len(p) for p in loaded) + int(loaded.sizes.sum()) == touched
             row["kept_scan_s"] = round(time.perf_counter() - t0, 2)
             del loaded
-            logging.getLogger("cachefs.client.prefixindex").setLevel(logging.ERROR)  # its recheck finds nothing
+            logging.getLogger("cachefs.client.datasets.prefixindex").setLevel(logging.ERROR)  # its recheck finds nothing
             t0 = time.perf_counter()
             again = CacheDataset.from_prefix(url, kept_index="auto", index_cache=kept.directory, plan_ahead=False,
                                              **common)

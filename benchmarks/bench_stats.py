@@ -47,12 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from read_common import machine_info  # noqa: E402
 
 from cachefs import StepTimer  # noqa: E402
-from cachefs.client.dataset import CacheDataset  # noqa: E402
-from cachefs.client.handles import Page  # noqa: E402
-from cachefs.client.iterable import CacheIterableDataset  # noqa: E402
-from cachefs.client.jobstats import ProcessCounts  # noqa: E402
-from cachefs.client.shards import write_tar_shards  # noqa: E402
-from cachefs.client.shortcircuit import ShortCircuitReader  # noqa: E402
+from cachefs.client.datasets.dataset import CacheDataset  # noqa: E402
+from cachefs.client.transport.handles import Page  # noqa: E402
+from cachefs.client.datasets.iterable import CacheIterableDataset  # noqa: E402
+from cachefs.client.stats.jobstats import ProcessCounts  # noqa: E402
+from cachefs.client.datasets.shards import write_tar_shards  # noqa: E402
+from cachefs.client.transport.shortcircuit import ShortCircuitReader  # noqa: E402
 from cachefs.local import worker_process  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

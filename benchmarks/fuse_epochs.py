@@ -66,7 +66,7 @@ def run_epochs(keys: dict[str, list[str]], size: int, local_root: str, mounts: d
                mount: str, free: Callable[[str], None], workers: tuple[int, ...] = (0, 2)) -> list[dict[str, Any]]:
     """Rows of {loader, num_workers, cold, warm (median), warm_items_per_s (every round)}.
     ``mounts``: loader name -> the mount's folder; ``keys``: copy name (a loader's) -> its keys."""
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
 
     n = len(keys["local"])
 

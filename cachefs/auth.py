@@ -78,7 +78,7 @@ class _WithToken:
 
 class WrappedChannel(grpc.Channel):
     """A channel whose multi-callables are wrapped by ``_wrap`` (the token here; the client's fork
-    gate in client/transport.py); closing it closes the channel it wraps."""
+    gate in client/transport/workers.py); closing it closes the channel it wraps."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._channel = channel

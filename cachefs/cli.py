@@ -115,14 +115,14 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
-    from cachefs.client.wds import cat_main
+    from cachefs.client.fs.wds import cat_main
 
     options = {k: v for k, v in (("master", args.master), ("workers", args.workers)) if v}
     return cat_main(args.urls, options)
 
 
 def cmd_fuse(args: argparse.Namespace) -> int:
-    from cachefs.client.fusemount import run
+    from cachefs.client.fuse.fusemount import run
     from cachefs.config import load_fuse_config
 
     client_flags = {"master": args.master, "workers": args.workers, "token": args.token,

@@ -539,15 +539,15 @@ class ClientConfig:
     tls_cert_file: str = ""  # client certificate chain, for a cluster that requires one (mutual TLS)
     tls_key_file: str = ""
     # Read cached pages of a worker on this host as file descriptors over its Unix socket
-    # (client/shortcircuit.py), not through gRPC.
+    # (client/transport/shortcircuit.py), not through gRPC.
     short_circuit: bool = True
     # Page file descriptors from a worker on this host kept open per process and read again
-    # with no message to the worker (client/handles.py), at most a quarter of the process's
+    # with no message to the worker (client/transport/handles.py), at most a quarter of the process's
     # descriptor limit; 0: one read each. 4096 pages of 1 MiB: a warm epoch of a few GiB per
     # process reads with no message at all.
     short_circuit_handles: int = 4096
     # Open a local worker's cached page files by name, with the version its name index vouches
-    # for (client/namedpages.py), when the worker offers it (same user): no message per page,
+    # for (client/transport/namedpages.py), when the worker offers it (same user): no message per page,
     # even for a process's first read of it. Off: descriptors over the socket only.
     short_circuit_by_name: bool = True
     # Large results of cached pages (cat_file, open().read(): 4 MiB and more) in
@@ -560,7 +560,7 @@ class ClientConfig:
     data_port: bool = True
     # Whole objects read in their directory's listing order (cat_file, open, read_into from the
     # start) get the next ones hinted to the cache, a window that grows while the order holds
-    # (client/scanahead.py): a plain Dataset with shuffle=False stops waiting on the store for
+    # (client/fs/scanahead.py): a plain Dataset with shuffle=False stops waiting on the store for
     # each object. Off: no listing, no hints.
     scan_ahead: bool = True
 
@@ -648,7 +648,7 @@ class FuseConfig:
     # (no round trip per open; its page cache dropped when a lookup shows a new size or mtime),
     # but a file held open across a change of its object may read bytes of both versions.
     revalidate_open: bool = True
-    # Writes through the mount (client/fusewrite.py: whole objects, streamed, published at close).
+    # Writes through the mount (client/fuse/fusewrite.py: whole objects, streamed, published at close).
     # Off by default: a read-only mount can never change the store by mistake.
     writable: bool = False
     client: ClientConfig | None = None

@@ -18,7 +18,7 @@ def host_id() -> str:
         return "host:" + socket.gethostname()
 
 
-# -- the handle table (server/worker/handles.py writes it, client/handles.py reads it) ----------
+# -- the handle table (server/worker/handles.py writes it, client/transport/handles.py reads it) ----------
 # A shared, read-only (for clients) array of little-endian u64 words: a header, then one
 # generation per slot. Slot 0 is never handed out: a page given with slot 0 is read once and its
 # descriptor closed.

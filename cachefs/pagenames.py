@@ -3,7 +3,7 @@
 The page store names a page file by a digest of (mount, key, version, page index) and puts it
 in the cache dir that wins weighted rendezvous hashing of that digest. A client on the worker's
 host that runs as the worker's user (the dirs are mode 0700) can compute the same path and open
-the page file itself, with no message to the worker (client/namedpages.py), once it knows which
+the page file itself, with no message to the worker (client/transport/namedpages.py), once it knows which
 version of the object the worker vouches for. The worker publishes that in the *name index*, a
 memfd it hands each local client (server/worker/names.py writes it, clients map it read-only).
 

@@ -16,7 +16,7 @@ is not the child's to use (grpc's own threads are gone). The rules, for every cl
   or a view watcher asked for there raises :class:`GrpcInheritedError` at once). Its copy of
   gRPC's core holds the parent's threads' state mid-call, and grpcio's fork support, whose
   handlers are meant to reset it, hung DataLoader workers at every epoch start. Such a process
-  reads, lists and follows the view over the workers' own sockets (client/bulkpaths.py).
+  reads, lists and follows the view over the workers' own sockets (client/transport/bulkpaths.py).
 - One ``os.register_at_fork`` handler calls them all. It is this module's only process-wide
   state, and it has to be: at-fork handlers are process-wide by nature.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-#: The tags drawn by default (cachefs.client.tensorboard writes them), in this order.
+#: The tags drawn by default (cachefs.client.stats.tensorboard writes them), in this order.
 DEFAULT_TAGS = ("cachefs/step/wait_share", "cachefs/step/recent_wait_share", "cachefs/data/samples",
                 "cachefs/data/wait_s", "cachefs/data/held_bytes", "cachefs/data/hits", "cachefs/data/misses",
                 "cachefs/data/hit_ratio", "cachefs/data/hints_answered")

@@ -18,7 +18,7 @@ Per epoch it prints samples/s and the share of the steps the loop spent waiting 
 data stall, measured by ``cachefs.StepTimer``; a well-fed GPU job keeps it under a few percent),
 and at the end the timer's report and the client counters of all DataLoader workers (``ds.stats()``).
 With ``--tensorboard DIR`` it also writes those numbers as TensorBoard scalars every
-``--log-every`` steps (``cachefs.client.tensorboard``; needs ``pip install 'cachefs[tensorboard]'``);
+``--log-every`` steps (``cachefs.client.stats.tensorboard``; needs ``pip install 'cachefs[tensorboard]'``);
 ``examples/tensorboard_png.py DIR out.png`` draws them without a browser.
 """
 
@@ -95,12 +95,12 @@ def train(master: str, data: str, args: argparse.Namespace) -> list[dict[str, An
     print(f"device {device} | {len(ds)} samples | num_workers {args.num_workers} | pin_memory {on_gpu} | "
           f"non_blocking {on_gpu} | batch {args.batch_size}")
     report = []
-    timer = StepTimer()  # data wait vs compute per step (client/steptimer.py)
+    timer = StepTimer()  # data wait vs compute per step (client/stats/steptimer.py)
     writer = None
     if args.tensorboard:
         from torch.utils.tensorboard import SummaryWriter  # the optional extra: cachefs[tensorboard]
 
-        from cachefs.client.tensorboard import write_scalars
+        from cachefs.client.stats.tensorboard import write_scalars
         writer = SummaryWriter(args.tensorboard)
     step = 0
     for epoch in range(start_epoch, args.epochs):
@@ -138,7 +138,7 @@ def train(master: str, data: str, args: argparse.Namespace) -> list[dict[str, An
         write_scalars(writer, step, timer=timer, dataset=ds)
         writer.close()
     print(timer.report())
-    stats = ds.stats()  # summed over the DataLoader workers (client/jobstats.py)
+    stats = ds.stats()  # summed over the DataLoader workers (client/stats/jobstats.py)
     print(f"cachefs: {stats['samples']} samples, {stats['bytes'] / 1e6:.1f} MB in {stats['reads']} reads "
           f"(held handles {stats['held_bytes'] / 1e6:.1f} MB, short-circuit {stats['short_circuit_bytes'] / 1e6:.1f} MB, "
           f"data port {stats['data_port_bytes'] / 1e6:.1f} MB, gRPC {stats['grpc_bytes'] / 1e6:.1f} MB, "

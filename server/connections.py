@@ -510,7 +510,7 @@ BUSY_RETRY_AFTER = 0.2
 
 
 def busy_message(retry_after: float) -> str:
-    """A refusal's message that says busy (client/dataport.py reads the retry-after back)."""
+    """A refusal's message that says busy (client/transport/dataport.py reads the retry-after back)."""
     return f"BUSY: too many connections; retry after {int(retry_after * 1000)} ms"
 
 

@@ -37,9 +37,9 @@ def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """
     for name in [n for n in os.environ if n.startswith("CACHEFS_")]:
         monkeypatch.delenv(name)
-    # Scanned shard indexes are kept per test (client/indexcache.py), never in the user's ~/.cache.
+    # Scanned shard indexes are kept per test (client/datasets/indexcache.py), never in the user's ~/.cache.
     monkeypatch.setenv("CACHEFS_INDEX_CACHE", tempfile.mkdtemp(prefix="cachefs-index-"))
-    # Read-ahead across objects (client/scanahead.py) hints what follows reads in name order, in
+    # Read-ahead across objects (client/fs/scanahead.py) hints what follows reads in name order, in
     # the background: tests of other mechanisms count exact fetches, fills and hits, so it is off
     # unless a test asks for it (tests/test_scanahead.py, the demo's end-to-end test).
     monkeypatch.setenv("CACHEFS_SCAN_AHEAD", "false")

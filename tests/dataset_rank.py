@@ -9,8 +9,8 @@ import sys
 
 from torch.utils.data import DataLoader
 
-from cachefs.client.dataset import CacheDataset
-from cachefs.client.iterable import CacheIterableDataset
+from cachefs.client.datasets.dataset import CacheDataset
+from cachefs.client.datasets.iterable import CacheIterableDataset
 
 
 def _as_list(batch):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.client.fusemount import fuse_available, mount_entry
+from cachefs.client.fuse.fusemount import fuse_available, mount_entry
 from helpers import wait_for
 
 REASON = fuse_available()

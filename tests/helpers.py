@@ -15,7 +15,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 
 
 def client(*addresses: str, **options) -> CacheFileSystem:

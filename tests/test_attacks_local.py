@@ -296,7 +296,7 @@ def test_allowed_gid_reaches_the_socket_in_the_private_cache_dir(tmp_path: Path,
 
 # -- 3. a squatted socket gets no token ----------------------------------------------------------------
 def test_the_client_refuses_a_squatted_socket(open_dir: Path):
-    from cachefs.client.shortcircuit import ShortCircuitReader
+    from cachefs.client.transport.shortcircuit import ShortCircuitReader
 
     squat = open_dir / "squat"
     squat.mkdir()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.config import ClientConfig
 from helpers import client, payload, wait_for
 
@@ -208,7 +208,7 @@ def test_the_view_watch_is_closed_across_a_fork_and_reopened(tmp_path):
     """DataLoader workers fork: the watch stream must not be inside gRPC at that moment."""
     import os
 
-    from cachefs.client.view import ViewWatcher
+    from cachefs.client.transport.view import ViewWatcher
     from cachefs.config import MasterConfig
     from cachefs.server.master import Master
 
@@ -237,7 +237,7 @@ def test_a_fork_does_not_wait_on_a_watcher_whose_master_is_gone(tmp_path, caplog
     import os
     import time as _time
 
-    from cachefs.client.view import ViewWatcher
+    from cachefs.client.transport.view import ViewWatcher
     from cachefs.config import MasterConfig
     from cachefs.server.master import Master
 

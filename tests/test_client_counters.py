@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from cachefs.client.dataset import CacheDataset
+from cachefs.client.datasets.dataset import CacheDataset
 from cachefs.local import worker_process
 from helpers import payload, scrape, wait_for
 

@@ -1,4 +1,4 @@
-"""The client session (client/session.py): what every interface reads through; options listed
+"""The client session (client/transport/session.py): what every interface reads through; options listed
 once; no network I/O until first use; lean-path failures that never fail a read."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import socket
 
 import pytest
 
-from cachefs.client import bulkpaths
-from cachefs.client.dataset import CacheDataset
-from cachefs.client.filesystem import CacheFileSystem
-from cachefs.client.iterable import CacheIterableDataset
-from cachefs.client.shortcircuit import ShortCircuitReader
+from cachefs.client.transport import bulkpaths
+from cachefs.client.datasets.dataset import CacheDataset
+from cachefs.client.fs.filesystem import CacheFileSystem
+from cachefs.client.datasets.iterable import CacheIterableDataset
+from cachefs.client.transport.shortcircuit import ShortCircuitReader
 from cachefs.config import ClientConfig, client_option_names
 from helpers import client, payload, wait_for
 
@@ -94,7 +94,7 @@ def test_any_lean_path_failure_reads_through_grpc_counted_and_warned_once(local_
     monkeypatch.setattr(ShortCircuitReader, "read", fail)
     monkeypatch.setattr(bulkpaths, "PROBE_RETRY", 0.0)  # ask again at once, so every read meets the failure
     monkeypatch.setattr(bulkpaths, "AWAY_RETRY", 0.0)  # also after a reset connection (a worker away)
-    caplog.set_level(logging.DEBUG, logger="cachefs.client.bulkpaths")
+    caplog.set_level(logging.DEBUG, logger="cachefs.client.transport.bulkpaths")
     for _ in range(3):
         assert fs.cat_file("cachefs://data/obj") == data
     stats = fs.session.bulk_stats["short_circuit"]
@@ -130,7 +130,7 @@ def test_a_store_outage_reaches_the_caller_and_opens_no_workers_breaker(make_wor
 def test_remembered_placement_follows_the_ring_and_its_changes():
     """WorkerSet remembers each stripe's ring order per view: the same order as the ring, and a
     new view (a worker gone) is never answered from the old view's memo."""
-    from cachefs.client.transport import WorkerSet
+    from cachefs.client.transport.workers import WorkerSet
     from cachefs.ring import RingConfig
 
     config = RingConfig(stripe_size=1 << 20)
@@ -151,7 +151,7 @@ def test_remembered_placement_follows_the_ring_and_its_changes():
 
 
 def test_first_healthy_answers_a_batch_as_candidates_does_one_read_at_a_time():
-    from cachefs.client.transport import WorkerSet
+    from cachefs.client.transport.workers import WorkerSet
     from cachefs.ring import RingConfig
 
     config = RingConfig(stripe_size=1 << 20)

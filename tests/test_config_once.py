@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from cachefs.addresses import split_address
-from cachefs.client.grpcchannels import CHANNEL_OPTIONS
+from cachefs.client.transport.grpcchannels import CHANNEL_OPTIONS
 from cachefs.config import ClientConfig, WorkerConfig
 from cachefs.errors import InvalidPathError
 from cachefs.server.master.service import check_address

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.config import WorkerConfig
 from cachefs.proto import dataport_pb2, worker_pb2, worker_pb2_grpc
 from helpers import flip_page_bytes, payload, wait_for

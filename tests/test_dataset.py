@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from cachefs.client.dataset import CacheDataset, SampleReadError, to_tensor
-from cachefs.client.sampling import EpochPlan
+from cachefs.client.datasets.dataset import CacheDataset, SampleReadError, to_tensor
+from cachefs.client.datasets.sampling import EpochPlan
 import grpc
 
 from cachefs.proto import worker_pb2, worker_pb2_grpc

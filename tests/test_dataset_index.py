@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cachefs.client import prefixindex, sampleindex
-from cachefs.client.dataset import CacheDataset
-from cachefs.client.sampleindex import IndexBuilder, SampleIndex
+from cachefs.client.datasets import prefixindex, sampleindex
+from cachefs.client.datasets.dataset import CacheDataset
+from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex
 from cachefs.server.worker import service
 from helpers import client, payload
 
@@ -142,7 +142,7 @@ def _list_calls(monkeypatch) -> list[str]:
         calls.append(threading.current_thread().name)
         return real(*args, **kwargs)
     monkeypatch.setattr(prefixindex, "list_prefix", counted)
-    monkeypatch.setattr("cachefs.client.dataset.list_prefix", counted)
+    monkeypatch.setattr("cachefs.client.datasets.dataset.list_prefix", counted)
     return calls
 
 
@@ -226,7 +226,7 @@ def test_a_worker_that_forgot_the_plan_index_is_sent_it_made_again():
     for the dataset's life); a worker that restarted is sent its part made again from the units."""
     from types import SimpleNamespace
 
-    from cachefs.client.plans import PlanPublisher
+    from cachefs.client.datasets.plans import PlanPublisher
     from cachefs.proto import worker_pb2
     from cachefs.server.worker.plans import PlanTable
 

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 
-from cachefs.client.shards import write_tar_shards
+from cachefs.client.datasets.shards import write_tar_shards
 
 HERE = Path(__file__).parent
 N = 48  # divides over 2 ranks x 2 workers x batches of 4: no padding, so "exactly once" is exact

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cachefs.client.dataset import CacheDataset
-from cachefs.client.iterable import CacheIterableDataset
-from cachefs.client.shards import write_tar_shards
+from cachefs.client.datasets.dataset import CacheDataset
+from cachefs.client.datasets.iterable import CacheIterableDataset
+from cachefs.client.datasets.shards import write_tar_shards
 
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 N = 60

@@ -164,8 +164,8 @@ def _report(doc: str, named: set[str], problems: list[str]) -> list[str]:
 
 def test_the_walk_finds_the_package():
     assert {"cachefs", "cachefs/store", "client", "server", "server/worker", "server/master",
-            "server/pagestore", "proto"} <= set(FOLDERS)
-    assert "client/session.py" in MODULES and "proto/generate.py" in MODULES
+            "server/pagestore", "proto", "client/transport", "client/datasets"} <= set(FOLDERS)
+    assert "client/transport/session.py" in MODULES and "proto/generate.py" in MODULES
     assert not any(m.endswith("__init__.py") or "_pb2" in m for m in MODULES)
 
 

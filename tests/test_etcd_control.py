@@ -43,7 +43,7 @@ def test_private_pool_leaves_the_default_pool_alone():
 
 
 def test_training_processes_and_workers_never_load_the_etcd_client():
-    code = ("import sys, cachefs, cachefs.client, cachefs.client.filesystem, cachefs.client.dataset\n"
+    code = ("import sys, cachefs, cachefs.client, cachefs.client.fs.filesystem, cachefs.client.datasets.dataset\n"
             "import cachefs.server.worker.daemon, cachefs.cli, cachefs.admin, cachefs.masters\n"
             "from cachefs.config import load_master_config\n"
             "load_master_config(environ={})\n"

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cachefs.client.dataset import CacheDataset
-from cachefs.client.plans import PlanPublisher
+from cachefs.client.datasets.dataset import CacheDataset
+from cachefs.client.datasets.plans import PlanPublisher
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.proto import worker_pb2, worker_pb2_grpc
 from helpers import client, payload, wait_for
@@ -168,7 +168,7 @@ class _NoWorkers:
 def test_requests_carry_the_furthest_position_read_since_the_last_one():
     """A pass read by name sends no message: the next request tells where that pass got to,
     once, so the worker sees a new pass begin rather than a reader that stood still."""
-    from cachefs.client.bulkpaths import PlanProgress
+    from cachefs.client.transport.bulkpaths import PlanProgress
 
     progress = PlanProgress()
     assert progress.take() is None  # no plan read yet: nothing to send

@@ -10,7 +10,7 @@ import errno
 
 import pytest
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.proto import shortcircuit_pb2
 from helpers import payload, store_requests
 

@@ -17,9 +17,9 @@ import fsspec
 import pytest
 
 from cachefs.client import forksafe
-from cachefs.client.dataset import CacheDataset
+from cachefs.client.datasets.dataset import CacheDataset
 from cachefs.client.forksafe import ForkSafeLock, ProcessLocal
-from cachefs.client.hints import Hinter
+from cachefs.client.fs.hints import Hinter
 from cachefs.config import MasterConfig
 from cachefs.server.master import Master
 from helpers import client, payload, wait_for
@@ -267,7 +267,7 @@ def test_a_failing_hook_does_not_stop_a_fork():
 
 
 def test_rpc_gate_holds_a_fork_until_calls_leave_and_new_calls_until_it_is_done():
-    """The gate every session channel goes through (client/transport.py GatedChannel)."""
+    """The gate every session channel goes through (client/transport/workers.py GatedChannel)."""
     gate = forksafe.RpcGate()
     gate.enter()  # a reader thread is inside a gRPC call
     forked = threading.Event()
@@ -330,7 +330,7 @@ def test_importing_the_client_changes_no_grpc_setting() -> None:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
-    probe = ("import os, cachefs, cachefs.client.filesystem, cachefs.client.dataset\n"
+    probe = ("import os, cachefs, cachefs.client.fs.filesystem, cachefs.client.datasets.dataset\n"
              "from cachefs.client import forksafe\n"
              "print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'), forksafe.grpc_fork_support())")
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
@@ -383,7 +383,7 @@ def test_a_forked_child_never_calls_grpc(served):
     got = _in_forked_child(ask_stub)
     assert got[0] == "raised" and worker.address in got[1] and "forked" in got[1] and got[2] < 1.0, got
 
-    from cachefs.client.view import ViewWatcher
+    from cachefs.client.transport.view import ViewWatcher
 
     watcher = ViewWatcher("127.0.0.1:1", lambda view: None)
     got = _in_forked_child(lambda: watcher.start())
@@ -415,8 +415,8 @@ def test_dataloader_workers_read_without_a_grpc_channel(local_store, make_worker
     from what the main process learnt (SessionBootstrap)."""
     from torch.utils.data import DataLoader
 
-    from cachefs.client.iterable import CacheIterableDataset
-    from cachefs.client.shards import write_tar_shards
+    from cachefs.client.datasets.iterable import CacheIterableDataset
+    from cachefs.client.datasets.shards import write_tar_shards
 
     n = 24
     if kind == "map":
@@ -454,7 +454,7 @@ def test_a_session_started_from_a_bootstrap_asks_no_one_before_reading(served, m
     watch opens its channel on its own thread (where, refused here, it only logs)."""
     import grpc
 
-    from cachefs.client.session import ClientSession, SessionBootstrap
+    from cachefs.client.transport.session import ClientSession, SessionBootstrap
     from cachefs.config import ClientConfig
     from cachefs.proto import master_pb2
 
@@ -491,7 +491,7 @@ def test_hints_from_a_forked_process_go_through_the_short_circuit_socket(served)
     if pid == 0:
         code = 1
         try:
-            from cachefs.client.hints import Hinter
+            from cachefs.client.fs.hints import Hinter
 
             hinter = Hinter(fs.session)
             child_conn.send((forksafe.grpc_inherited(), hinter.hint(paths[1:]), dict(hinter.stats)))
@@ -612,7 +612,7 @@ def test_a_forked_child_reads_a_range_larger_than_one_socket_reply(local_store, 
 def test_a_forked_child_with_a_wrong_token_fails_at_once(local_store, make_worker, short_circuit):
     """A refusal (a wrong token) is final for a child that has only the worker's sockets: it raises
     PermissionError at once, not after asking again for 15 s on every read."""
-    from cachefs.client.session import ClientSession
+    from cachefs.client.transport.session import ClientSession
     from cachefs.config import ClientConfig
     from cachefs.paths import CachePath
 
@@ -665,9 +665,9 @@ def test_a_forked_child_gets_a_view_for_clients_its_parent_never_used(local_stor
     """A client made (or first used) in a forked child, where gRPC is off limits, still gets the
     cluster view: from a session of the parent that was never used (fetched for the children just
     before the fork), from the parent's last view of that master (another session's), else from a
-    helper interpreter (client/viewfetch.py). A DataLoader worker that builds its filesystem
+    helper interpreter (client/transport/viewfetch.py). A DataLoader worker that builds its filesystem
     lazily does exactly this."""
-    from cachefs.client import viewfetch
+    from cachefs.client.transport import viewfetch
 
     local_store.add("obj.bin", payload(6000, 5))
     master = Master(MasterConfig(host="127.0.0.1", port=0, state_dir=str(tmp_path / "master"))).start()

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachefs.client.fusemount import mount_entry
+from cachefs.client.fuse.fusemount import mount_entry
 from cachefs.config import FuseConfig, load_fuse_config
 from fusemounts import mount_fuse, needs_fuse  # noqa: F401 - mount_fuse is a fixture
 from helpers import payload, wait_for

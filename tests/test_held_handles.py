@@ -1,5 +1,5 @@
 """Held page handles (#14): the worker's shared table of generations (server/worker/handles.py),
-the client's cache of descriptors (client/handles.py), the page store's charge for unlinked pages
+the client's cache of descriptors (client/transport/handles.py), the page store's charge for unlinked pages
 still held open, and what a real in-process worker does with them: reads with no message, and no
 read through a handle after the page left the cache.
 """
@@ -14,8 +14,8 @@ import time
 import grpc
 import pytest
 
-from cachefs.client.filesystem import CacheFileSystem
-from cachefs.client.handles import HandleCache, Page, TableView
+from cachefs.client.fs.filesystem import CacheFileSystem
+from cachefs.client.transport.handles import HandleCache, Page, TableView
 from cachefs.localhost import TABLE_STALE_SECONDS
 from cachefs.pagefile import TRAILER_SIZE
 from cachefs.proto import worker_pb2, worker_pb2_grpc
@@ -380,7 +380,7 @@ def test_past_the_ttl_within_the_grace_reads_stay_on_the_socket(local_store, mak
 def test_a_dataset_batch_is_read_through_held_handles_in_one_pass(local_store, make_worker):
     """CacheDataset.__getitems__: one prepare message for the batch, then the next epoch's
     batch with no message at all; a freed sample is read anew, never through its old handle."""
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
 
     samples = [payload(PAGE + 7 * i, 10 + i) for i in range(6)]
     for i, data in enumerate(samples):
@@ -455,7 +455,7 @@ def test_a_range_a_prepare_found_not_cached_is_read_through_grpc_without_asking_
 def test_a_batch_held_whole_sends_no_hints_and_one_not_cached_does(local_store, make_worker):
     """Hints ask the worker to fetch what is coming; a batch read whole through held handles
     says the data is cached, and its hint would only cost both sides."""
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
 
     samples = [payload(PAGE, 40 + i) for i in range(16)]
     for i, data in enumerate(samples):

@@ -27,7 +27,7 @@ READER = r"""
 import json, os, random, sys, time
 sys.path.insert(0, sys.argv[1])
 from helpers import payload
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 address, names, sizes, seeds, seconds, seed = sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), \
     json.loads(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
 by_name = sys.argv[8] == "1"

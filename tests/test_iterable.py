@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cachefs.client.iterable import CacheIterableDataset, scan_shards
-from cachefs.client.dataset import SampleReadError
-from cachefs.client.sampling import BlockPlan
-from cachefs.client.shards import (SampleSpan, ShardFormatError, TarFormat, group_members, index_from_json,
+from cachefs.client.datasets.iterable import CacheIterableDataset, scan_shards
+from cachefs.client.datasets.dataset import SampleReadError
+from cachefs.client.datasets.sampling import BlockPlan
+from cachefs.client.datasets.shards import (SampleSpan, ShardFormatError, TarFormat, group_members, index_from_json,
                                    index_to_json, split_key, write_tar_shards)
 import grpc
 
@@ -195,7 +195,7 @@ def test_fields_are_the_bytes_written_as_aligned_tensors(sharded):
 
 
 def test_run_buffers_are_reused_only_once_no_sample_refers_to_them(sharded):
-    """Blocks are read into a few reused buffers (client/runbuffers.py): samples dropped as they
+    """Blocks are read into a few reused buffers (client/datasets/runbuffers.py): samples dropped as they
     are consumed free theirs for the next blocks; samples kept keep their bytes, whatever is
     read after them."""
     shards, opts = sharded(60)
@@ -218,7 +218,7 @@ def test_run_buffers_are_reused_only_once_no_sample_refers_to_them(sharded):
 
 
 def test_run_buffer_pool_counts_views_and_keeps_to_its_bound():
-    from cachefs.client.runbuffers import RunBuffers
+    from cachefs.client.datasets.runbuffers import RunBuffers
 
     pool = RunBuffers(max_bytes=3 << 20)
     a = pool.take(1000)
@@ -248,7 +248,7 @@ def test_a_cached_epoch_is_read_in_the_calling_thread_and_anything_else_ahead(sh
     thread, with no prefetch thread and no hint; a block that is not (a cold epoch, a shard
     freed since) sends the rest of the epoch back to the prefetch threads; so does a block
     read as slowly as a disk reads. Every sample right, every way."""
-    import cachefs.client.iterable as iterable_module
+    import cachefs.client.datasets.iterable as iterable_module
 
     shards, opts = sharded(60, shard_bytes=30_000)
     ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
@@ -422,7 +422,7 @@ def test_a_scanned_index_is_kept_and_used_until_a_shard_changes(sharded, local_s
                                                                  monkeypatch):
     """Shards without index.json are scanned once; the next start over the same shards (same
     paths, sizes and versions) reads the kept index, and a changed shard is scanned again."""
-    import cachefs.client.iterable as iterable_module
+    import cachefs.client.datasets.iterable as iterable_module
 
     shards, opts = sharded(30)
     os.remove(os.path.join(local_store.mount.url, "shards", "index.json"))

@@ -10,10 +10,10 @@ import pytest
 from torch.utils.data import DataLoader
 
 from cachefs import StepTimer
-from cachefs.client.dataset import CacheDataset
-from cachefs.client.iterable import CacheIterableDataset
-from cachefs.client.jobstats import COLUMNS, CounterBlock, describe
-from cachefs.client.shards import write_tar_shards
+from cachefs.client.datasets.dataset import CacheDataset
+from cachefs.client.datasets.iterable import CacheIterableDataset
+from cachefs.client.stats.jobstats import COLUMNS, CounterBlock, describe
+from cachefs.client.datasets.shards import write_tar_shards
 from helpers import payload
 
 PAGE = 64 << 10
@@ -58,7 +58,7 @@ def test_counter_block_sums_rows_accumulates_per_row_and_pickles_as_its_path():
 
 
 def test_no_place_for_the_block_turns_counters_off_not_the_dataset(monkeypatch, tmp_path):
-    monkeypatch.setattr("cachefs.client.jobstats._shm_dir", lambda: str(tmp_path / "missing"))
+    monkeypatch.setattr("cachefs.client.stats.jobstats._shm_dir", lambda: str(tmp_path / "missing"))
     block = CounterBlock(rows=2)
     block.publish(1, [1] * len(COLUMNS))
     assert block.path == "" and set(block.totals().values()) == {0}

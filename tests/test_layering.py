@@ -185,7 +185,7 @@ def test_the_fsspec_entry_point_still_resolves():
             "cls = ep.load(); import fsspec; assert fsspec.get_filesystem_class('cachefs') is cls; print(ep.value)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "cachefs.client.filesystem:CacheFileSystem"
+    assert proc.stdout.strip() == "cachefs.client.fs.filesystem:CacheFileSystem"
 
 
 def test_every_package_is_in_pyprojects_packages_list():
@@ -220,3 +220,41 @@ def test_only_forksafe_asks_which_process_the_client_is_in():
     found = {name: lines for name, path in MODULES.items() if name.startswith("cachefs.client")
              and name != "cachefs.client.forksafe" and (lines := _asks_for_the_pid(path.read_text()))}
     assert not found, found
+
+
+#: The client's rooms in layer order: a module imports (at module level or lazily) only from its own
+#: room and the ones before it (README, Layout), so the read path is found from the top down.
+CLIENT_ROOMS = ["forksafe", "transport", "stats", "fs", "datasets", "fuse"]
+
+
+def _room(module: str) -> str:
+    return module.split(".")[2]
+
+
+def test_each_client_room_imports_only_from_the_rooms_before_it():
+    wrong = []
+    for module, path in MODULES.items():
+        if not module.startswith("cachefs.client.") or module.count(".") < 2:
+            continue
+        rank = CLIENT_ROOMS.index(_room(module))
+        for name, line in _imports(ast.parse(path.read_text(), str(path)), module_level_only=False):
+            if name.startswith("cachefs.client.") and CLIENT_ROOMS.index(_room(name)) > rank:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_client_room_is_a_known_room():
+    rooms = {_room(m) for m in MODULES if m.startswith("cachefs.client.")}
+    assert rooms == set(CLIENT_ROOMS), rooms
+
+
+#: The only client modules that load gRPC when imported: what a process uses when it calls gRPC.
+GRPC_CLIENT_MODULES = {"cachefs.client.transport.grpcchannels", "cachefs.client.transport.view"}
+
+
+@pytest.mark.parametrize("module", [m for m in CLIENT_MODULES if m not in GRPC_CLIENT_MODULES])
+def test_importing_a_client_module_loads_no_grpc(loaded, module):
+    """A training process never loads gRPC (client/transport/masterport.py): importing any module it
+    uses must not either."""
+    assert module in loaded[module]
+    assert not [m for m in loaded[module] if m == "grpc" or m.startswith("grpc.")], module

@@ -1,7 +1,7 @@
 """The master's client port (server/master/clientport.py): the cluster view with no gRPC.
 
 A real master (and workers) in this process, asked over plain sockets as a training process
-asks (client/masterport.py); the session follows it without a gRPC watcher.
+asks (client/transport/masterport.py); the session follows it without a gRPC watcher.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.client.dataport import DataPortReader
-from cachefs.client.masterport import MasterPort, NotAMasterError
+from cachefs.client.transport.dataport import DataPortReader
+from cachefs.client.transport.masterport import MasterPort, NotAMasterError
 from cachefs.config import MasterConfig
 from cachefs.errors import UnauthenticatedError
 from cachefs.proto import common_pb2, dataport_pb2, master_pb2

@@ -122,13 +122,13 @@ def test_the_named_figures_are_there_with_values(cluster: LocalCluster):
 
 
 def test_a_jobs_client_metrics_on_one_port_are_documented_and_sum_its_processes(local_store, make_worker):
-    """A training job's port (client/prometheus.py) over 2 DataLoader workers: every client metric
+    """A training job's port (client/stats/prometheus.py) over 2 DataLoader workers: every client metric
     documented, and the values are the whole job's (the workers' reads, not the main process's)."""
     from torch.utils.data import DataLoader
 
     from cachefs import StepTimer
-    from cachefs.client import prometheus
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.stats import prometheus
+    from cachefs.client.datasets.dataset import CacheDataset
 
     n = 12
     for i in range(n):

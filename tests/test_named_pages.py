@@ -1,5 +1,5 @@
 """Reads by name (#14): the worker's name index (server/worker/names.py), the client's page files
-opened by name (client/namedpages.py), and what a real in-process worker does with them: a
+opened by name (client/transport/namedpages.py), and what a real in-process worker does with them: a
 process's first read of a cached page with no message, reported afterwards; nothing read by name
 after the page left the cache or the worker's knowledge of the version ran out.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from cachefs.client.filesystem import CacheFileSystem
-from cachefs.client.namedpages import NamedPages
+from cachefs.client.fs.filesystem import CacheFileSystem
+from cachefs.client.transport.namedpages import NamedPages
 from cachefs.pagenames import ENTRY, NAMES_HEADER, VERSION_BYTES, name_hashes, page_digest
 from cachefs.proto import worker_pb2, worker_pb2_grpc
 from cachefs.server.pagestore.store import PageId
@@ -325,7 +325,7 @@ def test_whole_pages_are_read_into_a_buffer_checked_and_anything_else_left_to_th
     """read_into: the lean path of a new process's batch (open, one preadv of payload and trailer,
     close): right bytes and digests for whole pages; PARTIAL for a range that wants part of a
     page; None for a page that is gone, torn or whose bytes do not match its checksum."""
-    from cachefs.client.namedpages import PARTIAL
+    from cachefs.client.transport.namedpages import PARTIAL
 
     with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
         data = payload(2 * 4096 + 100, 11)
@@ -464,7 +464,7 @@ def test_one_page_samples_are_read_whole_checked_once_and_anything_else_left_to_
 def test_remembered_names_are_bounded_and_reads_stay_right_past_the_bound(tmp_path, monkeypatch):
     """Each path's slots and each object version's page file names are remembered per process,
     up to MEMO_ENTRIES of each; past it the memory starts over, and every read is still right."""
-    monkeypatch.setattr("cachefs.client.namedpages.MEMO_ENTRIES", 3)
+    monkeypatch.setattr("cachefs.client.transport.namedpages.MEMO_ENTRIES", 3)
     with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
         objects = {f"o{i}": payload(4096 + 10 * i, 20 + i) for i in range(6)}  # two pages each
         for key, data in objects.items():
@@ -482,7 +482,7 @@ def test_a_page_checked_through_a_handed_over_descriptor_needs_no_second_check_b
     """A cold epoch reads pages through descriptors the worker handed over (checked once, by file
     identity: shortcircuit.VerifiedFiles); the next epoch reads the same files by name: already
     checked, no checksum pass on their first read by name. A file not among them is checked."""
-    from cachefs.client.shortcircuit import VerifiedFiles
+    from cachefs.client.transport.shortcircuit import VerifiedFiles
     from cachefs.server.pagestore import PageStore
     from cachefs.server.pagestore.store import CacheDir
 
@@ -544,7 +544,7 @@ def _count_messages(reader, monkeypatch) -> list:
         return exchange(request, *more)
 
     monkeypatch.setattr(reader, "_exchange", counted)
-    monkeypatch.setattr("cachefs.client.namedpages.REPORT_SECONDS", 1e9)
+    monkeypatch.setattr("cachefs.client.transport.namedpages.REPORT_SECONDS", 1e9)
     return sent
 
 
@@ -619,7 +619,7 @@ def test_more_objects_than_the_first_table_holds_are_all_read_by_name(local_stor
 
 
 def test_a_dataset_batch_in_a_new_process_reads_by_name(local_store, make_worker, monkeypatch):
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
 
     data = [payload(PAGE // 2, 40 + i) for i in range(24)]
     for i, d in enumerate(data):
@@ -695,7 +695,7 @@ def test_under_a_plan_a_client_reading_by_name_holds_nothing(local_store, make_w
     is handed what it asks for to read once (what it asks for ahead is kept for that read), then
     reads the pages by name. One that cannot still holds them, and so does every client of a
     cache that holds all the plans read."""
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
     from cachefs.pagefile import TRAILER_SIZE
 
     data = [payload(PAGE // 2, 60 + i) for i in range(12)]
@@ -874,7 +874,7 @@ def test_past_the_metadata_ttl_reads_by_name_go_on_and_the_worker_refreshes_what
 def _cached_samples_and_messages(local_store, make_worker, monkeypatch, seed: int) -> tuple[list[bytes], Any, list]:
     """Eight one-page samples cached by a worker, and the list every short-circuit request of
     this process is appended to from now on."""
-    from cachefs.client.shortcircuit import ShortCircuitReader
+    from cachefs.client.transport.shortcircuit import ShortCircuitReader
 
     data = [payload(PAGE // 2, seed + i) for i in range(8)]
     for i, d in enumerate(data):
@@ -912,7 +912,7 @@ def test_a_new_process_reads_its_first_cached_batch_after_a_hello_alone(local_st
     """A DataLoader worker's first batch (every epoch): the read itself asks for the name index
     (one hello, no ranges) and reads the batch by name, with no prepare before it (no descriptors
     asked for, no page file looked for); a dataset's first batch there sends that hello only."""
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
     from cachefs.paths import parse_path
 
     data, worker, sent = _cached_samples_and_messages(local_store, make_worker, monkeypatch, 120)
@@ -935,7 +935,7 @@ def test_a_new_process_reads_its_first_cached_batch_after_a_hello_alone(local_st
 
 
 def test_a_failed_hello_is_asked_again_only_after_a_while(local_store, make_worker, monkeypatch):
-    from cachefs.client import shortcircuit
+    from cachefs.client.transport import shortcircuit
     from cachefs.paths import parse_path
 
     data = payload(PAGE // 2, 7)
@@ -1013,7 +1013,7 @@ def test_large_reads_hold_descriptors_and_fall_back_to_names_where_holds_are_ref
     then one preadv a page on every later read) rather than opening each page file by name
     every time; a small one still by name. Where the worker will not let the client hold the
     pages, the path is read by name from then on."""
-    from cachefs.client.shortcircuit import HOLD_RANGE_PAGES
+    from cachefs.client.transport.shortcircuit import HOLD_RANGE_PAGES
 
     big = payload((HOLD_RANGE_PAGES + 2) * PAGE + 123, 71)
     small = payload(2 * PAGE, 72)
@@ -1106,7 +1106,7 @@ def test_the_exit_report_gives_up_on_a_worker_that_never_answers(tmp_path):
     import socket
     import weakref
 
-    from cachefs.client import shortcircuit
+    from cachefs.client.transport import shortcircuit
 
     path = str(tmp_path / "hung.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

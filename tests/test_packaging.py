@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.proto import generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,13 +45,13 @@ def test_wheel_installs_only_the_cachefs_namespace(tmp_path):
         assert any(n.startswith(f"cachefs/{sub}/") for n in names), sub
     assert "cachefs/proto/worker.proto" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "cachefs = cachefs.client.filesystem:CacheFileSystem" in entry_points
+    assert "cachefs = cachefs.client.fs.filesystem:CacheFileSystem" in entry_points
     assert "cachefs = cachefs.cli:main" in entry_points
 
 
 def test_fsspec_finds_cachefs_through_its_entry_point():
     eps = importlib.metadata.entry_points(group="fsspec.specs")
-    assert any(ep.name == "cachefs" and ep.value == "cachefs.client.filesystem:CacheFileSystem" for ep in eps)
+    assert any(ep.name == "cachefs" and ep.value == "cachefs.client.fs.filesystem:CacheFileSystem" for ep in eps)
     assert fsspec.get_filesystem_class("cachefs") is CacheFileSystem
 
 

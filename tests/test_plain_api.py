@@ -220,8 +220,8 @@ def test_an_open_file_keeps_its_version_when_the_object_changes(served, local_st
 def test_a_filesystem_starts_its_event_loop_only_when_something_asks_for_it(local_store, make_worker):
     """A DataLoader worker builds a filesystem every epoch and reads through sync paths only:
     no fsspec IO thread for it. Whatever is async still runs (on the loop made at first use)."""
-    from cachefs.client import filesystem
-    from cachefs.client.filesystem import CacheFileSystem
+    from cachefs.client.fs import filesystem
+    from cachefs.client.fs.filesystem import CacheFileSystem
 
     local_store.add("d/a", b"abc")
     worker = make_worker(local_store.mount)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cachefs.client.dataset import CacheDataset
-from cachefs.client.sampling import EpochPlan
+from cachefs.client.datasets.dataset import CacheDataset
+from cachefs.client.datasets.sampling import EpochPlan
 from cachefs.order import EpochOrder, Permutation
 from cachefs.proto import worker_pb2
 from cachefs.server.worker.planindex import derive, plan_samples
@@ -195,7 +195,7 @@ def test_the_index_goes_once_and_each_epoch_only_its_definition(samples, make_wo
 def test_a_plan_the_worker_cannot_reproduce_is_sent_sample_by_sample(samples, make_worker, monkeypatch):
     store, paths = samples
     worker = make_worker(store.mount, page_size=PAGE)
-    monkeypatch.setattr("cachefs.client.dataset.plan_digest", lambda *a: "0" * 32)  # another release's order
+    monkeypatch.setattr("cachefs.client.datasets.dataset.plan_digest", lambda *a: "0" * 32)  # another release's order
     ds = CacheDataset(paths, storage_options={"workers": worker.address}, seed=4)
     report = ds.plan_report
     assert report.workers == 1 and report.derived == 0 and report.fallbacks == 1 and report.complete
@@ -230,7 +230,7 @@ def test_a_breaker_open_at_construction_leaves_no_unit_unplanned(samples, make_w
     """The plan follows the ring's placement, not a moment's health: with every worker's breaker
     open while the dataset is made (a loaded machine, a slow call a moment before), its units are
     still planned on the worker that holds them (before: none was, derived 0)."""
-    from cachefs.client.transport import Breaker
+    from cachefs.client.transport.workers import Breaker
 
     store, paths = samples
     worker = make_worker(store.mount, page_size=PAGE)

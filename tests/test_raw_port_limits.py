@@ -20,8 +20,8 @@ from collections import Counter
 import grpc
 import pytest
 
-from cachefs.client.dataport import DataPortReader
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.transport.dataport import DataPortReader
+from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.errors import OverloadedError
 from cachefs.proto import dataport_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.server.connections import BUSY_RETRY_AFTER, THREAD_KEEPALIVE

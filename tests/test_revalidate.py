@@ -285,7 +285,7 @@ def test_a_warm_epoch_longer_than_ttl_and_grace_lists_the_directory_not_a_head_p
     """End to end (a worker, a client reading through it): the second pass over a cached
     directory comes after its metadata ran out entirely, as every epoch longer than TTL + grace
     does; it is served from the cache with one listing, not a store request per object."""
-    from cachefs.client.filesystem import CacheFileSystem
+    from cachefs.client.fs.filesystem import CacheFileSystem
 
     objects = {f"d/o{i:02d}": payload(1000 + i, 40 + i) for i in range(24)}
     for name, data in objects.items():

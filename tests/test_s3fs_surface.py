@@ -22,7 +22,7 @@ import pytest
 import s3fs
 from fsspec.implementations.local import LocalFileSystem
 
-from cachefs.client.fscompat import S3_ONLY
+from cachefs.client.fs.fscompat import S3_ONLY
 from cachefs.config import CacheDirSpec, WorkerConfig
 from cachefs.mounts import MountSpec
 from cachefs.server.worker import Worker

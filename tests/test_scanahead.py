@@ -1,4 +1,4 @@
-"""Read-ahead across objects (client/scanahead.py): objects read in their directory's order get the
+"""Read-ahead across objects (client/fs/scanahead.py): objects read in their directory's order get the
 next ones hinted; reads out of order get nothing, and cost no listing."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 import grpc
 import pytest
 
-from cachefs.client.filesystem import CacheFileSystem
-from cachefs.client.scanahead import ScanAhead
+from cachefs.client.fs.filesystem import CacheFileSystem
+from cachefs.client.fs.scanahead import ScanAhead
 from cachefs.paths import CachePath
 from cachefs.proto import worker_pb2, worker_pb2_grpc
 from helpers import payload, wait_for

@@ -1,4 +1,4 @@
-"""Tar shards without an index: the first epoch reads them as they are indexed (client/shardscan.py).
+"""Tar shards without an index: the first epoch reads them as they are indexed (client/datasets/shardscan.py).
 
 The first batch must not wait for every shard's fetch; exactly-once, equal per-rank counts and
 resume must hold as with an index: the first epoch is BlockPlan's with the shards in file order
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-import cachefs.client.iterable as iterable_module
-from cachefs.client.iterable import CacheIterableDataset
-from cachefs.client.sampling import BlockPlan, known_block
-from cachefs.client.shards import write_tar_shards
+import cachefs.client.datasets.iterable as iterable_module
+from cachefs.client.datasets.iterable import CacheIterableDataset
+from cachefs.client.datasets.sampling import BlockPlan, known_block
+from cachefs.client.datasets.shards import write_tar_shards
 from helpers import payload, wait_for
 
 PAGE = 64 << 10

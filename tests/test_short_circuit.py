@@ -10,7 +10,7 @@ import stat
 import grpc
 import pytest
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.paths import CachePath
 from cachefs.proto import shortcircuit_pb2, worker_pb2, worker_pb2_grpc

@@ -84,7 +84,7 @@ def test_bad_settings_are_refused(kw):
 
 
 def test_real_dataset_over_a_slow_store_is_flagged_then_a_slow_step_is_not(make_worker, monkeypatch):
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
     from cachefs.mounts import MountSpec
     from helpers import SlowMemoryFileSystem, payload
 
@@ -114,7 +114,7 @@ def test_a_store_behind_the_delay_proxy_makes_a_cold_loop_input_bound_and_a_warm
     import s3fs
 
     from cachefs import netem
-    from cachefs.client.dataset import CacheDataset
+    from cachefs.client.datasets.dataset import CacheDataset
     from cachefs.mounts import MountSpec
     from helpers import payload
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cachefs import StepTimer
-from cachefs.client.jobstats import COLUMNS, CounterBlock, describe
-from cachefs.client.tensorboard import DATASET_SCALARS, write_scalars
+from cachefs.client.stats.jobstats import COLUMNS, CounterBlock, describe
+from cachefs.client.stats.tensorboard import DATASET_SCALARS, write_scalars
 
 
 def test_event_file_holds_the_scalars(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachefs.client.filesystem import CacheFileSystem
+from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.local import LocalCluster
 from helpers import payload
 

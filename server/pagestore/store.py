@@ -537,7 +537,7 @@ class PageStore:
         """Keep an unlinked page's bytes counted while a client may hold it; True if so.
 
         Its slot is invalidated before the unlink, and clients close invalidated descriptors
-        within HELD_CLOSE_SECONDS (client/handles.py sweeps), so the charge ends then at the
+        within HELD_CLOSE_SECONDS (client/transport/handles.py sweeps), so the charge ends then at the
         latest, not when the hold would have: evicted held pages do not shrink the cache for
         minutes."""
         record = self._hold_records.pop(entry.digest, None)

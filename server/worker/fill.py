@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 #: How long one fill request may take on the worker: well under the client's socket timeout (5 s,
-#: client/bulkpaths.py). What is not cached by then is answered NOT_CACHED; the client's gRPC read
+#: client/transport/bulkpaths.py). What is not cached by then is answered NOT_CACHED; the client's gRPC read
 #: of it joins the fetches still in flight (single-flight), so no work is lost.
 FILL_SECONDS = 3.0
 

@@ -1,8 +1,8 @@
 """The jobs' read orders, as this worker's pages will be used: the future that eviction follows.
 
-A training job knows the order it reads its samples in (seed + epoch: client/sampling.py), for
+A training job knows the order it reads its samples in (seed + epoch: client/datasets/sampling.py), for
 this epoch and the next. It tells each worker which of that worker's pages it reads at which
-positions (the ``Plan`` RPC, client/plans.py), and renews the plan with its position while it reads.
+positions (the ``Plan`` RPC, client/datasets/plans.py), and renews the plan with its position while it reads.
 From that the worker knows, for any page, when it is used next: the page store evicts the page
 used furthest ahead (server/pagestore/policy.py), which on a scan larger than the cache keeps
 what LRU throws away.

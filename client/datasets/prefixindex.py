@@ -1,0 +1,196 @@
+"""A prefix's sample index for ``CacheDataset.from_prefix``: listed a page at a time, kept
+between starts, and rechecked against the store in the background.
+
+Listing: ``Session.list_pages`` hands the listing over a page at a time; each page's files go
+into an ``IndexBuilder`` (client/datasets/sampleindex.py) and the page is dropped, so no object per entry
+outlives its page. The listing's fingerprint (count, a digest of every name, size and version,
+the newest modification time) is taken on the way.
+
+Keeping (``kept_index="auto"`` or ``"refresh"``): the index is written, tmp + rename, as one binary
+file in the kept-index directory (``index_cache``, else ``CACHEFS_INDEX_CACHE``, as
+client/datasets/indexcache.py's shard indexes; ``""`` keeps nothing), named by the prefix and the cluster it was listed from. It maps
+in milliseconds, so a restart skips the listing: the reason to keep it. So it cannot be keyed by
+the listing itself; the staleness rule instead:
+
+* ``"auto"``: a kept index is used at once, and a background thread lists the prefix again
+  (``ds.index_check``, a Future of a ``Recheck``). If the fingerprint differs, a warning says
+  so, this run keeps the index it started with (an epoch's order, resume points and per-rank
+  counts stand on it; a changed object is read as it is now, a deleted one fails its read by
+  name), and the fresh listing replaces the kept file, so the next start uses it. With no kept
+  index, ``"auto"`` lists and keeps.
+* ``"refresh"``: list now, and keep what was listed.
+* ``None`` (the default): list, keep nothing, as before kept indexes: a data set that changes
+  between runs is never read from an old listing unless asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from cachefs.client.datasets import indexcache
+from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex, trim_heap
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MODES", "Fingerprint", "KeptIndexes", "Recheck", "list_prefix", "recheck"]
+
+MODES = (None, "auto", "refresh")
+SUFFIX = ".cfsidx"
+#: A listing this long gives its pages' freed memory back to the OS (sampleindex.trim_heap).
+TRIM_AFTER = 100_000
+
+
+class Fingerprint:
+    """What a listing was: count, digest of (name, size, version) in order, newest mtime."""
+
+    def __init__(self) -> None:
+        self.count, self.newest = 0, 0.0
+        self._h = hashlib.blake2b(b"cachefs-listing:1:", digest_size=16)
+
+    def add(self, name: str, size: int, version: str, mtime: Any) -> None:
+        self.count += 1
+        self._h.update(f"{name}\0{size}\0{version}\n".encode())
+        self.newest = max(self.newest, float(mtime or 0))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "digest": self._h.hexdigest(), "newest_mtime": self.newest}
+
+
+def list_prefix(fs: Any, url: str, refresh: bool = False) -> tuple[SampleIndex, dict[str, Any]]:
+    """Files below ``url`` (sorted by path, ``cachefs://`` + name) and the listing's fingerprint.
+
+    A page at a time from the workers where ``url`` is a cachefs path; through ``fs.find``
+    otherwise (a chained URL read directly), as ``from_prefix`` did before. ``refresh``: the
+    store's listing now, not one the workers cached (a recheck)."""
+    builder, fp = IndexBuilder(), Fingerprint()
+    cp = None if fs._is_root(url) else fs._path(url)
+    named = fs._caller_name
+
+    def add(entry: dict[str, Any]) -> None:
+        if entry.get("type", "file") == "file":
+            name = named(entry["name"])
+            builder.add(f"cachefs://{name}", int(entry["size"]))
+            fp.add(name, int(entry["size"]), str(entry.get("version", "")), entry.get("mtime"))
+
+    if cp is None:
+        for entry in sorted(fs.find(url, detail=True, refresh=refresh).values(), key=lambda e: e["name"]):
+            add(entry)
+    else:
+        try:
+            for page in fs.session.list_pages(cp, recursive=True, refresh=refresh):
+                for entry in page:
+                    add(entry)
+                del page
+        except FileNotFoundError:
+            pass
+        if not len(builder):  # a file's listing is that file, as fs.find has it
+            try:
+                info = fs.info(url)
+            except FileNotFoundError:
+                info = None
+            if info is not None and info.get("type") == "file":
+                add(info)
+    if not len(builder):
+        raise FileNotFoundError(f"no objects below {url}")
+    # Pages come in name order; a listing that did not (a store's fallback) is sorted here.
+    index = builder.finish(sort=True, meta={"url": url, "listing": fp.as_dict(), "listed_at": time.time()})
+    if len(index) >= TRIM_AFTER:
+        trim_heap()  # the pages' dicts are gone: their memory too
+    return index, fp.as_dict()
+
+
+class KeptIndexes:
+    """Kept map-dataset indexes, one binary file per (prefix, cluster)."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        self.directory = indexcache.default_dir() if directory is None else directory
+
+    @staticmethod
+    def key(url: str, storage_options: dict[str, Any]) -> str:
+        where = {k: str(storage_options.get(k, "")) for k in ("master", "workers", "target_protocol")}
+        doc = json.dumps(["map", url.rstrip("/"), where], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(doc.encode()).hexdigest()
+
+    def file(self, key: str) -> str:
+        return os.path.join(self.directory, key + SUFFIX)
+
+    def load(self, key: str, url: str) -> SampleIndex | None:
+        if not self.directory:
+            return None
+        try:
+            index = SampleIndex.open(self.file(key))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError) as exc:  # unreadable, torn, another format: list again
+            log.warning("ignoring the kept sample index %s: %s", self.file(key), exc)
+            return None
+        if index.meta.get("url", "").rstrip("/") != url.rstrip("/"):
+            return None
+        return index
+
+    def save(self, key: str, index: SampleIndex) -> str | None:
+        """Keep ``index``; a failure (read-only home, full disk) costs only the next listing."""
+        if not self.directory:
+            return None
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    index.write(f)
+                os.replace(tmp, self.file(key))
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            return self.file(key)
+        except OSError as exc:
+            log.warning("could not keep the sample index in %s: %s", self.directory, exc)
+            return None
+
+
+@dataclass
+class Recheck:
+    """A kept index checked against a fresh listing."""
+
+    stale: bool
+    kept: dict[str, Any]  # the kept index's fingerprint
+    listed: dict[str, Any]  # the fresh listing's
+    seconds: float
+
+
+def recheck(make_fs: Any, url: str, index: SampleIndex, kept: KeptIndexes, key: str) -> Future[Recheck]:
+    """List ``url`` again on a daemon thread; warn, and keep the fresh listing, if it changed."""
+    future: Future[Recheck] = Future()
+    before = dict(index.meta.get("listing") or {})
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            fs = make_fs()
+            try:
+                fresh, listed = list_prefix(fs, url, refresh=True)
+            finally:
+                fs.close()
+            stale = listed != before
+            if stale:
+                log.warning("the kept index of %s is stale (kept: %s; listed now: %s): this run reads the "
+                            "kept one; the fresh listing is kept for the next start (kept_index='refresh' lists "
+                            "at once)", url, before, listed)
+                kept.save(key, fresh)
+            future.set_result(Recheck(stale, before, listed, time.monotonic() - t0))
+        except BaseException as exc:  # noqa: BLE001 - reported through the future
+            log.warning("could not recheck the kept index of %s: %s", url, exc)
+            future.set_exception(exc)
+
+    future.set_running_or_notify_cancel()
+    threading.Thread(target=run, name="cachefs-index-recheck", daemon=True).start()
+    return future

@@ -1,0 +1,8 @@
+"""``cachefs fuse``: a POSIX mount over the session (libfuse 3).
+"""
+
+__all__ = [
+    "fusefs",
+    "fusemount",
+    "fusewrite",
+]

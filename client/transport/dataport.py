@@ -1,0 +1,240 @@
+"""The client's side of a worker's data port (server/worker/dataport.py, proto/dataport.proto).
+
+Cached ranges of a worker on another host come over plain TCP: the worker sends its page files
+with sendfile and they are received here with ``recv_into`` straight into the caller's buffer
+(a training loop's aligned tensor), one copy fewer than gRPC and no message framing in Python.
+Whole pages arrive with the checksum of their trailer, checked here. Anything unusual (not
+cached, refused, a bad checksum, a socket error) returns None or raises OSError, and the
+caller reads through gRPC instead.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from cachefs import rawbytes
+from cachefs.client.transport.socketpool import SocketPool
+from cachefs.client.transport.shortcircuit import refusal_error
+from cachefs.errors import OverloadedError, failed_range_error
+from cachefs.proto import dataport_pb2
+
+Reply = dataport_pb2.DataReply
+FRAME = struct.Struct(">I")
+MAX_REPLY = 1 << 20
+
+
+def busy_error(where: str, message: str) -> OverloadedError:
+    """A server over its connection limit said BUSY (server/connections.py busy_message): an
+    OverloadedError whose ``retry_after`` (seconds) is what it asked for."""
+    found = re.search(r"retry after (\d+) ms", message)
+    error = OverloadedError(f"{where}: {message}")
+    error.retry_after = int(found.group(1)) / 1000 if found else 0.2  # type: ignore[attr-defined]
+    return error
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket (blocking, MSG_WAITALL: one call for most segments)."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("the worker closed the data connection mid-reply")
+        got += k
+
+
+def _exchange_head(sock: socket.socket, frame: bytes) -> bytes | None:
+    """Send a request, get its reply's frame header; None if the worker had closed (or reset)
+    the connection before answering any of it: the request was not served, and may be sent again."""
+    try:
+        sock.sendall(frame)
+        first = sock.recv(FRAME.size)
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+    if not first:
+        return None
+    return first if len(first) == FRAME.size else first + bytes(_recv_bytes(sock, FRAME.size - len(first)))
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return buf
+
+
+def _set_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket, so that MSG_WAITALL works."""
+    seconds = int(timeout)
+    value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+class DataPortReader:
+    """Connections to one worker's data port; one request at a time on each."""
+
+    kind = "data_port"
+
+    def __init__(self, host: str, port: int, token: str = "", timeout: float = 30.0, max_idle: int = 8,
+                 counts: dict[str, int] | None = None, huge_pages: bool = True) -> None:
+        self.host, self.port, self.token, self.timeout, self.max_idle = host, port, token, timeout, max_idle
+        self.huge_pages = huge_pages  # large results in transparent huge pages (rawbytes.py)
+        # Pages read (hits: the data port serves only cached pages; a range with a missing page
+        # is NOT_CACHED and read through gRPC, which counts its misses). Shared with BulkPaths.stats.
+        self.counts = counts if counts is not None else {}
+        self.counts.setdefault("hits", 0)
+        self._pool = SocketPool(self._connect, max_idle)
+        self.view_version = 0  # the newest cluster view version a reply said the worker has
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(None)
+            _set_timeouts(sock, self.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def read(self, path: str, offset: int, length: int, version: str,
+             out: memoryview | None = None, fill: bool = False,
+             timeout: float | None = None) -> tuple[Any, int, str] | None:
+        """(data, object size, version) of the range, or None: read it through gRPC instead.
+
+        With ``out`` (at least as long as what the range holds), the bytes land in it and the
+        filled part of ``out`` is returned as the data. ``fill``: the worker fetches what is not
+        cached first (a process that must not use gRPC); a range it cannot fill at all (no such
+        object, no permission) raises that error. ``timeout``: what is left of the caller's
+        budget, bounding this exchange (at most the reader's own timeout).
+        """
+        request = dataport_pb2.DataRequest(path=path, offset=offset, length=length, version=version,
+                                           token=self.token, fill=fill)
+        failure: list[OSError] = []
+
+        def receive(sock: socket.socket, reply: Any) -> Any:
+            if reply.code == Reply.OK:
+                return self._receive(sock, reply, offset, length, out, self.huge_pages)
+            if reply.code == Reply.REFUSED:  # a wrong token, a bad request: final where the caller asks
+                refused = refusal_error(path, reply.message)
+                if refused is not None and fill:
+                    failure.append(refused)
+                return None
+            if reply.code == Reply.FAILED:  # nothing follows the header: the connection stays in step
+                message = reply.message if path in reply.message else f"{path}: {reply.message}"
+                failure.append(failed_range_error(reply.errno, message))
+            return None
+
+        result, reply = self._roundtrip(request, receive, timeout)
+        if failure:
+            raise failure[0]
+        if result is not None:
+            misses = sum(1 for seg in reply.segments if seg.fetched)
+            self.counts["hits"] += len(reply.segments) - misses
+            self.counts["misses"] += misses
+        return result
+
+    def meta(self, request: Any, timeout: float | None = None) -> Any:
+        """The worker's answer to a metadata operation (a common_pb2.MetaRequest: metaops.py);
+        ``timeout``: what is left of the caller's budget (at most the reader's own timeout)."""
+        result, reply = self._roundtrip(dataport_pb2.DataRequest(token=self.token, meta=request),
+                                        lambda _sock, reply: reply, timeout)
+        if reply.code != Reply.OK:
+            raise refusal_error(f"{self.host}:{self.port}", reply.message) or ConnectionError(
+                f"data port {self.host}:{self.port} refused a metadata request: {reply.message}")
+        return result.meta
+
+    def _roundtrip(self, request: Any, receive: Callable[[socket.socket, Any], Any],
+                   timeout: float | None = None) -> tuple[Any, Any]:
+        """Send one request, read its reply header and hand both to ``receive`` (which takes
+        whatever follows the header off the socket); returns what it returned, and the header.
+        ``timeout``: both tries (a pooled connection the worker had closed, then a new one) within it."""
+        body = request.SerializeToString()
+        frame = FRAME.pack(len(body)) + body
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in (0, 1):
+            sock = self._pool.idle() if attempt == 0 else None
+            reused = sock is not None
+            sock = sock or self._connect()
+            left = None if deadline is None else max(0.001, min(self.timeout, deadline - time.monotonic()))
+            try:
+                if left is not None and left < self.timeout:
+                    _set_timeouts(sock, left)
+                head = _exchange_head(sock, frame)
+                if head is None:
+                    if reused:
+                        # The worker closed this pooled connection while it was idle (its idle
+                        # timeout, or a restart), and so the older ones: once more on a new one.
+                        sock.close()
+                        self._pool.close()
+                        continue
+                    raise ConnectionError("the worker closed the data connection")
+                (size,) = FRAME.unpack(head)
+                if size > MAX_REPLY:
+                    raise ConnectionError(f"data port reply header of {size} bytes")
+                reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
+                if reply.code == Reply.REFUSED and reply.message.startswith("BUSY"):
+                    raise busy_error(f"data port {self.host}:{self.port}", reply.message)
+                if reply.view_version > self.view_version:
+                    self.view_version = reply.view_version
+                result = receive(sock, reply)
+                if left is not None and left < self.timeout:
+                    _set_timeouts(sock, self.timeout)
+            except BaseException:
+                sock.close()  # out of step with the stream, or gone: never reused
+                raise
+            self._pool.give_back(sock)
+            return result, reply
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _receive(sock: socket.socket, reply: Any, offset: int, length: int,
+                 into: memoryview | None, huge: bool = False) -> tuple[Any, int, str] | None:
+        """Take every segment off the socket (so the connection stays usable) into the output
+        (a caller's buffer, or a new ``bytes`` filled in place: no copy out of a bytearray)."""
+        size = reply.info.size
+        end = size if length < 0 else min(size, offset + length)
+        want = max(0, end - offset)
+        usable = into is None or len(into) >= want
+        if not usable:
+            out: Any = bytearray(0)
+            view = memoryview(out)
+        elif into is not None:
+            out = into[:want]
+            view = memoryview(out).cast("B")
+        elif rawbytes.SUPPORTED:
+            out, view = rawbytes.fillable_bytes(want, huge=huge)
+        else:
+            out = bytearray(want)
+            view = memoryview(out)
+        good, covered = usable, offset
+        for seg in reply.segments:
+            seg_end = seg.offset + seg.length
+            direct = usable and seg.offset >= offset and seg_end <= end
+            target = view[seg.offset - offset:seg_end - offset] if direct else memoryview(bytearray(seg.length))
+            _recv_into(sock, target)
+            if not seg.verified and xxhash.xxh3_64_intdigest(target) != seg.checksum:
+                good = False  # keep reading: the rest of the reply must leave the socket
+            lo, hi = max(offset, seg.offset), min(end, seg_end)
+            if good and hi > lo:
+                if lo > covered:
+                    good = False  # a hole: never hand back bytes nobody wrote
+                if not direct:
+                    view[lo - offset:hi - offset] = target[lo - seg.offset:hi - seg.offset]
+                covered = max(covered, hi)
+        view.release()
+        if not good or covered < end:
+            return None
+        return (out if into is not None or isinstance(out, bytes) else bytes(out)), size, reply.info.version
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def release_inherited(self) -> None:
+        self._pool.release_inherited()
