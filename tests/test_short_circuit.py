@@ -100,7 +100,7 @@ def test_cold_ranges_are_filled_by_the_worker_and_handed_out(local_store, make_w
     # 4 pages, each fetched for this request: misses, as the reply says (nothing read through held handles)
     assert fs.session.bulk_stats["short_circuit"] == {"reads": 1, "bytes": 3 * PAGE - 2, "fallbacks": 0, "errors": 0,
                                                       "hits": 0, "misses": 4, "held_hits": 0, "held_misses": 0,
-                                                      "named_hits": 0}
+                                                      "named_hits": 0, "busy": 0}
     assert metrics.short_circuit_bytes._value.get() == 3 * PAGE - 2
     assert through_grpc() == before  # nothing through gRPC
     assert worker.filler.stats["ranges"] == 1 and worker.filler.stats["failed"] == 0
@@ -122,7 +122,7 @@ def test_uncached_ranges_fall_back_to_grpc(local_store, make_worker):
     assert fs.cat_file("cachefs://data/obj") == data  # nothing cached: NOT_CACHED, then gRPC
     assert fs.session.bulk_stats["short_circuit"] == {"reads": 0, "bytes": 0, "fallbacks": 1, "errors": 0,
                                                       "hits": 0, "misses": 0, "held_hits": 0, "held_misses": 0,
-                                                      "named_hits": 0}
+                                                      "named_hits": 0, "busy": 0}
     counters = fs.session.counters()
     assert (counters["grpc_reads"], counters["grpc_hits"], counters["grpc_misses"]) == (1, 0, 4)  # the reply said
     _settled(worker, "data/obj", len(data))
@@ -130,7 +130,7 @@ def test_uncached_ranges_fall_back_to_grpc(local_store, make_worker):
     assert fs.cat_file("cachefs://data/obj") == data
     assert fs.session.bulk_stats["short_circuit"] == {"reads": 1, "bytes": len(data), "fallbacks": 1, "errors": 0,
                                                       "hits": 4, "misses": 0, "held_hits": 0, "held_misses": 0,
-                                                      "named_hits": 0}
+                                                      "named_hits": 0, "busy": 0}
 
 
 def test_switched_off_by_option(local_store, make_worker):
@@ -258,7 +258,7 @@ def test_a_page_file_checked_once_is_checked_again_when_replaced(local_store, ma
     # pages: 2 fetched for the cold read (misses), then 2 + 1 hits
     assert fs.session.bulk_stats["short_circuit"] == {"reads": 3, "bytes": 2 * len(data) + 10, "fallbacks": 0,
                                                       "errors": 0, "hits": 3, "misses": 2, "held_hits": 0,
-                                                      "held_misses": 0, "named_hits": 3}
+                                                      "held_misses": 0, "named_hits": 3, "busy": 0}
     for f in page_files(cache):  # a new file in its place (new inode), one byte flipped
         raw = bytearray(f.read_bytes())
         raw[100] ^= 0xFF
