@@ -35,13 +35,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from cachefs.client.timeouts import BEFORE_FORK_BUDGET
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: At most this long for all hooks' ``before_fork`` together: a fork is never held up for long
-#: by a hook that cannot quiesce (it then proceeds; the child drops that state anyway).
-BEFORE_FORK_BUDGET = 5.0
 
 
 class ForkHook:

@@ -224,7 +224,7 @@ def test_only_forksafe_asks_which_process_the_client_is_in():
 
 #: The client's rooms in layer order: a module imports (at module level or lazily) only from its own
 #: room and the ones before it (README, Layout), so the read path is found from the top down.
-CLIENT_ROOMS = ["forksafe", "transport", "stats", "fs", "datasets", "fuse"]
+CLIENT_ROOMS = ["timeouts", "forksafe", "transport", "stats", "fs", "datasets", "fuse"]
 
 
 def _room(module: str) -> str:

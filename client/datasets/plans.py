@@ -39,6 +39,7 @@ from cachefs.client import forksafe
 from cachefs.client.datasets.sampleindex import trim_heap
 from cachefs.paths import parse_path, strip_protocol
 from cachefs.proto import worker_pb2
+from cachefs.client.timeouts import DEFAULT_LEASE_SECONDS, DEFAULT_RENEW_SECONDS, CALL_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,6 @@ CHUNK_BYTES = 48 << 10
 #: encoded) a chunk stays under that message too.
 CHUNK_UNITS = 1_000
 CHUNK_PATH_BYTES = 32 << 10
-DEFAULT_LEASE_SECONDS = 30.0
-DEFAULT_RENEW_SECONDS = 1.0
-CALL_TIMEOUT = 30.0
 
 
 @dataclass

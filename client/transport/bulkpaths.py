@@ -32,31 +32,16 @@ from cachefs.errors import (REQUEST, WORKER, OverloadedError, WorkerUnavailableE
 from cachefs import rawbytes
 from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.proto import common_pb2, worker_pb2
+from cachefs.client.timeouts import (
+    PROBE_RETRY, SOCKET_TIMEOUT, LEAN_RETRY_FIRST, AWAY_RETRY, NO_GRPC_RETRY, MIN_TRY_SECONDS,
+)
 
 log = logging.getLogger(__name__)
 
-PROBE_RETRY = 60.0  # seconds before asking a worker again which paths it offers
-#: A worker answers a cached range in milliseconds; a path that takes this long is dropped for a
-#: while (reads go through gRPC), so a wedged socket costs a read at most this much (plus the
-#: transfer's own time at min_throughput), never the gRPC deadline.
-SOCKET_TIMEOUT = 5.0
-#: After a lean path's failure it is tried again after this long, doubling with each failure in
-#: a row up to PROBE_RETRY: a busy worker (at its connection limit, a full backlog) or one slow
-#: for a moment is not a wedged one, and is back on the lean path within a second.
-LEAN_RETRY_FIRST = 0.5
 _HOST_ID = host_id()
 #: The page size assumed for a worker that did not say its own (an older one): the smallest a
 #: worker takes, so that a piece of MAX_PAGES / 2 pages is never refused as too large.
 DEFAULT_PAGE_SIZE = 4096
-#: Seconds before asking again a worker that was away (refused, socket gone, gRPC unavailable).
-AWAY_RETRY = 2.0
-#: In a process without gRPC, seconds before a worker's lean path that failed is tried again:
-#: it has no other way to that worker (reads go to the ring's next workers meanwhile).
-NO_GRPC_RETRY = 0.2
-
-
-#: Less than this left of a call's budget is not worth another try (a worker, a socket).
-MIN_TRY_SECONDS = 0.05
 
 
 def try_share(left: float, more: bool) -> float:

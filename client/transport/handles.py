@@ -39,6 +39,7 @@ from cachefs.localhost import (
     TABLE_WORD_SLOTS,
     TABLE_WORD_STATE,
 )
+from cachefs.client.timeouts import ONCE_SECONDS
 
 __all__ = ["HandleCache", "Page", "TableView", "file_identity"]
 
@@ -50,7 +51,6 @@ MAX_TOUCHED = 1024  # reads through held handles remembered before a report is s
 #: so its bytes stay right; if it leaves the cache meanwhile, its space is back once that read is
 #: done (or ONCE_SECONDS have passed: the sweep), not counted by the worker.
 ONCE = -1
-ONCE_SECONDS = 5.0
 #: How often expired and invalidated handles are closed while any are held: the worker counts an
 #: evicted page that a client held for HELD_CLOSE_SECONDS after its eviction, no longer.
 SWEEP_SECONDS = HANDLE_SWEEP_SECONDS

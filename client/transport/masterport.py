@@ -27,17 +27,12 @@ from cachefs.client import forksafe
 from cachefs.client.transport.dataport import DataPortReader
 from cachefs.errors import OverloadedError, UnauthenticatedError
 from cachefs.proto import common_pb2, master_pb2
+from cachefs.client.timeouts import VIEW_POLL_SECONDS, CONNECT_SECONDS
 
 log = logging.getLogger(__name__)
 
 #: The master's client port is this far above its gRPC port (server/master/clientport.py).
 CLIENT_PORT_OFFSET = 1
-#: A main process asks for the view this often: a poll is ~0.1 ms of the master's time, and a
-#: new view (a worker joined or left) is taken within this plus the master's own lease timing.
-VIEW_POLL_SECONDS = 2.0
-#: Connecting to a client port that does not answer (filtered) costs at most this, once per
-#: session: then the session follows the view through gRPC.
-CONNECT_SECONDS = 2.0
 
 
 def supersedes(view: Any, version: int, master_id: str) -> bool:

@@ -31,6 +31,7 @@ from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
                                SUPERSEDED_AT, name_hashes, page_digest, page_file, pick_dir, probe_slots)
 from cachefs.paths import parse_path
+from cachefs.client.timeouts import REPORT_SECONDS, STALE_REPORT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,6 @@ PARTIAL = "partial"
 _OPEN = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _KEY = struct.Struct("<QQQ")  # an entry's seq, path hash and path check: read first, the rest on a match
 MAX_TOUCHED = 1024  # pages read by name remembered before a report goes on its own
-REPORT_SECONDS = 1.0  # ... or once this old: the worker's recency and the plan's position stay current
-#: Objects read past their entries' time go to the worker this soon (it refreshes them, and so
-#: finds a change in the store): soon, but not one report per batch.
-STALE_REPORT_SECONDS = 0.2
 STALE_REPORT_BYTES = 16 << 10  # paths named in one message, at most (it is bounded by MAX_MESSAGE)
 POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
 MEMO_ENTRIES = 1 << 15  # paths whose slots, and page files whose names, are remembered (then start over)

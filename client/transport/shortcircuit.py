@@ -34,18 +34,14 @@ from cachefs.errors import REQUEST, InvalidPathError, UnauthenticatedError, fail
 from cachefs.peercred import check_server
 from cachefs.proto import shortcircuit_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
+from cachefs.client.timeouts import NOT_CACHED_SECONDS, HELLO_RETRY, EXIT_REPORT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
 Reply = shortcircuit_pb2.ShortCircuitReply
 RangeReply = shortcircuit_pb2.RangeReply
 _BATCH_RANGES = 64  # ranges per prepare message (the reply carries at most MAX_PAGES descriptors)
-# A range a prepare found not cached (yet: the worker may still be writing a cold read's pages)
-# is read through gRPC for this long, with no second message asking again first.
-NOT_CACHED_SECONDS = 0.5
 _NOT_CACHED_MAX = 4096
-#: After a hello that brought no name index (refused, or the worker away), reads ask again no sooner.
-HELLO_RETRY = 5.0
 #: A range of at least this many pages is read through descriptors held from the worker (asked
 #: for once, then one ``preadv`` a page) rather than opened by name (``open``, ``fstat``,
 #: ``preadv``, ``close`` a page, every read): 8 readers of 64 MiB objects read 0.83-0.86 of a
@@ -82,8 +78,6 @@ class Prepared(NamedTuple):
     asked: int = 0
 
 
-#: How long an exiting process waits for the worker to take its last report.
-EXIT_REPORT_TIMEOUT = 2.0
 #: Before multiprocessing's own finalizers of priority 0 (queues, pools), after none that matter.
 EXIT_PRIORITY = 10
 
