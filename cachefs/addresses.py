@@ -5,6 +5,10 @@ IPv6 hosts come in brackets (``[::1]:29999``); the host returned has them stripp
 
 from __future__ import annotations
 
+#: A master's client port (the view for training processes, no gRPC) is this far above its gRPC
+#: port: a client given ``host:19998`` dials 19999 (server/master/clientport.py).
+CLIENT_PORT_OFFSET = 1
+
 
 def split_address(address: str, what: str = "address") -> tuple[str, int]:
     """``"h:1"`` -> ``("h", 1)``; a ValueError naming ``what`` for anything that is not HOST:PORT."""

@@ -41,7 +41,7 @@ class DataSegment(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., verified: _Optional[bool] = ..., fetched: _Optional[bool] = ...) -> None: ...
 
 class DataReply(_message.Message):
-    __slots__ = ("code", "message", "info", "segments", "errno", "meta", "view_version", "filled")
+    __slots__ = ("code", "message", "info", "segments", "errno", "meta", "view_version", "filled", "retry_after_ms")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OK: _ClassVar[DataReply.Code]
@@ -60,6 +60,7 @@ class DataReply(_message.Message):
     META_FIELD_NUMBER: _ClassVar[int]
     VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     FILLED_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     code: DataReply.Code
     message: str
     info: _common_pb2.ObjectInfo
@@ -68,4 +69,5 @@ class DataReply(_message.Message):
     meta: _common_pb2.MetaReply
     view_version: int
     filled: bool
-    def __init__(self, code: _Optional[_Union[DataReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., errno: _Optional[int] = ..., meta: _Optional[_Union[_common_pb2.MetaReply, _Mapping]] = ..., view_version: _Optional[int] = ..., filled: _Optional[bool] = ...) -> None: ...
+    retry_after_ms: int
+    def __init__(self, code: _Optional[_Union[DataReply.Code, str]] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.ObjectInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., errno: _Optional[int] = ..., meta: _Optional[_Union[_common_pb2.MetaReply, _Mapping]] = ..., view_version: _Optional[int] = ..., filled: _Optional[bool] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...

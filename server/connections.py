@@ -509,11 +509,6 @@ def token_checker(tokens: list[str]) -> Callable[[str], bool] | None:
 BUSY_RETRY_AFTER = 0.2
 
 
-def busy_message(retry_after: float) -> str:
-    """A refusal's message that says busy (client/transport/dataport.py reads the retry-after back)."""
-    return f"BUSY: too many connections; retry after {int(retry_after * 1000)} ms"
-
-
 def connection_limit(cap: int, share: int = 4) -> int:
     """Connections a raw server takes at most: ``1/share`` of the descriptors this process may
     open (the rest are page files, stores, gRPC), at least 64, at most ``cap``."""
@@ -586,13 +581,13 @@ class FramedServer(ConnectionServer):
         data = message.SerializeToString()
         conn.sendall(FRAME.pack(len(data)) + data)
 
-    def _refuse(self, conn: socket.socket, message: str) -> None:
-        """A reply refusing the request (each protocol's own message)."""
+    def _refuse(self, conn: socket.socket, message: str, retry_after: float = 0.0) -> None:
+        """A reply refusing the request (each protocol's own message); ``retry_after`` > 0: busy."""
         raise NotImplementedError
 
     def _busy(self, sock: socket.socket) -> None:
         # Sent at accept, before the client's request is read: the reply it reads first.
-        self._refuse(sock, busy_message(BUSY_RETRY_AFTER))
+        self._refuse(sock, "BUSY: too many connections", BUSY_RETRY_AFTER)
 
     def _answer(self, conn: socket.socket, body: bytes) -> None:
         raise NotImplementedError

@@ -104,7 +104,8 @@ def _assert_busy_then_closed(sock: socket.socket, timeout: float = 10) -> None:
         got += chunk
     (size,) = struct.unpack(">I", got[:4])
     reply = Reply.FromString(got[4:4 + size])
-    assert reply.code == Reply.REFUSED and reply.message.startswith("BUSY") and "retry after" in reply.message
+    assert reply.code == Reply.REFUSED and reply.message.startswith("BUSY")
+    assert reply.retry_after_ms == int(BUSY_RETRY_AFTER * 1000)
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:

@@ -201,7 +201,7 @@ class BulkPaths:
         config = self.config
         status = self._status(handle, timeout)
         timeout = min(SOCKET_TIMEOUT, config.timeout)
-        kind = self._socket_of(status, handle)
+        kind = self._socket_of(status)
         if kind == "short_circuit":
             return ShortCircuitReader(status.short_circuit_socket, config.token, timeout=timeout,
                                       handles=config.short_circuit_handles, counts=self.stats["short_circuit"],
@@ -294,11 +294,11 @@ class BulkPaths:
             return False
         for handle in self.workers.candidates(key, offset, include_broken=True):
             status = self._known_status(handle.address)
-            if status is not None and self._socket_of(status, handle) is not None:
+            if status is not None and self._socket_of(status) is not None:
                 return True
         return False
 
-    def _socket_of(self, status: Any, handle: Any) -> str | None:
+    def _socket_of(self, status: Any) -> str | None:
         """The lean path a worker's status offers this process: "short_circuit", "data_port" or None."""
         config = self.config
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \

@@ -10,7 +10,6 @@ caller reads through gRPC instead.
 
 from __future__ import annotations
 
-import re
 import socket
 import struct
 import time
@@ -30,12 +29,11 @@ FRAME = struct.Struct(">I")
 MAX_REPLY = 1 << 20
 
 
-def busy_error(where: str, message: str) -> OverloadedError:
-    """A server over its connection limit said BUSY (server/connections.py busy_message): an
+def busy_error(where: str, reply: Any) -> OverloadedError:
+    """A server over its connection limit said so (a REFUSED reply with ``retry_after_ms``): an
     OverloadedError whose ``retry_after`` (seconds) is what it asked for."""
-    found = re.search(r"retry after (\d+) ms", message)
-    error = OverloadedError(f"{where}: {message}")
-    error.retry_after = int(found.group(1)) / 1000 if found else 0.2  # type: ignore[attr-defined]
+    error = OverloadedError(f"{where}: {reply.message} (retry after {reply.retry_after_ms} ms)")
+    error.retry_after = reply.retry_after_ms / 1000  # type: ignore[attr-defined]
     return error
 
 
@@ -179,8 +177,8 @@ class DataPortReader:
                 if size > MAX_REPLY:
                     raise ConnectionError(f"data port reply header of {size} bytes")
                 reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
-                if reply.code == Reply.REFUSED and reply.message.startswith("BUSY"):
-                    raise busy_error(f"data port {self.host}:{self.port}", reply.message)
+                if reply.retry_after_ms and reply.code == Reply.REFUSED:
+                    raise busy_error(f"data port {self.host}:{self.port}", reply)
                 if reply.view_version > self.view_version:
                     self.view_version = reply.view_version
                 result = receive(sock, reply)

@@ -22,18 +22,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from cachefs.addresses import split_address, split_addresses
+from cachefs.addresses import CLIENT_PORT_OFFSET, split_address, split_addresses
 from cachefs.client import forksafe
 from cachefs.client.transport.dataport import DataPortReader
 from cachefs.errors import OverloadedError, UnauthenticatedError
+from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.proto import common_pb2, master_pb2
 from cachefs.client.timeouts import VIEW_POLL_SECONDS, CONNECT_SECONDS
 
 log = logging.getLogger(__name__)
-
-#: The master's client port is this far above its gRPC port (server/master/clientport.py).
-CLIENT_PORT_OFFSET = 1
-
 
 def supersedes(view: Any, version: int, master_id: str) -> bool:
     """Whether ``view`` replaces the view (``version``, ``master_id``) a process has. Newer views
@@ -70,7 +67,7 @@ class MasterPort:
         reader = DataPortReader(host, port, token=self._token, timeout=min(timeout, CONNECT_SECONDS), max_idle=1)
         try:
             hello = reader.meta(common_pb2.MetaRequest(op=common_pb2.MetaRequest.HELLO,
-                                                       protocol=_PROTOCOL), timeout=timeout)
+                                                       protocol=PROTOCOL_VERSION), timeout=timeout)
         except Exception:
             reader.close()
             raise
@@ -141,9 +138,6 @@ class MasterPort:
         for reader in readers:
             reader.release_inherited()
         self._lock = threading.Lock()
-
-
-_PROTOCOL = 1  # this client's protocol version (server/worker/metaops.py PROTOCOL)
 
 
 class ViewPoller:

@@ -14,7 +14,6 @@ import threading
 from cachefs.errors import StoreError, UnknownMountError
 from cachefs.mounts import MountSpec, MountTable
 from cachefs.paths import CachePath
-from cachefs.proto import common_pb2
 from cachefs.server.master.state import MasterState
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore

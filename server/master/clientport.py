@@ -18,6 +18,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.proto import common_pb2, dataport_pb2
 from cachefs.server.connections import FramedServer, connection_limit
 
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 
 Reply = dataport_pb2.DataReply
 MetaRequest = common_pb2.MetaRequest
-#: The client port is this far above the gRPC port: a client given ``host:19998`` dials 19999.
-CLIENT_PORT_OFFSET = 1
-#: The client protocol's version (the same as the workers' sockets: server/worker/metaops.py).
-PROTOCOL = 1
 #: Connections at most: one idle one per training process polling the view, so many more than a
 #: worker's raw servers take, within half of the descriptors this process may open; from one IP
 #: (a host of many training processes) half of them.
@@ -50,8 +47,8 @@ class MasterClientPort(FramedServer):
         self._view, self._version, self._token_ok, self._open_view = view, version, token_ok, open_view
         self._on_view_sent = on_view_sent
 
-    def _refuse(self, conn: socket.socket, message: str) -> None:
-        self.send_frame(conn, Reply(code=Reply.REFUSED, message=message))
+    def _refuse(self, conn: socket.socket, message: str, retry_after: float = 0.0) -> None:
+        self.send_frame(conn, Reply(code=Reply.REFUSED, message=message, retry_after_ms=int(retry_after * 1000)))
 
     def _answer(self, conn: socket.socket, body: bytes) -> None:
         request = dataport_pb2.DataRequest()
@@ -65,7 +62,7 @@ class MasterClientPort(FramedServer):
             return
         op = request.meta.op
         if op == MetaRequest.HELLO:
-            self.send_frame(conn, Reply(code=Reply.OK, meta=common_pb2.MetaReply(role="master", protocol=PROTOCOL)))
+            self.send_frame(conn, Reply(code=Reply.OK, meta=common_pb2.MetaReply(role="master", protocol=PROTOCOL_VERSION)))
             return
         if op != MetaRequest.VIEW:
             self._refuse(conn, f"unknown operation {op} on the master's client port (HELLO, VIEW)")

@@ -20,7 +20,8 @@ from cachefs.server.httpd import HttpEndpoints, HttpServer
 from cachefs.store.s3config import pin_mount
 from cachefs.server.connections import token_checker
 from cachefs.server.master.catalog import Catalog
-from cachefs.server.master.clientport import CLIENT_PORT_OFFSET, MasterClientPort
+from cachefs.addresses import CLIENT_PORT_OFFSET
+from cachefs.server.master.clientport import MasterClientPort
 from cachefs.server.master.jobs import JobManager, JobRecord, JobSettings
 from cachefs.server.master.loadrun import LoadProgress
 from cachefs.server.master.metrics import MasterFigures, MasterMetrics

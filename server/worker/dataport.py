@@ -91,8 +91,8 @@ class DataPortServer(FramedServer):
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
         self.filler, self.meta, self._check_page = filler, meta, check_page
 
-    def _refuse(self, conn: socket.socket, message: str) -> None:
-        self.send_frame(conn, Reply(code=Reply.REFUSED, message=message))
+    def _refuse(self, conn: socket.socket, message: str, retry_after: float = 0.0) -> None:
+        self.send_frame(conn, Reply(code=Reply.REFUSED, message=message, retry_after_ms=int(retry_after * 1000)))
 
     def _bad(self, pid: Any) -> None:
         if self._check_page is not None and pid is not None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cachefs.errors import wire_error
+from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.paths import parse_path
 from cachefs.proto import common_pb2, worker_pb2
 from cachefs.server.rpc import info_message
@@ -27,9 +28,6 @@ log = logging.getLogger(__name__)
 
 MetaRequest = common_pb2.MetaRequest
 MetaReply = common_pb2.MetaReply
-#: The version of the client protocol on the daemons' raw sockets (HELLO's answer). 1: info,
-#: listing pages, view, status, plans and hinted loads as metadata operations.
-PROTOCOL = 1
 
 #: Entries in one listing page at most, and their encoded bytes at most: a short-circuit reply
 #: is one SOCK_SEQPACKET message of 64 KiB (cachefs/localhost.py MAX_MESSAGE) with its header.
@@ -113,7 +111,7 @@ class MetaOps:
                     parse_path(raw)  # a bad path is the request's error, not a failed background load
                 return MetaReply(loading=self._load(list(request.paths)))
             if request.op == MetaRequest.HELLO:
-                return MetaReply(role="worker", protocol=PROTOCOL)
+                return MetaReply(role="worker", protocol=PROTOCOL_VERSION)
             raise ValueError(f"unknown metadata operation {request.op}")
         except Exception as exc:  # noqa: BLE001 - every failure goes back as the error it is
             if not isinstance(exc, (OSError, ValueError, NotImplementedError)):
