@@ -441,7 +441,7 @@ def test_a_scanned_index_is_kept_and_used_until_a_shard_changes(sharded, local_s
                                                 rank=0, world_size=1, index_cache=kept)
 
     def kept_indexes() -> list[str]:
-        return [f for f in os.listdir(kept) if f.endswith(".json")]
+        return [f for f in os.listdir(kept) if f.endswith(".shards")]
 
     first = make()
     assert len(first.shards) == len(shards)  # waits for the scan under way

@@ -144,7 +144,7 @@ def test_a_state_saved_in_the_first_epoch_resumes_exactly(unindexed, gate, tmp_p
             gate.set()
             break
     assert state["ordered"] and state["samples_seen"] == 10 and state["n_shards"] == len(shards)
-    assert wait_for(lambda: any(f.endswith(".json") for f in os.listdir(kept)), timeout=30)
+    assert wait_for(lambda: any(f.endswith(".shards") for f in os.listdir(kept)), timeout=30)
     again = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=5,
                                              rank=0, world_size=1, index_cache=kept)
     assert again._scan is None  # the kept index this time
@@ -174,7 +174,7 @@ def test_a_stateful_dataloader_snapshots_workers_while_indexing(unindexed, gate,
             state = loader.state_dict()
             break
     del loader
-    assert wait_for(lambda: any(f.endswith(".json") for f in os.listdir(kept)), timeout=30)
+    assert wait_for(lambda: any(f.endswith(".shards") for f in os.listdir(kept)), timeout=30)
     again = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4,
                                              rank=0, world_size=1, index_cache=kept)
     loader = stateful.StatefulDataLoader(again, batch_size=4, num_workers=2, collate_fn=lambda b: b, timeout=120,

@@ -8,10 +8,17 @@ every shard's path, size and version: a shard that changed in the store (a new v
 new key and is scanned again, so a kept index never describes other bytes. A shard without a
 version (a store that reports none) is never kept. Written tmp + rename: ranks on one host that
 scan at once leave one whole file, never a torn one.
+
+The file is the index's binary table (shardtable.py, ``<key>.shards``), loaded by mapping it: no
+parsing, and its pages are shared by every process on the host that maps it. One that is not a
+whole table (truncated, damaged header) is logged with what is wrong, removed, and the shards are
+scanned again. A kept index of an earlier release (``<key>.json``) is still read, then kept again
+in the binary form (and the JSON file removed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,7 +27,8 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
-from cachefs.client.datasets.shards import ShardIndex, index_from_json, index_to_json
+from cachefs.client.datasets.shards import ShardIndex
+from cachefs.client.datasets.shardtable import ShardTable, ShardTableError, table_from_json
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,9 @@ class IndexCache:
         return hashlib.sha256(doc.encode()).hexdigest()
 
     def _file(self, key: str) -> str:
+        return os.path.join(self.directory, f"{key}.shards")
+
+    def _old_file(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.json")
 
     def parts_dir(self, key: str) -> str:
@@ -59,27 +70,48 @@ class IndexCache:
         """The whole index is kept: a scan's per-shard files are no longer needed."""
         shutil.rmtree(self.parts_dir(key), ignore_errors=True)
 
-    def load(self, key: str) -> list[ShardIndex] | None:
+    def load(self, key: str) -> ShardTable | None:
+        path = self._file(key)
         try:
-            with open(self._file(key), "rb") as f:
-                return index_from_json(f.read())[1]
+            return ShardTable.open(path)
+        except FileNotFoundError:
+            return self._load_old(key)
+        except (OSError, ShardTableError) as exc:  # not a whole table: scan again, and keep that
+            log.warning("ignoring the kept shard index %s (the shards are scanned again): %s", path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+
+    def _load_old(self, key: str) -> ShardTable | None:
+        """An earlier release's JSON file: read, and kept again as a table."""
+        path = self._old_file(key)
+        try:
+            with open(path, "rb") as f:
+                table = table_from_json(f.read())
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable or not ours: scan again
-            log.warning("ignoring the kept shard index %s: %s", self._file(key), exc)
+            log.warning("ignoring the kept shard index %s: %s", path, exc)
             return None
+        if self.save(key, table, table.format):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return table
 
-    def save(self, key: str, shards: Sequence[ShardIndex], fmt: str) -> None:
+    def save(self, key: str, shards: Sequence[ShardIndex] | ShardTable, fmt: str) -> bool:
         """Keep ``shards``' index; a failure (read-only home, full disk) costs only the next scan."""
+        table = ShardTable.from_shards(shards, fmt)
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
             try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(index_to_json(shards, fmt=fmt))
+                with os.fdopen(fd, "wb") as f:
+                    table.write(f)
                 os.replace(tmp, self._file(key))
             except BaseException:
                 os.unlink(tmp)
                 raise
         except OSError as exc:
             log.warning("could not keep the shard index in %s: %s", self.directory, exc)
+            return False
+        return True

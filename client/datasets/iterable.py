@@ -44,7 +44,8 @@ from cachefs.client.datasets.prefetch import Prefetcher
 from cachefs.client.datasets.runbuffers import RunBuffers
 from cachefs.client.datasets.sampling import BlockPlan, known_block
 from cachefs.client.datasets.shardscan import ShardScan
-from cachefs.client.datasets.shards import FORMATS, ShardIndex, index_from_json, index_to_json
+from cachefs.client.datasets.shards import FORMATS, ShardIndex, index_to_json
+from cachefs.client.datasets.shardtable import ShardTable, table_from_json
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ HERE_SLACK_NS = 2_000_000
 
 
 class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset):
-    def __init__(self, shards: Sequence[ShardIndex] | ShardScan, *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, shards: Sequence[ShardIndex] | ShardTable | ShardScan, *, storage_options: dict[str, Any] | None = None,
                  batch_size: int = 32, transform: Callable[[dict[str, Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
@@ -78,7 +79,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         # Shards still being indexed (from_prefix without an index: shardscan.py): the first epoch
         # reads them in file order as they become known; what needs all of them waits.
         self._scan = shards if isinstance(shards, ShardScan) else None
-        self._shards = [] if self._scan is not None else list(shards)  # type: ignore[arg-type]
+        # Every sample's key and fields in arrays of one shared buffer (shardtable.py), not objects.
+        self._shards: Any = [] if self._scan is not None else ShardTable.from_shards(shards)  # type: ignore[arg-type]
         self._first_in_order = self._scan is not None if first_epoch_in_order is None else bool(first_epoch_in_order)
         if self._scan is not None and not self._first_in_order:
             raise ValueError("shards indexed on the way are read in file order in the first epoch")
@@ -113,21 +115,18 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             self.publish_plan()
 
     # -- shards, and the plan over them ---------------------------------------------------------------
-    def _set_shards(self, shards: Sequence[ShardIndex], ordered: bool) -> None:
-        self._shards = list(shards)
-        self.counts = tuple(len(s) for s in self._shards)
-        self._starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
+    def _set_shards(self, shards: Sequence[ShardIndex] | ShardTable, ordered: bool) -> None:
+        self._shards = ShardTable.from_shards(shards)
+        self.counts = tuple(self._shards.counts.tolist())
+        self._starts = self._shards.starts
         self._index = (self._shards, self._starts)
-        # Each sample's bytes by global id: a block's size (the prefetcher asks it for every block)
-        # in one numpy sum, not a Python loop over its samples.
-        self._sample_bytes = np.fromiter((span.end - span.start for shard in self._shards for span in shard.samples),
-                                         dtype=np.int64, count=int(self._starts[-1]))
         self._plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, self._epoch,
                                self.shuffle, self.drop_last, ordered=ordered)
 
     @property
-    def shards(self) -> list[ShardIndex]:
-        """Every shard's index; while shards are still being indexed, this waits for all of them."""
+    def shards(self) -> ShardTable:
+        """Every shard's index (each a ``ShardView``, read as a ``ShardIndex``); while shards are
+        still being indexed, this waits for all of them."""
         if self._scan is not None:
             self._scan_complete()
         return self._shards
@@ -173,7 +172,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         return self.hint_shards > 0
 
     def _plan_units(self) -> Sequence[tuple[str, int, int]]:
-        return [(shard.path, span.start, span.end - span.start) for shard in self.shards for span in shard.samples]
+        return self.shards.units()
 
     def _plan_order(self) -> np.ndarray:
         after = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, self.plan.epoch + 1,
@@ -191,7 +190,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             text = fs.cat_file(url)
         finally:
             fs.close()
-        _, shards = index_from_json(text, base=url.rsplit("/", 1)[0])
+        shards = table_from_json(text, base=url.rsplit("/", 1)[0])
         return cls(shards, storage_options=storage_options, **kwargs)
 
     @classmethod
@@ -263,9 +262,10 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         return self._process()[2]
 
     # -- reading -------------------------------------------------------------------------------------
-    def _index_covering(self, ids: Sequence[int]) -> tuple[list[ShardIndex], np.ndarray]:
+    def _index_covering(self, ids: Sequence[int]) -> tuple[Any, np.ndarray]:
         """(shards, their start ids) covering ``ids``: one consistent view, whatever other threads
-        learn meanwhile; while shards are being indexed, taken anew from the scan when short."""
+        learn meanwhile; while shards are being indexed, taken anew from the scan when short (a
+        list of ``ShardIndex`` then, else the ``ShardTable``)."""
         index = self._index
         scan = self._scan
         if scan is not None and len(ids) and max(ids) >= index[1][-1]:
@@ -283,36 +283,45 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     def _locate(self, sample: int) -> tuple[int, int]:
         return self._locate_in(self._index_covering([sample])[1], sample)
 
+    @staticmethod
+    def _bounds(shards: Any, starts: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each of ``ids``' shard, and its byte span [lo, hi) within that shard."""
+        which = np.searchsorted(starts, ids, "right") - 1
+        if isinstance(shards, ShardTable):
+            return (which, *shards.bounds(ids))
+        lo, hi = np.zeros(len(ids), np.int64), np.zeros(len(ids), np.int64)
+        for k, (s, i) in enumerate(zip(which.tolist(), (ids - starts[which]).tolist())):
+            span = shards[s].samples[i]
+            lo[k], hi[k] = span.start, span.end
+        return which, lo, hi
+
     def _block_bytes(self, j: int) -> int:
         if self._scan is None:  # the whole index known: the block's members, in any order
             start, end = self.plan.block_span(j)
-            return int(self._sample_bytes[self.plan.order[start:end]].sum())
-        total = 0
-        ids = [int(s) for s in self._block_ids(j)]
-        shards, starts = self._index_covering(ids)
-        for sample in ids:
-            shard, i = self._locate_in(starts, sample)
-            span = shards[shard].samples[i]
-            total += span.end - span.start
-        return total
+            return self._shards.sample_bytes(self.plan.order[start:end])
+        ids = np.asarray(self._block_ids(j), dtype=np.int64)
+        shards, starts = self._index_covering(ids.tolist())
+        _, lo, hi = self._bounds(shards, starts, ids)
+        return int((hi - lo).sum())
 
-    def _block_runs(self, j: int) -> tuple[list[int], list[ShardIndex], list[tuple[int, int]],
+    def _block_runs(self, j: int) -> tuple[list[int], Any, list[tuple[int, int]], np.ndarray,
                                             list[tuple[int, int, int]]]:
-        """Block ``j``'s sample ids, the shards covering them, each sample's (shard, member),
-        and the runs of nearby samples read in one range each: (shard, start, end)."""
-        ids = [int(s) for s in self._block_ids(j)]
+        """Block ``j``'s sample ids, the shards covering them, each sample's (shard, member) and
+        start within its shard, and the runs of nearby samples read in one range each:
+        (shard, start, end)."""
+        ida = np.asarray(self._block_ids(j), dtype=np.int64)
+        ids = ida.tolist()
         shards, starts = self._index_covering(ids)
-        where = [self._locate_in(starts, s) for s in ids]
-        spans = sorted({(shard, i) for shard, i in where},
-                       key=lambda si: (si[0], shards[si[0]].samples[si[1]].start))
+        which, lo, hi = self._bounds(shards, starts, ida)
+        where = list(zip(which.tolist(), (ida - starts[which]).tolist()))
         runs: list[tuple[int, int, int]] = []  # (shard, start, end)
-        for shard, i in spans:
-            span = shards[shard].samples[i]
-            if runs and runs[-1][0] == shard and span.start - runs[-1][2] <= MERGE_GAP:
-                runs[-1] = (shard, runs[-1][1], max(runs[-1][2], span.end))
+        for k in np.lexsort((lo, which)).tolist():  # by shard, then start
+            shard, a, b = int(which[k]), int(lo[k]), int(hi[k])
+            if runs and runs[-1][0] == shard and a - runs[-1][2] <= MERGE_GAP:
+                runs[-1] = (shard, runs[-1][1], max(runs[-1][2], b))
             else:
-                runs.append((shard, span.start, span.end))
-        return ids, shards, where, runs
+                runs.append((shard, a, b))
+        return ids, shards, where, lo, runs
 
     @staticmethod
     def _run_tensor(parts: ProcessParts, n: int) -> torch.Tensor:
@@ -322,14 +331,20 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         return pool.take(n) if pool is not None else torch.empty(n, dtype=torch.uint8)
 
     @staticmethod
-    def _samples_of(ids: list[int], shards: list[ShardIndex], where: list[tuple[int, int]],
+    def _samples_of(ids: list[int], shards: Any, where: list[tuple[int, int]], lo: np.ndarray,
                     buffers: dict[int, list[tuple[int, torch.Tensor]]]) -> list[dict[str, Any]]:
         out = []
-        for sample, (shard, i) in zip(ids, where):
-            span = shards[shard].samples[i]
-            base, run = next((s, t) for s, t in buffers[shard] if s <= span.start and span.end <= s + len(t))
-            item: dict[str, Any] = {"__key__": span.key, "__index__": sample}
-            for name, offset, size in span.fields:
+        table = shards if isinstance(shards, ShardTable) else None
+        for sample, (shard, i), start in zip(ids, where, lo.tolist()):
+            if table is not None:  # by global id: no view of the shard per sample
+                key, fields = table.key(sample), table.fields(sample)
+            else:
+                span = shards[shard].samples[i]
+                key, fields = span.key, span.fields
+            # runs never overlap: the one holding the sample's start holds all of it
+            base, run = next((s, t) for s, t in buffers[shard] if s <= start < s + max(1, len(t)))
+            item: dict[str, Any] = {"__key__": key, "__index__": sample}
+            for name, offset, size in fields:
                 item[name] = run[offset - base:offset - base + size]
             out.append(item)
         return out
@@ -338,7 +353,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         """Block ``j``'s samples: each run of nearby samples of a shard in one range read."""
         parts = self._local.get()
         fs = parts.fs
-        ids, shards, where, runs = self._block_runs(j)
+        ids, shards, where, lo, runs = self._block_runs(j)
         buffers: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for shard, start, end in runs:
             run = self._run_tensor(parts, end - start)
@@ -353,7 +368,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                 raise SampleReadError(f"shard {shards[shard].path!r} is shorter than its index says: "
                                       f"{got} of {end - start} bytes at {start}")
             buffers.setdefault(shard, []).append((start, run))
-        return self._samples_of(ids, shards, where, buffers)
+        return self._samples_of(ids, shards, where, lo, buffers)
 
     def _read_block_here(self, parts: ProcessParts, j: int) -> list[dict[str, Any]] | None:
         """Block ``j`` read in this thread from page files of a worker on this host (descriptors
@@ -364,7 +379,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         copying the next block competed with the collate's second thread and the training loop
         for the cores (a workers-0 tar epoch ~12% slower through the prefetch threads).
         """
-        ids, shards, where, runs = self._block_runs(j)
+        ids, shards, where, lo, runs = self._block_runs(j)
         fs, cps = parts.fs, parts.cache_paths
         reads = []
         for shard, start, end in runs:
@@ -385,7 +400,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             if one is None or one[0] != end - start:
                 return None
             buffers.setdefault(shard, []).append((start, run))
-        return self._samples_of(ids, shards, where, buffers)
+        return self._samples_of(ids, shards, where, lo, buffers)
 
     def _hint_after(self, blocks: range, k: int) -> None:
         """Hint the shards of this worker's blocks after the prefetch window (once each per epoch)."""
@@ -394,17 +409,18 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         fs, _, hinter = self._process()[:3]
         stripe = fs.session.stripe_size
         shards: list[str] = []
+        biggest = 0
         for j in blocks[k + self.prefetch_blocks:]:
             for sample in (self.plan.block_span(j)[0], self.plan.block_span(j)[1] - 1):
                 shard = self._shards[self._locate(int(self.plan.order[sample]))[0]]
                 # Load brings a whole object to one worker: only worth it within one stripe.
                 if shard.path not in shards and shard.size <= stripe:
                     shards.append(shard.path)
+                    biggest = max(biggest, shard.size)
             if len(shards) >= self.hint_shards:
                 break
         limit = self.hint_shards
         if self._hint_budget >= 0 and shards:  # never hint more than the workers can keep for this job
-            biggest = max(s.size for s in self._shards if s.path in shards)
             limit = min(limit, int(self._hint_budget // max(1, biggest)))
         if shards and limit > 0:
             hinter.hint(shards[:limit])

@@ -8,7 +8,7 @@ sizes: ~16 bytes plus the path's tail per sample, in one buffer whose pages noth
 
 * Forked DataLoader workers share its pages (numpy buffers have no per-element reference count).
 * Spawned ones (a pickle) map the same memory: the buffer is a sealed memfd (cachefs/memseal.py,
-  the one place shared memory is made) or the kept index file (client/keptindex.py), and the
+  the one place shared memory is made) or the kept index file (prefixindex.py), and the
   pickle carries only ``/proc/<pid>/fd/<fd>`` and the inode, opened read-only by the child. A
   memfd, unlike a ``/dev/shm`` file, is freed with its last holder, so a killed job leaks nothing.
   A pickled large index therefore loads only on this host while this process lives (DataLoader
@@ -82,7 +82,7 @@ class SampleIndex(Sequence[str]):
             a.flags.writeable = False  # shared pages: nobody writes them
         self.nbytes = len(view)
         if fd >= 0:
-            weakref.finalize(self, _release, fd, buffer if isinstance(buffer, mmap.mmap) else None)
+            weakref.finalize(self, release, fd, buffer if isinstance(buffer, mmap.mmap) else None)
 
     # -- the Sequence ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -142,16 +142,15 @@ class SampleIndex(Sequence[str]):
     @classmethod
     def open(cls, path: str) -> "SampleIndex":
         """Map a kept index file read-only (its pages load as they are read)."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, mapped = map_file(path)
         try:
-            size = os.fstat(fd).st_size
-            return cls(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), fd=fd, path=path)
+            return cls(mapped, fd=fd, path=path)
         except BaseException:
-            os.close(fd)
+            release(fd, mapped)
             raise
 
     def write(self, f: Any) -> None:
-        """Write the index into the binary file ``f`` (client/keptindex.py renames it into place)."""
+        """Write the index into the binary file ``f`` (prefixindex.py renames it into place)."""
         f.write(memoryview(self._buffer)[:self.nbytes])
 
 
@@ -174,7 +173,9 @@ class Units(Sequence[tuple[str, int, int]]):
         return ((p, 0, int(sizes[i])) for i, p in enumerate(self.index))
 
 
-def _release(fd: int, mapped: mmap.mmap | None) -> None:
+# -- read-only buffers shared with other processes (also the shard table's: shardtable.py) ---------
+def release(fd: int, mapped: mmap.mmap | None) -> None:
+    """Close a buffer's map and descriptor (a finalizer: never raises)."""
     if mapped is not None:
         try:
             mapped.close()
@@ -186,21 +187,54 @@ def _release(fd: int, mapped: mmap.mmap | None) -> None:
         pass
 
 
-def _map_shared(pid: int, fd: int, inode: int, size: int) -> SampleIndex:
-    """The index a process ``pid`` holds in its descriptor ``fd``, mapped read-only here."""
+
+def map_file(path: str) -> tuple[int, mmap.mmap]:
+    """A kept file's descriptor and read-only map (its pages load as they are read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return fd, mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def shared_buffer(name: str, total: int) -> tuple[int, Any]:
+    """A writable buffer of ``total`` bytes to build an index in: a sealed memfd when large (its
+    descriptor travels to spawned workers, ``map_shared``), else a bytearray (fd -1)."""
+    if total > SMALL_BYTES:
+        try:
+            fd, buffer, _ = sealed_table(name, total)
+            return fd, buffer
+        except (OSError, AttributeError) as exc:  # no memfd here: plain memory (fork still shares it)
+            log.debug("%s in plain memory: %s", name, exc)
+    return -1, bytearray(total)
+
+
+def map_shared(pid: int, fd: int, inode: int, size: int, what: str = "sample index") -> tuple[int, mmap.mmap]:
+    """The buffer a process ``pid`` holds in its descriptor ``fd``, mapped read-only here."""
     where = f"/proc/{pid}/fd/{fd}"
     try:
         mine = os.open(where, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        raise OSError(f"cannot map the sample index of process {pid} ({where}): {exc}; a large index "
+        raise OSError(f"cannot map the {what} of process {pid} ({where}): {exc}; a large index "
                       "pickles as shared memory, loadable on its host while that process lives") from exc
     try:
         st = os.fstat(mine)
         if st.st_ino != inode or st.st_size < size:
-            raise OSError(f"{where} is no longer the sample index it was pickled from")
-        return SampleIndex(mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ), fd=mine)
+            raise OSError(f"{where} is no longer the {what} it was pickled from")
+        return mine, mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ)
     except BaseException:
         os.close(mine)
+        raise
+
+
+def _map_shared(pid: int, fd: int, inode: int, size: int) -> SampleIndex:
+    """The index a process ``pid`` holds in its descriptor ``fd``, mapped read-only here."""
+    mine, mapped = map_shared(pid, fd, inode, size)
+    try:
+        return SampleIndex(mapped, fd=mine)
+    except BaseException:
+        release(mine, mapped)
         raise
 
 
@@ -300,14 +334,7 @@ def build(head: str, ends: np.ndarray, sizes: np.ndarray, blob: Any, meta: dict[
                         separators=(",", ":")).encode()
     at = 16 + _pad8(len(header))
     total = at + 16 * n + 8 + len(blob)
-    fd, buffer = -1, None
-    if total > SMALL_BYTES:
-        try:
-            fd, buffer, _ = sealed_table("cachefs-sample-index", total)
-        except (OSError, AttributeError) as exc:  # no memfd here: plain memory (fork still shares it)
-            log.debug("sample index in plain memory: %s", exc)
-    if buffer is None:
-        buffer = bytearray(total)
+    fd, buffer = shared_buffer("cachefs-sample-index", total)
     view = memoryview(buffer)
     view[:8] = MAGIC
     struct.pack_into("<Q", view, 8, len(header))
