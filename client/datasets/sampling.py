@@ -168,6 +168,58 @@ class EpochPlan:
         return plan, seen
 
 
+class ShardOrder(Sequence[int]):
+    """A BlockPlan's order (shards' id ranges in a permutation, from ``offset``, repeated from
+    its start or cut to ``total``, see ``_to_rank_multiple``) as an int64 array would read, with
+    O(shards) memory: an array of every sample was 8 bytes a sample in each process, a spawned
+    DataLoader worker's pickle included. Positions are worked out when asked (a block's, a
+    searchsorted over the shards)."""
+
+    def __init__(self, counts: np.ndarray, shards: np.ndarray, offset: int, total: int) -> None:
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        moved = counts[shards]
+        self._lands = np.concatenate([[0], np.cumsum(moved)]).astype(np.int64)  # where each lands
+        self._from = starts[:-1][shards] if len(shards) else np.zeros(0, np.int64)  # its first id
+        self._offset, self._rest, self._total = int(offset), int(starts[-1]) - int(offset), int(total)
+
+    def __len__(self) -> int:
+        return self._total
+
+    def _at(self, q: np.ndarray) -> np.ndarray:
+        if not len(q):
+            return np.zeros(0, dtype=np.int64)
+        p = self._offset + q % self._rest
+        k = np.searchsorted(self._lands, p, "right") - 1
+        return self._from[k] + (p - self._lands[k])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return self._at(np.arange(*i.indices(self._total), dtype=np.int64))
+        if isinstance(i, (np.ndarray, list, tuple)):
+            q = np.asarray(i, dtype=np.int64)
+            q = np.where(q < 0, q + self._total, q)
+            if len(q) and (q.min() < 0 or q.max() >= self._total):
+                raise IndexError(f"position out of 0..{self._total}")
+            return self._at(q)
+        i = i.__index__()
+        if i < 0:
+            i += self._total
+        if not 0 <= i < self._total:
+            raise IndexError(f"position {i} of {self._total}")
+        return self._at(np.array([i], dtype=np.int64))[0]
+
+    def __iter__(self) -> Iterator[int]:
+        for lo in range(0, self._total, 65536):
+            yield from self._at(np.arange(lo, min(self._total, lo + 65536), dtype=np.int64)).tolist()
+
+    def tolist(self) -> list[int]:
+        return self[:].tolist()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self[:]
+        return a if dtype is None else a.astype(dtype)
+
+
 def known_block(j: int, block: int, rank: int, world_size: int, seed: int, epoch: int,
                 shuffle: bool) -> np.ndarray:
     """Block ``j`` of ``rank`` in an ordered BlockPlan (shards in file order, offset 0), for a
@@ -231,16 +283,17 @@ class BlockPlan:
     def n_samples(self) -> int:
         return int(sum(self.counts))
 
-    def _make_rest(self) -> np.ndarray:
-        starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
-        shards = _permutation(len(self.counts), self.seed, self.epoch, self.shuffle and not self.ordered)
-        parts = [np.arange(starts[s], starts[s + 1], dtype=np.int64) for s in shards]
-        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return _to_rank_multiple(order[self.offset:], self.world_size, self.drop_last)
+    def _make_rest(self) -> "ShardOrder":
+        counts = np.asarray(self.counts, dtype=np.int64)
+        shards = _permutation(len(counts), self.seed, self.epoch, self.shuffle and not self.ordered)
+        rest = len(counts) and int(counts.sum()) - self.offset
+        total = (rest // self.world_size if self.drop_last else -(-rest // self.world_size)) * self.world_size
+        return ShardOrder(counts, shards, self.offset, total)
 
     @property
-    def order(self) -> np.ndarray:
-        """Every rank's samples of the rest of the epoch, padded, before dealing (global ids)."""
+    def order(self) -> "ShardOrder":
+        """Every rank's samples of the rest of the epoch, padded, before dealing (global ids):
+        indexable as an int64 array, with no array of them (``ShardOrder``)."""
         return self._rest  # type: ignore[attr-defined]
 
     def __len__(self) -> int:

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from cachefs.client import forksafe
-from cachefs.client.datasets.sampleindex import SMALL_BYTES, map_file, map_shared, release, shared_buffer
+from cachefs.client.datasets import sampleindex
+from cachefs.client.datasets.sampleindex import map_file, map_shared, release, shared_buffer
 from cachefs.client.datasets.shards import INDEX_VERSION, SampleSpan, ShardIndex
 
 __all__ = ["ShardTable", "ShardView", "TableBuilder", "table_from_json", "FORMAT"]
@@ -206,7 +207,7 @@ class ShardTable(Sequence["ShardView"]):
 
     # -- pickling and files ----------------------------------------------------------------------------
     def __reduce__(self) -> Any:
-        if self._fd < 0 or self.nbytes <= SMALL_BYTES:
+        if self._fd < 0 or self.nbytes <= sampleindex.SMALL_BYTES:  # the one threshold, as SampleIndex's
             return ShardTable, (self.tobytes(),)
         return _map_shared, (forksafe.pid(), self._fd, os.fstat(self._fd).st_ino, self.nbytes)
 
