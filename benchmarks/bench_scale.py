@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_scale.py                    # 100k and 1M samples, 4 ranks
     .venv/bin/python benchmarks/bench_scale.py --explicit         # and the plan sent sample by sample at 100k
     .venv/bin/python benchmarks/bench_scale.py --index --sizes 1000000   # the data set's index (below)
+    .venv/bin/python benchmarks/bench_scale.py --shard-index --sizes 1000000,100000000   # #46, the tar-shard index
     .venv/bin/python benchmarks/bench_scale.py --metadata --sizes 1000000,10000000   # #47, the worker's metadata
 
 A real worker (in this process, an empty local mount: no object is read) and ``--ranks``
@@ -53,6 +54,10 @@ entry remembered as a listing does (``ObjectStore._listed``; the listing cache i
   ``read_max_wait_ms``: that reader's longest ``get`` among those overlapping the free
   (``reads_meanwhile`` of them); ``free_many_ms``, ``many_read_max_wait_ms``: the same for a
   prefix of 100 directories (100,000 objects), long enough for the reader to get in between.
+
+``--shard-index`` (#46) measures the tar-shard index instead (client/datasets/shardtable.py): a
+synthetic kept index of each size made in one fresh process and loaded in another, its load time
+and RSS, one rank's epoch order, and DataLoader workers' USS (benchmarks/shard_index_scale.py).
 """
 
 from __future__ import annotations
@@ -406,10 +411,22 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--index", action="store_true", help="measure the data set's index instead (see the doc)")
     parser.add_argument("--index-one", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--shard-index", action="store_true", help="measure the tar-shard index (#46; the doc)")
     parser.add_argument("--loader-workers", type=int, default=4)
     parser.add_argument("--metadata", action="store_true", help="measure the worker's metadata table (#47; the doc)")
     parser.add_argument("--metadata-one", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.shard_index:
+        from shard_index_scale import run as run_shard_index
+        result = {"benchmark": "scale-shard-index", "machine": machine_info(),
+                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "rows": run_shard_index([int(x) for x in args.sizes.split(",")])}
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"scale-shard-index-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+        return
     if args.metadata_one:
         print(json.dumps(measure_metadata_one(args.metadata_one)))
         return
