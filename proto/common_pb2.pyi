@@ -43,7 +43,7 @@ class MountInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., options_json: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class MetaRequest(_message.Message):
-    __slots__ = ("op", "path", "refresh", "recursive", "start_after", "max_entries", "known_version", "plan", "paths", "protocol")
+    __slots__ = ("op", "path", "refresh", "recursive", "start_after", "max_entries", "known_version", "plan", "paths", "protocol", "destination", "create_parents", "exist_ok")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[MetaRequest.Op]
@@ -54,6 +54,10 @@ class MetaRequest(_message.Message):
         PLAN: _ClassVar[MetaRequest.Op]
         LOAD: _ClassVar[MetaRequest.Op]
         HELLO: _ClassVar[MetaRequest.Op]
+        REMOVE: _ClassVar[MetaRequest.Op]
+        MKDIR: _ClassVar[MetaRequest.Op]
+        COPY: _ClassVar[MetaRequest.Op]
+        FREE: _ClassVar[MetaRequest.Op]
     NONE: MetaRequest.Op
     INFO: MetaRequest.Op
     LIST: MetaRequest.Op
@@ -62,6 +66,10 @@ class MetaRequest(_message.Message):
     PLAN: MetaRequest.Op
     LOAD: MetaRequest.Op
     HELLO: MetaRequest.Op
+    REMOVE: MetaRequest.Op
+    MKDIR: MetaRequest.Op
+    COPY: MetaRequest.Op
+    FREE: MetaRequest.Op
     OP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     REFRESH_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +80,9 @@ class MetaRequest(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     PATHS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    CREATE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
     op: MetaRequest.Op
     path: str
     refresh: bool
@@ -82,10 +93,13 @@ class MetaRequest(_message.Message):
     plan: bytes
     paths: _containers.RepeatedScalarFieldContainer[str]
     protocol: int
-    def __init__(self, op: _Optional[_Union[MetaRequest.Op, str]] = ..., path: _Optional[str] = ..., refresh: _Optional[bool] = ..., recursive: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ..., known_version: _Optional[int] = ..., plan: _Optional[bytes] = ..., paths: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
+    destination: str
+    create_parents: bool
+    exist_ok: bool
+    def __init__(self, op: _Optional[_Union[MetaRequest.Op, str]] = ..., path: _Optional[str] = ..., refresh: _Optional[bool] = ..., recursive: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ..., known_version: _Optional[int] = ..., plan: _Optional[bytes] = ..., paths: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., destination: _Optional[str] = ..., create_parents: _Optional[bool] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
 
 class MetaReply(_message.Message):
-    __slots__ = ("error_code", "error_detail", "error_message", "info", "entries", "next_after", "view", "status", "plan", "loading", "role", "protocol", "view_version")
+    __slots__ = ("error_code", "error_detail", "error_message", "info", "entries", "next_after", "view", "status", "plan", "loading", "role", "protocol", "view_version", "pages_freed")
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_DETAIL_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +113,7 @@ class MetaReply(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
     error_code: str
     error_detail: str
     error_message: str
@@ -112,4 +127,5 @@ class MetaReply(_message.Message):
     role: str
     protocol: int
     view_version: int
-    def __init__(self, error_code: _Optional[str] = ..., error_detail: _Optional[str] = ..., error_message: _Optional[str] = ..., info: _Optional[_Union[ObjectInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., next_after: _Optional[str] = ..., view: _Optional[bytes] = ..., status: _Optional[bytes] = ..., plan: _Optional[bytes] = ..., loading: _Optional[int] = ..., role: _Optional[str] = ..., protocol: _Optional[int] = ..., view_version: _Optional[int] = ...) -> None: ...
+    pages_freed: int
+    def __init__(self, error_code: _Optional[str] = ..., error_detail: _Optional[str] = ..., error_message: _Optional[str] = ..., info: _Optional[_Union[ObjectInfo, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., next_after: _Optional[str] = ..., view: _Optional[bytes] = ..., status: _Optional[bytes] = ..., plan: _Optional[bytes] = ..., loading: _Optional[int] = ..., role: _Optional[str] = ..., protocol: _Optional[int] = ..., view_version: _Optional[int] = ..., pages_freed: _Optional[int] = ...) -> None: ...

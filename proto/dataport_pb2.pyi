@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DataRequest(_message.Message):
-    __slots__ = ("path", "offset", "length", "version", "token", "fill", "meta")
+    __slots__ = ("path", "offset", "length", "version", "token", "fill", "meta", "write")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DataRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FILL_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
@@ -24,7 +25,22 @@ class DataRequest(_message.Message):
     token: str
     fill: bool
     meta: _common_pb2.MetaRequest
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., token: _Optional[str] = ..., fill: _Optional[bool] = ..., meta: _Optional[_Union[_common_pb2.MetaRequest, _Mapping]] = ...) -> None: ...
+    write: WritePart
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[str] = ..., token: _Optional[str] = ..., fill: _Optional[bool] = ..., meta: _Optional[_Union[_common_pb2.MetaRequest, _Mapping]] = ..., write: _Optional[_Union[WritePart, _Mapping]] = ...) -> None: ...
+
+class WritePart(_message.Message):
+    __slots__ = ("path", "size_hint", "length", "commit", "abort")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_HINT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_hint: int
+    length: int
+    commit: bool
+    abort: bool
+    def __init__(self, path: _Optional[str] = ..., size_hint: _Optional[int] = ..., length: _Optional[int] = ..., commit: _Optional[bool] = ..., abort: _Optional[bool] = ...) -> None: ...
 
 class DataSegment(_message.Message):
     __slots__ = ("offset", "length", "checksum", "verified", "fetched")

@@ -59,7 +59,7 @@ def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
 class Connection:
     """One accepted connection and what the server knows of it."""
 
-    __slots__ = ("sock", "fd", "peer", "buf", "started", "since", "state", "request")
+    __slots__ = ("sock", "fd", "peer", "buf", "started", "since", "state", "request", "session")
 
     def __init__(self, sock: socket.socket, peer: Hashable, now: float) -> None:
         self.sock, self.fd, self.peer = sock, sock.fileno(), peer
@@ -68,6 +68,7 @@ class Connection:
         self.since = now  # when it last became idle (accepted, or a reply went out)
         self.state = _IDLE
         self.request: Any = None  # the complete request it is handed to a serving thread with
+        self.session: Any = None  # what the protocol keeps between requests (a write in progress)
 
 
 class _Kick:
@@ -159,6 +160,13 @@ class ConnectionServer:
     def _handle(self, conn: Connection, request: Any) -> bool:
         """Answer one request (blocking sends, bounded by ``send_timeout``); False closes the connection."""
         raise NotImplementedError
+
+    def _idle_limit(self, conn: Connection) -> float:
+        """How long ``conn`` may wait with no request before it is closed."""
+        return self.idle_timeout
+
+    def _closed(self, conn: Connection) -> None:
+        """``conn`` is gone: drop what the protocol kept for it (must not block: the selector calls it)."""
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "ConnectionServer":
@@ -341,7 +349,7 @@ class ConnectionServer:
                 if conn.started is not None:
                     if now - conn.started >= self.frame_timeout:
                         expired.append((conn, "closed_frame"))
-                elif now - conn.since >= self.idle_timeout:
+                elif now - conn.since >= (self.idle_timeout if conn.session is None else self._idle_limit(conn)):
                     expired.append((conn, "closed_idle"))
             for conn, why in expired:
                 self.counts[why] += 1
@@ -495,6 +503,11 @@ class ConnectionServer:
                         self._epoll.unregister(conn.fd)
             conn.state = _CLOSED
         conn.sock.close()
+        if conn.session is not None:
+            try:
+                self._closed(conn)
+            except Exception:  # a bug must cost one connection, never the server
+                log.exception("%s: dropping a closed connection's state failed", self.name)
 
 
 def token_checker(tokens: list[str]) -> Callable[[str], bool] | None:

@@ -99,8 +99,11 @@ def test_any_lean_path_failure_reads_through_grpc_counted_and_warned_once(local_
         assert fs.cat_file("cachefs://data/obj") == data
     stats = fs.session.bulk_stats["short_circuit"]
     assert stats["errors"] == 3 and stats["fallbacks"] >= 3
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()]
-    assert len(warnings) == 1 and worker.address in warnings[0].getMessage()
+    # This worker's only (a dataset of an earlier test in this process may still renew its plan
+    # with a worker stopped since, and say so).
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()
+                and worker.address in r.getMessage()]
+    assert len(warnings) == 1
     assert type(failure).__name__ in warnings[0].getMessage()
 
 

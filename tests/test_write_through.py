@@ -194,10 +194,13 @@ def test_writes_route_to_the_owner_of_stripe_zero(local_store, make_worker):
     fs.pipe_file(path, b"second")
     assert fs.cat_file(path) == b"second"
     by_address = {w.address: w for w in workers}
-    calls = {a: w.metrics.registry.get_sample_value("cachefs_worker_requests_total",
-                                                     {"method": "Write", "code": "OK"}) or 0
+    # Over the owner's data port (the worker's socket operations), none through gRPC's Write.
+    calls = {a: w.metrics.registry.get_sample_value("cachefs_worker_socket_operations_total",
+                                                     {"op": "write", "outcome": "ok"}) or 0
              for a, w in by_address.items()}
     assert calls[owner] == 1 and sum(calls.values()) == 1
+    assert not any(w.metrics.registry.get_sample_value("cachefs_worker_requests_total", {"method": "Write", "code": "OK"})
+                   for w in workers)
 
 
 def test_unknown_write_mode_is_refused(local_store, make_worker):

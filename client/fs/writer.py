@@ -1,8 +1,9 @@
 """Write-through for the ``cachefs://`` client: writes go to the object store, caches are dropped.
 
 By default every write goes to the worker that owns the path's first stripe (the one whose
-caches hold it): ``open(..., "wb")``/``put`` stream the bytes over one client-streaming
-``Write`` call while they are produced, and the worker streams them into the store
+caches hold it): ``open(..., "wb")``/``put`` stream the bytes to its data port while they are
+produced (parts on a connection of the write's own; gRPC's client-streaming ``Write`` where the
+worker has no data port for this process), and the worker streams them into the store
 (multipart on S3) and drops its cached metadata, listings and old pages. With
 ``write_via="client"`` the client writes to the store itself (its own credentials, the
 ``fallback_mounts`` table) and then asks that worker to ``Free`` the path.
@@ -25,13 +26,14 @@ from fsspec.utils import isfilelike
 from cachefs.errors import DeadlineExceededError, WorkerUnavailableError, from_rpc_error
 from cachefs.paths import CachePath
 from cachefs.client.transport.session import info_dict
-from cachefs.proto import worker_pb2
+from cachefs.proto import common_pb2, worker_pb2
 
 if TYPE_CHECKING:
     from cachefs.client.transport.session import ClientSession
 
 log = logging.getLogger(__name__)
 
+Meta = common_pb2.MetaRequest
 CHUNK = 4 << 20  # bytes per WriteChunk message
 QUEUE_CHUNKS = 8  # messages handed to gRPC but not yet sent, per write (32 MiB)
 # A stream of unknown length gets this long in all; each wait inside it has the client's timeout.
@@ -122,6 +124,22 @@ class WriteStream:
         self._future.cancel()
 
 
+class SocketSink:
+    """A write over the owning worker's data port (client/transport/dataport.py DataPortWrite)."""
+
+    def __init__(self, write: Any) -> None:
+        self._write = write
+
+    def send(self, data: bytes) -> None:
+        self._write.send(data)
+
+    def finish(self) -> dict[str, Any]:
+        return info_dict(self._write.finish())
+
+    def cancel(self) -> None:
+        self._write.cancel()
+
+
 class DirectSink:
     """``write_via="client"``: into the store with the client's own credentials."""
 
@@ -194,9 +212,13 @@ class Writes:
         self.via = via
 
     def sink(self, cp: CachePath, size_hint: int = 0) -> Sink:
-        """A write stream for ``cp``: to its owning worker, or (``write_via='client'``) the store."""
+        """A write stream for ``cp``: to its owning worker (its data port, else gRPC), or
+        (``write_via='client'``) the store."""
         if self.via == "client":
             return DirectSink(self, cp)
+        by_socket = self.session.write_by_socket(cp, size_hint)
+        if by_socket is not None:
+            return SocketSink(by_socket)
         config = self.session.config
         stub = self.session.owner_stub(str(cp), f"write {cp}")
         return WriteStream(stub, cp, config.timeout, config.min_throughput, size_hint)
@@ -226,22 +248,29 @@ class Writes:
             raise
         return sink.finish()
 
-    def _call(self, cp: CachePath, what: str, rpc: str, request: Any) -> Any:
-        return self.session.call_owner(str(cp), lambda stub, left: getattr(stub, rpc)(request, timeout=left), what)
+    def _call(self, cp: CachePath, what: str, op: int, rpc: str, request: Any, **fields: Any) -> Any:
+        """A mutation: over the workers' sockets as MetaRequest ``op`` with ``fields``, else the
+        gRPC call ``rpc`` with ``request``."""
+        meta = common_pb2.MetaRequest(op=op, **fields)
+        return self.session.mutate(cp, meta, what, lambda stub, left: getattr(stub, rpc)(request, timeout=left))
 
     def remove(self, cp: CachePath, recursive: bool) -> None:
         if self.via == "client":
             self.session.fallback_store().remove(cp, recursive)
             self.free_on_owner(cp)
             return
-        self._call(cp, f"remove {cp}", "Remove", worker_pb2.RemoveRequest(path=str(cp), recursive=recursive))
+        self._call(cp, f"remove {cp}", Meta.REMOVE, "Remove", worker_pb2.RemoveRequest(path=str(cp), recursive=recursive),
+                   path=str(cp), recursive=recursive)
+        if recursive:  # what was under it is placed on every worker, not only the one that removed it
+            self.session.free_everywhere(f"{cp}/", f"remove {cp}")
 
     def make_dir(self, cp: CachePath, create_parents: bool, exist_ok: bool) -> None:
         if self.via == "client":
             self.session.fallback_store().make_dir(cp, create_parents, exist_ok)
             return
         request = worker_pb2.MakeDirRequest(path=str(cp), create_parents=create_parents, exist_ok=exist_ok)
-        self._call(cp, f"mkdir {cp}", "MakeDir", request)
+        self._call(cp, f"mkdir {cp}", Meta.MKDIR, "MakeDir", request, path=str(cp), create_parents=create_parents,
+                   exist_ok=exist_ok)
 
     def copy(self, source: CachePath, destination: CachePath) -> None:
         if self.via == "client":
@@ -249,13 +278,14 @@ class Writes:
             self.free_on_owner(destination)
             return
         request = worker_pb2.CopyRequest(source=str(source), destination=str(destination))
-        self._call(destination, f"copy {source} -> {destination}", "Copy", request)
+        self._call(destination, f"copy {source} -> {destination}", Meta.COPY, "Copy", request, path=str(source),
+                   destination=str(destination))
 
     def free_on_owner(self, cp: CachePath) -> None:
         """After a client-side write: the owning worker forgets the path (best effort; versions
         guard the rest once its metadata expires)."""
         try:
-            self._call(cp, f"invalidate {cp}", "Free", worker_pb2.FreeRequest(prefix=str(cp)))
+            self._call(cp, f"invalidate {cp}", Meta.FREE, "Free", worker_pb2.FreeRequest(prefix=str(cp)), path=str(cp))
         except OSError as exc:
             log.warning("could not invalidate %s on its worker: %s", cp, exc)
 

@@ -120,6 +120,7 @@ class BulkPaths:
         self.config, self.workers = config, workers
         self._lock = threading.Lock()
         self._readers: dict[str, tuple[Reader | None, float]] = {}
+        self._ports: dict[str, DataPortReader] = {}  # data ports of workers read through their Unix socket
         # Each worker's GetStatus answer: learnt here by a probe, or handed down by the process
         # that started this one (session.SessionBootstrap) and used instead of asking until that
         # worker's lean path fails; a probe after that asks again.
@@ -556,6 +557,24 @@ class BulkPaths:
             log.debug("hint of %d objects over %s failed: %s", len(keys), reader.kind, exc)
             return 0
 
+    def data_port(self, handle: Any, timeout: float = SOCKET_TIMEOUT) -> DataPortReader | None:
+        """``handle``'s data port for this process, even where its short-circuit socket serves the
+        reads (a write's parts do not fit that socket's messages); None when it offers none."""
+        reader = self._reader(handle, timeout)
+        if isinstance(reader, DataPortReader):
+            return reader
+        config = self.config
+        status = self._known_status(handle.address)
+        if status is None or not status.data_port or not config.data_port or config.tls.enabled:
+            return None
+        with self._lock:
+            port = self._ports.get(handle.address)
+            if port is None or port.port != status.data_port:
+                port = self._ports[handle.address] = DataPortReader(
+                    _host(handle.address), status.data_port, config.token, timeout=min(SOCKET_TIMEOUT, config.timeout),
+                    counts=self.stats["data_port"], huge_pages=config.huge_pages)
+        return port
+
     def meta_on(self, handle: Any, request: Any, timeout: float) -> Any | None:
         """A metadata operation on ``handle``'s worker itself over its socket (a read plan goes to
         the worker that holds the pages); None when this process has no socket to it. Raises the
@@ -585,7 +604,8 @@ class BulkPaths:
     def close(self) -> None:
         with self._lock:
             readers, self._readers = self._readers, {}
-        for reader, _ in readers.values():
+            ports, self._ports = self._ports, {}
+        for reader in [r for r, _ in readers.values()] + list(ports.values()):
             if reader is not None:
                 with contextlib.suppress(OSError):
                     reader.close()
@@ -596,6 +616,7 @@ class BulkPaths:
         taken: a parent thread may have held one at the fork."""
         self._lock = threading.Lock()
         readers, self._readers = self._readers, {}
-        for reader, _ in readers.values():
+        ports, self._ports = self._ports, {}
+        for reader in [r for r, _ in readers.values()] + list(ports.values()):
             if reader is not None:
                 reader.release_inherited()

@@ -21,12 +21,15 @@ import xxhash
 from cachefs import rawbytes
 from cachefs.client.transport.socketpool import SocketPool
 from cachefs.client.transport.shortcircuit import refusal_error
-from cachefs.errors import OverloadedError, failed_range_error
+from cachefs.errors import (DeadlineExceededError, OverloadedError, WorkerUnavailableError, failed_range_error,
+                            from_wire_error)
 from cachefs.proto import dataport_pb2
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
 MAX_REPLY = 1 << 20
+#: A write part's bytes (the worker takes up to 4 MiB + 64 KiB: server/worker/dataport.py).
+WRITE_PART = 4 << 20
 
 
 def busy_error(where: str, reply: Any) -> OverloadedError:
@@ -89,6 +92,10 @@ class DataPortReader:
         self.counts.setdefault("hits", 0)
         self._pool = SocketPool(self._connect, max_idle)
         self.view_version = 0  # the newest cluster view version a reply said the worker has
+
+    def connect(self) -> socket.socket:
+        """A new connection of this process's own to the data port (a write holds one)."""
+        return self._connect()
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
@@ -236,3 +243,90 @@ class DataPortReader:
 
     def release_inherited(self) -> None:
         self._pool.release_inherited()
+
+
+class DataPortWrite:
+    """One object's streamed write to a worker's data port, on a connection of its own: parts of
+    ``WRITE_PART`` bytes, each answered before the next (the worker hands it to the store's upload
+    and says so, or says why the write failed); ``finish`` commits, and only that publishes the
+    object. Closing the connection before it (``cancel``, an error, this process dying) discards
+    the write on the worker."""
+
+    def __init__(self, port: DataPortReader, path: str, size_hint: int, timeout: float,
+                 min_throughput: int) -> None:
+        self.where = f"write {path} (data port {port.host}:{port.port})"
+        self._port, self._path, self._size_hint = port, path, size_hint
+        self._timeout, self._min_throughput = timeout, min_throughput
+        self._sock: socket.socket | None = None
+        self._first = True
+
+    def send(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), WRITE_PART):
+            self._part(view[start:start + WRITE_PART])
+
+    def finish(self) -> Any:
+        """Commit: the written object's info (a common_pb2.ObjectInfo) once the store has it."""
+        try:
+            return self._part(b"", commit=True).info
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _part(self, data: bytes | memoryview, commit: bool = False) -> Any:
+        part = dataport_pb2.WritePart(length=len(data), commit=commit)
+        if self._first:
+            part.path, part.size_hint = self._path, self._size_hint
+        body = dataport_pb2.DataRequest(token=self._port.token, write=part).SerializeToString()
+        # The worker answers a part once the store's upload has room for it: a part's bytes at
+        # the least throughput beyond the metadata timeout; a commit, the whole upload's tail.
+        wait = self._timeout + max(len(data), WRITE_PART) / self._min_throughput
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self._sock is None:
+                    self._sock = self._port.connect()
+                _set_timeouts(self._sock, wait)
+                self._sock.sendall(FRAME.pack(len(body)) + body)
+                if data:
+                    self._sock.sendall(data)
+                reply = self._reply()
+            except OverloadedError as busy:  # too many writes on that worker now: wait, ask again
+                retry_after = getattr(busy, "retry_after", 0.2)
+                if not self._first or time.monotonic() + retry_after >= deadline:
+                    self.cancel()
+                    raise
+                time.sleep(retry_after)
+                continue
+            except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out
+                self.cancel()
+                raise DeadlineExceededError(f"{self.where}: the worker took no part for {wait:.0f} s") from None
+            except ConnectionError as exc:
+                self.cancel()
+                raise WorkerUnavailableError(f"{self.where}: {exc}") from exc
+            except BaseException:
+                self.cancel()  # the worker discards what it had
+                raise
+            break
+        self._first = False
+        meta = reply.meta
+        if meta.error_code:
+            self.cancel()
+            raise from_wire_error(meta.error_code, meta.error_detail, meta.error_message, self.where)
+        return meta
+
+    def _reply(self) -> Any:
+        assert self._sock is not None
+        (size,) = FRAME.unpack(bytes(_recv_bytes(self._sock, FRAME.size)))
+        if size > MAX_REPLY:
+            raise ConnectionError(f"{self.where}: reply header of {size} bytes")
+        reply = Reply.FromString(bytes(_recv_bytes(self._sock, size)))
+        if reply.code == Reply.REFUSED:
+            if reply.retry_after_ms:
+                raise busy_error(self.where, reply)
+            raise refusal_error(self.where, reply.message) or ConnectionError(f"{self.where}: {reply.message}")
+        return reply

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from cachefs import rawbytes
 from cachefs.client.transport.bulkpaths import MIN_TRY_SECONDS, BulkPaths, read_budget, try_share
+from cachefs.client.transport.dataport import DataPortWrite
 from cachefs.client.transport.shortcircuit import Prepared
 from cachefs.client import forksafe
 from cachefs.client.forksafe import ProcessLocal, RpcGate
@@ -411,6 +412,48 @@ class ClientSession:
         if not candidates:
             raise WorkerUnavailableError(f"{what}: no worker is available")
         return candidates[0].stub()
+
+    def write_by_socket(self, cp: CachePath, size_hint: int) -> DataPortWrite | None:
+        """A streamed write of ``cp`` to the data port of the worker placed first for it; None when
+        it offers none to this process (then through gRPC, in a process that may use it)."""
+        state = self._state.get()
+        candidates = self.candidates(str(cp), 0)
+        if not candidates:
+            raise WorkerUnavailableError(f"write {cp}: no worker is available")
+        port = state.bulk.data_port(candidates[0]) if state.bulk.enabled else None
+        if port is not None:
+            return DataPortWrite(port, str(cp), size_hint, self.config.timeout, self.config.min_throughput)
+        if forksafe.grpc_inherited():
+            forksafe.forbid_grpc(f"write {cp} (worker {candidates[0].address} offers no data port)")
+        return None
+
+    def mutate(self, cp: CachePath, request: Any, what: str, call: Callable[[Any, float], T]) -> Any:
+        """A mutation (common_pb2.MetaRequest REMOVE, MKDIR, COPY or FREE) done by the workers
+        placed for ``cp``: over their sockets, else through gRPC (``call(stub, timeout)``), all in
+        one budget; the socket's MetaReply, or what ``call`` returned."""
+        state = self._state.get()
+        deadline = time.monotonic() + self.config.timeout
+        if state.bulk.enabled:
+            try:
+                return state.bulk.meta(str(cp), request, what, deadline)
+            except WorkerUnavailableError:
+                if forksafe.grpc_inherited() or deadline - time.monotonic() <= MIN_TRY_SECONDS:
+                    raise
+        return self.call_owner(str(cp), call, what, deadline=deadline)
+
+    def free_everywhere(self, prefix: str, what: str) -> None:
+        """Every worker forgets ``prefix`` ("<mount>/<key>/": what a recursive removal took away),
+        whatever worker did the removal: the objects under it are placed on all of them, and each
+        would answer from its metadata until that expires. Best effort, each within the timeout."""
+        state = self._state.get()
+        request = common_pb2.MetaRequest(op=common_pb2.MetaRequest.FREE, path=prefix)
+        for handle in state.workers.candidates_all():
+            try:
+                reply = state.bulk.meta_on(handle, request, self.config.timeout) if state.bulk.enabled else None
+                if reply is None and not forksafe.grpc_inherited():
+                    handle.stub().Free(worker_pb2.FreeRequest(prefix=prefix), timeout=self.config.timeout)
+            except Exception as exc:  # noqa: BLE001 - its metadata then expires at its TTL
+                log.warning("%s: worker %s could not forget %s: %s", what, handle.address, prefix, exc)
 
     # -- metadata ------------------------------------------------------------------------------------
     def info(self, cp: CachePath, refresh: bool = False, read_ahead: int = 0) -> dict[str, Any]:

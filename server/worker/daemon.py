@@ -227,7 +227,8 @@ class Worker:
         self.view_relay = ViewRelay()
         self.meta_ops = MetaOps(self.objects, lambda: WorkerServicer.GetStatus.__wrapped__(
             servicer, worker_pb2.GetStatusRequest(), None).SerializeToString(), self.view_relay.get,
-            plan=servicer.take_plan, load=self.hint_loads.submit)
+            plan=servicer.take_plan, load=self.hint_loads.submit, mutations=servicer,
+            on_answered=self.metrics.socket_operation)
         servicer.short_circuit_socket = self._start_short_circuit(cached)
         servicer.data_port = self._start_data_port(cached)
         port = bind_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
@@ -417,7 +418,9 @@ class Worker:
         try:
             self.data_port_server = DataPortServer(self.config.host, self.config.data_port, cached,
                                                    on_served=self.metrics.served_data_port, filler=self.filler,
-                                                   meta=self.meta_ops, check_page=self.pages.get).start()
+                                                   meta=self.meta_ops, check_page=self.pages.get,
+                                                   writes=self.servicer.writes,
+                                                   on_write=lambda ok: self.metrics.socket_operation("write", ok)).start()
         except OSError as exc:  # port taken: bulk bytes go through gRPC
             log.warning("data port off: cannot listen on %s:%s: %s", self.config.host, self.config.data_port, exc)
             return 0

@@ -11,8 +11,9 @@ only a small part is wanted is read and checked here and only that part is sent.
 Same rules as short-circuit reads (bulkpath.py): the worker's own metadata, the access token in
 every request, NOT_CACHED for a range not cached (the client then uses gRPC) unless the request
 asks for it to be filled (fill.py: a client that must not use gRPC, a forked DataLoader worker).
-Metadata operations (info, listing pages, the view, the worker's status) go through the same
-framing (metaops.py).
+Metadata operations (info, listing pages, the view, the worker's status, the mutations) go
+through the same framing (metaops.py), and so do streamed writes: a part's bytes follow its
+frame, the write holds its connection until its commit (writer.py).
 Plain TCP: a worker serving TLS does not open this port (daemon.py).
 """
 
@@ -23,16 +24,19 @@ import logging
 import os
 import select
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import xxhash
 
-from cachefs.proto import dataport_pb2
+from cachefs.errors import wire_error
+from cachefs.proto import common_pb2, dataport_pb2
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.server.rpc import info_message
 from cachefs.server.worker.bulkpath import NOT_CACHED, OK, CachedPages, OpenedRange
-from cachefs.server.connections import MAX_PER_PEER, SEND_TIMEOUT, FramedServer, connection_limit
+from cachefs.server.connections import (BUSY_RETRY_AFTER, MAX_PER_PEER, SEND_TIMEOUT, Connection, FramedServer,
+                                        connection_limit)
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.metaops import MetaOps
 
@@ -44,6 +48,14 @@ MAX_CONNECTIONS = 4096
 #: A page of which less than this share is wanted is read and checked here and only that
 #: part is sent; above it the whole page goes out (sendfile) and the client checks it.
 WHOLE_PAGE_SHARE = 0.5
+#: A write part's bytes at most (the client sends 4 MiB parts: client/fs/writer.py).
+MAX_WRITE_PART = (4 << 20) + (64 << 10)
+#: Writes in progress at once at most, so that writes (a serving thread each while the store
+#: takes a part) always leave threads to cached reads; past it a write is told BUSY.
+MAX_WRITES = 16
+#: A connection with a write in progress may wait this long for its next part (a producer
+#: slower than the idle timeout, e.g. a log), then the write is discarded.
+WRITE_IDLE_TIMEOUT = 600.0
 
 
 def _wait_writable(conn: socket.socket, timeout: float) -> None:
@@ -77,11 +89,13 @@ class DataPortServer(FramedServer):
     def __init__(self, host: str, port: int, pages: CachedPages,
                  on_served: Callable[[int, int, int], None] | None = None, filler: RangeFiller | None = None,
                  meta: MetaOps | None = None, check_page: Callable[[Any], Any] | None = None,
-                 **limits: Any) -> None:
+                 writes: Any = None, on_write: Callable[[bool], None] | None = None, **limits: Any) -> None:
         """``filler``: ranges asked for with ``fill`` are fetched into the page store first
         (fill.py); ``meta``: metadata operations (metaops.py), and the view version in every reply.
         ``check_page(pid)``: reads and checks a page found bad here (the page store drops it if it
         is, and counts it: PageStore.get), so it is fetched again rather than refused for good.
+        ``writes``: opens streamed writes (writer.py WriteHandler.open); None refuses them;
+        ``on_write(ok)``: each write that ended (committed, or failed).
         ``limits``: ConnectionServer's (max_connections, max_per_peer, threads, timeouts)."""
         # Sized from the descriptors this process may open; from one IP (a host of many training
         # processes and their DataLoader workers, each with its connections) a quarter of them.
@@ -89,7 +103,9 @@ class DataPortServer(FramedServer):
         limits.setdefault("max_per_peer", max(MAX_PER_PEER, limits["max_connections"] // 4))
         super().__init__(**limits)
         self.host, self.port, self.pages, self._on_served = host, port, pages, on_served
-        self.filler, self.meta, self._check_page = filler, meta, check_page
+        self.filler, self.meta, self._check_page, self.writes = filler, meta, check_page, writes
+        self._on_write = on_write
+        self._writing = 0  # connections with a write in progress (under _lock)
 
     def _refuse(self, conn: socket.socket, message: str, retry_after: float = 0.0) -> None:
         self.send_frame(conn, Reply(code=Reply.REFUSED, message=message, retry_after_ms=int(retry_after * 1000)))
@@ -101,16 +117,28 @@ class DataPortServer(FramedServer):
             except Exception:  # noqa: BLE001 - the page stays; the client's read goes another way
                 log.exception("checking page %s failed", pid)
 
-    def _answer(self, conn: socket.socket, body: bytes) -> None:
+    def _handle(self, conn: Connection, body: bytes | int) -> bool:
+        if isinstance(body, int):
+            return super()._handle(conn, body)  # too large: refused, closed
         request = dataport_pb2.DataRequest()
         try:
             request.ParseFromString(body)
         except Exception:
-            self.send_frame(conn, Reply(code=Reply.REFUSED, message="malformed request"))
-            return
+            self.send_frame(conn.sock, Reply(code=Reply.REFUSED, message="malformed request"))
+            return conn.session is None  # a write's stream is out of step: closed, the write dropped
+        if request.HasField("write"):
+            return self._write(conn, request)
+        if conn.session is not None:
+            self._refuse(conn.sock, "a request inside a write: the write is dropped")
+            return False
         if not self.pages.token_ok(request.token):
-            self.send_frame(conn, Reply(code=Reply.REFUSED, message="UNAUTHENTICATED: missing or wrong access token"))
-            return
+            self.send_frame(conn.sock, Reply(code=Reply.REFUSED,
+                                             message="UNAUTHENTICATED: missing or wrong access token"))
+            return True
+        self._answer(conn.sock, request)
+        return True
+
+    def _answer(self, conn: socket.socket, request: Any) -> None:
         view_version = self.meta.view_version() if self.meta is not None else 0
         if request.HasField("meta"):
             if self.meta is None:
@@ -160,6 +188,107 @@ class DataPortServer(FramedServer):
                 self._on_served(len(plan), sent, sum(1 for seg, _ in plan if seg.fetched))
         finally:
             opened.close()
+
+    # -- streamed writes (writer.py) -------------------------------------------------------------
+    def _write(self, conn: Connection, request: Any) -> bool:
+        """One part of a write: its bytes taken off the stream, handed to the store's upload; the
+        reply says the part was taken (or the write's error, which ends it; on commit, the
+        written object's info). False closes the connection (the stream is out of step)."""
+        part = request.write
+        if part.length > MAX_WRITE_PART:
+            self._refuse(conn.sock, f"a write part of {part.length} bytes is too large")
+            return False
+        data = self._take(conn, part.length)  # off the stream before anything else: it stays in step
+        if not self.pages.token_ok(request.token):
+            self._drop_write(conn)
+            self.send_frame(conn.sock, Reply(code=Reply.REFUSED,
+                                             message="UNAUTHENTICATED: missing or wrong access token"))
+            return True
+        session = conn.session
+        try:
+            if session is None:
+                if self.writes is None:
+                    raise PermissionError("this worker takes no writes on its data port")
+                if not self._admit_write():
+                    self._refuse(conn.sock, f"BUSY: {MAX_WRITES} writes in progress", BUSY_RETRY_AFTER)
+                    return True
+                try:
+                    session = conn.session = self.writes.open(part.path)
+                except BaseException:
+                    self._release_write()
+                    raise
+            elif part.path and part.path != str(session.path):
+                raise ValueError(f"a part of {part.path!r} inside the write of {session.path}")
+            if part.abort:
+                self._drop_write(conn)
+                self.send_frame(conn.sock, Reply(code=Reply.OK, meta=common_pb2.MetaReply()))
+                return True
+            if data:
+                session.put(data)
+            reply = common_pb2.MetaReply()
+            if part.commit:
+                conn.session = None
+                self._release_write()
+                reply.info.CopyFrom(info_message(session.commit()))
+                self._counted(True)
+        except Exception as exc:  # noqa: BLE001 - the write is over; its error goes back as gRPC's would
+            self._drop_write(conn)
+            self._counted(False)
+            if not isinstance(exc, (OSError, ValueError, NotImplementedError)):
+                log.exception("write part of %r failed", part.path)
+            code, detail, message = wire_error(exc)
+            reply = common_pb2.MetaReply(error_code=code, error_detail=detail, error_message=message)
+        self.send_frame(conn.sock, Reply(code=Reply.OK, meta=reply))
+        return True
+
+    def _counted(self, ok: bool) -> None:
+        if self._on_write is not None:
+            self._on_write(ok)
+
+    def _take(self, conn: Connection, n: int) -> bytearray:
+        """The ``n`` bytes that follow a write part's frame: what the selector already read, then
+        the socket (each wait bounded by the send timeout)."""
+        data = bytearray(n)
+        got = min(n, len(conn.buf))
+        data[:got] = conn.buf[:got]
+        del conn.buf[:got]
+        view = memoryview(data)
+        while got < n:
+            try:
+                k = conn.sock.recv_into(view[got:], n - got)
+            except TimeoutError:
+                raise ConnectionError("a write part's bytes stopped coming") from None
+            if k == 0:
+                raise ConnectionError("the connection closed inside a write part")
+            got += k
+        return data
+
+    def _admit_write(self) -> bool:
+        with self._lock:
+            if self._writing >= MAX_WRITES:
+                return False
+            self._writing += 1
+            return True
+
+    def _release_write(self) -> None:
+        with self._lock:
+            self._writing -= 1
+
+    def _drop_write(self, conn: Connection) -> None:
+        session, conn.session = conn.session, None
+        if session is not None:
+            self._release_write()
+            session.abort()
+
+    def _idle_limit(self, conn: Connection) -> float:
+        return WRITE_IDLE_TIMEOUT
+
+    def _closed(self, conn: Connection) -> None:
+        session, conn.session = conn.session, None
+        if session is not None:  # the client went away mid-write: nothing is published
+            self._release_write()
+            # Off the selector's thread: discarding waits for the upload thread to stop.
+            threading.Thread(target=session.abort, name="dataport-write-abort", daemon=True).start()
 
     def _plan(self, opened: OpenedRange,
               fetched: set[Any]) -> list[tuple[dataport_pb2.DataSegment, bytes | None]] | None:

@@ -4,8 +4,9 @@ A process forked from one that had loaded gRPC must not touch gRPC (client/forks
 DataLoader worker reads pages over the short-circuit socket (shortcircuit.py) or the data port
 (dataport.py), and asks for what else it needs the same way: an object's info, a listing (in
 pages: a reply of the short-circuit socket is one 64 KiB message), the cluster view the worker
-last had from the master, the worker's status, read plans (the worker's Plan call) and hinted
-loads. Each socket server parses its own framing and
+last had from the master, the worker's status, read plans (the worker's Plan call), hinted
+loads, and the mutations (remove, mkdir, copy, free; a write's parts come over the data port:
+dataport.py). Each socket server parses its own framing and
 hands the ``MetaRequest`` here; errors go back as gRPC would have carried them (status code
 name, the ``cachefs-error`` detail, the message: cachefs/errors.py), so the client raises the
 same exception either way.
@@ -33,6 +34,7 @@ MetaReply = common_pb2.MetaReply
 #: is one SOCK_SEQPACKET message of 64 KiB (cachefs/localhost.py MAX_MESSAGE) with its header.
 LIST_PAGE_ENTRIES = 1000
 LIST_PAGE_BYTES = 48 << 10
+_MUTATIONS = (MetaRequest.REMOVE, MetaRequest.MKDIR, MetaRequest.COPY, MetaRequest.FREE)
 
 
 def _parsed(message: Any, data: bytes) -> Any:
@@ -78,15 +80,19 @@ class MetaOps:
 
     def __init__(self, objects: Any, status: Callable[[], bytes],
                  view: Callable[[], tuple[int, bytes]] | None = None,
-                 plan: Callable[[Any], Any] | None = None, load: Callable[[list[str]], int] | None = None) -> None:
+                 plan: Callable[[Any], Any] | None = None, load: Callable[[list[str]], int] | None = None,
+                 mutations: Any = None, on_answered: Callable[[str, bool], None] | None = None) -> None:
         """``objects``: the worker's ObjectStore (its metadata and listing caches);
         ``status()``: its serialized WorkerStatus; ``view()``: (version, serialized ClusterView)
         of the view it last had from the master ((0, b"") without one); ``plan(PlanRequest)``:
         the PlanReply (the Plan call's work); ``load(paths)``: hinted loads started in the
-        background, how many were taken (hintloads.py)."""
+        background, how many were taken (hintloads.py); ``mutations``: what does the worker's
+        Remove, MakeDir, Copy and Free (its servicer's ``remove``, ``make_dir``, ``copy``, ``free``);
+        ``on_answered(op, ok)``: counts each answer (metrics)."""
         self._objects, self._status = objects, status
         self._view = view or (lambda: (0, b""))
-        self._plan, self._load = plan, load
+        self._plan, self._load, self._mutations = plan, load, mutations
+        self._on_answered = on_answered
         self._pages = ListingPages(objects)
 
     def view_version(self) -> int:
@@ -94,6 +100,13 @@ class MetaOps:
 
     def answer(self, request: Any) -> Any:
         """The reply to one request (never raises for a bad request or a store failure)."""
+        reply = self._answer(request)
+        if self._on_answered is not None:
+            name = MetaRequest.Op.Name(request.op).lower() if request.op in MetaRequest.Op.values() else "unknown"
+            self._on_answered(name, not reply.error_code)
+        return reply
+
+    def _answer(self, request: Any) -> Any:
         try:
             if request.op == MetaRequest.INFO:
                 return MetaReply(info=info_message(self._objects.info(parse_path(request.path),
@@ -112,12 +125,25 @@ class MetaOps:
                 return MetaReply(loading=self._load(list(request.paths)))
             if request.op == MetaRequest.HELLO:
                 return MetaReply(role="worker", protocol=PROTOCOL_VERSION)
+            if request.op in _MUTATIONS and self._mutations is not None:
+                return self._mutate(request)
             raise ValueError(f"unknown metadata operation {request.op}")
         except Exception as exc:  # noqa: BLE001 - every failure goes back as the error it is
             if not isinstance(exc, (OSError, ValueError, NotImplementedError)):
                 log.exception("metadata operation %s on %r failed", request.op, request.path)
             code, detail, message = wire_error(exc)
             return MetaReply(error_code=code, error_detail=detail, error_message=message)
+
+    def _mutate(self, request: Any) -> Any:
+        m = self._mutations
+        if request.op == MetaRequest.REMOVE:
+            return MetaReply(pages_freed=m.remove(request.path, request.recursive))
+        if request.op == MetaRequest.MKDIR:
+            m.make_dir(request.path, request.create_parents, request.exist_ok)
+            return MetaReply()
+        if request.op == MetaRequest.COPY:
+            return MetaReply(info=info_message(m.copy(request.path, request.destination)))
+        return MetaReply(pages_freed=m.free(request.path))
 
     def _list_page(self, request: Any) -> Any:
         entries, next_after = self._pages.page(request.path, request.recursive, request.refresh, request.start_after,

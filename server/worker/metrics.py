@@ -209,6 +209,13 @@ class WorkerMetrics:
         self.requests = Counter(
             "cachefs_worker_requests", "RPCs by method and status code.", ["method", "code"], registry=r
         )
+        self.socket_operations = Counter(
+            "cachefs_worker_socket_operations",
+            "Operations other than reads answered on the worker's sockets (short-circuit socket, data port), "
+            "by operation (info, list, view, status, plan, load, hello, remove, mkdir, copy, free, write: a "
+            "write counted once, at its commit or its failure) and outcome (ok, error).",
+            ["op", "outcome"], registry=r,
+        )
         self.plans = Gauge("cachefs_worker_plans", "Training jobs' read plans registered (eviction follows them).",
                            registry=r)
         self.load_not_admitted = Counter(
@@ -272,6 +279,9 @@ class WorkerMetrics:
 
     def watch_handles(self, in_use: Callable[[], int]) -> None:
         self.held_handles.set_function(in_use)
+
+    def socket_operation(self, op: str, ok: bool) -> None:
+        self.socket_operations.labels(op, "ok" if ok else "error").inc()
 
     def served_data_port(self, pages: int, nbytes: int, misses: int = 0) -> None:
         """A read through the data port (page files sent with sendfile); ``misses`` as above."""

@@ -277,16 +277,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Free(self, request: worker_pb2.FreeRequest, context: grpc.ServicerContext) -> worker_pb2.FreeResponse:
         """Drop every version's pages under a prefix, and what we know of those objects."""
         self.epochs.check(request.leader_epoch, "Free")
-        path = parse_path(request.prefix)
+        return worker_pb2.FreeResponse(pages_freed=self.free(request.prefix, self._load_deadline(context)))
+
+    def free(self, raw_prefix: str, deadline: float | None = None) -> int:
+        """Free's work (also asked over the sockets: metaops.py); the pages dropped. ``deadline``
+        (monotonic): by when pending page writes under it must have settled (default: the
+        worker's own longest call)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.max_rpc_seconds
+        path = parse_path(raw_prefix)
         # parse_path drops a trailing '/': keep it, so "data/dir/" does not also free "data/dir2/...".
-        prefix = path.key + "/" if path.key and request.prefix.endswith("/") else path.key
+        prefix = path.key + "/" if path.key and raw_prefix.endswith("/") else path.key
         self.objects.forget_prefix(path.mount, prefix)
         # Pages fetched before the Free (their disk writes queued) land first, then go with the rest.
-        if not self.reader.wait_prefix_settled(path.mount, prefix, self._load_deadline(context)):
-            raise DeadlineExceededError(f"Free {request.prefix!r}: page writes under it did not settle in time")
+        if not self.reader.wait_prefix_settled(path.mount, prefix, deadline):
+            raise DeadlineExceededError(f"Free {raw_prefix!r}: page writes under it did not settle in time")
         freed = self.pages.delete_prefix(path.mount, prefix)
         self.metrics.pages_freed.inc(freed)
-        return worker_pb2.FreeResponse(pages_freed=freed)
+        return freed
 
     @rpc("GetCached")
     def GetCached(self, request: worker_pb2.GetCachedRequest,
@@ -371,18 +379,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @rpc("Remove")
     def Remove(self, request: worker_pb2.RemoveRequest, context: grpc.ServicerContext) -> worker_pb2.RemoveResponse:
-        freed = self.writes.remove(parse_path(request.path), request.recursive)
-        self.metrics.pages_freed.inc(freed)
-        return worker_pb2.RemoveResponse(pages_freed=freed)
+        return worker_pb2.RemoveResponse(pages_freed=self.remove(request.path, request.recursive))
 
     @rpc("MakeDir")
     def MakeDir(self, request: worker_pb2.MakeDirRequest, context: grpc.ServicerContext) -> worker_pb2.MakeDirResponse:
-        self.objects.make_dir(parse_path(request.path), request.create_parents, request.exist_ok)
+        self.make_dir(request.path, request.create_parents, request.exist_ok)
         return worker_pb2.MakeDirResponse()
 
     @rpc("Copy")
     def Copy(self, request: worker_pb2.CopyRequest, context: grpc.ServicerContext) -> common_pb2.ObjectInfo:
-        source, destination = parse_path(request.source), parse_path(request.destination)
+        return info_message(self.copy(request.source, request.destination))
+
+    # The mutations' work, the same whether asked through gRPC or over the sockets (metaops.py).
+    def remove(self, raw_path: str, recursive: bool) -> int:
+        freed = self.writes.remove(parse_path(raw_path), recursive)
+        self.metrics.pages_freed.inc(freed)
+        return freed
+
+    def make_dir(self, raw_path: str, create_parents: bool, exist_ok: bool) -> None:
+        self.objects.make_dir(parse_path(raw_path), create_parents, exist_ok)
+
+    def copy(self, raw_source: str, raw_destination: str) -> ObjectMeta:
+        source, destination = parse_path(raw_source), parse_path(raw_destination)
         meta = self.objects.copy(source, destination)
         self.pages.delete_object(destination.mount, destination.key)  # older versions' pages
-        return info_message(meta)
+        return meta

@@ -89,37 +89,44 @@ class WriteHandler:
         self.stall_timeout = stall_timeout
         self.queue_bytes = queue_bytes
 
+    def open(self, raw_path: str) -> "WriteSession":
+        """A write of the object at ``raw_path`` ("<mount>/<key>"), fed part by part: the data
+        port's streamed writes (dataport.py) and the gRPC ``Write`` stream alike."""
+        if not raw_path:
+            raise InvalidPathError("a write must start by naming the path")
+        return WriteSession(self, parse_path(raw_path))
+
     def write(self, requests: Iterator[worker_pb2.WriteChunk]) -> ObjectMeta:
         """Publish the streamed object only if the stream ends with a ``commit`` message."""
         try:
             first = next(requests, None)
         except grpc.RpcError as exc:
             raise ConnectionAbortedError(errno.ECONNABORTED, "write cancelled by the client") from exc
-        if first is None or not first.path:
+        if first is None:
             raise InvalidPathError("a write stream must start with a message naming the path")
-        path = parse_path(first.path)
-        uploader = _Uploader(self.objects, path, self.queue_bytes, self.stall_timeout)
+        session = self.open(first.path)
         committed = first.commit
         try:
             if first.data:
-                uploader.put(first.data)
+                session.put(first.data)
             for msg in requests:
                 if committed:
-                    raise InvalidPathError(f"write of {path}: a message after the commit")
+                    raise InvalidPathError(f"write of {session.path}: a message after the commit")
                 if msg.data:
-                    uploader.put(msg.data)
+                    session.put(msg.data)
                 committed = msg.commit
         except grpc.RpcError as exc:  # the client cancelled or went away: nothing is published
-            committed = False
-            raise ConnectionAbortedError(errno.ECONNABORTED, f"write of {path} cancelled by the client") from exc
+            session.abort()
+            raise ConnectionAbortedError(errno.ECONNABORTED,
+                                         f"write of {session.path} cancelled by the client") from exc
         except BaseException:
-            committed = False
+            session.abort()
             raise
-        finally:
-            uploader.finish(committed)
         if not committed:
-            raise ConnectionAbortedError(errno.ECONNABORTED, f"write of {path} ended without a commit: discarded")
-        return self.after_write(path)
+            session.abort()
+            raise ConnectionAbortedError(errno.ECONNABORTED,
+                                         f"write of {session.path} ended without a commit: discarded")
+        return session.commit()
 
     def after_write(self, path: CachePath) -> ObjectMeta:
         meta = self.objects.written(path)
@@ -132,3 +139,44 @@ class WriteHandler:
         if recursive:
             freed += self.pages.delete_prefix(path.mount, path.key + "/")
         return freed
+
+
+class WriteSession:
+    """One object being written: parts go to the store as they come; ``commit`` publishes it,
+    ``abort`` (or never committing) leaves the store as it was."""
+
+    def __init__(self, handler: WriteHandler, path: CachePath) -> None:
+        self.handler, self.path = handler, path
+        self.received = 0
+        self._uploader: _Uploader | None = _Uploader(handler.objects, path, handler.queue_bytes,
+                                                     handler.stall_timeout)
+
+    def put(self, data: bytes) -> None:
+        if self._uploader is None:
+            raise InvalidPathError(f"write of {self.path}: a part after the write ended")
+        try:
+            self._uploader.put(data)
+        except BaseException:
+            self.abort()
+            raise
+        self.received += len(data)
+
+    def commit(self) -> ObjectMeta:
+        uploader, self._uploader = self._uploader, None
+        if uploader is None:
+            raise InvalidPathError(f"write of {self.path}: committed after the write ended")
+        uploader.finish(True)  # raises the store's error (the write is then discarded)
+        return self.handler.after_write(self.path)
+
+    def abort(self) -> None:
+        uploader, self._uploader = self._uploader, None
+        if uploader is None:
+            return
+        try:
+            uploader.finish(False)
+        except Exception as exc:  # noqa: BLE001 - already failed: nothing to publish either way
+            log.debug("write of %s discarded after: %s", self.path, exc)
+
+    @property
+    def active(self) -> bool:
+        return self._uploader is not None
