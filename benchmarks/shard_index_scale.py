@@ -11,12 +11,15 @@ with numpy (no ``ShardIndex`` objects: at 100 M they would not fit) and kept as 
   the kept file's, shared);
 * ``order_s``: ``set_epoch(1)`` and one rank's whole order for it (``plan.rank_order()``: the
   shard permutation, every block's shuffle), rank 0 of 8, blocks of 256;
-* ``worker_uss_bytes_per_sample_fork``/``_spawn``: each of 2 DataLoader workers (fork, spawn)
-  works out every block of its share of rank 0's epoch as a read does (``_block_runs``: the
-  samples' shards and byte spans, the runs to read) and the key and fields of each block's first
-  sample; its USS (Private_Clean + Private_Dirty, ``/proc/self/smaps_rollup``) after, less a
-  worker's doing the same over a 10,000-sample index, / the samples of the whole index (a worker
-  touches the table's pages of its share only: 1/16 of them here; they are shared, not private).
+* ``worker_private_bytes_per_sample_fork``/``_spawn``: each of 2 DataLoader workers (fork,
+  spawn) works out every block of its share of rank 0's epoch as a read does (``_block_runs``:
+  the samples' shards and byte spans, the runs to read) and the key and fields of each block's
+  first sample; its USS (Private_Clean + Private_Dirty, ``/proc/self/smaps``) after, outside the
+  table's own mapping, less a worker's doing the same over a 10,000-sample index, / the samples
+  of the whole index. The table's pages (the kept file's page cache, or the memfd) are shared by
+  every process that maps them: ``worker_table_rss_bytes`` is what each worker touched of them
+  (its share's pages), ``worker_uss_bytes`` its whole USS, which counts a table page private while
+  no other process happens to map it.
 
 Shards of 10,000 samples (``shard-<6 digits>.tar``), keys of 9 digits, fields ``jpg`` (110,000
 bytes) and ``cls`` (3 bytes) at their tar offsets: ~35 bytes of table a sample.
@@ -58,6 +61,31 @@ def _smaps() -> dict[str, int]:
 def _uss() -> int:
     m = _smaps()
     return m["Private_Clean"] + m["Private_Dirty"]
+
+
+def _private_outside(marks: tuple[str, ...]) -> tuple[int, int]:
+    """(USS outside the mappings named with any of ``marks``, RSS of those mappings). The table's
+    pages are page cache or shmem that every process mapping them shares; USS counts them private
+    to whichever process alone maps a page at the moment it looks, which says nothing of its cost."""
+    uss = table_rss = 0
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                inside = any(m in line for m in marks)
+                continue
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                kb = int(parts[1]) * 1024
+                if inside and parts[0] == "Rss:":
+                    table_rss += kb
+                elif not inside and parts[0] in ("Private_Clean:", "Private_Dirty:"):
+                    uss += kb
+    return uss, table_rss
+
+
+MARKS = (".shards", "cachefs-shard-table")
 
 
 def make(n: int, directory: str) -> dict[str, Any]:
@@ -110,7 +138,8 @@ class _Touch(IterableDataset):
             shards.key(ids[0]), shards.fields(ids[0])
             samples += len(ids)
         gc.collect()
-        yield {"uss": _uss(), "rss": _smaps()["Rss"], "samples": samples}
+        private, table_rss = _private_outside(MARKS)
+        yield {"uss": _uss(), "private": private, "table_rss": table_rss, "samples": samples}
 
 
 def _worker_uss(ds: CacheIterableDataset, method: str) -> list[dict[str, int]]:
@@ -149,6 +178,8 @@ def measure(n: int, directory: str) -> dict[str, Any]:
     for method in ("fork", "spawn"):
         got = _worker_uss(ds, method)
         row[f"worker_uss_bytes_{method}"] = [g["uss"] for g in got]
+        row[f"worker_private_bytes_{method}"] = [g["private"] for g in got]
+        row[f"worker_table_rss_bytes_{method}"] = [g["table_rss"] for g in got]
         row[f"worker_samples_{method}"] = [g["samples"] for g in got]
     return row
 
@@ -168,8 +199,8 @@ def run(sizes: list[int], directory: str | None = None) -> list[dict[str, Any]]:
             base = row
             continue
         for method in ("fork", "spawn"):
-            extra = max(row[f"worker_uss_bytes_{method}"]) - max(base[f"worker_uss_bytes_{method}"])
-            row[f"worker_uss_bytes_per_sample_{method}"] = round(extra / n, 2)
+            extra = max(row[f"worker_private_bytes_{method}"]) - max(base[f"worker_private_bytes_{method}"])
+            row[f"worker_private_bytes_per_sample_{method}"] = round(extra / n, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -334,13 +334,11 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     def _samples_of(ids: list[int], shards: Any, where: list[tuple[int, int]], lo: np.ndarray,
                     buffers: dict[int, list[tuple[int, torch.Tensor]]]) -> list[dict[str, Any]]:
         out = []
-        table = shards if isinstance(shards, ShardTable) else None
-        for sample, (shard, i), start in zip(ids, where, lo.tolist()):
-            if table is not None:  # by global id: no view of the shard per sample
-                key, fields = table.key(sample), table.fields(sample)
-            else:
-                span = shards[shard].samples[i]
-                key, fields = span.key, span.fields
+        if isinstance(shards, ShardTable):  # by global id, the block's columns at once
+            entries = shards.entries(ids)
+        else:
+            entries = [(span.key, span.fields) for span in (shards[s].samples[i] for s, i in where)]
+        for sample, (shard, i), start, (key, fields) in zip(ids, where, lo.tolist(), entries):
             # runs never overlap: the one holding the sample's start holds all of it
             base, run = next((s, t) for s, t in buffers[shard] if s <= start < s + max(1, len(t)))
             item: dict[str, Any] = {"__key__": key, "__index__": sample}
