@@ -9,6 +9,7 @@ renewed certificate takes effect on the next restart (or, for clients, the next 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import ssl
@@ -174,3 +175,35 @@ def explain(details: str | None, tls: TLSConfig = PLAINTEXT) -> str:
         return ("the server ended the TLS handshake: it may require a client certificate signed by its CA "
                 "(tls_cert_file/tls_key_file)")
     return ""
+
+
+# -- the framed ports (the workers' data ports, the master's client port): Python's ssl ------------
+def server_context(tls: TLSConfig) -> ssl.SSLContext:
+    """The server side of ``tls`` for a framed port: the certificates gRPC's ports serve with,
+    client certificates required (against ``ca_file``) exactly where gRPC requires them."""
+    if not tls.cert_file:
+        raise ValueError("a TLS server needs tls_cert_file and tls_key_file")
+    _warn_if_key_is_open(tls.key_file)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.require_client_cert:
+        context.load_verify_locations(cafile=tls.ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+@functools.lru_cache(maxsize=8)
+def shared_client_context(tls: TLSConfig) -> ssl.SSLContext:
+    """``client_context``, made once per process and settings (certificates read then)."""
+    return client_context(tls)
+
+
+def client_context(tls: TLSConfig) -> ssl.SSLContext:
+    """The client side of ``tls`` for a framed port: the server verified against ``ca_file`` (else
+    the system's roots) and its name, as a gRPC channel verifies it; a client certificate if set."""
+    context = ssl.create_default_context(cafile=tls.ca_file or None)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.cert_file:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    return context

@@ -18,12 +18,15 @@ import os
 import resource
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import Any
+
+from cachefs.server.tlsstream import TlsStream
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
 class Connection:
     """One accepted connection and what the server knows of it."""
 
-    __slots__ = ("sock", "fd", "peer", "buf", "started", "since", "state", "request", "session")
+    __slots__ = ("sock", "fd", "peer", "buf", "started", "since", "state", "request", "session", "stream")
 
     def __init__(self, sock: socket.socket, peer: Hashable, now: float) -> None:
         self.sock, self.fd, self.peer = sock, sock.fileno(), peer
@@ -69,6 +72,7 @@ class Connection:
         self.state = _IDLE
         self.request: Any = None  # the complete request it is handed to a serving thread with
         self.session: Any = None  # what the protocol keeps between requests (a write in progress)
+        self.stream: Any = sock  # what requests are read from and replies sent on (TLS: tlsstream.py)
 
 
 class _Kick:
@@ -147,6 +151,11 @@ class ConnectionServer:
 
     def _setup(self, sock: socket.socket) -> None:
         """Socket options of a new connection."""
+
+    def _stream(self, sock: socket.socket) -> Any:
+        """What a new connection's requests are read from and its replies sent on: the socket
+        itself, or a TLS layer over it."""
+        return sock
 
     def _busy(self, sock: socket.socket) -> None:
         """Tell a connection refused over a limit that this server is busy (before it is closed);
@@ -305,6 +314,7 @@ class ConnectionServer:
                 self.counts["refused"] += 1
             else:
                 conn = Connection(sock, peer, now)
+                conn.stream = self._stream(sock)
                 self._conns[conn.fd] = conn
                 self._peers[peer] += 1
                 self._epoll.register(conn.fd, _ARM)
@@ -537,7 +547,15 @@ _READ_SIZE = 16 << 10  # bytes read at a time while a request comes in (one read
 class FramedServer(ConnectionServer):
     """A TCP server of length-prefixed frames (``FRAME``, then a message of that many bytes),
     one request at a time per connection: the data port's framing (proto/dataport.proto), also
-    spoken by the master's client port. A subclass answers ``_answer(sock, body)``."""
+    spoken by the master's client port. A subclass answers ``_answer(stream, body)`` (the stream:
+    the socket, or its TLS layer where ``tls_context`` is set: server/tlsstream.py)."""
+
+    def __init__(self, tls_context: ssl.SSLContext | None = None, **limits: Any) -> None:
+        super().__init__(**limits)
+        self.tls_context = tls_context
+
+    def _stream(self, sock: socket.socket) -> Any:
+        return sock if self.tls_context is None else TlsStream(sock, self.tls_context)
 
     def _listen(self) -> socket.socket:
         sock = listen_tcp(self.host, self.port, 128)
@@ -556,6 +574,17 @@ class FramedServer(ConnectionServer):
             got = self._frame(conn.buf)
             if got is not None:
                 return got
+        if conn.stream is not conn.sock:  # TLS: what the records that came in hold
+            try:
+                data = conn.stream.take()
+            except EOFError:
+                if conn.buf:
+                    raise ConnectionError("connection closed inside a frame") from None
+                raise
+            if not data:
+                return None
+            conn.buf += data
+            return self._frame(conn.buf)
         try:
             data = os.read(conn.fd, _READ_SIZE)
         except BlockingIOError:
@@ -584,9 +613,9 @@ class FramedServer(ConnectionServer):
 
     def _handle(self, conn: Connection, request: bytes | int) -> bool:
         if isinstance(request, int):
-            self._refuse(conn.sock, f"request of {request} bytes is too large")
+            self._refuse(conn.stream, f"request of {request} bytes is too large")
             return False  # the stream is out of step: close it
-        self._answer(conn.sock, request)
+        self._answer(conn.stream, request)
         return True
 
     @staticmethod
@@ -599,8 +628,10 @@ class FramedServer(ConnectionServer):
         raise NotImplementedError
 
     def _busy(self, sock: socket.socket) -> None:
-        # Sent at accept, before the client's request is read: the reply it reads first.
-        self._refuse(sock, "BUSY: too many connections", BUSY_RETRY_AFTER)
+        # Sent at accept, before the client's request is read: the reply it reads first. Not
+        # on TLS (no reply before a handshake): the connection is closed, and the client retries.
+        if self.tls_context is None:
+            self._refuse(sock, "BUSY: too many connections", BUSY_RETRY_AFTER)
 
     def _answer(self, conn: socket.socket, body: bytes) -> None:
         raise NotImplementedError

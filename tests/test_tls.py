@@ -8,6 +8,11 @@ calls (stat) and client -> both all cross process boundaries over TLS.
 from __future__ import annotations
 
 import json
+import os
+import ssl
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import fsspec
@@ -128,7 +133,7 @@ def test_client_with_the_right_ca_reads_through_master_and_worker(tls_cluster, p
         assert sorted(fs.find("data")) == ["data/a.bin", "data/dir/b.bin"]
         handle = fs.session.candidates("data/a.bin", 0)[0]
         status = handle.stub().GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
-        assert status.data_port == 0  # plaintext bulk bytes never leave a TLS worker
+        assert status.data_port > 0  # served over TLS
     finally:
         fs.close()
     # The admin command over TLS; `stat` makes the master call the worker (GetCached) over TLS.
@@ -144,6 +149,75 @@ def test_client_with_the_right_ca_reads_through_master_and_worker(tls_cluster, p
 
     assert wait_for(cached, timeout=15, interval=0.2), outputs[-1]
     assert outputs[-1]["workers"][0]["address"] == cluster.workers[0].address
+
+
+TRAINING_OVER_TLS = textwrap.dedent('''
+    import json, os, sys
+    import cachefs, fsspec
+
+    options = json.loads(sys.argv[2])
+    # The data port (another host's path) and the master's client port, both over TLS.
+    fs = fsspec.filesystem("cachefs", master=sys.argv[1], short_circuit=False, **options)
+    out = {"read": fs.cat_file("data/a.bin") == b"alpha" * 1000,
+           "find": sorted(fs.find("data")) == ["data/a.bin", "data/dir/b.bin"]}
+    fs.pipe_file("data/written-over-tls.bin", b"w" * 300_000)
+    out["write"] = fs.cat_file("data/written-over-tls.bin") == b"w" * 300_000
+    fs.rm("data/written-over-tls.bin")
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker's case: the parent's filesystem, its own sockets
+        os._exit(0 if fs.cat_file("data/dir/b.bin") == b"bravo" * 3000 else 1)
+    out["child"] = os.waitpid(pid, 0)[1]
+    out["data_port_reads"] = fs.session.bulk_stats["data_port"]["reads"] > 0
+    out["grpc_loaded"] = "grpc" in sys.modules
+    print(json.dumps(out), flush=True)
+''')
+
+
+def test_a_training_process_on_a_tls_cluster_loads_no_grpc(tls_cluster, pki: PKI, tmp_path: Path) -> None:
+    """The framed ports speak TLS where the cluster does: the view from the master's client port,
+    reads, listings and writes over the worker's data port, a forked child's reads too, and no
+    gRPC in the process (before, a TLS cluster opened neither port and the client used gRPC)."""
+    cluster, mutual = tls_cluster
+    script = tmp_path / "train.py"
+    script.write_text(TRAINING_OVER_TLS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEFS_", "GRPC_")) and k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(script), cluster.master_address,
+                           json.dumps(_good_client_options(pki, mutual))],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "read": True, "find": True, "write": True, "child": 0, "data_port_reads": True, "grpc_loaded": False}
+
+
+def test_the_framed_ports_refuse_clients_without_tls_or_the_right_ca(tls_cluster, pki: PKI) -> None:
+    """A plaintext frame to a TLS data port or client port is never answered as a request; a
+    client trusting another CA fails the handshake."""
+    from cachefs.client.transport.dataport import DataPortReader
+    from cachefs.proto import common_pb2
+
+    cluster, mutual = tls_cluster
+    hello = common_pb2.MetaRequest(op=common_pb2.MetaRequest.HELLO)
+    master_host, master_port = cluster.master_address.rsplit(":", 1)
+    worker = cluster.workers[0]
+    status_port = worker_status(worker.address, pki, mutual).data_port
+    for host, port in ((master_host, int(master_port) + 1), ("127.0.0.1", status_port)):
+        with pytest.raises(OSError):
+            DataPortReader(host, port, timeout=5).meta(hello, timeout=5)
+        with pytest.raises(ssl.SSLError):
+            DataPortReader(host, port, timeout=5, tls=TLSConfig(ca_file=pki.other_ca)).meta(hello, timeout=5)
+        good = TLSConfig(**{k.removeprefix("tls_"): v for k, v in _good_client_options(pki, mutual).items()})
+        reader = DataPortReader(host, port, timeout=5, tls=good)
+        assert reader.meta(hello, timeout=5).role in ("master", "worker")
+        reader.close()
+        if mutual:  # no client certificate: the handshake (or the first read) fails
+            with pytest.raises(OSError):
+                DataPortReader(host, port, timeout=5, tls=TLSConfig(ca_file=pki.ca)).meta(hello, timeout=5)
+
+
+def worker_status(address: str, pki: PKI, mutual: bool) -> worker_pb2.WorkerStatus:
+    tls = TLSConfig(**{k.removeprefix("tls_"): v for k, v in _good_client_options(pki, mutual).items()})
+    with open_channel(address, tls) as channel:
+        return worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
 
 
 def _refused(options: dict, address: str) -> OSError:

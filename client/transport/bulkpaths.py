@@ -210,7 +210,7 @@ class BulkPaths:
                                       huge_pages=config.huge_pages)
         if kind == "data_port":
             return DataPortReader(_host(handle.address), status.data_port, config.token, timeout=timeout,
-                                  counts=self.stats["data_port"], huge_pages=config.huge_pages)
+                                  counts=self.stats["data_port"], huge_pages=config.huge_pages, tls=config.tls)
         return None
 
     def _reader(self, handle: Any, timeout: float = SOCKET_TIMEOUT) -> Reader | None:
@@ -305,7 +305,7 @@ class BulkPaths:
         if config.short_circuit and status.host_id == _HOST_ID and status.short_circuit_socket \
                 and os.path.exists(status.short_circuit_socket):
             return "short_circuit"
-        if config.data_port and status.data_port and not config.tls.enabled:
+        if config.data_port and status.data_port:  # over TLS where the cluster has it
             return "data_port"
         return None
 
@@ -565,14 +565,14 @@ class BulkPaths:
             return reader
         config = self.config
         status = self._known_status(handle.address)
-        if status is None or not status.data_port or not config.data_port or config.tls.enabled:
+        if status is None or not status.data_port or not config.data_port:
             return None
         with self._lock:
             port = self._ports.get(handle.address)
             if port is None or port.port != status.data_port:
                 port = self._ports[handle.address] = DataPortReader(
                     _host(handle.address), status.data_port, config.token, timeout=min(SOCKET_TIMEOUT, config.timeout),
-                    counts=self.stats["data_port"], huge_pages=config.huge_pages)
+                    counts=self.stats["data_port"], huge_pages=config.huge_pages, tls=config.tls)
         return port
 
     def meta_on(self, handle: Any, request: Any, timeout: float) -> Any | None:

@@ -1,6 +1,6 @@
 """The client's side of a worker's data port (server/worker/dataport.py, proto/dataport.proto).
 
-Cached ranges of a worker on another host come over plain TCP: the worker sends its page files
+Cached ranges of a worker on another host come over TCP (TLS where the cluster has it): the worker sends its page files
 with sendfile and they are received here with ``recv_into`` straight into the caller's buffer
 (a training loop's aligned tensor), one copy fewer than gRPC and no message framing in Python.
 Whole pages arrive with the checksum of their trailer, checked here. Anything unusual (not
@@ -11,6 +11,7 @@ caller reads through gRPC instead.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from cachefs.client.transport.shortcircuit import refusal_error
 from cachefs.errors import (DeadlineExceededError, OverloadedError, WorkerUnavailableError, failed_range_error,
                             from_wire_error)
 from cachefs.proto import dataport_pb2
+from cachefs.tls import PLAINTEXT, TLSConfig, shared_client_context
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
@@ -41,10 +43,12 @@ def busy_error(where: str, reply: Any) -> OverloadedError:
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket (blocking, MSG_WAITALL: one call for most segments)."""
+    """Fill ``view`` from the socket (blocking, MSG_WAITALL: one call for most segments; TLS
+    takes no flags)."""
     got, n = 0, len(view)
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < n:
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        k = sock.recv_into(view[got:], n - got, flags)
         if k == 0:
             raise ConnectionError("the worker closed the data connection mid-reply")
         got += k
@@ -70,7 +74,11 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytearray:
 
 
 def _set_timeouts(sock: socket.socket, timeout: float) -> None:
-    """Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket, so that MSG_WAITALL works."""
+    """Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket, so that MSG_WAITALL
+    works; a TLS socket's own timeout (its reads retry inside OpenSSL)."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(timeout)
+        return
     seconds = int(timeout)
     value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
@@ -83,8 +91,11 @@ class DataPortReader:
     kind = "data_port"
 
     def __init__(self, host: str, port: int, token: str = "", timeout: float = 30.0, max_idle: int = 8,
-                 counts: dict[str, int] | None = None, huge_pages: bool = True) -> None:
+                 counts: dict[str, int] | None = None, huge_pages: bool = True, tls: TLSConfig = PLAINTEXT) -> None:
+        """``tls``: the cluster's TLS settings (enabled: the port is spoken over TLS, verified as
+        gRPC verifies the worker)."""
         self.host, self.port, self.token, self.timeout, self.max_idle = host, port, token, timeout, max_idle
+        self.tls = tls
         self.huge_pages = huge_pages  # large results in transparent huge pages (rawbytes.py)
         # Pages read (hits: the data port serves only cached pages; a range with a missing page
         # is NOT_CACHED and read through gRPC, which counts its misses). Shared with BulkPaths.stats.
@@ -101,7 +112,10 @@ class DataPortReader:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(None)
+            if self.tls.enabled:  # the handshake within the connect timeout
+                sock = shared_client_context(self.tls).wrap_socket(sock, server_hostname=self.host.strip("[]"))
+            else:
+                sock.settimeout(None)
             _set_timeouts(sock, self.timeout)
         except BaseException:
             sock.close()

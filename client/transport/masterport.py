@@ -25,6 +25,7 @@ from typing import Any
 from cachefs.addresses import CLIENT_PORT_OFFSET, split_address, split_addresses
 from cachefs.client import forksafe
 from cachefs.client.transport.dataport import DataPortReader
+from cachefs.tls import PLAINTEXT, TLSConfig
 from cachefs.errors import OverloadedError, UnauthenticatedError
 from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.proto import common_pb2, master_pb2
@@ -47,8 +48,8 @@ class NotAMasterError(ConnectionError):
 class MasterPort:
     """The client ports of one master list (``m1:19998,m2:19998``), for one process."""
 
-    def __init__(self, master: str, token: str = "", timeout: float = 5.0) -> None:
-        self.master = master
+    def __init__(self, master: str, token: str = "", timeout: float = 5.0, tls: TLSConfig = PLAINTEXT) -> None:
+        self.master, self._tls = master, tls
         self._targets: list[tuple[str, int]] = []
         for address in split_addresses(master, "master"):
             host, port = split_address(address, "master")
@@ -64,7 +65,8 @@ class MasterPort:
         if reader is not None:
             return reader
         host, port = self._targets[index]
-        reader = DataPortReader(host, port, token=self._token, timeout=min(timeout, CONNECT_SECONDS), max_idle=1)
+        reader = DataPortReader(host, port, token=self._token, timeout=min(timeout, CONNECT_SECONDS), max_idle=1,
+                                tls=self._tls)
         try:
             hello = reader.meta(common_pb2.MetaRequest(op=common_pb2.MetaRequest.HELLO,
                                                        protocol=PROTOCOL_VERSION), timeout=timeout)

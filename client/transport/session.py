@@ -152,10 +152,8 @@ class _ProcessState:
     def _view_from_port(config: ClientConfig, timeout: float | None = None) -> bytes:
         """The view from the master's client port, serialized (b"": none answered within
         ``timeout``, by default the config's)."""
-        if config.tls.enabled:
-            return b""
         timeout = config.timeout if timeout is None else timeout
-        port = MasterPort(config.master, config.token, timeout)
+        port = MasterPort(config.master, config.token, timeout, tls=config.tls)
         try:
             view, _ = port.view(0, timeout)
         except OSError as exc:
@@ -167,10 +165,8 @@ class _ProcessState:
 
     def _poll_master(self, config: ClientConfig, known_view: master_pb2.ClusterView | None) -> bool:
         """Follow the view through the master's client port (client/transport/masterport.py): False when
-        no master of the list has one (TLS, an older master, all down: then gRPC)."""
-        if config.tls.enabled:
-            return False
-        poller = ViewPoller(MasterPort(config.master, config.token, config.timeout), self.apply_view,
+        no master of the list has one (an older master, all down: then gRPC)."""
+        poller = ViewPoller(MasterPort(config.master, config.token, config.timeout, tls=config.tls), self.apply_view,
                             supersedes, known=known_view)
         if known_view is None:
             try:

@@ -8,7 +8,8 @@ address it was given), in the data port's framing (proto/dataport.proto, server/
 ``master``, the protocol version); ``VIEW`` with the version the client has is answered with the
 view only when it differs (as ``WatchView``), so a poll costs a few dozen bytes. The token is the
 gRPC port's: the access token or the cluster token; ``open_status`` lets ``VIEW`` through
-without one, as it does ``GetView``. A master serving TLS opens no client port (docs/security.md).
+without one, as it does ``GetView``. A master serving TLS serves this port with the same
+certificates (server/tlsstream.py), client certificates required where gRPC requires them.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from cachefs.server.lifecycle import liveness, serve_until_signalled
 from cachefs.server.rpc import server_interceptors
 from cachefs.server.master.viewversion import BOOT_SHIFT, ViewVersion
 from cachefs.server.master.workerstubs import WorkerStubs
-from cachefs.tls import bind_port
+from cachefs.tls import bind_port, server_context
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +178,15 @@ class Master:
         return MasterClientPort(
             config.host, port, self.servicer.build_view, lambda: self.versions.value,
             token_checker([config.access_token, config.cluster_token]) if config.access_token else None,
-            open_view=config.open_status, on_view_sent=self.metrics.views_sent.inc).start()
+            open_view=config.open_status, on_view_sent=self.metrics.views_sent.inc,
+            tls_context=server_context(config.tls) if config.tls.cert_file else None).start()
 
     def _bind(self) -> tuple[grpc.Server, int]:
         """The gRPC server bound to its port, and the client port on the next one (clientport.py).
         With port 0 both are picked together; a fixed port whose neighbour is taken leaves the
         client port off (training processes then use gRPC), with a warning."""
         config, address = self.config, f"{self.config.host}:{{}}"
-        if not config.client_port or config.tls.enabled:
+        if not config.client_port:
             server = self._grpc_server()
             return server, bind_port(server, address.format(config.port), config.tls)
         if config.port:

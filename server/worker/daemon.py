@@ -46,7 +46,7 @@ from cachefs.server.worker.touches import TouchQueue
 from cachefs.server.worker.fill import RangeFiller
 from cachefs.server.worker.hintloads import HintLoads
 from cachefs.server.worker.shortcircuit import ShortCircuitServer
-from cachefs.tls import MESSAGE_OPTIONS, bind_port
+from cachefs.tls import MESSAGE_OPTIONS, bind_port, server_context
 
 log = logging.getLogger(__name__)
 
@@ -409,18 +409,18 @@ class Worker:
         return True
 
     def _start_data_port(self, cached: CachedPages) -> int:
-        """The data port (server/worker/dataport.py); 0 when off: disabled, or TLS (it is plaintext)."""
+        """The data port (server/worker/dataport.py); 0 when off. A worker serving TLS serves it
+        with the same certificates (server/tlsstream.py)."""
         if self.config.data_port < 0:
             return 0
-        if self.config.tls_cert_file:
-            log.info("data port off: the worker serves TLS and the data port is plaintext")
-            return 0
+        tls = self.config.tls
         try:
             self.data_port_server = DataPortServer(self.config.host, self.config.data_port, cached,
                                                    on_served=self.metrics.served_data_port, filler=self.filler,
                                                    meta=self.meta_ops, check_page=self.pages.get,
                                                    writes=self.servicer.writes,
-                                                   on_write=lambda ok: self.metrics.socket_operation("write", ok)).start()
+                                                   on_write=lambda ok: self.metrics.socket_operation("write", ok),
+                                                   tls_context=server_context(tls) if tls.cert_file else None).start()
         except OSError as exc:  # port taken: bulk bytes go through gRPC
             log.warning("data port off: cannot listen on %s:%s: %s", self.config.host, self.config.data_port, exc)
             return 0

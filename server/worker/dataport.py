@@ -65,8 +65,12 @@ def _wait_writable(conn: socket.socket, timeout: float) -> None:
         raise TimeoutError("the client took no bytes for too long")
 
 
-def sendfile_all(conn: socket.socket, fd: int, offset: int, count: int, timeout: float = SEND_TIMEOUT) -> None:
-    """``count`` bytes of ``fd`` from ``offset`` onto the socket, in the kernel."""
+def sendfile_all(conn: Any, fd: int, offset: int, count: int, timeout: float = SEND_TIMEOUT) -> None:
+    """``count`` bytes of ``fd`` from ``offset`` onto the socket, in the kernel (over TLS,
+    read and encrypted: server/tlsstream.py)."""
+    if getattr(conn, "tls", False):
+        conn.sendfile(fd, offset, count)
+        return
     end = offset + count
     while offset < end:
         try:
@@ -124,18 +128,18 @@ class DataPortServer(FramedServer):
         try:
             request.ParseFromString(body)
         except Exception:
-            self.send_frame(conn.sock, Reply(code=Reply.REFUSED, message="malformed request"))
+            self.send_frame(conn.stream, Reply(code=Reply.REFUSED, message="malformed request"))
             return conn.session is None  # a write's stream is out of step: closed, the write dropped
         if request.HasField("write"):
             return self._write(conn, request)
         if conn.session is not None:
-            self._refuse(conn.sock, "a request inside a write: the write is dropped")
+            self._refuse(conn.stream, "a request inside a write: the write is dropped")
             return False
         if not self.pages.token_ok(request.token):
-            self.send_frame(conn.sock, Reply(code=Reply.REFUSED,
+            self.send_frame(conn.stream, Reply(code=Reply.REFUSED,
                                              message="UNAUTHENTICATED: missing or wrong access token"))
             return True
-        self._answer(conn.sock, request)
+        self._answer(conn.stream, request)
         return True
 
     def _answer(self, conn: socket.socket, request: Any) -> None:
@@ -196,12 +200,12 @@ class DataPortServer(FramedServer):
         written object's info). False closes the connection (the stream is out of step)."""
         part = request.write
         if part.length > MAX_WRITE_PART:
-            self._refuse(conn.sock, f"a write part of {part.length} bytes is too large")
+            self._refuse(conn.stream, f"a write part of {part.length} bytes is too large")
             return False
         data = self._take(conn, part.length)  # off the stream before anything else: it stays in step
         if not self.pages.token_ok(request.token):
             self._drop_write(conn)
-            self.send_frame(conn.sock, Reply(code=Reply.REFUSED,
+            self.send_frame(conn.stream, Reply(code=Reply.REFUSED,
                                              message="UNAUTHENTICATED: missing or wrong access token"))
             return True
         session = conn.session
@@ -210,7 +214,7 @@ class DataPortServer(FramedServer):
                 if self.writes is None:
                     raise PermissionError("this worker takes no writes on its data port")
                 if not self._admit_write():
-                    self._refuse(conn.sock, f"BUSY: {MAX_WRITES} writes in progress", BUSY_RETRY_AFTER)
+                    self._refuse(conn.stream, f"BUSY: {MAX_WRITES} writes in progress", BUSY_RETRY_AFTER)
                     return True
                 try:
                     session = conn.session = self.writes.open(part.path)
@@ -221,7 +225,7 @@ class DataPortServer(FramedServer):
                 raise ValueError(f"a part of {part.path!r} inside the write of {session.path}")
             if part.abort:
                 self._drop_write(conn)
-                self.send_frame(conn.sock, Reply(code=Reply.OK, meta=common_pb2.MetaReply()))
+                self.send_frame(conn.stream, Reply(code=Reply.OK, meta=common_pb2.MetaReply()))
                 return True
             if data:
                 session.put(data)
@@ -238,7 +242,7 @@ class DataPortServer(FramedServer):
                 log.exception("write part of %r failed", part.path)
             code, detail, message = wire_error(exc)
             reply = common_pb2.MetaReply(error_code=code, error_detail=detail, error_message=message)
-        self.send_frame(conn.sock, Reply(code=Reply.OK, meta=reply))
+        self.send_frame(conn.stream, Reply(code=Reply.OK, meta=reply))
         return True
 
     def _counted(self, ok: bool) -> None:
@@ -255,12 +259,14 @@ class DataPortServer(FramedServer):
         view = memoryview(data)
         while got < n:
             try:
-                k = conn.sock.recv_into(view[got:], n - got)
+                k = conn.stream.recv_into(view[got:], n - got)
             except TimeoutError:
                 raise ConnectionError("a write part's bytes stopped coming") from None
             if k == 0:
                 raise ConnectionError("the connection closed inside a write part")
             got += k
+        if conn.stream is not conn.sock:  # TLS: what came in behind the part waits in the frames' buffer
+            conn.buf += conn.stream.drain()
         return data
 
     def _admit_write(self) -> bool:
