@@ -9,9 +9,14 @@ Each round writes the same checkpoint (a dict of float32 tensors) with ``torch.s
 ``fsspec.open(URL, "wb")`` three ways, in turn, each to a fresh key:
 
     s3fs          s3://bucket/key, s3fs's own multipart upload (its default block size)
-    cachefs       cachefs://bench/key: streamed to the worker, which uploads it with s3fs
+    cachefs       cachefs://bench/key: streamed to the worker's data port, which uploads it with s3fs
+    cachefs-grpc  the same over the worker's gRPC Write stream (data_port=False: what a client
+                  without the data port, e.g. on TLS, does)
     cachefs-client  the same with write_via="client": the client uploads with s3fs itself and
                   then tells the owning worker to forget the path
+
+``--store local``: the store is a local directory instead (the ``s3fs`` way writes the file
+itself, ``cachefs-client`` is left out), so the transport's own cost shows, not moto's.
 
 Every written object is read back with s3fs and compared byte for byte with the serialized
 checkpoint; a mismatch makes the run exit 1. Reported: median/min seconds and MB/s per way and
@@ -60,6 +65,7 @@ def main() -> int:
     parser.add_argument("--size", default="64MiB", help="checkpoint size (default 64MiB)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--store", choices=("s3", "local"), default="s3")
     args = parser.parse_args()
 
     import fsspec
@@ -74,28 +80,41 @@ def main() -> int:
     buf = io.BytesIO()
     torch.save(state, buf)
     expected = buf.getvalue()
-    results: dict[str, list[float]] = {"s3fs": [], "cachefs": [], "cachefs-client": []}
+    results: dict[str, list[float]] = {"s3fs": [], "cachefs": [], "cachefs-grpc": [], "cachefs-client": []}
     failures: list[str] = []
+    local = args.store == "local"
 
     with MotoServer() as moto, tempfile.TemporaryDirectory(prefix="bench-write-") as tmp:
         bucket = moto.new_bucket("bench-write")
         so = moto.storage_options()
         config = os.path.join(tmp, "worker.toml")
+        if local:
+            bucket = os.path.join(tmp, "store")
+            os.makedirs(bucket)
+            results.pop("cachefs-client")
         with open(config, "w") as f:
-            f.write(f"[worker]\n\n[mounts.{MOUNT}]\nurl = {_toml('s3://' + bucket)}\noptions = {_toml(so)}\n")
+            if local:
+                f.write(f"[worker]\n\n[mounts.{MOUNT}]\nurl = {_toml(bucket)}\n")
+            else:
+                f.write(f"[worker]\n\n[mounts.{MOUNT}]\nurl = {_toml('s3://' + bucket)}\noptions = {_toml(so)}\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
         worker = worker_process({}, os.path.join(tmp, "cache"), quota="2GiB", env=env,
                                 log_path=os.path.join(tmp, "worker.log"), extra=["--config", config])
         with worker:
-            s3 = fsspec.filesystem("s3", skip_instance_cache=True, **so)
+            s3 = fsspec.filesystem("file") if local else fsspec.filesystem("s3", skip_instance_cache=True, **so)
             ways = {
-                "s3fs": (lambda key: fsspec.open(f"s3://{bucket}/{key}", "wb", **so)),
+                "s3fs": (lambda key: fsspec.open(f"{bucket}/{key}", "wb", auto_mkdir=True) if local
+                         else fsspec.open(f"s3://{bucket}/{key}", "wb", **so)),
                 "cachefs": (lambda key: fsspec.open(f"cachefs://{MOUNT}/{key}", "wb", workers=worker.address)),
+                "cachefs-grpc": (lambda key: fsspec.open(f"cachefs://{MOUNT}/{key}", "wb", workers=worker.address,
+                                                         data_port=False)),
                 "cachefs-client": (lambda key: fsspec.open(
                     f"cachefs://{MOUNT}/{key}", "wb", workers=worker.address, write_via="client",
                     fallback_mounts={MOUNT: {"url": f"s3://{bucket}", "options": so}})),
             }
             # One untimed write each: connections, imports and the worker's s3fs session warm up.
+            if local:
+                ways.pop("cachefs-client")
             for name, opener in ways.items():
                 with opener(f"warmup/{name}.pt") as f:
                     torch.save(state, f)
@@ -115,7 +134,9 @@ def main() -> int:
         return {"median_s": round(med, 4), "min_s": round(min(times), 4), "mb_per_s": round(len(expected) / med / 1e6, 1)}
 
     report = {
-        "benchmark": "checkpoint write (torch.save into fsspec.open(..., 'wb')) against moto S3",
+        "benchmark": "checkpoint write (torch.save into fsspec.open(..., 'wb')) against "
+                     + ("a local directory" if local else "moto S3"),
+        "store": args.store,
         "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "checkpoint_bytes": len(expected),
         "rounds": args.rounds,
@@ -127,7 +148,7 @@ def main() -> int:
                                for name, r in report["results"].items() if name != "s3fs"}
     os.makedirs(args.out, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    for name in (f"write-{stamp}.json", "write-latest.json"):
+    for name in (f"write-{args.store}-{stamp}.json", f"write-{args.store}-latest.json"):
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
