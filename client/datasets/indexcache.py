@@ -73,13 +73,15 @@ class IndexCache:
     def load(self, key: str) -> ShardTable | None:
         path = self._file(key)
         try:
+            inode = os.stat(path).st_ino
             return ShardTable.open(path)
         except FileNotFoundError:
             return self._load_old(key)
         except (OSError, ShardTableError) as exc:  # not a whole table: scan again, and keep that
             log.warning("ignoring the kept shard index %s (the shards are scanned again): %s", path, exc)
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                if os.stat(path).st_ino == inode:  # not a whole one another process renamed in since
+                    os.unlink(path)
             return None
 
     def _load_old(self, key: str) -> ShardTable | None:
