@@ -200,3 +200,18 @@ def test_a_truncated_kept_index_is_scanned_again(local_store, make_worker, tmp_p
         except (IndexError, OSError, ShardTableError):
             return False
     assert wait_for(whole, timeout=30)
+
+
+def test_shards_indexed_on_the_way_are_held_compact(tmp_path, monkeypatch):
+    from cachefs.client.datasets.shardscan import ShardScan
+    from cachefs.client.datasets.shardtable import ShardView
+    monkeypatch.setattr(sampleindex, "SMALL_BYTES", 0)  # even so: a shard's own table is private memory
+    shards = {s.path: s for s in _shards()}
+    scan = ShardScan([(p, s.size) for p, s in shards.items()], lambda path, size: shards[path], str(tmp_path)).start()
+    known = scan.wait_all(30)
+    assert known == list(shards.values())
+    assert all(isinstance(s, ShardView) and s.table._fd < 0 for s in known)  # no object per sample, no memfd each
+    other = pickle.loads(pickle.dumps(scan))  # another process: reads the per-shard files
+    other._owner, other._known, other._prefix, other._samples = False, [None] * len(known), 0, 0
+    got = other.wait_all(30)
+    assert got == known and all(isinstance(s, ShardView) and s.table._fd < 0 for s in got)

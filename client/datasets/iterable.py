@@ -45,7 +45,7 @@ from cachefs.client.datasets.runbuffers import RunBuffers
 from cachefs.client.datasets.sampling import BlockPlan, known_block
 from cachefs.client.datasets.shardscan import ShardScan
 from cachefs.client.datasets.shards import FORMATS, ShardIndex, index_to_json
-from cachefs.client.datasets.shardtable import ShardTable, table_from_json
+from cachefs.client.datasets.shardtable import ShardTable, ShardView, table_from_json
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         # Indexed on the way (shardscan.py): the first batch after about the first shard's fetch.
         indexer = _ShardIndexer(storage_options, format)
 
-        def done(shards: list[ShardIndex]) -> None:
+        def done(shards: list[ShardView]) -> None:
             kept.save(key, shards, format)
             indexer.close()
         scan = ShardScan(paths, indexer, kept.parts_dir(key), on_done=done)
@@ -290,9 +290,9 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         if isinstance(shards, ShardTable):
             return (which, *shards.bounds(ids))
         lo, hi = np.zeros(len(ids), np.int64), np.zeros(len(ids), np.int64)
-        for k, (s, i) in enumerate(zip(which.tolist(), (ids - starts[which]).tolist())):
-            span = shards[s].samples[i]
-            lo[k], hi[k] = span.start, span.end
+        for s in np.unique(which).tolist():  # shards indexed on the way: a table each (shardscan.py)
+            mine = which == s
+            lo[mine], hi[mine] = shards[s].bounds(ids[mine] - starts[s])
         return which, lo, hi
 
     def _block_bytes(self, j: int) -> int:
@@ -336,8 +336,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         out = []
         if isinstance(shards, ShardTable):  # by global id, the block's columns at once
             entries = shards.entries(ids)
-        else:
-            entries = [(span.key, span.fields) for span in (shards[s].samples[i] for s, i in where)]
+        else:  # shards indexed on the way: a table each (shardscan.py)
+            entries = [(shards[s].key(i), shards[s].fields(i)) for s, i in where]
         for sample, (shard, i), start, (key, fields) in zip(ids, where, lo.tolist(), entries):
             # runs never overlap: the one holding the sample's start holds all of it
             base, run = next((s, t) for s, t in buffers[shard] if s <= start < s + max(1, len(t)))

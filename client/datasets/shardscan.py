@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cachefs.client import forksafe
-from cachefs.client.datasets.shards import ShardIndex, index_from_json, index_to_json
+from cachefs.client.datasets.shards import ShardIndex, index_to_json
+from cachefs.client.datasets.shardtable import ShardView, one_shard, table_from_json
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class ShardScan:
 
     def __init__(self, listed: Sequence[tuple[str, int]], scan_one: Callable[[str, int], ShardIndex],
                  directory: str, threads: int = 2,
-                 on_done: Callable[[list[ShardIndex]], None] | None = None) -> None:
+                 on_done: Callable[[list[ShardView]], None] | None = None) -> None:
         """``scan_one(path, size)`` indexes one shard (in the process that ``start``s the scan);
         ``on_done(shards)`` runs there once all are known (e.g. keep the whole index)."""
         if not listed:
@@ -55,7 +56,7 @@ class ShardScan:
         self.directory = directory
         self.threads = max(1, int(threads))
         self._scan_one, self._on_done = scan_one, on_done
-        self._known: list[ShardIndex | None] = [None] * len(self.listed)
+        self._known: list[ShardView | None] = [None] * len(self.listed)
         self._error: str | None = None
         self._prefix = 0  # shards known in order from the first
         self._samples = 0  # samples in those
@@ -108,7 +109,7 @@ class ShardScan:
             return
         path, size = self.listed[i]
         try:
-            shard = self._scan_one(path, size)
+            shard = one_shard(self._scan_one(path, size))  # compact: no object per sample
         except Exception as exc:  # noqa: BLE001 - every waiter, in every process, sees it
             message = f"cannot index shard {path!r}: {type(exc).__name__}: {exc}"
             self._write(f"{i}.error", message)
@@ -149,7 +150,7 @@ class ShardScan:
             base = os.path.join(self.directory, str(i))
             try:
                 with open(base + ".json", "rb") as f:
-                    shard = index_from_json(f.read())[1][0]
+                    shard = table_from_json(f.read(), shared=False)[0]
             except FileNotFoundError:
                 try:
                     with open(base + ".error") as f:
@@ -179,7 +180,7 @@ class ShardScan:
         with self._changed:
             return self._prefix, self._samples
 
-    def known_shards(self) -> list[ShardIndex]:
+    def known_shards(self) -> list[ShardView]:
         self._here()
         with self._changed:
             return list(self._known[:self._prefix])  # type: ignore[arg-type]
@@ -206,6 +207,6 @@ class ShardScan:
                 time.sleep(min(left, pause))
                 pause = min(_POLL_MAX, pause * 2)
 
-    def wait_all(self, timeout: float) -> list[ShardIndex]:
+    def wait_all(self, timeout: float) -> list[ShardView]:
         self.wait_samples(1 << 62, timeout)
         return self.known_shards()

@@ -253,7 +253,10 @@ class ShardTable(Sequence["ShardView"]):
             return shards
         builder = TableBuilder()
         for shard in shards:
-            builder.add_shard(shard.path, shard.size, ((s.key, s.fields) for s in shard.samples))
+            if isinstance(shard, ShardView):  # a table's shard: its columns, no SampleSpan each
+                builder.add_shard(shard.path, shard.size, shard.table.entries(np.arange(shard.first, shard.first + shard.n)))
+            else:
+                builder.add_shard(shard.path, shard.size, ((s.key, s.fields) for s in shard.samples))
         return builder.finish(fmt)
 
 
@@ -393,19 +396,20 @@ class TableBuilder:
         self._shard_size.append(int(size))
         self._shard_at.append(self._shard_at[-1] + n)
 
-    def finish(self, fmt: str = "tar") -> ShardTable:
+    def finish(self, fmt: str = "tar", shared: bool = True) -> ShardTable:
         def arr(a: array) -> np.ndarray:
             return np.frombuffer(a, dtype=np.int64) if a.itemsize == 8 else np.asarray(a, dtype=np.int64)
         names = sorted(self._names, key=self._names.__getitem__)
         return build_table(names, bytes(self._paths), arr(self._path_at), arr(self._shard_size), arr(self._shard_at),
                            bytes(self._keys), arr(self._key_at), arr(self._field_at), arr(self._name),
-                           arr(self._off), arr(self._size), fmt)
+                           arr(self._off), arr(self._size), fmt, shared)
 
 
 def build_table(names: Sequence[str], paths: bytes, path_at: np.ndarray, shard_size: np.ndarray,
                 shard_at: np.ndarray, keys: Any, key_at: np.ndarray, field_at: np.ndarray, name: np.ndarray,
-                off: np.ndarray, size: np.ndarray, fmt: str = "tar") -> ShardTable:
-    """A table from its columns (see the module doc), in one buffer: a sealed memfd when large."""
+                off: np.ndarray, size: np.ndarray, fmt: str = "tar", shared: bool = True) -> ShardTable:
+    """A table from its columns (see the module doc), in one buffer: a sealed memfd when large
+    and ``shared``, else a bytearray (pickled as bytes)."""
     S, N, F = len(shard_size), len(key_at) - 1, len(off)
     name_dt = "|u1" if len(names) <= 256 else "<u2" if len(names) <= 65536 else "<u4"
     columns: dict[str, Any] = {
@@ -449,7 +453,7 @@ def build_table(names: Sequence[str], paths: bytes, path_at: np.ndarray, shard_s
     for item in layout.values():
         item[2] += base
     total = base + at
-    fd, buffer = shared_buffer("cachefs-shard-table", total)
+    fd, buffer = shared_buffer("cachefs-shard-table", total) if shared else (-1, bytearray(total))
     view = memoryview(buffer)
     view[:8] = MAGIC
     struct.pack_into("<Q", view, 8, len(header))
@@ -464,7 +468,17 @@ def build_table(names: Sequence[str], paths: bytes, path_at: np.ndarray, shard_s
     return ShardTable(buffer, fd=fd)
 
 
-def table_from_json(text: str | bytes, base: str = "") -> ShardTable:
+def one_shard(shard: ShardIndex | ShardView) -> ShardView:
+    """One shard as a table of its own in private memory (bytes when pickled): a shard indexed on
+    the way (shardscan.py), held compact until all are known and make one table."""
+    if isinstance(shard, ShardView):
+        return shard
+    builder = TableBuilder()
+    builder.add_shard(shard.path, shard.size, ((s.key, s.fields) for s in shard.samples))
+    return builder.finish(shared=False)[0]
+
+
+def table_from_json(text: str | bytes, base: str = "", shared: bool = True) -> ShardTable:
     """A table straight from an index document (``index.json``): no ``SampleSpan`` per sample."""
     doc = json.loads(text)
     if not isinstance(doc, dict) or doc.get("version") != INDEX_VERSION:
@@ -479,4 +493,4 @@ def table_from_json(text: str | bytes, base: str = "") -> ShardTable:
         builder.add_shard(path, int(item["size"]), ((str(key), [(str(n), o, s) for n, o, s in fields])
                                                     for key, fields in item["samples"]))
         items[k] = None  # the parsed shard's objects go as the table grows
-    return builder.finish(str(doc.get("format", "tar")))
+    return builder.finish(str(doc.get("format", "tar")), shared)
