@@ -122,8 +122,9 @@ class SyntheticFileSystem(AbstractFileSystem):
     ``mtime``. Lists and stats ten million objects with no file behind them (#47's scale checks:
     10 M page files would use most of a machine's free inodes). ``requests`` counts the calls a
     store would answer, by kind. Mount it as ``synthetic://data`` with options ``count``,
-    ``per_dir``, ``size``, ``mtime`` and ``trace`` (a file: each listing request appends a line
-    ``<pid> <kind> <after>``, so a test can see what a master in another process asked).
+    ``per_dir``, ``size``, ``mtime``, ``trace`` (a file: each listing request appends a line
+    ``<pid> <kind> <after>``, so a test can see what a master in another process asked) and
+    ``latency`` (seconds each request takes: a slow store).
 
     Listings page as S3's do (``cachefs_list_after``: up to ``limit`` keys after a name, found by
     bisection, not by listing what comes before), so a load of ten million objects can stream."""
@@ -133,15 +134,16 @@ class SyntheticFileSystem(AbstractFileSystem):
     root_marker = ""
 
     def __init__(self, count: int = 1000, per_dir: int = 1000, size: int = 0, mtime: float = 1.7e9,
-                 root: str = "data", trace: str = "", **kwargs: Any) -> None:
+                 root: str = "data", trace: str = "", latency: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.count, self.per_dir, self.size, self.mtime = int(count), int(per_dir), int(size), float(mtime)
+        self.latency = float(latency)
         self.root = root
         self.trace = trace
         self.requests: Counter[str] = Counter()
 
     def _traced(self, kind: str, after: str = "") -> None:
-        self.requests[kind] += 1
+        self._request(kind)
         if self.trace:
             # One write of one short line in append mode: lines of several processes do not mix.
             with open(self.trace, "a") as f:
@@ -179,13 +181,18 @@ class SyntheticFileSystem(AbstractFileSystem):
                     return "object", i
         raise FileNotFoundError(path)
 
+    def _request(self, kind: str) -> None:
+        self.requests[kind] += 1
+        if self.latency:
+            time.sleep(self.latency)
+
     def _children(self, kind: str, n: int) -> list[dict[str, Any]]:
         if kind == "root":
             return [self._dir(j) for j in range(-(-self.count // self.per_dir))]
         return [self._object(i) for i in range(n * self.per_dir, min(self.count, (n + 1) * self.per_dir))]
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        self.requests["info"] += 1
+        self._request("info")
         kind, n = self._parse(path)
         if kind == "object":
             return self._object(n)
@@ -237,7 +244,7 @@ class SyntheticFileSystem(AbstractFileSystem):
         return [entry(k) for k in range(lo, stop)], stop >= end
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        self.requests["read"] += 1
+        self._request("read")
         kind, i = self._parse(path)
         if kind != "object":
             raise IsADirectoryError(path)

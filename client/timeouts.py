@@ -31,6 +31,9 @@ AWAY_RETRY = 2.0
 NO_GRPC_RETRY = 0.2
 #: Less than this left of a call's budget is not worth another try (a worker, a socket).
 MIN_TRY_SECONDS = 0.05
+#: A metadata operation every placed worker answered busy (its threads for slow work taken:
+#: server/connections.py SLOW_SHARE) is asked again this much later, within its budget.
+BUSY_BACKOFF = 0.1
 
 # -- The short-circuit socket (client/transport/shortcircuit.py) -------------------------------------
 #: A range a prepare found not cached (yet: the worker may still be writing a cold read's pages)

@@ -42,6 +42,11 @@ SEND_TIMEOUT = 10.0  # a client that takes no bytes of a reply for this long is 
 #: gaps between requests (a training step) then cost no hand-off between threads (~0.1 ms).
 LINGER = 1.0
 THREAD_KEEPALIVE = 30.0  # a serving thread with nothing to do for this long ends
+#: Of a server's serving threads, at most this share may be in work that waits on the object
+#: store or on heavy work of its own (fills, writes, mutations, listings, info, plans): the rest
+#: are always there for cached reads, which a slow store must never hold up. Past it, such work
+#: is told it is busy (or, a fill, left to the client's other ways) instead of taking a thread.
+SLOW_SHARE = 0.5
 
 def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
     """A listening TCP socket on ``host`` (``0.0.0.0`` / ``::``: every address; IPv6 where the
@@ -139,6 +144,7 @@ class ConnectionServer:
         self._thread: threading.Thread | None = None
         self._accept_paused_until = 0.0
         self._refusal_logged = 0.0
+        self._slow = threading.BoundedSemaphore(max(1, int(threads * SLOW_SHARE)))
         self.counts: Counter[str] = Counter()  # refused, closed_idle, closed_frame (for tests and operators)
 
     # -- what each protocol provides ------------------------------------------------------------
@@ -176,6 +182,19 @@ class ConnectionServer:
 
     def _closed(self, conn: Connection) -> None:
         """``conn`` is gone: drop what the protocol kept for it (must not block: the selector calls it)."""
+
+    @contextlib.contextmanager
+    def slow_slot(self) -> Any:
+        """Whether a thread may go into slow work now (``SLOW_SHARE``): yields True while it holds
+        a slot, False (counted: ``slow_refused``) when every slot is taken; never waits."""
+        got = self._slow.acquire(blocking=False)
+        if not got:
+            self.counts["slow_refused"] += 1
+        try:
+            yield got
+        finally:
+            if got:
+                self._slow.release()
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "ConnectionServer":

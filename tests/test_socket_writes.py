@@ -276,3 +276,57 @@ def test_the_client_writes_over_the_data_port_with_no_grpc_write(local_store, ma
     samples = {(s.labels["method"], s.labels["code"]): s.value
                for metric in worker.metrics.requests.collect() for s in metric.samples if s.name.endswith("_total")}
     assert not [k for k in samples if k[0] in ("Write", "Remove", "MakeDir", "Copy", "Free")], samples
+
+
+# -- slow work never takes every serving thread ---------------------------------------------------------
+def test_a_slow_store_never_holds_up_cached_reads(local_store, make_worker):
+    """Forty clients ask a worker for the info of objects of a store that takes 2 s a request,
+    each on a connection of its own: at most half of the data port's threads go into such work
+    (server/connections.py SLOW_SHARE), the others are told busy at once, and a cached range of
+    another mount is served in milliseconds meanwhile. Before, the forty took every thread and
+    the cached read waited for the store."""
+    import threading
+    import time
+
+    import cachefs.testing  # noqa: F401 - registers synthetic://
+    from cachefs.server.connections import SLOW_SHARE, THREADS
+
+    local_store.add("warm.bin", b"w" * 100_000)
+    slow = MountSpec("slow", "synthetic://data", {"count": 1000, "per_dir": 100, "size": 10, "latency": 2.0})
+    worker = make_worker(local_store.mount, slow)
+    warm = dataport_pb2.DataRequest(path="data/warm.bin", offset=0, length=-1, fill=True).SerializeToString()
+
+    def read_warm() -> float:
+        sock = _connect(worker)
+        t0 = time.monotonic()
+        sock.sendall(FRAME.pack(len(warm)) + warm)
+        (size,) = FRAME.unpack(_recv(sock, 4))
+        reply = Reply.FromString(_recv(sock, size))
+        assert reply.code == Reply.OK
+        _recv(sock, sum(seg.length for seg in reply.segments))
+        sock.close()
+        return time.monotonic() - t0
+
+    read_warm()  # cached now
+    codes: list[str] = []
+
+    def ask_info(i: int) -> None:
+        sock = _connect(worker)
+        request = dataport_pb2.DataRequest(meta=common_pb2.MetaRequest(
+            op=common_pb2.MetaRequest.INFO, path=f"slow/d{i // 100:05d}/{i:08d}.bin")).SerializeToString()
+        sock.sendall(FRAME.pack(len(request)) + request)
+        (size,) = FRAME.unpack(_recv(sock, 4))
+        codes.append(Reply.FromString(_recv(sock, size)).meta.error_code)
+        sock.close()
+
+    askers = [threading.Thread(target=ask_info, args=(i,)) for i in range(40)]
+    for t in askers:
+        t.start()
+    time.sleep(0.5)  # every slow slot taken by now
+    took = read_warm()
+    for t in askers:
+        t.join(30)
+    slots = int(THREADS * SLOW_SHARE)
+    assert took < 1.0, f"a cached read waited {took:.2f} s behind slow work"
+    assert codes.count("") <= slots and codes.count("RESOURCE_EXHAUSTED") >= 40 - slots, codes
+    assert worker.data_port_server.counts["slow_refused"] >= 40 - slots

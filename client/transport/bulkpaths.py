@@ -33,7 +33,7 @@ from cachefs import rawbytes
 from cachefs.localhost import MAX_PAGES, host_id
 from cachefs.proto import common_pb2, worker_pb2
 from cachefs.client.timeouts import (
-    PROBE_RETRY, SOCKET_TIMEOUT, LEAN_RETRY_FIRST, AWAY_RETRY, NO_GRPC_RETRY, MIN_TRY_SECONDS,
+    PROBE_RETRY, SOCKET_TIMEOUT, LEAN_RETRY_FIRST, AWAY_RETRY, NO_GRPC_RETRY, MIN_TRY_SECONDS, BUSY_BACKOFF,
 )
 
 log = logging.getLogger(__name__)
@@ -413,9 +413,26 @@ class BulkPaths:
         """A metadata operation (common_pb2.MetaRequest) answered by the first of the workers
         placed for ``key`` whose lean path answers (a process that must not use gRPC); raises
         the error the worker reported, or WorkerUnavailableError if none answered."""
-        last: BaseException | None = None
         if deadline is None:
             deadline = time.monotonic() + self.config.timeout
+        while True:
+            reply, last, busy = self._meta_round(key, request, what, deadline)
+            if reply is not None:
+                return reply
+            # Every worker that answered was busy (slow work, or connections): not wedged. Once
+            # more after a moment, within the budget, rather than failing the call.
+            left = deadline - time.monotonic()
+            if not busy or left <= MIN_TRY_SECONDS + BUSY_BACKOFF:
+                break
+            time.sleep(BUSY_BACKOFF)
+        raise WorkerUnavailableError(f"{what}: no worker's socket answered" + (f" (last: {last})" if last else ""))
+
+    def _meta_round(self, key: str, request: Any, what: str,
+                    deadline: float) -> tuple[Any, BaseException | None, bool]:
+        """One pass of ``meta`` over the placed workers: (the reply or None, the last failure,
+        whether every worker asked was busy)."""
+        last: BaseException | None = None
+        asked = busy = 0
         handles = self.workers.candidates(key, 0, include_broken=True)
         for i, handle in enumerate(handles):
             left = deadline - time.monotonic()
@@ -427,11 +444,12 @@ class BulkPaths:
             reader = self._reader(handle, share)
             if reader is None:
                 continue
+            asked += 1
             try:
                 reply = reader.meta(request, timeout=max(MIN_TRY_SECONDS, try_end - time.monotonic()))
             except OverloadedError as exc:  # busy, not wedged: no failure recorded; the next worker
                 self.stats[reader.kind]["busy"] += 1
-                last = exc
+                last, busy = exc, busy + 1
                 continue
             except Exception as exc:  # noqa: BLE001 - the next worker may answer
                 self._failed(handle, reader, exc, "trying the next worker")
@@ -444,12 +462,16 @@ class BulkPaths:
             self._follow_view(reader)
             if reply.error_code:
                 error = from_wire_error(reply.error_code, reply.error_detail, reply.error_message, what)
+                if isinstance(error, OverloadedError):  # its threads for slow work are taken
+                    self.stats[reader.kind]["busy"] += 1
+                    last, busy = error, busy + 1
+                    continue
                 if fault_of(error) == WORKER:  # this worker could not (e.g. restarted, its mounts not synced yet)
                     last = error
                     continue
                 raise error
-            return reply
-        raise WorkerUnavailableError(f"{what}: no worker's socket answered" + (f" (last: {last})" if last else ""))
+            return reply, None, False
+        return None, last, bool(asked) and busy == asked
 
     def _follow_view(self, reader: Any) -> None:
         """A reply said its worker has a newer cluster view than this process: ask it for that

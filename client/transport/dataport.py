@@ -309,11 +309,13 @@ class DataPortWrite:
                 if data:
                     self._sock.sendall(data)
                 reply = self._reply()
-            except OverloadedError as busy:  # too many writes on that worker now: wait, ask again
+            except OverloadedError as busy:  # the worker is busy with slow work: the part again, later
                 retry_after = getattr(busy, "retry_after", 0.2)
-                if not self._first or time.monotonic() + retry_after >= deadline:
+                if time.monotonic() + retry_after >= deadline:
                     self.cancel()
                     raise
+                if self._first:  # nothing of the write on it yet: a connection refused at accept is closed
+                    self.cancel()
                 time.sleep(retry_after)
                 continue
             except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO/SO_SNDTIMEO ran out

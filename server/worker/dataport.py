@@ -148,7 +148,7 @@ class DataPortServer(FramedServer):
             if self.meta is None:
                 self.send_frame(conn, Reply(code=Reply.REFUSED, message="no metadata operations here"))
             else:
-                self.send_frame(conn, Reply(code=Reply.OK, meta=self.meta.answer(request.meta),
+                self.send_frame(conn, Reply(code=Reply.OK, meta=self.meta.answer(request.meta, self.slow_slot),
                                              view_version=view_version))
             return
         filled = False
@@ -157,7 +157,9 @@ class DataPortServer(FramedServer):
             opened = self.pages.open(request)
             if opened.code == NOT_CACHED and request.fill and self.filler is not None:
                 failures: list[OSError | None] = [None]
-                if self.filler.fill([request], fetched, failures):
+                with self.slow_slot() as slot:  # none: NOT_CACHED (the client's other ways)
+                    filling = slot and self.filler.fill([request], fetched, failures)
+                if filling:
                     if failures[0] is not None:  # no use asking again: the client raises it
                         failure = failures[0]
                         self.send_frame(conn, Reply(code=Reply.FAILED, errno=failure.errno or errno.EIO,
@@ -208,6 +210,14 @@ class DataPortServer(FramedServer):
             self.send_frame(conn.stream, Reply(code=Reply.REFUSED,
                                              message="UNAUTHENTICATED: missing or wrong access token"))
             return True
+        with self.slow_slot() as slot:
+            if not slot and not part.abort:  # the part's bytes are taken: the client sends it again
+                self._refuse(conn.stream, "BUSY: the worker's threads for slow work are taken", BUSY_RETRY_AFTER)
+                return True
+            self._write_part(conn, part, data)
+        return True
+
+    def _write_part(self, conn: Connection, part: Any, data: bytearray) -> None:
         session = conn.session
         try:
             if session is None:
@@ -215,7 +225,7 @@ class DataPortServer(FramedServer):
                     raise PermissionError("this worker takes no writes on its data port")
                 if not self._admit_write():
                     self._refuse(conn.stream, f"BUSY: {MAX_WRITES} writes in progress", BUSY_RETRY_AFTER)
-                    return True
+                    return
                 try:
                     session = conn.session = self.writes.open(part.path)
                 except BaseException:
@@ -226,7 +236,7 @@ class DataPortServer(FramedServer):
             if part.abort:
                 self._drop_write(conn)
                 self.send_frame(conn.stream, Reply(code=Reply.OK, meta=common_pb2.MetaReply()))
-                return True
+                return
             if data:
                 session.put(data)
             reply = common_pb2.MetaReply()
@@ -243,7 +253,6 @@ class DataPortServer(FramedServer):
             code, detail, message = wire_error(exc)
             reply = common_pb2.MetaReply(error_code=code, error_detail=detail, error_message=message)
         self.send_frame(conn.stream, Reply(code=Reply.OK, meta=reply))
-        return True
 
     def _counted(self, ok: bool) -> None:
         if self._on_write is not None:

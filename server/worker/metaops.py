@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cachefs.errors import wire_error
+from cachefs.errors import OverloadedError, wire_error
 from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.paths import parse_path
 from cachefs.proto import common_pb2, worker_pb2
@@ -35,6 +35,8 @@ MetaReply = common_pb2.MetaReply
 LIST_PAGE_ENTRIES = 1000
 LIST_PAGE_BYTES = 48 << 10
 _MUTATIONS = (MetaRequest.REMOVE, MetaRequest.MKDIR, MetaRequest.COPY, MetaRequest.FREE)
+#: Operations that may wait on the store or work long (server/connections.py SLOW_SHARE).
+SLOW_OPS = frozenset((MetaRequest.INFO, MetaRequest.LIST, MetaRequest.PLAN) + _MUTATIONS)
 
 
 def _parsed(message: Any, data: bytes) -> Any:
@@ -98,13 +100,25 @@ class MetaOps:
     def view_version(self) -> int:
         return self._view()[0]
 
-    def answer(self, request: Any) -> Any:
-        """The reply to one request (never raises for a bad request or a store failure)."""
-        reply = self._answer(request)
+    def answer(self, request: Any, slow_slot: Callable[[], Any] | None = None) -> Any:
+        """The reply to one request (never raises for a bad request or a store failure).
+        ``slow_slot``: the serving server's ``ConnectionServer.slow_slot``; a slow operation
+        (``SLOW_OPS``) with no slot free is answered busy (OverloadedError: the client tries
+        another worker, or again after a moment)."""
+        if slow_slot is not None and request.op in SLOW_OPS:
+            with slow_slot() as got:
+                reply = self._answer(request) if got else self._busy()
+        else:
+            reply = self._answer(request)
         if self._on_answered is not None:
             name = MetaRequest.Op.Name(request.op).lower() if request.op in MetaRequest.Op.values() else "unknown"
             self._on_answered(name, not reply.error_code)
         return reply
+
+    @staticmethod
+    def _busy() -> Any:
+        code, detail, message = wire_error(OverloadedError("BUSY: the worker's threads for slow work are taken"))
+        return MetaReply(error_code=code, error_detail=detail, error_message=message)
 
     def _answer(self, request: Any) -> Any:
         try:

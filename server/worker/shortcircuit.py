@@ -167,7 +167,7 @@ class ShortCircuitServer(ConnectionServer):
         if self.meta is not None:
             reply.view_version = self.meta.view_version()
             if request.HasField("meta"):
-                reply.meta.CopyFrom(self.meta.answer(request.meta))
+                reply.meta.CopyFrom(self.meta.answer(request.meta, self.slow_slot))
         by_name = request.by_name and self._names_for(peer)
         if request.plan_job and self._on_progress is not None:
             self._on_progress(request.plan_job, request.plan_position, request.plan_reader,
@@ -196,8 +196,11 @@ class ShortCircuitServer(ConnectionServer):
                     if wanted.fill and got.code == RangeReply.NOT_CACHED]
             fetched: list[set[Any]] = [set() for _ in cold]  # per cold range: pages not cached (misses)
             failures: list[OSError | None] = [None] * len(cold)
-            if cold and self.filler is not None and \
-                    self.filler.fill([request.ranges[i] for i in cold], fetched, failures):
+            filling = False
+            if cold and self.filler is not None:
+                with self.slow_slot() as slot:  # none: NOT_CACHED (the client's other ways)
+                    filling = slot and self.filler.fill([request.ranges[i] for i in cold], fetched, failures)
+            if filling:
                 for i, missed, failure in zip(cold, fetched, failures):
                     if failure is not None:  # no use asking again: the client raises it
                         answers[i] = (RangeReply(code=RangeReply.FAILED, errno=failure.errno or errno.EIO,
