@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_scale.py --index --sizes 1000000   # the data set's index (below)
     .venv/bin/python benchmarks/bench_scale.py --shard-index --sizes 1000000,100000000   # #46, the tar-shard index
     .venv/bin/python benchmarks/bench_scale.py --metadata --sizes 1000000,10000000   # #47, the worker's metadata
+    .venv/bin/python benchmarks/bench_scale.py --cold-small --objects 100000   # #47, cold 4 KiB objects (cold_small.py)
 
 A real worker (in this process, an empty local mount: no object is read) and ``--ranks``
 CacheDatasets over a synthetic index (``cachefs://data/train/<i>.jpg``, sizes given, 110 KB each:
@@ -415,6 +416,11 @@ def main() -> None:
     parser.add_argument("--loader-workers", type=int, default=4)
     parser.add_argument("--metadata", action="store_true", help="measure the worker's metadata table (#47; the doc)")
     parser.add_argument("--metadata-one", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cold-small", action="store_true",
+                        help="a cold epoch of small objects from a local mount against a copy loop (#47; cold_small.py)")
+    parser.add_argument("--objects", type=int, default=100_000, help="--cold-small: how many objects")
+    parser.add_argument("--object-bytes", type=int, default=4096, help="--cold-small: each object's size")
+    parser.add_argument("--dir", default=None, help="--cold-small: where data, copies and the cache go")
     args = parser.parse_args()
     if args.shard_index:
         from shard_index_scale import run as run_shard_index
@@ -425,6 +431,18 @@ def main() -> None:
         path = os.path.join(args.out, f"scale-shard-index-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+        return
+    if args.cold_small:
+        from cold_small import measure as measure_cold_small
+        row = measure_cold_small(args.objects, args.object_bytes, args.dir)
+        result = {"benchmark": "scale", "machine": machine_info(), "rows": [row],
+                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"scale-cold-small-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(row))
         print(f"wrote {path}")
         return
     if args.metadata_one:

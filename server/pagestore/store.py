@@ -347,7 +347,7 @@ class PageStore:
         if payload.nbytes > self.page_size:
             raise ValueError(f"page of {payload.nbytes} bytes exceeds page_size {self.page_size}")
         digest = pid.digest()
-        target = max(self._dirs, key=lambda d: d.score(digest))
+        target = self._target(digest)
         size = payload.nbytes + TRAILER_SIZE
         with self._lock:
             if self._closed:
@@ -379,10 +379,7 @@ class PageStore:
             entry = _Entry(pid, digest, target, size, _State.WRITING, time.time())
             self._add(entry)
             self._busy += 1
-        try:
-            return self._write(entry, payload, victims)
-        finally:
-            self._leave()
+        return self._write(entry, payload, victims)  # leaves (_busy) itself
 
     # ------------------------------------------------------- plan-driven eviction
     def _not_worth_room(self, target: DirHandle, pid: PageId, size: int) -> bool:  # caller holds the lock
@@ -404,9 +401,12 @@ class PageStore:
         if self._next_use is None:
             return True
         digest = pid.digest()
-        target = max(self._dirs, key=lambda d: d.score(digest))
+        target = self._target(digest)
+        size = self.page_size + TRAILER_SIZE
+        if target.used + size <= target.quota:  # room: admitted (a guess either way; no lock for it)
+            return True
         with self._lock:
-            return not self._not_worth_room(target, pid, self.page_size + TRAILER_SIZE)
+            return not self._not_worth_room(target, pid, size)
 
     def replan(self) -> int:
         """The registered plans changed: every cached page's next use is asked again. In slices,
@@ -567,9 +567,10 @@ class PageStore:
     def contains_digest(self, digest: str) -> bool:
         if self._loading:
             self._load_one(digest)
-        with self._lock:
-            entry = self._entries.get(digest)
-            return entry is not None and entry.state is _State.READY
+        # No lock: one dict lookup and one attribute read are atomic under the interpreter's lock,
+        # and the answer may be stale the moment it is given either way.
+        entry = self._entries.get(digest)
+        return entry is not None and entry.state is _State.READY
 
     def holds_object(self, mount: str, key: str) -> bool:
         """True if any page of any version of the object is stored (or being written); while the
@@ -579,8 +580,8 @@ class PageStore:
     def held_pages(self, mount: str, key: str) -> int:
         """Pages of the object stored or being written, any version (from memory: no file touched;
         while the index loads behind, those loaded so far)."""
-        with self._lock:
-            return len(self._digests_of(mount, key))
+        # No lock, as contains_digest: a lookup and a len() (of a str or a set) are atomic.
+        return len(self._digests_of(mount, key))
 
     def cached_bytes(self, mount: str, key: str, version: str) -> int:
         """Payload bytes of one version's READY pages: what a read would find, from memory only.
@@ -684,6 +685,11 @@ class PageStore:
     ) -> None:
         self.close()
 
+    def _target(self, digest: str) -> DirHandle:
+        """The dir that holds the page (rendezvous by score; one dir: no hashing)."""
+        dirs = self._dirs
+        return dirs[0] if len(dirs) == 1 else max(dirs, key=lambda d: d.score(digest))
+
     # ------------------------------------------------------------ read helpers
     def _lookup(self, pid: PageId) -> _Entry | None:
         digest = pid.digest()
@@ -752,36 +758,49 @@ class PageStore:
         return target.order.pick(need, now)
 
     def _write(self, entry: _Entry, payload: memoryview, victims: list[_Entry]) -> bool:
-        d = entry.dir
-        stuck = self._unlink(victims)
-        with self._lock:
-            self._forget(victims)  # their bytes already belong to this put's reservation
-        if stuck:  # a victim file would not go away: its bytes stay used, this put gives up
-            return self._abort(entry, released=entry.size - sum(v.size for v in stuck))
-        tmp = os.path.join(d.tmp, f"{entry.digest}.{os.getpid()}-{next(self._tmp_names)}.tmp")
-        began = time.thread_time()
+        """The page's file, then its entry READY and its row queued; leaves the put's ``_busy``
+        (with the lock taken after the write when nothing else follows: each acquisition of the
+        store's lock is a chance of a convoy behind the interpreter's lock, many puts at once)."""
+        left = False
         try:
-            entry.checksum = write_page_file(tmp, entry.path, payload)
-        except OSError as exc:
-            self.health.failed(d.root, exc, writing=True, what=f"cannot write page {entry.path}")
-            return self._abort(entry, released=entry.size)
-        spent = time.thread_time() - began
-        self.health.ok(d.root)
-        with self._lock:
-            self._write_cpu_s += spent
-            cancelled = entry.cancelled
-            if not cancelled:
-                entry.state = _State.READY
-                d.order.add(entry)
-                full = self._rows.put(entry.digest, d, entry)
-            else:
-                entry.state = _State.REMOVING
-        if cancelled:
-            self._remove([entry])  # deleted while we wrote it
-            return False
-        if full:  # the flush thread fell behind: this put waits for the queue to be written
-            self._flush_rows()
-        return True
+            d = entry.dir
+            if victims:
+                stuck = self._unlink(victims)
+                with self._lock:
+                    self._forget(victims)  # their bytes already belong to this put's reservation
+                if stuck:  # a victim file would not go away: its bytes stay used, this put gives up
+                    return self._abort(entry, released=entry.size - sum(v.size for v in stuck))
+            tmp = os.path.join(d.tmp, f"{entry.digest}.{os.getpid()}-{next(self._tmp_names)}.tmp")
+            began = time.thread_time()
+            try:
+                entry.checksum = write_page_file(tmp, entry.path, payload)
+            except OSError as exc:
+                self.health.failed(d.root, exc, writing=True, what=f"cannot write page {entry.path}")
+                return self._abort(entry, released=entry.size)
+            spent = time.thread_time() - began
+            self.health.ok(d.root)
+            with self._lock:
+                self._write_cpu_s += spent
+                cancelled = entry.cancelled
+                full = False
+                if not cancelled:
+                    entry.state = _State.READY
+                    d.order.add(entry)
+                    full = self._rows.put(entry.digest, d, entry)
+                else:
+                    entry.state = _State.REMOVING
+                if not cancelled and not full:
+                    self._leave_locked()
+                    left = True
+            if cancelled:
+                self._remove([entry])  # deleted while we wrote it
+                return False
+            if full:  # the flush thread fell behind: this put waits for the queue to be written
+                self._flush_rows()
+            return True
+        finally:
+            if not left:
+                self._leave()
 
     def _abort(self, entry: _Entry, released: int) -> bool:
         with self._lock:
@@ -895,9 +914,12 @@ class PageStore:
 
     def _leave(self) -> None:
         with self._lock:
-            self._busy -= 1
-            if self._busy == 0:
-                self._idle.notify_all()
+            self._leave_locked()
+
+    def _leave_locked(self) -> None:  # caller holds the lock
+        self._busy -= 1
+        if self._busy == 0:
+            self._idle.notify_all()
 
     # ------------------------------------------------------- persistence helpers
     def _flush_loop(self, interval: float) -> None:

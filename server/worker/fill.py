@@ -40,6 +40,16 @@ log = logging.getLogger(__name__)
 #: of it joins the fetches still in flight (single-flight), so no work is lost.
 FILL_SECONDS = 3.0
 
+#: A range up to this size is fetched and written on the fill pool's thread that fills it
+#: (PageReader.fetch_here), not handed to the reader's fetch pool and a writer, a hand-off and a
+#: wake-up each, which cost a small object's fill more CPU than its bytes. Larger ranges keep the
+#: reader's pools (extents side by side).
+INLINE_BYTES = 1 << 20
+#: Small ranges of known objects per task on the fill pool: a request of 64 cold samples is one task
+#: (on 2 cores, 4 tasks of 16 cost the worker more CPU than one: their page-file creates and the
+#: store's lock contend).
+GROUP_RANGES = 64
+
 #: Errors that asking again cannot mend, with the errno a FAILED reply carries for each.
 FOR_GOOD: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidPathError, errno.EINVAL), (FileNotFoundError, errno.ENOENT), (PermissionError, errno.EACCES),
@@ -99,31 +109,56 @@ class RangeFiller:
             self._count("requests")
             self._count("ranges", len(ranges))
             deadline = time.monotonic() + self.deadline_seconds
-            # A range whose object is known needs no store call here (its pages are cached, in
-            # flight, or fetched by the reader's pool): it is only waited for, on this thread.
-            # The others resolve their objects (a GET each) on the pool, side by side.
-            here = [self._known(r) for r in ranges]
-            futures = [self._pool.submit(self._fill_one, r, deadline, None if fetched is None else fetched[i],
-                                         failures, i)
-                       for i, r in enumerate(ranges) if not here[i]]
+
+            def misses(i: int) -> set[Any] | None:
+                return None if fetched is None else fetched[i]
+
+            # Ranges whose object is not known resolve it (a GET each) on the pool, side by side,
+            # and fetch and write a small range's pages on that same thread. Small ranges of known
+            # objects go to the pool in groups, each fetched and written there one after another:
+            # one hand-off per group, not a fetch and a write handed off per object (#47). Never
+            # on this thread, whose waits end at the deadline (a stuck disk would hold it). A
+            # large range of a known object (pages in extents side by side on the reader's pool)
+            # is only waited for here.
+            metas = [self._known(r) for r in ranges]
+            futures = [self._pool.submit(self._fill_one, r, deadline, misses(i), failures, i, True)
+                       for i, r in enumerate(ranges) if metas[i] is None]
+            small = [i for i, r in enumerate(ranges) if metas[i] is not None and self._small(r, metas[i])]
+            for k in range(0, len(small), GROUP_RANGES):
+                group = [(ranges[i], misses(i), i) for i in small[k:k + GROUP_RANGES]]
+                futures.append(self._pool.submit(self._fill_group, group, deadline, failures))
+            inline = set(small)
             for i, r in enumerate(ranges):
-                if here[i]:
-                    self._fill_one(r, deadline, None if fetched is None else fetched[i], failures, i)
+                if metas[i] is not None and i not in inline:
+                    self._fill_one(r, deadline, misses(i), failures, i)
             wait(futures, timeout=max(0.0, deadline - time.monotonic()))  # each range counts its own outcome
             return True
         finally:
             self._slots.release()
 
-    def _known(self, wanted: Any) -> bool:
-        """Whether the range's object metadata is at hand (fresh, of the version asked for)."""
+    def _known(self, wanted: Any) -> ObjectMeta | None:
+        """The range's object metadata if it is at hand (fresh, of the version asked for)."""
         try:
             meta = self.reader.objects.cached_info(parse_path(wanted.path))
         except InvalidPathError:
-            return False
-        return meta is not None and not meta.is_dir and (not wanted.version or wanted.version == meta.version)
+            return None
+        if meta is None or meta.is_dir or (wanted.version and wanted.version != meta.version):
+            return None
+        return meta
+
+    def _small(self, wanted: Any, meta: ObjectMeta) -> bool:
+        """The range's pages come to at most INLINE_BYTES (fetched and written on one thread)."""
+        end = meta.size if wanted.length < 0 else min(meta.size, wanted.offset + wanted.length)
+        return end - max(0, wanted.offset) // self.reader.page_size * self.reader.page_size <= INLINE_BYTES
+
+    def _fill_group(self, group: list[tuple[Any, set[Any] | None, int]], deadline: float,
+                    failures: list[OSError | None] | None) -> None:
+        for wanted, fetched, index in group:
+            self._fill_one(wanted, deadline, fetched, failures, index, True)
 
     def _fill_one(self, wanted: Any, deadline: float, fetched: set[Any] | None = None,
-                  failures: list[OSError | None] | None = None, index: int = 0) -> None:
+                  failures: list[OSError | None] | None = None, index: int = 0, inline: bool = False) -> None:
+        """``inline``: on a pool thread, where a small range's pages are fetched and written."""
         if time.monotonic() >= deadline:  # queued behind other fills until too late: no store call
             self._count("late")
             return
@@ -139,7 +174,11 @@ class RangeFiller:
             last = (end - 1) // page_size
             # The range as one store request (streamed, page by page): parallel 8 MiB runs cost a
             # store that reads the whole object for each ranged GET (moto) several times the work.
-            claimed = self.reader.claim(meta, wanted.offset // page_size, last, group=self.reader.extent_pages)
+            first = wanted.offset // page_size
+            if inline and end - first * page_size <= INLINE_BYTES:  # small: fetched and written here
+                claimed = self.reader.fetch_here(meta, first, last)[0]
+            else:
+                claimed = self.reader.claim(meta, first, last, group=self.reader.extent_pages)
             if fetched is not None:
                 fetched.update(pid for pid, _ in claimed)
             self._read_ahead(meta, wanted.offset, end, last)

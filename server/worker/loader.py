@@ -297,13 +297,22 @@ def resolve_for_load(objects: ObjectStore, path: CachePath,
     cold read does), not a HEAD and then a GET: a small object costs the store one request.
     """
     fetched = 0
-    if reader is not None and objects.cached_info(path) is None \
-            and not reader.pages.holds_object(path.mount, path.key):
-        meta, head = reader.open_writing_head(path, reader.page_size)  # the load waits for them anyway
-        if head is not None:  # this load's GET, and the reader took its pages
-            fetched = len(head)
+    known = objects.cached_info(path)
+    if reader is not None and not reader.pages.holds_object(path.mount, path.key):
+        if known is None:
+            meta, head = reader.open_writing_head(path, reader.page_size)  # the load waits for them anyway
+            if head is not None:  # this load's GET, and the reader took its pages
+                fetched = len(head)
+        else:
+            meta = known
+            if not meta.is_dir and 0 < meta.size <= reader.page_size:
+                # A small object whose metadata a listing brought: fetched and written here, on
+                # the resolving thread (the resolve pool bounds how many at once), not handed to
+                # the fetch pool and a writer for the load to wait on (hand-offs cost more CPU
+                # than its bytes).
+                fetched = reader.fetch_here(meta, 0, 0)[1]
     else:
-        meta = objects.info(path)
+        meta = known if known is not None else objects.info(path)
     if meta.is_dir:
         raise IsADirectoryError("is a directory")
     return meta, fetched

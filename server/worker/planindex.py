@@ -12,7 +12,7 @@ from them. Memory per planned read is a few int32s; per unit of the index its pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ __all__ = ["DerivedOrder", "IndexError_", "PlanIndex", "derive"]
 MAX_INDEX_UNITS = 1 << 31
 MAX_PAGES_PER_UNIT = 4096
 HASH_CHUNK = 65_536
+USES_KEPT = 8192  # DerivedOrder.uses answers kept per job's order
 
 
 class IndexError_(ValueError):
@@ -163,6 +164,7 @@ class DerivedOrder:
     reads: int  # positions of the plan that read a unit of the index
     read_bytes: int  # bytes those read
     last: int  # the last such position (-1: none)
+    _kept_uses: dict | None = field(default=None, repr=False, compare=False)  # uses(), recent answers
 
     @property
     def rest(self) -> int:
@@ -185,7 +187,22 @@ class DerivedOrder:
         return now + [rest + p for p in self.after.positions_of_global(global_index(self.after))]
 
     def uses(self, mount: str, key: str, index: int, memo: dict | None = None) -> list[int]:
-        """Positions at which the plan reads page ``index`` of ``mount/key`` (ascending)."""
+        """Positions at which the plan reads page ``index`` of ``mount/key`` (ascending). The last
+        ``USES_KEPT`` answers are kept (the order never changes once made): a cold page is asked
+        when it is added and again when its read is placed, moments apart."""
+        kept = self._kept_uses
+        if kept is None:
+            kept = self._kept_uses = {}
+        found_uses = kept.get((mount, key, index))
+        if found_uses is not None:
+            return found_uses
+        out = self._uses(mount, key, index, memo)
+        if len(kept) >= USES_KEPT:
+            kept.clear()  # cheaper than an LRU's bookkeeping per call; refilled within moments
+        kept[(mount, key, index)] = out
+        return out
+
+    def _uses(self, mount: str, key: str, index: int, memo: dict | None) -> list[int]:
         out: list[int] = []
         found = None if memo is None else memo.get((self.index.id, mount, key))
         if found is None:

@@ -120,7 +120,8 @@ class PageReader:
         return start, min(meta.size, start + self.page_size)
 
     def page(self, meta: ObjectMeta, index: int, last: int | None = None, prefetch: bool = False,
-             group: int = 0) -> list[tuple[Future[bytes], bool]]:
+             group: int = 0, here: list[list[tuple[PageId, Future[bytes]]]] | None = None,
+             ) -> list[tuple[Future[bytes], bool]]:
         """Futures for page ``index`` and, if it must be fetched, the missing pages after it.
 
         A page comes from the page store (a done future, flagged cached), from a fetch already
@@ -128,7 +129,8 @@ class PageReader:
         consecutive missing pages up to ``last`` (at most ``fetch_group_pages``) in one store
         request: one GET of 8 MiB costs the store far less than eight of 1 MiB (``group``: a
         larger run, for read-ahead extents and loads). With ``prefetch``, cached pages are skipped
-        (empty list) and nothing counts as a read.
+        (empty list) and nothing counts as a read. ``here``: a new fetch's run is appended to it
+        for the caller to fetch on its own thread (``fetch_here``) instead of the pool.
         """
         pid = self._page_id(meta, index)
         with self._lock:
@@ -163,7 +165,10 @@ class PageReader:
                 self._inflight[next_pid] = fut
                 claimed.append((next_pid, fut))
         self._page_reads["prefetch" if prefetch else "miss"].inc(len(claimed))
-        self._fetch_pool.submit(self._fetch, meta, claimed)
+        if here is not None:
+            here.append(claimed)
+        else:
+            self._fetch_pool.submit(self._fetch, meta, claimed)
         return [(f, False) for _, f in claimed]
 
     def in_flight(self, pid: PageId) -> bool:
@@ -171,12 +176,15 @@ class PageReader:
         with self._lock:
             return pid in self._inflight
 
-    def _fetch(self, meta: ObjectMeta, claimed: list[tuple[PageId, Future[bytes]]]) -> None:
+    def _fetch(self, meta: ObjectMeta, claimed: list[tuple[PageId, Future[bytes]]], here: bool = False) -> None:
         """One store request for a run of consecutive pages, streamed: each page's future gets its
-        bytes (and its disk write is queued) as soon as they arrived, not when the whole run has."""
+        bytes (and its disk write is queued) as soon as they arrived, not when the whole run has.
+        ``here``: the pages are written on this thread instead (``fetch_here``), once the run's
+        last page came: a reader joining a later page never waits for an earlier one's write."""
         start = self._page_bounds(meta, claimed[0][0].index)[0]
         sizes = [hi - lo for lo, hi in (self._page_bounds(meta, pid.index) for pid, _ in claimed)]
         delivered = 0
+        written_here: list[tuple[PageId, bytes]] = []
         t0 = time.perf_counter()
         wait_until = time.monotonic() + WRITE_WAIT_SECONDS  # this fetch's back-pressure budget
 
@@ -190,10 +198,16 @@ class PageReader:
             except InvalidStateError:  # failed by close() meanwhile
                 self._forget(pid)
                 return
-            self._queue_write(pid, page, wait_until)
+            if here:
+                written_here.append((pid, page))
+            else:
+                self._queue_write(pid, page, wait_until)
 
         try:
-            self.objects.read_pieces(meta, start, sizes, deliver)
+            try:
+                self.objects.read_pieces(meta, start, sizes, deliver)
+            finally:
+                self.write_adopted(written_here)  # those delivered, whatever came after them
             if delivered != len(claimed):
                 raise StaleObjectError(f"{meta.path}: store gave {delivered} of {len(claimed)} pages")
         except BaseException as exc:  # noqa: BLE001 - handed to every reader still waiting
@@ -444,6 +458,27 @@ class PageReader:
             claimed.extend((self._page_id(meta, index + i), future) for i, (future, _) in enumerate(entries))
             index += max(1, len(entries))
         return claimed
+
+    def fetch_here(self, meta: ObjectMeta, first: int, last: int,
+                   ) -> tuple[list[tuple[PageId, Future[bytes]]], int]:
+        """``claim``, but the new fetches run on this thread, each page written into the page store
+        on it too, before this returns: for a caller that would only wait for them (a fill or a
+        load of a small object) this saves two hand-offs between threads (fetch pool, writer) and
+        their wake-ups a page. Pages in flight elsewhere are joined (their futures returned, not
+        waited for), with the bytes this call fetched. The store requests are made one after
+        another: for small ranges only."""
+        runs: list[list[tuple[PageId, Future[bytes]]]] = []
+        claimed: list[tuple[PageId, Future[bytes]]] = []
+        index = first
+        while index <= last:
+            entries = self.page(meta, index, last=last, prefetch=True, group=last - index + 1, here=runs)
+            claimed.extend((self._page_id(meta, index + i), future) for i, (future, _) in enumerate(entries))
+            index += max(1, len(entries))
+        fetched = 0
+        for run in runs:
+            self._fetch(meta, run, here=True)
+            fetched += sum(len(f.result()) for _, f in run if f.done() and f.exception() is None)
+        return claimed, fetched
 
     def _readahead(self, meta: ObjectMeta, first: int, window: int) -> None:
         self.claim(meta, first, min((meta.size - 1) // self.page_size, first + window - 1), group=self.extent_pages)
