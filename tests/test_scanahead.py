@@ -27,10 +27,11 @@ class _Fake:
         self.hints: list[list[str]] = []
         self.listing_done = threading.Event()
 
-    def list_dir(self, directory: CachePath) -> list[str]:
+    def list_dir(self, directory: CachePath) -> list[list[str]]:
+        """The listing in pages of 1,000, as ClientSession.list_pages hands them."""
         self.listed.append(directory)
         self.listing_done.set()
-        return list(self.names)
+        return [self.names[i:i + 1000] for i in range(0, len(self.names), 1000)]
 
     def hint(self, keys: list[str]) -> int:
         self.hints.append(keys)
@@ -247,3 +248,76 @@ def test_a_child_forked_while_a_parent_thread_holds_the_lock_reads_on():
         proc.join(20)
         if proc.is_alive():
             proc.kill()
+
+
+def _synthetic_pages(count: int, pulled: list[int]):
+    """``list_pages`` over a synthetic directory of ``count`` objects, generated a page at a time
+    as taken (cachefs.testing's paging), each page taken counted in ``pulled``."""
+    from cachefs.testing import SyntheticFileSystem
+
+    fs = SyntheticFileSystem(count=count, per_dir=count)
+
+    def list_pages(directory: CachePath):
+        after = ""
+        while True:
+            entries, last = fs.cachefs_list_after("data/d00000", False, after, 1000)
+            pulled.append(1)
+            yield [e["name"].rsplit("/", 1)[-1] for e in entries]
+            if last:
+                return
+            after = entries[-1]["name"].rsplit("/", 1)[-1]
+
+    return list_pages
+
+
+@pytest.mark.parametrize("count", [30_000, 2_000_000])
+def test_a_directory_past_the_cap_costs_the_cap_in_pages_and_memory_whatever_its_size(count):
+    """#46: the listing is given up at the cap, a page at a time: a directory of two million
+    objects costs what one of thirty thousand does (pages asked for, names held)."""
+    import tracemalloc
+
+    pulled: list[int] = []
+    scan = ScanAhead(_synthetic_pages(count, pulled), lambda keys: len(keys), max_listing=20_000)
+    tracemalloc.start()
+    try:
+        scan._list(("m", "d00000"))  # the listing thread's work, here on this thread
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert scan.stats["too_large"] == 1 and scan.stats["listed"] == 0
+    assert len(pulled) == 20_000 // 1000 + 1  # the page that went past the cap is the last asked for
+    assert peak < 8 << 20  # ~21,000 names and a page: a few MB, not the directory's ~150 MB
+
+
+def test_a_directory_within_the_cap_is_listed_over_several_pages():
+    pulled: list[int] = []
+    scan = ScanAhead(_synthetic_pages(4_500, pulled), lambda keys: len(keys), max_listing=20_000)
+    scan.note(CachePath("m", "d00000/00000000.bin"))
+    scan.note(CachePath("m", "d00000/00000001.bin"))
+    assert _listed(scan) and scan.stats["listed"] == 1 and len(pulled) == 5
+    scan.note(CachePath("m", "d00000/00000002.bin"))
+    scan.note(CachePath("m", "d00000/00000003.bin"))
+    assert scan.stats["hinted"] > 0
+
+
+@pytest.mark.parametrize("count", [20_000, 1_000_000])
+def test_a_huge_directory_read_in_order_lists_only_the_cap_through_a_worker(make_worker, monkeypatch, count):
+    """Through a worker and the session's paged listing: the store is asked for about cap/1,000
+    listing pages whether the directory holds twenty thousand objects or a million."""
+    import cachefs.client.fs.scanahead as scanahead
+    import cachefs.testing  # noqa: F401 - registers synthetic://
+    from cachefs.config import MountSpec
+
+    monkeypatch.setattr(scanahead, "MAX_LISTING", 5_000)
+    worker = make_worker(MountSpec("data", "synthetic://data", {"count": count, "per_dir": count, "size": 16}))
+    store_fs = worker.objects.mounts.resolve(CachePath("data", "")).fs
+    fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True, scan_ahead=True)
+    try:
+        for i in range(3):
+            assert len(fs.cat_file(f"cachefs://data/d00000/{i:08d}.bin")) == 16
+        assert wait_for(lambda: fs._scan.stats["too_large"] == 1, timeout=60)
+        assert fs._scan.stats["listed"] == 0
+        assert 5 <= store_fs.requests["list_after"] <= 5_000 // 1000 + 2, dict(store_fs.requests)
+        assert store_fs.requests["ls"] == store_fs.requests["find"] == 0  # never listed whole
+    finally:
+        fs.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import fsspec.asyn
@@ -233,11 +233,16 @@ class CacheFileSystem(S3CompatMethods, WriteMethods, AsyncFileSystem, ChainedFil
                 sent = hinter.hint(cold)
                 return len(keys) if sent == len(cold) else sent
 
-            def list_dir(directory: CachePath) -> list[str]:
-                return [e["name"].rsplit("/", 1)[-1] for e in self.session.list(directory, recursive=False)
-                        if e["type"] == "file"]
+            def list_pages(directory: CachePath) -> Iterator[list[str]]:
+                # Page by page: the scan stops asking at its cap (scanahead.py MAX_LISTING).
+                pages = self.session.list_pages(directory, recursive=False)
+                try:
+                    for page in pages:
+                        yield [e["name"].rsplit("/", 1)[-1] for e in page if e["type"] == "file"]
+                finally:
+                    pages.close()
 
-            scan = self._scan = ScanAhead(list_dir, hint)
+            scan = self._scan = ScanAhead(list_pages, hint)
         scan.note(cp)
 
     def prepare(self, ranges: Iterable[tuple[str, int, int | None]], fill: bool = True) -> int:

@@ -12,8 +12,10 @@ each); a read out of order starts it over, unless it jumps forward into what was
 DataLoader worker skipping the other workers' batches).
 
 Nothing is listed until two reads in a row went up in name order, and then once per directory,
-on a thread of its own (a listing is one store request or a worker's cached answer; never on the
-reader's time); a directory larger than ``max_listing`` entries is left alone. Hints are what
+on a thread of its own (a listing is a page of ~1,000 entries per request, a worker's cached
+answer; never on the reader's time). The listing is taken a page at a time and given up at
+``max_listing`` entries: a directory larger than that is left alone, having cost at most
+``max_listing`` / 1,000 pages and ``max_listing`` names in memory, however large it is. Hints are what
 CacheDataset sends from its sampler: bounded in flight, dropped when busy, backing off while
 everything hinted was cached already. One per process (fork-aware: a DataLoader worker starts
 afresh).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,6 +39,11 @@ log = logging.getLogger(__name__)
 __all__ = ["ScanAhead"]
 
 _LISTING = ()  # a directory whose listing is on its way (or not wanted)
+#: Names of one directory held at most (and listed at most before giving up: a page is ~1,000).
+#: Past it the window's index into the sorted names would cost a listing of 100+ requests per
+#: process and ~10 MB of names in each DataLoader worker; an ordered pass over a bigger directory
+#: is what CacheDataset's sampler hints, with no listing per process.
+MAX_LISTING = 100_000
 
 
 @dataclass
@@ -53,14 +60,17 @@ class _Dir:
 class ScanAhead:
     """Notes whole-object reads; hints the objects that follow them in their directory's order."""
 
-    def __init__(self, list_dir: Callable[[CachePath], list[str]], hint: Callable[[list[str]], int], *,
-                 first_window: int = 8, max_window: int = 64, max_listing: int = 100_000,
+    def __init__(self, list_pages: Callable[[CachePath], Iterable[list[str]]], hint: Callable[[list[str]], int], *,
+                 first_window: int = 8, max_window: int = 64, max_listing: int | None = None,
                  max_dirs: int = 64) -> None:
+        """``list_pages(directory)``: the file names directly in it, a page (a list) at a time,
+        fetched as they are taken (a generator over ``ClientSession.list_pages``)."""
         if not 1 <= first_window <= max_window:
             raise ValueError("need 1 <= first_window <= max_window")
-        self._list_dir, self._hint = list_dir, hint
+        self._list_pages, self._hint = list_pages, hint
         self.first_window, self.max_window = first_window, max_window
-        self.max_listing, self.max_dirs = max_listing, max_dirs
+        self.max_listing = MAX_LISTING if max_listing is None else max_listing
+        self.max_dirs = max_dirs
         # Fresh in a forked child (forksafe.py): a parent thread may hold it at the fork, and the
         # child takes it before it can tell that the state behind it is the parent's.
         self._lock = ForkSafeLock()
@@ -146,15 +156,22 @@ class ScanAhead:
 
     def _list(self, where: tuple[str, str]) -> None:
         mount, prefix = where
+        names: list[str] = []
+        pages = self._list_pages(CachePath(mount, prefix))
         try:
-            names = self._list_dir(CachePath(mount, prefix))
+            for page in pages:
+                names.extend(page)
+                if len(names) > self.max_listing:  # no further page is asked for
+                    self.stats["too_large"] += 1
+                    return
         except Exception as exc:  # noqa: BLE001 - no listing: no read-ahead here
             log.debug("scan-ahead listing of %s/%s failed: %s", mount, prefix, exc)
             self.stats["list_failed"] += 1
             return
-        if len(names) > self.max_listing:
-            self.stats["too_large"] += 1
-            return
+        finally:
+            close = getattr(pages, "close", None)
+            if close is not None:
+                close()  # a generator left mid-listing: its session call ends now, not at collection
         ordered = tuple(sorted(names))
         with self._lock:
             d = self._dirs.get(where)
