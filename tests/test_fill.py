@@ -198,3 +198,32 @@ def test_known_objects_are_filled_in_groups_and_cold_ones_written_where_fetched(
     assert fs.cat([f"cachefs://data/{k}" for k in objects]) == {f"data/{k}": d for k, d in objects.items()}
     assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") \
         == sum(map(len, objects.values()))  # each fetched once
+
+
+def test_a_hinted_load_writes_small_listed_objects_where_it_resolves_them(store, make_worker, monkeypatch):
+    """#47: a hinted load of small objects whose metadata a listing brought fetches and writes each
+    on the thread that resolves it (no fetch pool, no writer), and reports them loaded, fetched by
+    this load; a second load finds them cached (skipped, nothing fetched)."""
+    import time
+
+    from cachefs.paths import parse_path
+
+    objects = {f"h/{i}": payload(PAGE // 4 + i, 90 + i) for i in range(6)}
+    for key, data in objects.items():
+        store.add(key, data)
+    worker = make_worker(store.mount, page_size=PAGE)
+    assert len(worker.objects.list(parse_path("data/h"))) == len(objects)  # metadata known, nothing cached
+    queued: list = []
+    queue_write = worker.reader._queue_write
+    monkeypatch.setattr(worker.reader, "_queue_write", lambda pid, *a: (queued.append(pid), queue_write(pid, *a))[1])
+    paths = [f"data/{k}" for k in objects]
+    got = worker.servicer.load_objects(paths, time.monotonic() + 30, True)
+    assert (got.objects_loaded, list(got.failed)) == (len(objects), [])
+    assert got.bytes_loaded == sum(map(len, objects.values())) and got.bytes_skipped == 0
+    assert not queued
+    again = worker.servicer.load_objects(paths, time.monotonic() + 30, True)
+    assert (again.objects_loaded, again.bytes_loaded, again.bytes_skipped) == \
+        (len(objects), 0, sum(map(len, objects.values())))
+    assert _fs(worker).cat([f"cachefs://{p}" for p in paths]) == {p: objects[p[5:]] for p in paths}
+    assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") \
+        == sum(map(len, objects.values()))  # each fetched once
