@@ -8,8 +8,9 @@ import socket
 MAX_PAGES = 128          # descriptors per reply (the kernel allows 253)
 MAX_MESSAGE = 64 << 10   # request and reply size bound
 #: The client protocol's version on the daemons' raw sockets (a HELLO's answer): 1 = info, listing
-#: pages, view, status, read plans and hinted loads as metadata operations.
-PROTOCOL_VERSION = 1
+#: pages, view, status, read plans and hinted loads as metadata operations; 2 = streamed writes,
+#: remove/mkdir/copy/free, TLS on the framed ports, a HELLO naming the client (counted per client).
+PROTOCOL_VERSION = 2
 
 
 def host_id() -> str:

@@ -43,7 +43,7 @@ class MountInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., options_json: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class MetaRequest(_message.Message):
-    __slots__ = ("op", "path", "refresh", "recursive", "start_after", "max_entries", "known_version", "plan", "paths", "protocol", "destination", "create_parents", "exist_ok")
+    __slots__ = ("op", "path", "refresh", "recursive", "start_after", "max_entries", "known_version", "plan", "paths", "protocol", "destination", "create_parents", "exist_ok", "client_id", "client_role")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[MetaRequest.Op]
@@ -83,6 +83,8 @@ class MetaRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     CREATE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ROLE_FIELD_NUMBER: _ClassVar[int]
     op: MetaRequest.Op
     path: str
     refresh: bool
@@ -96,7 +98,9 @@ class MetaRequest(_message.Message):
     destination: str
     create_parents: bool
     exist_ok: bool
-    def __init__(self, op: _Optional[_Union[MetaRequest.Op, str]] = ..., path: _Optional[str] = ..., refresh: _Optional[bool] = ..., recursive: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ..., known_version: _Optional[int] = ..., plan: _Optional[bytes] = ..., paths: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., destination: _Optional[str] = ..., create_parents: _Optional[bool] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+    client_id: str
+    client_role: str
+    def __init__(self, op: _Optional[_Union[MetaRequest.Op, str]] = ..., path: _Optional[str] = ..., refresh: _Optional[bool] = ..., recursive: _Optional[bool] = ..., start_after: _Optional[str] = ..., max_entries: _Optional[int] = ..., known_version: _Optional[int] = ..., plan: _Optional[bytes] = ..., paths: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., destination: _Optional[str] = ..., create_parents: _Optional[bool] = ..., exist_ok: _Optional[bool] = ..., client_id: _Optional[str] = ..., client_role: _Optional[str] = ...) -> None: ...
 
 class MetaReply(_message.Message):
     __slots__ = ("error_code", "error_detail", "error_message", "info", "entries", "next_after", "view", "status", "plan", "loading", "role", "protocol", "view_version", "pages_freed")

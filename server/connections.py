@@ -26,6 +26,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from cachefs.proto import common_pb2, dataport_pb2
 from cachefs.server.tlsstream import TlsStream
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 # Limits of both raw servers (ConnectionServer's arguments; these are the defaults).
 MAX_CONNECTIONS = 256  # connections in all
 MAX_PER_PEER = 64  # connections from one peer: a remote IP on the data port, a process on the socket
+#: Connections from one client (a process, named by its hello) on the framed ports: one host runs
+#: dozens of training processes and DataLoader workers behind one IP, which its own limit bounds.
+MAX_PER_CLIENT = 64
 THREADS = 32  # serving threads at most, whatever the number of connections
 IDLE_TIMEOUT = 30.0  # a connection with no request in flight for this long is closed
 FRAME_TIMEOUT = 3.0  # once a request's first byte is in, the rest must come within this
@@ -67,7 +71,8 @@ def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
 class Connection:
     """One accepted connection and what the server knows of it."""
 
-    __slots__ = ("sock", "fd", "peer", "buf", "started", "since", "state", "request", "session", "stream")
+    __slots__ = ("sock", "fd", "peer", "buf", "started", "since", "state", "request", "session", "stream",
+                 "client")
 
     def __init__(self, sock: socket.socket, peer: Hashable, now: float) -> None:
         self.sock, self.fd, self.peer = sock, sock.fileno(), peer
@@ -78,6 +83,7 @@ class Connection:
         self.request: Any = None  # the complete request it is handed to a serving thread with
         self.session: Any = None  # what the protocol keeps between requests (a write in progress)
         self.stream: Any = sock  # what requests are read from and replies sent on (TLS: tlsstream.py)
+        self.client: str | None = None  # the client id its hello named (counted per client)
 
 
 class _Kick:
@@ -136,6 +142,7 @@ class ConnectionServer:
         self._cond = threading.Condition(self._lock)
         self._conns: dict[int, Connection] = {}  # by descriptor
         self._peers: Counter[Hashable] = Counter()
+        self._clients: Counter[str] = Counter()  # connections per client id (hello)
         self._ready: deque[Connection] = deque()  # whole requests waiting for a serving thread
         self._waiting = 0  # serving threads waiting for one
         self._pool = 0  # serving threads alive
@@ -182,6 +189,19 @@ class ConnectionServer:
 
     def _closed(self, conn: Connection) -> None:
         """``conn`` is gone: drop what the protocol kept for it (must not block: the selector calls it)."""
+
+    def admit_client(self, conn: Connection, client_id: str, limit: int) -> bool:
+        """Count ``conn`` against the client its hello named; False (counted: ``refused_client``)
+        when that client has ``limit`` connections already."""
+        with self._lock:
+            if conn.client is not None:
+                return True  # a second hello on the connection: counted once
+            if self._clients[client_id] >= limit:
+                self.counts["refused_client"] += 1
+                return False
+            conn.client = client_id
+            self._clients[client_id] += 1
+            return True
 
     @contextlib.contextmanager
     def slow_slot(self) -> Any:
@@ -253,6 +273,7 @@ class ConnectionServer:
             states = Counter(c.state for c in self._conns.values())
             return {"connections": len(self._conns), "idle": states[_IDLE], "queued": states[_READY],
                     "serving": states[_BUSY], "threads": self._pool, "peers": len(self._peers),
+                    "clients": len(self._clients),
                     "refused": self.counts["refused"], "closed_idle": self.counts["closed_idle"],
                     "closed_frame": self.counts["closed_frame"]}
 
@@ -527,6 +548,10 @@ class ConnectionServer:
                 self._peers[conn.peer] -= 1
                 if self._peers[conn.peer] <= 0:
                     del self._peers[conn.peer]
+                if conn.client is not None:
+                    self._clients[conn.client] -= 1
+                    if self._clients[conn.client] <= 0:
+                        del self._clients[conn.client]
                 if self._epoll is not None:
                     with contextlib.suppress(OSError, ValueError):
                         self._epoll.unregister(conn.fd)
@@ -558,6 +583,7 @@ def connection_limit(cap: int, share: int = 4) -> int:
     return cap if soft == resource.RLIM_INFINITY else max(64, min(cap, soft // share))
 
 
+_HELLO = common_pb2.MetaRequest.HELLO
 FRAME = struct.Struct(">I")  # a frame's header: the length of the message that follows, big-endian
 MAX_REQUEST = 64 << 10  # a request frame's body at most (a larger one is refused and closed)
 _READ_SIZE = 16 << 10  # bytes read at a time while a request comes in (one read for any usual request)
@@ -630,10 +656,27 @@ class FramedServer(ConnectionServer):
         del buf[:FRAME.size + size]
         return body
 
-    def _handle(self, conn: Connection, request: bytes | int) -> bool:
-        if isinstance(request, int):
-            self._refuse(conn.stream, f"request of {request} bytes is too large")
+    max_per_client = MAX_PER_CLIENT
+
+    def _handle(self, conn: Connection, body: bytes | int) -> bool:
+        if isinstance(body, int):
+            self._refuse(conn.stream, f"request of {body} bytes is too large")
             return False  # the stream is out of step: close it
+        request = dataport_pb2.DataRequest()
+        try:
+            request.ParseFromString(body)
+        except Exception:  # protobuf's DecodeError
+            self._refuse(conn.stream, "malformed request")
+            return conn.session is None  # a write's stream is out of step: closed, the write dropped
+        if request.HasField("meta") and request.meta.op == _HELLO and request.meta.client_id:
+            if not self.admit_client(conn, request.meta.client_id, self.max_per_client):
+                self._refuse(conn.stream, f"BUSY: {self.max_per_client} connections from this client",
+                             BUSY_RETRY_AFTER)
+                return False
+        return self._request(conn, request)
+
+    def _request(self, conn: Connection, request: Any) -> bool:
+        """Answer one parsed request (a ``DataRequest``); False closes the connection."""
         self._answer(conn.stream, request)
         return True
 
@@ -652,5 +695,5 @@ class FramedServer(ConnectionServer):
         if self.tls_context is None:
             self._refuse(sock, "BUSY: too many connections", BUSY_RETRY_AFTER)
 
-    def _answer(self, conn: socket.socket, body: bytes) -> None:
+    def _answer(self, stream: Any, request: Any) -> None:
         raise NotImplementedError

@@ -17,6 +17,7 @@ import pytest
 from cachefs.client.transport.dataport import DataPortReader
 from cachefs.client.transport.masterport import MasterPort, NotAMasterError
 from cachefs.config import MasterConfig
+from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.errors import UnauthenticatedError
 from cachefs.proto import common_pb2, dataport_pb2, master_pb2
 from cachefs.server.master.daemon import Master
@@ -41,7 +42,7 @@ def test_the_client_port_is_next_to_the_grpc_port_and_answers_as_a_master(master
     reader = _reader(master)
     try:
         hello = reader.meta(HELLO)
-        assert (hello.role, hello.protocol) == ("master", 1)
+        assert (hello.role, hello.protocol) == ("master", PROTOCOL_VERSION) and PROTOCOL_VERSION >= 2
         reply = reader.meta(common_pb2.MetaRequest(op=common_pb2.MetaRequest.VIEW))
         view = master_pb2.ClusterView.FromString(reply.view)
         assert view.master_id == master.master_id and reply.view_version == view.version > 0

@@ -496,3 +496,56 @@ def test_600_connections_of_garbage_are_each_answered_or_closed(tmp_path):
         fs = CacheFileSystem(workers=worker.address, skip_instance_cache=True)
         assert fs.cat_file("cachefs://data/o") == payload(3 * PAGE, 7)
         fs.close()
+
+
+def test_data_port_counts_connections_per_client_its_hello_names(local_store, make_worker):
+    """Each connection's hello names its process (client id): one process past MAX_PER_CLIENT is
+    told BUSY, while another process behind the same IP is still admitted, and a closed
+    connection gives its client's slot back. The client's own reader says hello with its id."""
+    from cachefs.proto import common_pb2
+    from cachefs.server.connections import MAX_PER_CLIENT
+
+    local_store.add("obj", b"x" * 1000)
+    worker = make_worker(local_store.mount, page_size=PAGE)
+    port = worker.data_port
+
+    def hello(sock: socket.socket, client: str) -> Reply:
+        body = dataport_pb2.DataRequest(meta=common_pb2.MetaRequest(
+            op=common_pb2.MetaRequest.HELLO, client_id=client, client_role="client")).SerializeToString()
+        sock.sendall(FRAME.pack(len(body)) + body)
+        head = b""
+        while len(head) < 4:
+            head += sock.recv(4 - len(head))
+        (size,) = FRAME.unpack(head)
+        data = b""
+        while len(data) < size:
+            data += sock.recv(size - len(data))
+        return Reply.FromString(data)
+
+    socks = []
+    try:
+        for _ in range(MAX_PER_CLIENT):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            socks.append(sock)
+            assert hello(sock, "host-a:1").meta.role == "worker"
+        extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+        refused = hello(extra, "host-a:1")
+        assert refused.code == Reply.REFUSED and refused.retry_after_ms > 0 and "this client" in refused.message
+        assert extra.recv(1) == b""  # and closed
+        extra.close()
+        other = socket.create_connection(("127.0.0.1", port), timeout=10)
+        assert hello(other, "host-a:2").meta.role == "worker"  # the same IP, another process
+        other.close()
+        socks.pop().close()
+        assert wait_for(lambda: worker.data_port_server.stats()["connections"] <= MAX_PER_CLIENT, timeout=10)
+        again = socket.create_connection(("127.0.0.1", port), timeout=10)
+        assert hello(again, "host-a:1").code == Reply.OK
+        again.close()
+        assert worker.data_port_server.counts["refused_client"] == 1
+    finally:
+        for sock in socks:
+            sock.close()
+    reader = DataPortReader("127.0.0.1", port, timeout=10)
+    assert reader.hello().role == "worker" and reader.hello().protocol >= 2
+    assert wait_for(lambda: worker.data_port_server.stats()["clients"] == 1, timeout=10)
+    reader.close()

@@ -24,12 +24,15 @@ from cachefs.client.transport.socketpool import SocketPool
 from cachefs.client.transport.shortcircuit import refusal_error
 from cachefs.errors import (DeadlineExceededError, OverloadedError, WorkerUnavailableError, failed_range_error,
                             from_wire_error)
-from cachefs.proto import dataport_pb2
+from cachefs.client import forksafe
+from cachefs.localhost import PROTOCOL_VERSION, host_id
+from cachefs.proto import common_pb2, dataport_pb2
 from cachefs.tls import PLAINTEXT, TLSConfig, shared_client_context
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
 MAX_REPLY = 1 << 20
+_HOST = host_id()
 #: A write part's bytes (the worker takes up to 4 MiB + 64 KiB: server/worker/dataport.py).
 WRITE_PART = 4 << 20
 
@@ -91,11 +94,13 @@ class DataPortReader:
     kind = "data_port"
 
     def __init__(self, host: str, port: int, token: str = "", timeout: float = 30.0, max_idle: int = 8,
-                 counts: dict[str, int] | None = None, huge_pages: bool = True, tls: TLSConfig = PLAINTEXT) -> None:
+                 counts: dict[str, int] | None = None, huge_pages: bool = True, tls: TLSConfig = PLAINTEXT,
+                 role: str = "client") -> None:
         """``tls``: the cluster's TLS settings (enabled: the port is spoken over TLS, verified as
-        gRPC verifies the worker)."""
+        gRPC verifies the worker); ``role``: what this process is, said in each connection's hello."""
         self.host, self.port, self.token, self.timeout, self.max_idle = host, port, token, timeout, max_idle
-        self.tls = tls
+        self.tls, self.role = tls, role
+        self.server: Any = None  # the server's answer to the last hello (role, protocol version)
         self.huge_pages = huge_pages  # large results in transparent huge pages (rawbytes.py)
         # Pages read (hits: the data port serves only cached pages; a range with a missing page
         # is NOT_CACHED and read through gRPC, which counts its misses). Shared with BulkPaths.stats.
@@ -117,10 +122,39 @@ class DataPortReader:
             else:
                 sock.settimeout(None)
             _set_timeouts(sock, self.timeout)
+            self._hello(sock)
         except BaseException:
             sock.close()
             raise
         return sock
+
+    def _hello(self, sock: socket.socket) -> None:
+        """A new connection's first exchange: who this process is (the server counts its
+        connections per client) and which protocol it speaks; the server's answer kept."""
+        hello = common_pb2.MetaRequest(op=common_pb2.MetaRequest.HELLO, protocol=PROTOCOL_VERSION,
+                                       client_id=f"{_HOST}:{forksafe.pid()}", client_role=self.role)
+        body = dataport_pb2.DataRequest(token=self.token, meta=hello).SerializeToString()
+        head = _exchange_head(sock, FRAME.pack(len(body)) + body)
+        if head is None:
+            raise ConnectionError(f"{self.host}:{self.port} closed the connection at its hello")
+        (size,) = FRAME.unpack(head)
+        if size > MAX_REPLY:
+            raise ConnectionError(f"{self.host}:{self.port}: hello reply header of {size} bytes")
+        reply = Reply.FromString(bytes(_recv_bytes(sock, size)))
+        if reply.code == Reply.REFUSED:
+            where = f"{self.host}:{self.port}"
+            if reply.retry_after_ms:
+                raise busy_error(where, reply)
+            raise refusal_error(where, reply.message) or ConnectionError(f"{where} refused the hello: {reply.message}")
+        if reply.view_version > self.view_version:
+            self.view_version = reply.view_version
+        self.server = reply.meta
+
+    def hello(self) -> Any:
+        """The server's answer to this process's hello (role, protocol): connecting if need be."""
+        if self.server is None:
+            self._pool.give_back(self._connect())
+        return self.server
 
     def read(self, path: str, offset: int, length: int, version: str,
              out: memoryview | None = None, fill: bool = False,

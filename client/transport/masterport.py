@@ -27,7 +27,6 @@ from cachefs.client import forksafe
 from cachefs.client.transport.dataport import DataPortReader
 from cachefs.tls import PLAINTEXT, TLSConfig
 from cachefs.errors import OverloadedError, UnauthenticatedError
-from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.proto import common_pb2, master_pb2
 from cachefs.client.timeouts import VIEW_POLL_SECONDS, CONNECT_SECONDS
 
@@ -68,8 +67,7 @@ class MasterPort:
         reader = DataPortReader(host, port, token=self._token, timeout=min(timeout, CONNECT_SECONDS), max_idle=1,
                                 tls=self._tls)
         try:
-            hello = reader.meta(common_pb2.MetaRequest(op=common_pb2.MetaRequest.HELLO,
-                                                       protocol=PROTOCOL_VERSION), timeout=timeout)
+            hello = reader.hello()
         except Exception:
             reader.close()
             raise

@@ -51,13 +51,7 @@ class MasterClientPort(FramedServer):
     def _refuse(self, conn: socket.socket, message: str, retry_after: float = 0.0) -> None:
         self.send_frame(conn, Reply(code=Reply.REFUSED, message=message, retry_after_ms=int(retry_after * 1000)))
 
-    def _answer(self, conn: socket.socket, body: bytes) -> None:
-        request = dataport_pb2.DataRequest()
-        try:
-            request.ParseFromString(body)
-        except Exception:  # protobuf's DecodeError
-            self._refuse(conn, "malformed request")
-            return
+    def _answer(self, conn: socket.socket, request: Any) -> None:
         if not request.HasField("meta"):
             self._refuse(conn, "the master's client port answers metadata operations only (HELLO, VIEW)")
             return

@@ -121,15 +121,7 @@ class DataPortServer(FramedServer):
             except Exception:  # noqa: BLE001 - the page stays; the client's read goes another way
                 log.exception("checking page %s failed", pid)
 
-    def _handle(self, conn: Connection, body: bytes | int) -> bool:
-        if isinstance(body, int):
-            return super()._handle(conn, body)  # too large: refused, closed
-        request = dataport_pb2.DataRequest()
-        try:
-            request.ParseFromString(body)
-        except Exception:
-            self.send_frame(conn.stream, Reply(code=Reply.REFUSED, message="malformed request"))
-            return conn.session is None  # a write's stream is out of step: closed, the write dropped
+    def _request(self, conn: Connection, request: Any) -> bool:
         if request.HasField("write"):
             return self._write(conn, request)
         if conn.session is not None:
