@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from cachefs.auth import token_metadata
+from cachefs.tokens import ACCESS, CLUSTER, find_token
 from cachefs.errors import parse_detail
 from cachefs.tls import TLSConfig, explain
 
@@ -40,7 +41,9 @@ class _Master:
         address = args.master or os.environ.get("CACHEFS_MASTER", "127.0.0.1:19998")
         # The cluster token (changes, credentials) also passes the access check; else the access token.
         token = (args.cluster_token or os.environ.get("CACHEFS_CLUSTER_TOKEN", "")
-                 or getattr(args, "token", None) or os.environ.get("CACHEFS_TOKEN", ""))
+                 or find_token(address, CLUSTER)  # the ones cachefs local keeps (cachefs/tokens.py)
+                 or getattr(args, "token", None) or os.environ.get("CACHEFS_TOKEN", "")
+                 or find_token(address, ACCESS))
         self.address = address
         self.metadata = token_metadata(token)
         self.timeout = args.timeout
@@ -211,21 +214,49 @@ def _entry(info: Any) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    """Printed a page at a time as the master hands them out (paged List): the first line
+    comes after one page, and neither side holds the whole listing. ``--json`` is one JSON
+    array, an entry a line, written as the pages come (a failure mid-way leaves it unclosed,
+    with the exit code saying so)."""
     from cachefs.proto import worker_pb2
 
     def action(master: _Master) -> int:
-        request = worker_pb2.ListRequest(path=args.path, recursive=args.recursive, refresh=args.refresh)
-        entries = [_entry(e) for batch in master.stub.List(request, timeout=master.timeout, metadata=master.metadata)
-                   for e in batch.entries]
-        if args.json:
-            print(json.dumps(entries, indent=2))
+        out = sys.stdout
+        after, opened = "", False
+        try:
+            while True:
+                request = worker_pb2.ListRequest(path=args.path, recursive=args.recursive,
+                                                 refresh=args.refresh and not after, paged=True, start_after=after)
+                next_after = ""
+                # A master that knows no pages answers the whole listing in batches with no
+                # next_after: printed batch by batch all the same.
+                for batch in master.stub.List(request, timeout=master.timeout, metadata=master.metadata):
+                    next_after = batch.next_after or next_after
+                    for info in batch.entries:
+                        e = _entry(info)
+                        if args.json:
+                            out.write(("[\n" if not opened else ",\n") + json.dumps(e))
+                            opened = True
+                        elif e["type"] == "directory":
+                            out.write(f"{'DIR':>12}  {'':19}  {e['path']}/\n")
+                        else:
+                            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["mtime"])) if e["mtime"] else "-"
+                            out.write(f"{e['size']:>12}  {when:19}  {e['path']}\n")
+                    out.flush()  # a page on the terminal (or down the pipe) as soon as it came
+                if not next_after or next_after <= after:  # no progress: a page past the end
+                    break
+                after = next_after
+        except grpc.RpcError:
+            if opened:
+                out.write("\n")
+                out.flush()
+            raise
+        except BrokenPipeError:  # `cachefs ls big | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())  # no second error at exit's flush
             return EXIT_OK
-        for e in entries:
-            if e["type"] == "directory":
-                print(f"{'DIR':>12}  {'':19}  {e['path']}/")
-            else:
-                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["mtime"])) if e["mtime"] else "-"
-                print(f"{e['size']:>12}  {when:19}  {e['path']}")
+        if args.json:
+            out.write("\n]\n" if opened else "[]\n")
+            out.flush()
         return EXIT_OK
 
     return _run(args, action)
@@ -303,7 +334,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", metavar="PATH", help="<mount>[/<prefix>]")
     p.add_argument("-r", "--recursive", action="store_true", help="every object below PATH")
     p.add_argument("--refresh", action="store_true", help="ask the store, not the master's cache")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output: one JSON array, an entry "
+                   "a line, printed as the pages come")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("stat", help="size, version, fraction cached and on which workers")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from cachefs.errors import StoreError, UnknownMountError
 from cachefs.mounts import MountSpec, MountTable
@@ -83,6 +84,11 @@ class Catalog:
 
     def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> list[ObjectMeta]:
         return self._store_for(path).list(path, recursive=recursive, refresh=refresh)
+
+    def list_chunk(self, path: CachePath, recursive: bool, after: str, refresh: bool = False) -> Any:
+        """The listing cache's chunk holding the entries right after ``after`` (ObjectStore.list_chunk):
+        a paged List (``cachefs ls``) is answered a chunk at a time, never the whole prefix at once."""
+        return self._store_for(path).list_chunk(path, recursive, after, refresh=refresh)
 
     def list_page(self, path: CachePath, after: str, limit: int) -> tuple[list[ObjectMeta], str, bool]:
         """One store request's worth of the objects below ``path`` after the name ``after``, the

@@ -10,6 +10,7 @@ stat, jobs) does not. Credentials never appear in a log line or an error.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hmac
 import json
@@ -350,6 +351,9 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
 
     @rpc("List", streaming=True)
     def List(self, request: worker_pb2.ListRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.ListResponse]:
+        if request.paged:  # one page, by name, as a worker answers it: no reply holds a whole prefix
+            yield self._list_page(request)
+            return
         path = parse_path(request.path)
         entries = self._catalog().list(path, recursive=request.recursive, refresh=request.refresh)
         for start in range(0, len(entries), LIST_BATCH):
@@ -358,6 +362,19 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
             yield worker_pb2.ListResponse(entries=[info_message(m) for m in entries[start:start + LIST_BATCH]])
         if not entries:
             yield worker_pb2.ListResponse()
+
+    def _list_page(self, request: worker_pb2.ListRequest) -> worker_pb2.ListResponse:
+        """The entries after ``start_after``, cut from the listing cache's chunk that holds them
+        (a chunk is one store request, shared by listers of the prefix): ``cachefs ls`` of a
+        million objects asks page after page, and neither side holds the whole listing."""
+        after = request.start_after
+        chunk = self._catalog().list_chunk(parse_path(request.path), request.recursive, after,
+                                           refresh=request.refresh and not after)
+        start = bisect.bisect_right(chunk.names, after) if after else 0
+        end = min(len(chunk.entries), start + min(LIST_BATCH, request.max_entries or LIST_BATCH))
+        more = end < len(chunk.entries) or not chunk.final
+        return worker_pb2.ListResponse(entries=[info_message(m) for m in chunk.entries[start:end]],
+                                       next_after=chunk.names[end - 1] if more and end > start else "")
 
     @rpc("Stat")
     def Stat(self, request: master_pb2.StatRequest, context: grpc.ServicerContext) -> master_pb2.StatResponse:
