@@ -332,3 +332,31 @@ def test_refreshes_run_below_the_priority_of_the_threads_that_serve_reads():
         reval.close()
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [min(19, mine + BACKGROUND_NICE)]
+
+
+def test_the_queue_is_bounded_and_what_is_past_the_bound_is_asked_again_at_its_next_read():
+    """#46: a million objects that ran out at once queue ``max_waiting`` refreshes, not a million;
+    past the bound a refresh is dropped (counted), and offered again by the object's next read."""
+    from cachefs.store.revalidate import MAX_WAITING
+
+    assert Revalidator(lambda p: None, lambda d: set(), lambda p: False).max_waiting == MAX_WAITING == 10_000
+    release, refreshed = threading.Event(), []
+
+    def refresh_one(path: CachePath) -> None:
+        release.wait(30)  # the store is slow: nothing leaves the queue meanwhile
+        refreshed.append(path)
+
+    reval = Revalidator(refresh_one, lambda d: set(), lambda p: False, threads=1, max_waiting=1_000)
+    paths = [CachePath("m", f"d{i // 1000:04d}/o{i:07d}") for i in range(200_000)]
+    for p in paths:
+        reval.submit(p)
+    assert reval.waiting() == 1_000 and reval.stats["dropped"] == 199_000
+    assert reval._pool._work_queue.qsize() <= 1_000  # the pool's queue too, not 200,000 calls
+    reval.submit(paths[5])  # already waiting: neither queued again nor dropped
+    assert reval.waiting() == 1_000 and reval.stats["dropped"] == 199_000
+    release.set()
+    assert wait_for(lambda: reval.waiting() == 0, timeout=30)
+    assert sorted(refreshed, key=str) == sorted(paths[:1_000], key=str)
+    reval.submit(paths[-1])  # room again: its next read queues it
+    assert wait_for(lambda: paths[-1] in refreshed, timeout=30) and reval.waiting() == 0
+    reval.close()

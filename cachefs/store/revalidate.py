@@ -17,6 +17,12 @@ cache. Such reads now count toward a listing of their directory as background re
 (``refresh_expired``): once enough of a directory of known size ran out, one read lists it and
 the others wait for that listing instead of asking alone; a directory too large to wait for is
 listed behind the reads.
+
+The queue is bounded: at most ``MAX_WAITING`` objects wait for a background refresh. Past it a
+refresh is not queued (counted as ``dropped``): the read goes on with the stale entry as it would
+while one waits, and the object's next read past its TTL asks again; past the grace a read asks
+the store itself. A million objects that ran out together (an epoch after a long pause) queue
+ten thousand refreshes, not a million.
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ SYNC_LIST_MAX = 5_000
 #: How long a read waits for another's listing before it asks the store alone.
 SYNC_LIST_WAIT = 60.0
 _MAX_DIRS = 100_000  # directories whose size (and run-out reads) are remembered
+#: Objects waiting for a background refresh at most. More than the refresh threads get through in
+#: a TTL (30 s) at a store's HEAD latency, so what is past it would be stale again when its turn
+#: came; a few MB at most (a path, a set slot, a queued call each), not one entry per object of a
+#: data set that ran out at once.
+MAX_WAITING = 10_000
 
 
 def _put_bounded(table: dict, key: Any, value: Any) -> None:
@@ -67,22 +78,25 @@ class Revalidator:
 
     def __init__(self, refresh_one: Callable[[CachePath], None], list_dir: Callable[[CachePath], set[CachePath]],
                  is_fresh: Callable[[CachePath], bool], threads: int = 2, relist_after: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_waiting: int = MAX_WAITING) -> None:
         """``refresh_one(path)`` asks the store about one object; ``list_dir(dir)`` lists a
         directory, refreshing what it lists, and returns the paths listed; ``is_fresh(path)``:
         its metadata needs no refresh now. ``relist_after``: a directory listed more recently
         than this is not listed again for reads that find nothing known (the metadata TTL: what
-        such a listing did not refresh is missing or new, and a HEAD each is the answer)."""
+        such a listing did not refresh is missing or new, and a HEAD each is the answer).
+        ``max_waiting``: objects waiting for a refresh at most (``MAX_WAITING``)."""
         self._refresh_one, self._list_dir, self._is_fresh = refresh_one, list_dir, is_fresh
         self._threads = threads
         self._relist_after, self._clock = relist_after, clock
         self._lock = threading.Lock()
         self._pending: dict[CachePath, set[CachePath]] = {}  # directory -> objects waiting
+        self._waiting, self.max_waiting = 0, max_waiting  # objects in _pending, and their bound
         self._listing: dict[CachePath, threading.Event] = {}  # directories being listed now: set when done
         self._dirs: dict[CachePath, tuple[int, float]] = {}  # objects a listing found there last, and when
         self._expired: dict[CachePath, int] = {}  # reads that found metadata run out, since the last listing
         self._pool: ThreadPoolExecutor | None = None
-        self.stats = {"refreshed_one": 0, "listings": 0, "refreshed_by_listing": 0, "expired_by_listing": 0}
+        self.stats = {"refreshed_one": 0, "listings": 0, "refreshed_by_listing": 0, "expired_by_listing": 0,
+                      "dropped": 0}
 
     def note_listing(self, directory: CachePath, objects: int) -> None:
         """A listing of ``directory`` found ``objects`` objects directly in it."""
@@ -141,15 +155,25 @@ class Revalidator:
         return fresh
 
     def submit(self, path: CachePath) -> None:
-        """Refresh ``path`` in the background (nothing if it is already waiting)."""
+        """Refresh ``path`` in the background (nothing if it is already waiting, or if
+        ``max_waiting`` objects are: its next read asks again)."""
         directory = parent_of(path)
         with self._lock:
-            waiting = self._pending.setdefault(directory, set())
-            if path in waiting:
+            waiting = self._pending.get(directory)
+            if waiting is not None and path in waiting:
                 return
+            if self._waiting >= self.max_waiting:
+                self.stats["dropped"] += 1
+                return
+            if waiting is None:
+                waiting = self._pending[directory] = set()
             waiting.add(path)
+            self._waiting += 1
             pool = self._ensure_pool()
-        pool.submit(self._run, path, directory)
+        try:
+            pool.submit(self._run, path, directory)
+        except RuntimeError:  # closed meanwhile: nothing will settle it
+            self._done(directory, [path])
 
     def _ensure_pool(self) -> ThreadPoolExecutor:
         """(with the lock held)"""
@@ -229,13 +253,15 @@ class Revalidator:
             waiting = self._pending.get(directory)
             if waiting is None:
                 return
+            before = len(waiting)
             waiting.difference_update(paths)
+            self._waiting -= before - len(waiting)
             if not waiting:
                 del self._pending[directory]
 
     def waiting(self) -> int:
         with self._lock:
-            return sum(len(w) for w in self._pending.values())
+            return self._waiting
 
     def close(self) -> None:
         with self._lock:
