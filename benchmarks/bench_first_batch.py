@@ -14,6 +14,22 @@ dataset and a DataLoader reads one epoch:
 Reported per case and DataLoader workers (0, 2): seconds to make the dataset, to the first batch
 and to the end of the epoch (all from the ``from_prefix`` call), and items/s over the whole.
 Rounds alternate the cases; JSON in benchmarks/results/first-batch-<timestamp>.json.
+
+``--map ROOT``: the map dataset over one object per sample instead (client/datasets/liststream.py):
+
+    .venv/bin/python benchmarks/bench_first_batch.py --map /tmp/cachefs-tree200k --objects 200000
+    .venv/bin/python benchmarks/bench_first_batch.py --map /tmp/cachefs-tree1m --objects 1000000
+
+``--objects`` files of 4 KiB under ROOT (benchmarks/bench_listing.py's tree: made once, then
+reused), mounted as a local directory by one ``cachefs worker`` process, started afresh (cold
+listing, cold cache) for each case. ``CacheDataset.from_prefix`` of the whole tree, then a
+DataLoader (batch 32, workers 0) to its first batch, then ``len(ds)``; per case seconds from the
+``from_prefix`` call to its return (``made_s``), to the first batch and to ``len`` (exact once the
+listing ended). Cases: ``order_streamed`` (shuffle=False, the default ``stream=True``; keeps the
+index), ``order_waited`` (shuffle=False, ``stream=False``: the way before), ``shuffled``
+(shuffle=True: waits for the listing), ``order_kept`` and ``shuffled_kept`` (``kept_index="auto"``
+with the index the first case kept; their background recheck is waited for after the case).
+JSON in benchmarks/results/first-batch-map-<timestamp>.json.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -66,6 +83,66 @@ def one_epoch(address: str, index_cache: str, workers: int, batch: int) -> dict[
             "items": n, "items_per_s": round(n / total, 1)}
 
 
+def map_case(root: str, tmp: str, case: str, kept: str, batch: int, port: int) -> dict[str, Any]:
+    """One case of ``--map`` against a worker process started for it (cold listing and cache) on
+    ``port`` (the same each time: a kept index is named by the cluster's address)."""
+    from cachefs.client.datasets.dataset import CacheDataset
+
+    cache = tempfile.mkdtemp(dir=tmp, prefix="cache-")
+    worker = worker_process({MOUNT: root}, cache, quota="4GiB", log_path=os.path.join(cache, "w.log"),
+                            extra=["--port", str(port)]).start(timeout=60)
+    try:
+        options = {"shuffle": case.startswith("shuffled"), "stream": case != "order_waited",
+                   "kept_index": "auto" if case in ("order_streamed", "order_kept", "shuffled_kept") else None}
+        t0 = time.perf_counter()
+        ds = CacheDataset.from_prefix(f"cachefs://{MOUNT}/train", storage_options={"workers": worker.address},
+                                      rank=0, world_size=1, index_cache=kept, **options)
+        made = time.perf_counter() - t0
+        for _ in DataLoader(ds, batch_size=batch, sampler=ds.sampler(), collate_fn=_as_list):
+            break
+        first = time.perf_counter() - t0
+        n = len(ds)
+        exact = time.perf_counter() - t0
+        if ds.index_check is not None:  # the kept cases' recheck: not into the next case
+            ds.index_check.result(timeout=600)
+        return {"case": case, "made_s": round(made, 3), "first_batch_s": round(first, 3), "len_s": round(exact, 3),
+                "len": n}
+    finally:
+        worker.stop()
+
+
+def map_main(args: argparse.Namespace) -> int:
+    sys.path.insert(0, HERE)
+    from bench_listing import make_tree
+
+    made = make_tree(args.map, args.objects)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-first-batch-map-") as tmp:
+        for r in range(args.rounds):
+            kept = os.path.join(tmp, f"kept-{r}")  # the first case keeps, the kept cases read it
+            for case in ("order_streamed", "order_kept", "shuffled_kept", "shuffled", "order_waited"):
+                row = {"round": r, **map_case(args.map, tmp, case, kept, args.batch_size, port)}
+                assert row["len"] == args.objects, row
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    cases = dict.fromkeys(r["case"] for r in runs)
+    summary = {c: {k: [r[k] for r in runs if r["case"] == c] for k in ("made_s", "first_batch_s", "len_s")}
+               for c in cases}
+    doc = {"benchmark": "first_batch_map", "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine_info(), "objects": args.objects, "size": 4096, "tree_made_s": round(made, 1),
+           "runs": runs, "summary": summary, "command": " ".join(sys.argv)}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"first-batch-map-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -75,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--map", metavar="ROOT", help="the map dataset over a tree of 4 KiB files made under ROOT")
+    p.add_argument("--objects", type=int, default=200_000, help="--map: files in the tree")
     args = p.parse_args(argv)
+    if args.map:
+        return map_main(args)
     n = args.samples or (400 if args.quick else 2000)
     shard_bytes = args.shard_bytes or ((16 if args.quick else 64) << 20)
     runs: list[dict[str, Any]] = []

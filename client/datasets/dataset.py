@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -44,7 +45,8 @@ from cachefs.client.stats.jobstats import CounterBlock, ProcessCounts, describe
 from cachefs.client.datasets.plans import PlanPublisher, PlanReport
 from cachefs.client.datasets.prefetch import Prefetcher
 from cachefs.client.datasets.runbuffers import RunBuffers
-from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, KeptIndexes, list_prefix
+from cachefs.client.datasets.liststream import GrowingIndex, Listing, StreamingPlan
+from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, JobHandoff, KeptIndexes, job_token, list_prefix
 from cachefs.client.datasets.prefixindex import recheck as recheck_index
 from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex
 from cachefs.client.datasets.sampling import EpochPlan
@@ -274,7 +276,8 @@ class ConsumptionTracking:
 
     def advance(self, n: int) -> None:
         """Record that the training loop consumed ``n`` more samples (``track`` does this for you)."""
-        if n < 0 or self.samples_seen + n > len(self.plan):
+        # len() only past what is known: a streamed first epoch's length waits for the listing
+        if n < 0 or self.samples_seen + n > _known(self.plan) and self.samples_seen + n > len(self.plan):
             raise ValueError(f"cannot advance {n} from {self.samples_seen} of {len(self.plan)} samples")
         self.samples_seen += n
 
@@ -298,11 +301,17 @@ class ConsumptionTracking:
 
     def _consumed(self, n: int) -> None:
         """A batch of ``n`` samples (fewer at the end of the epoch) was handed out."""
-        self.samples_seen += min(n, len(self.plan) - self.samples_seen)
+        self.samples_seen += min(n, _known(self.plan) - self.samples_seen)
+
+
+def _known(plan: Any) -> int:
+    """Positions of ``plan`` known now (a StreamingPlan's grow with the listing; others: all)."""
+    known = getattr(plan, "known", None)
+    return len(plan) if known is None else known()
 
 
 class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
-    def __init__(self, paths: Sequence[str] | SampleIndex, *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, paths: Sequence[str] | SampleIndex | GrowingIndex, *, storage_options: dict[str, Any] | None = None,
                  sizes: Sequence[int] | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_depth: int = 32,
@@ -310,7 +319,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                  plan_ahead: bool = True, stats: bool = True) -> None:
         self.storage_options = dict(storage_options or {})
         # One read-only buffer of paths and sizes (sampleindex.py): DataLoader workers share it.
-        if not isinstance(paths, SampleIndex) or sizes is not None:
+        if not isinstance(paths, (SampleIndex, GrowingIndex)) or sizes is not None:
             if sizes is None:
                 paths = paths if isinstance(paths, Sequence) else list(paths)
                 sizes = self._resolve_sizes(paths, self.storage_options)
@@ -321,8 +330,10 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                     raise ValueError(f"{len(sizes)} sizes, and the paths differ in number (more {more})")
                 builder.add(str(path), int(size))
             paths = builder.finish()
-        self.paths: SampleIndex = paths
-        self.sizes = paths.sizes
+        # A GrowingIndex: the listing so far, while it streams (from_prefix, liststream.py)
+        self._index: SampleIndex | GrowingIndex = paths
+        self._listing: Listing | None = None  # main process, while the listing streams
+        self._settle_lock = threading.Lock()
         self.index_check: Future | None = None  # from_prefix(kept_index="auto"): the background recheck
         self.transform = transform
         if (rank is None) != (world_size is None):
@@ -334,8 +345,14 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.prefetch_bytes, self.prefetch_depth = int(prefetch_bytes), int(prefetch_depth)
         self.prefetch_threads, self.timeout = int(prefetch_threads), float(timeout)
         self.hint_samples = int(hint_samples)
-        self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, 0, self.shuffle,
-                              self.drop_last)
+        if isinstance(paths, GrowingIndex):
+            if self.shuffle:
+                raise ValueError("a streamed listing's first epoch is read in listing order: shuffle=False")
+            self.plan: EpochPlan | StreamingPlan = StreamingPlan(paths.log, self.rank, self.world_size, self.seed,
+                                                                 self.drop_last, self.timeout, paths.url)
+        else:
+            self.plan = EpochPlan(len(paths), self.rank, self.world_size, self.seed, 0, self.shuffle,
+                                  self.drop_last)
         self.samples_seen = 0  # of this rank's order, counted in the main process (track/advance)
         self._calls = 0
         self._local = self._new_local()
@@ -360,7 +377,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     @classmethod
     def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, kept_index: str | None = None,
-                    index_cache: str | None = None, **kwargs: Any) -> "CacheDataset":
+                    index_cache: str | None = None, stream: bool = True, index_timeout: float = 900.0,
+                    **kwargs: Any) -> "CacheDataset":
         """Every object below ``url`` (sorted by path), with sizes, from one recursive listing
         taken a page at a time into a compact index (prefixindex.py).
 
@@ -369,26 +387,77 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         else ``~/.cache/cachefs/shard-index``);
         ``"auto"`` starts from a kept index without listing, rechecks it in the background
         (``ds.index_check``: warns if the prefix changed, and keeps the fresh listing for the next
-        start) and lists and keeps where there is none."""
+        start) and lists and keeps where there is none.
+
+        ``stream`` (with ``shuffle=False``): return after the listing's first page; the first
+        epoch reads in listing order while the rest is listed (liststream.py). ``len``, ``paths``,
+        ``sizes``, ``set_epoch`` to another epoch and ``load_state_dict`` wait for the end.
+
+        One lister per job: with ``world_size > 1``, a kept-index directory and a run token
+        (prefixindex.job_token), rank 0 lists and the other ranks map its index, waiting for it
+        at most ``index_timeout`` seconds."""
         if kept_index not in KEPT_MODES:
             raise ValueError(f"kept_index must be one of {KEPT_MODES}, not {kept_index!r}")
         storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
         options = dict(storage_options or {})
-        kept = KeptIndexes(index_cache) if kept_index else None
-        key = KeptIndexes.key(url, options) if kept is not None else ""
-        found = kept.load(key, url) if kept is not None and kept_index == "auto" else None
+        kept = KeptIndexes(index_cache)
+        key = KeptIndexes.key(url, options)
+        rank, world = kwargs.get("rank"), kwargs.get("world_size")
+        if rank is None and world is None:
+            rank, world = _default_rank_world()
+        handoff = None
+        if world is not None and int(world) > 1 and kept.directory:
+            token = job_token(int(rank or 0), int(world))
+            handoff = JobHandoff(kept.directory, key, token, url) if token else None
+        if handoff is not None and int(rank or 0) > 0:
+            return cls(handoff.wait(int(rank or 0), index_timeout), storage_options=storage_options, **kwargs)
+        found = kept.load(key, url) if kept_index == "auto" else None
         if found is not None:
             ds = cls(found, storage_options=storage_options, **kwargs)
             ds.index_check = recheck_index(lambda: cls._filesystem(options), url, found, kept, key)
+            if handoff is not None:
+                handoff.publish(found)
             return ds
-        fs = cls._filesystem(options)
-        try:
-            index, _ = list_prefix(fs, url, refresh=kept_index == "refresh")  # "refresh": the store's listing now
-        finally:
-            fs.close()
-        if kept is not None:
-            kept.save(key, index)
-        return cls(index, storage_options=storage_options, **kwargs)
+
+        def finished(index: SampleIndex | None, error: BaseException | None) -> None:
+            if index is not None and kept_index:
+                kept.save(key, index)
+            if handoff is not None:
+                if index is None:
+                    handoff.fail(error or RuntimeError("no index"))
+                else:
+                    handoff.publish(index)
+
+        def run(page: Any = None) -> SampleIndex:
+            fs = cls._filesystem(options)
+            try:  # "refresh": the store's listing now
+                return list_prefix(fs, url, refresh=kept_index == "refresh", page=page)[0]
+            finally:
+                fs.close()
+
+        if not (stream and kwargs.get("shuffle", True) is False):
+            try:
+                index = run()
+            except BaseException as exc:
+                finished(None, exc)
+                raise
+            finished(index, None)
+            return cls(index, storage_options=storage_options, **kwargs)
+        listing = Listing(run, url, on_done=finished)
+        listing.first.wait()
+        if not listing.log.count():
+            listing.result()  # raises what the listing raised (nothing below url, ...)
+        ds = cls(GrowingIndex(listing.log, url), storage_options=storage_options, **kwargs)
+        ds._listing = listing
+        ref = weakref.ref(ds)
+
+        def settle(index: SampleIndex | None, error: BaseException | None) -> None:
+            got = ref()
+            if got is not None and index is not None:
+                got._settle(index)
+
+        listing.then(settle)
+        return ds
 
     @classmethod
     def from_manifest(cls, path_or_url: str, *, storage_options: dict[str, Any] | None = None,
@@ -445,8 +514,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             return
         limit = self.hint_samples
         if self._hint_budget >= 0:  # never hint more than the workers can keep for this job
-            limit = min(limit, int(self._hint_budget // max(1, int(self.sizes.mean()))))
-        paths = [self.paths[self.plan.sample(p)] for _, p in zip(range(limit), upcoming)]
+            limit = min(limit, int(self._hint_budget // max(1, int(self._index.sizes.mean()))))
+        paths = [self._index[self.plan.sample(p)] for _, p in zip(range(limit), upcoming)]
         if paths:
             self._local.get().hinter.hint(paths)
 
@@ -465,13 +534,13 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         return self._read_raw(self.plan.sample(position))
 
     def _size_of_position(self, position: int) -> int:
-        return int(self.sizes[self.plan.sample(position)])
+        return int(self._index.sizes[self.plan.sample(position)])
 
     def _cache_path(self, parts: ProcessParts, sample: int) -> Any:
         known = parts.cache_paths
         cp = known.get(sample, _UNPARSED)
         if cp is _UNPARSED:
-            cp = parts.fs._path(self.paths[sample])
+            cp = parts.fs._path(self._index[sample])
             if len(known) >= PARSED_PATHS:  # bounded: a data set's worth per DataLoader worker is what #46 removed
                 known.clear()
             known[sample] = cp
@@ -482,21 +551,21 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         that is no copy through Python at all."""
         parts = self._local.get()
         fs = parts.fs
-        size = int(self.sizes[sample])
+        size = int(self._index.sizes[sample])
         out = torch.empty(size, dtype=torch.uint8)
         cp = self._cache_path(parts, sample)
         with profiled("cachefs.read_into"):  # short-circuit, data port, gRPC or store
             if cp is None:
-                n, actual = fs.read_into(self.paths[sample], out.numpy())
+                n, actual = fs.read_into(self._index[sample], out.numpy())
             else:
                 n, actual = fs.session.read_into(cp, out.numpy())
         if n != size or actual != size:  # changed since it was listed: take it whole, as it is now
-            return to_tensor(fs.cat_file(self.paths[sample]))
+            return to_tensor(fs.cat_file(self._index[sample]))
         return out
 
     def _error(self, sample: int, position: int | None, exc: BaseException) -> SampleReadError:
         where = "" if position is None else f" (position {position} of rank {self.rank}, epoch {self.plan.epoch})"
-        return SampleReadError(f"cannot read sample {sample} {self.paths[sample]!r}{where}: "
+        return SampleReadError(f"cannot read sample {sample} {self._index[sample]!r}{where}: "
                                f"{type(exc).__name__}: {exc}")
 
     def read(self, sample: int) -> Any:
@@ -508,7 +577,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         return self.transform(data) if self.transform is not None else data
 
     def _get(self, position: int, upcoming: Iterable[int]) -> Any:
-        if not 0 <= position < len(self.plan):
+        if not self.plan.has(position):  # a streamed first epoch: waits until the listing gets there
             raise IndexError(f"position {position} is outside this rank's {len(self.plan)} samples")
         _, prefetcher = self._process()
         try:
@@ -534,6 +603,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         return 1 if info is None else info.num_workers
 
     def __len__(self) -> int:
+        self._settled()  # a streamed first epoch's length: at the listing's end
         return len(self.plan)
 
     def __getitem__(self, position: int) -> Any:
@@ -543,7 +613,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         position = int(position)
         self._note_progress(self._local.get(), position)
         with profiled("cachefs.read_sample"):
-            out = self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), len(self)))
+            out = self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), self.plan.known()))
         self._account(self._local.get(), 1, t0)
         return out
 
@@ -560,7 +630,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
     def _getitems(self, positions: list[int]) -> list[Any]:
         if not positions:
             return []
-        start, n, end, workers = positions[0], len(positions), len(self), self._num_workers()
+        start, n, workers = positions[0], len(positions), self._num_workers()
+        end = self.plan.known() if self.plan.has(max(positions)) else 0  # streamed: up to what is listed
         self._note_progress(self._local.get(), start)
         local = self._read_held_batch(positions, EpochPlan.upcoming(start, n, workers, end, after=positions[-1]))
         if local is not None:
@@ -575,7 +646,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         handles come in one message (fetched while the previous batch was read) and the samples
         are then read in one pass with no message and no thread hand-off. None: read it the
         usual way (prefetch, gRPC)."""
-        if not positions or min(positions) < 0 or max(positions) >= len(self.plan):
+        if not positions or min(positions) < 0 or max(positions) >= self.plan.known():
             return None
         parts = self._local.get()
         pending = parts.ahead.pop("next", None)
@@ -598,7 +669,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             if cp is None:
                 return None
         session = parts.fs.session
-        sizes = self.sizes[samples].tolist()
+        sizes = self._index.sizes[samples].tolist()
         outs = [torch.empty(size, dtype=torch.uint8) for size in sizes]
         with profiled("cachefs.held_reads"):  # page handles held here: no message
             got = session.read_held([(cp, out.numpy()) for cp, out in zip(paths, outs)])
@@ -643,7 +714,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             cp = self._cache_path(parts, s)
             if cp is None:
                 return Prepared(0, 0)
-            ranges.append((cp, 0, int(self.sizes[s])))
+            ranges.append((cp, 0, int(self._index.sizes[s])))
         return parts.fs.session.prepare(ranges)
 
     # -- epochs, sampler, resume -------------------------------------------------------------------------
@@ -652,6 +723,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         it with the epoch a loaded state is in keeps the resume point. Call before ``iter(loader)``."""
         if int(epoch) == self.plan.epoch:
             return
+        self._settled()
         self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, int(epoch), self.shuffle,
                               self.drop_last)
         self.samples_seen = 0
@@ -697,7 +769,9 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the same or another number of DataLoader workers or ranks
-        (see sampling.py for how a different world size is handled). Call before ``iter(loader)``."""
+        (see sampling.py for how a different world size is handled). Call before ``iter(loader)``.
+        A streamed first epoch's listing is waited for (the count is checked, the rest dealt)."""
+        self._settled()
         self.plan, self.samples_seen = EpochPlan.resume(
             state, n_samples=len(self.paths), rank=self.rank, world_size=self.world_size, shuffle=self.shuffle,
             drop_last=self.drop_last)
@@ -708,12 +782,49 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("sizes", None)  # a view of the index's buffer: it travels mapped with ``paths``, not copied
+        state.pop("_listing", None)  # the main process's listing thread
+        state.pop("_settle_lock", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.sizes = self.paths.sizes
+        self._listing, self._settle_lock = None, threading.Lock()
+
+    # -- a listing that streams (from_prefix, liststream.py) ---------------------------------------------
+    @property
+    def paths(self) -> SampleIndex | GrowingIndex:
+        """Every sample's path (a read-only sequence); while the listing streams, waits for its end."""
+        self._settled()
+        return self._index
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Every sample's size (int64, read-only); while the listing streams, waits for its end."""
+        return self.paths.sizes
+
+    def _settled(self) -> None:
+        """Wait until the whole index is here (at once unless the listing streams)."""
+        listing = self._listing
+        if listing is not None:
+            self._settle(listing.result())
+        elif isinstance(self._index, GrowingIndex):  # a DataLoader worker of a streamed epoch
+            self._index.wait_done(self.timeout, self._index.url)
+
+    def _settle(self, index: SampleIndex) -> None:
+        """The listing ended: its index replaces the log, epoch 0's plan the streaming one (the same
+        order), and the plan goes to the workers (on the listing thread, or whoever asked first)."""
+        with self._settle_lock:
+            if self._listing is None:
+                return
+            if isinstance(self.plan, StreamingPlan):
+                self.plan = EpochPlan(len(index), self.rank, self.world_size, self.seed, 0, False, self.drop_last)
+            self._index, self._listing = index, None
+        self.publish_plan()
+
+    def publish_plan(self) -> PlanReport | None:
+        if isinstance(self.plan, StreamingPlan):  # not whole yet: published by _settle
+            return None
+        return super().publish_plan()
 
 
 class CacheSampler(Sampler[int]):
@@ -723,10 +834,23 @@ class CacheSampler(Sampler[int]):
         self.dataset = dataset
 
     def __iter__(self) -> Iterator[int]:
+        plan = self.dataset.plan
+        if isinstance(plan, StreamingPlan):
+            return _streamed(plan, self.dataset.samples_seen)
         return iter(range(self.dataset.samples_seen, len(self.dataset)))
 
     def __len__(self) -> int:
+        """While a first epoch streams, waits for the listing's end (then exact): a DataLoader
+        asks only when ``len(loader)`` is (tqdm, a progress bar), not to iterate."""
         return len(self.dataset) - self.dataset.samples_seen
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
+
+
+def _streamed(plan: StreamingPlan, position: int) -> Iterator[int]:
+    """Positions from ``position`` on, each once its sample is listed, to the epoch's end."""
+    while plan.has(position):
+        end = plan.known()
+        yield from range(position, end)
+        position = end

@@ -32,8 +32,10 @@ import os
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from cachefs.client.datasets import indexcache
@@ -41,12 +43,14 @@ from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex, trim_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODES", "Fingerprint", "KeptIndexes", "Recheck", "list_prefix", "recheck"]
+__all__ = ["MODES", "Fingerprint", "JobHandoff", "KeptIndexes", "Recheck", "job_token", "list_prefix", "recheck"]
 
 MODES = (None, "auto", "refresh")
 SUFFIX = ".cfsidx"
 #: A listing this long gives its pages' freed memory back to the OS (sampleindex.trim_heap).
 TRIM_AFTER = 100_000
+#: Rank 0's index for the other ranks of one job is removed by a later job's rank 0 after this long.
+JOB_FILES_KEPT = 86400.0
 
 
 class Fingerprint:
@@ -65,31 +69,50 @@ class Fingerprint:
         return {"count": self.count, "digest": self._h.hexdigest(), "newest_mtime": self.newest}
 
 
-def list_prefix(fs: Any, url: str, refresh: bool = False) -> tuple[SampleIndex, dict[str, Any]]:
+def list_prefix(fs: Any, url: str, refresh: bool = False,
+                page: Callable[[list[str], list[int]], None] | None = None) -> tuple[SampleIndex, dict[str, Any]]:
     """Files below ``url`` (sorted by path, ``cachefs://`` + name) and the listing's fingerprint.
 
     A page at a time from the workers where ``url`` is a cachefs path; through ``fs.find``
     otherwise (a chained URL read directly), as ``from_prefix`` did before. ``refresh``: the
-    store's listing now, not one the workers cached (a recheck)."""
+    store's listing now, not one the workers cached (a recheck). ``page(names, sizes)``: told
+    each page's files as they come (liststream.py), which must then come in name order."""
     builder, fp = IndexBuilder(), Fingerprint()
     cp = None if fs._is_root(url) else fs._path(url)
     named = fs._caller_name
+    names: list[str] = []
+    sizes: list[int] = []
 
     def add(entry: dict[str, Any]) -> None:
         if entry.get("type", "file") == "file":
             name = named(entry["name"])
             builder.add(f"cachefs://{name}", int(entry["size"]))
             fp.add(name, int(entry["size"]), str(entry.get("version", "")), entry.get("mtime"))
+            if page is not None:
+                names.append(name)
+                sizes.append(int(entry["size"]))
+
+    def told() -> None:
+        if page is None or not names:
+            return
+        if not (builder.sorted and builder.unique):  # positions handed out stand for listing ranks
+            raise ValueError(f"the listing of {url} came out of name order (or named an object twice) at "
+                             f"{names[-1]!r}; the first epoch cannot read it as it streams: pass stream=False")
+        page(names[:], sizes[:])
+        names.clear()
+        sizes.clear()
 
     if cp is None:
         for entry in sorted(fs.find(url, detail=True, refresh=refresh).values(), key=lambda e: e["name"]):
             add(entry)
+        told()
     else:
         try:
-            for page in fs.session.list_pages(cp, recursive=True, refresh=refresh):
-                for entry in page:
+            for listed in fs.session.list_pages(cp, recursive=True, refresh=refresh):
+                for entry in listed:
                     add(entry)
-                del page
+                del listed
+                told()
         except FileNotFoundError:
             pass
         if not len(builder):  # a file's listing is that file, as fs.find has it
@@ -99,6 +122,7 @@ def list_prefix(fs: Any, url: str, refresh: bool = False) -> tuple[SampleIndex, 
                 info = None
             if info is not None and info.get("type") == "file":
                 add(info)
+                told()
     if not len(builder):
         raise FileNotFoundError(f"no objects below {url}")
     # Pages come in name order; a listing that did not (a store's fallback) is sorted here.
@@ -194,3 +218,111 @@ def recheck(make_fs: Any, url: str, index: SampleIndex, kept: KeptIndexes, key: 
     future.set_running_or_notify_cancel()
     threading.Thread(target=run, name="cachefs-index-recheck", daemon=True).start()
     return future
+
+
+# -- one lister per job: rank 0 lists, the other ranks map what it kept -------------------------------
+def job_token(rank: int, world_size: int) -> str:
+    """What every rank of one run agrees on without talking: ``$CACHEFS_JOB_ID``, else torchrun's
+    ``$TORCHELASTIC_RUN_ID`` with its restart count (a restarted run lists again), else a token
+    rank 0 broadcasts over torch.distributed when it is initialized; "" where there is none
+    (every rank then lists, as before)."""
+    if os.environ.get("CACHEFS_JOB_ID"):
+        return "cachefs:" + os.environ["CACHEFS_JOB_ID"]
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run and run != "none":
+        return f"torchelastic:{run}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+            box = [uuid.uuid4().hex if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)  # every rank is in from_prefix: a collective is safe here
+            return f"dist:{box[0]}"
+    except Exception as exc:  # noqa: BLE001 - no token: every rank lists
+        log.warning("could not agree on a job token over torch.distributed (%s): every rank lists", exc)
+    return ""
+
+
+class JobHandoff:
+    """Rank 0's index of one run, as a file the other ranks of that run wait for and map.
+
+    Named by the kept-index key and the run's token (``job_token``), so a rank never takes
+    another run's listing, nor a kept index that a recheck replaced meanwhile: every rank of the
+    run reads the very index rank 0 reads. A failed listing leaves ``<file>.failed`` with why."""
+
+    def __init__(self, directory: str, key: str, token: str, url: str) -> None:
+        tag = hashlib.sha256(token.encode()).hexdigest()[:16]
+        self.directory, self.url = directory, url
+        self.file = os.path.join(directory, f"{key}.job-{tag}{SUFFIX}")
+        self.failed = self.file + ".failed"
+
+    def publish(self, index: SampleIndex) -> None:
+        """Rank 0: hand ``index`` over (a hard link of a kept file it mapped, else a copy)."""
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            tmp = f"{self.file}.{os.getpid()}.tmp"
+            linked = False
+            if index.path and index._fd >= 0:
+                try:
+                    os.link(index.path, tmp)
+                    linked = os.stat(tmp).st_ino == os.fstat(index._fd).st_ino  # not one renamed in since
+                    if not linked:
+                        os.unlink(tmp)
+                except OSError:
+                    linked = False
+            if not linked:
+                with open(tmp, "wb") as f:
+                    index.write(f)
+            os.replace(tmp, self.file)
+        except OSError as exc:
+            self.fail(exc)
+            raise
+        self._sweep()
+
+    def fail(self, exc: BaseException) -> None:
+        """Rank 0: tell the other ranks at once that there is no index to wait for."""
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            with open(self.failed, "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+        except OSError as err:
+            log.warning("could not tell the other ranks that listing %s failed: %s", self.url, err)
+
+    def wait(self, rank: int, timeout: float) -> SampleIndex:
+        """Ranks > 0: rank 0's index, once it is there; an error naming what is missing after ``timeout``."""
+        t0, delay = time.monotonic(), 0.01
+        while True:
+            if os.path.exists(self.file):
+                index = SampleIndex.open(self.file)
+                if index.meta.get("url", "").rstrip("/") != self.url.rstrip("/"):
+                    raise ValueError(f"{self.file} is an index of {index.meta.get('url')!r}, not of {self.url!r}")
+                return index
+            if os.path.exists(self.failed):
+                with open(self.failed) as f:
+                    raise OSError(f"rank 0 could not list {self.url} for this job: {f.read()}")
+            waited = time.monotonic() - t0
+            if waited > timeout:
+                raise TimeoutError(
+                    f"rank {rank} waited {waited:.0f} s for rank 0's index of {self.url} ({self.file}); rank 0 "
+                    "lists the prefix and writes it there. Is index_cache a directory every rank sees (one "
+                    "shared by all hosts), did rank 0 start, and is the run's token the same on every rank "
+                    "($CACHEFS_JOB_ID, $TORCHELASTIC_RUN_ID or torch.distributed)? index_cache='' lists on "
+                    "every rank")
+            time.sleep(delay)
+            delay = min(0.2, delay * 1.5)
+
+    def _sweep(self) -> None:
+        """Remove other runs' hand-over files older than ``JOB_FILES_KEPT``."""
+        now = time.time()
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            if ".job-" in name and (name.endswith(SUFFIX) or name.endswith(".failed")):
+                path = os.path.join(self.directory, name)
+                try:
+                    if now - os.stat(path).st_mtime > JOB_FILES_KEPT:
+                        os.unlink(path)
+                except OSError:
+                    pass

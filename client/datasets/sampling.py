@@ -105,6 +105,13 @@ class EpochPlan:
     def __len__(self) -> int:
         return len(self.epoch_order)
 
+    def known(self) -> int:
+        """Positions known now: all (a StreamingPlan's grow as the listing comes, liststream.py)."""
+        return len(self)
+
+    def has(self, position: int) -> bool:
+        return 0 <= position < len(self)
+
     def sample(self, position: int) -> int:
         """The sample index at ``position`` of this rank's order, made whole on the epoch's first
         read (``set_epoch`` stays O(1)): worked out a position at a time it cost a visible share of
@@ -153,7 +160,8 @@ class EpochPlan:
         """The plan and this rank's samples_seen that continue ``state`` (see the module doc)."""
         if state.get("version", STATE_VERSION) != STATE_VERSION:
             raise ValueError(f"unknown CacheDataset state version {state.get('version')}")
-        if state["n_samples"] != n_samples:
+        # n_samples -1: saved before the listing of a streamed first epoch ended (liststream.py)
+        if state["n_samples"] not in (n_samples, -1):
             raise ValueError(f"the state is for {state['n_samples']} samples, this dataset has {n_samples}")
         if bool(state["shuffle"]) != shuffle:
             raise ValueError("the state was saved with shuffle={}; this dataset has shuffle={}".format(
