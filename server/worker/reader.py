@@ -260,9 +260,11 @@ class PageReader:
         try:
             self.pages.put(pid, data)
         finally:
-            with self._lock:
+            with self._lock:  # one acquisition for both (a page's hand-offs are what cold fills cost)
                 self._pending_write_bytes -= len(data)
-            self._forget(pid)
+                event = self._settle_locked(pid)
+            if event is not None:
+                event.set()
 
     def _forget(self, pid: PageId) -> None:
         with self._lock:
