@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from cachefs import __version__
 
@@ -21,6 +22,7 @@ def _worker_flags(args: argparse.Namespace) -> dict:
         "master": args.master,
         "advertise_address": args.advertise_address,
         "cluster_token": args.cluster_token,
+        "insecure": True if args.insecure else None,
         "eviction": args.eviction,
         "s3_client": args.s3_client,
     }
@@ -42,7 +44,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"cachefs worker: bad configuration: {exc}", file=sys.stderr)
         return 2
+    _warn_if_open("worker", config)
     return serve(config)
+
+
+def _warn_if_open(daemon: str, config: Any) -> None:
+    from cachefs.config import is_loopback
+
+    if config.insecure and not config.access_token and not is_loopback(config.host):
+        print(f"cachefs {daemon}: WARNING: serving {config.host} with no access token (insecure): anyone who "
+              "reaches it can read, write and delete through it", file=sys.stderr, flush=True)
 
 
 def cmd_master(args: argparse.Namespace) -> int:
@@ -52,7 +63,7 @@ def cmd_master(args: argparse.Namespace) -> int:
     flags = {
         "host": args.host, "port": args.port, "metrics_port": args.metrics_port, "state_dir": args.state_dir,
         "lease_seconds": args.lease_seconds, "heartbeat_seconds": args.heartbeat_seconds,
-        "cluster_token": args.cluster_token,
+        "cluster_token": args.cluster_token, "insecure": True if args.insecure else None,
         "metadata_ttl": args.metadata_ttl, "list_ttl": args.list_ttl, "job_threads": args.job_threads,
         "etcd": args.etcd, "etcd_prefix": args.etcd_prefix, "etcd_ca_file": args.etcd_ca_file,
         "etcd_cert_file": args.etcd_cert_file, "etcd_key_file": args.etcd_key_file, "etcd_user": args.etcd_user,
@@ -68,6 +79,7 @@ def cmd_master(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"cachefs master: bad configuration: {exc}", file=sys.stderr)
         return 2
+    _warn_if_open("master", config)
     return serve(config)
 
 
@@ -78,8 +90,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     import threading
 
     from cachefs.local import LocalCluster, Supervisor
-
     from cachefs.mountflags import mounts_from_flags
+    from cachefs.tokens import ACCESS, CLUSTER, forget_tokens, new_token, save_token
 
     try:
         mounts = {m["name"]: {"url": m["url"], "options": m["options"]} if m["options"] else m["url"]
@@ -90,11 +102,18 @@ def cmd_local(args: argparse.Namespace) -> int:
     workdir = args.dir or tempfile.mkdtemp(prefix="cachefs-local-")
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Secure by default: an access token (clients) and a cluster token (daemons, admin commands)
+    # for this run, kept where this user's processes find them by the master's address.
+    access, admin = ("", "") if args.insecure else (new_token(), new_token())
     cluster = LocalCluster(workdir, workers=args.workers, mounts=mounts, quota=args.quota,
-                           allowed_local_roots=args.allowed_local_root or ())
+                           allowed_local_roots=args.allowed_local_root or (), access_token=access,
+                           cluster_token=admin)
     code = 0
     try:
         cluster.start()
+        if access:
+            token_file = save_token(cluster.master_address, access, ACCESS)
+            save_token(cluster.master_address, admin, CLUSTER)
         cluster.wait_for_workers()
         # A daemon that exits is restarted on its port with its cache/state dir (Supervisor).
         supervisor = Supervisor(cluster, status_path=os.path.join(workdir, "local.json"))
@@ -102,11 +121,17 @@ def cmd_local(args: argparse.Namespace) -> int:
         for entry in [supervisor.status()["master"], *supervisor.status()["workers"]]:
             print(f"  {entry['name']}: pid {entry['pid']} at {entry['address']}, log {entry['log']}")
         print(f"  export CACHEFS_MASTER={cluster.master_address}")
+        if access:
+            print(f"  access token in {token_file} (this user's clients find it; elsewhere: CACHEFS_TOKEN)")
+        else:
+            print("  --insecure: no token, any local process may read, write and mount")
         print(f"  a daemon that exits is restarted where it was (pids, addresses: {supervisor.status_path})")
         print("  Ctrl-C stops the cluster", flush=True)
         if not stop.is_set():
             code = supervisor.run(stop)
     finally:
+        if access and cluster.master is not None and cluster.master.ready:
+            forget_tokens(cluster.master_address)
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -171,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--master", help="master HOST:PORT to register with (several: m1:19998,m2:19998)")
     w.add_argument("--advertise-address", help="HOST:PORT clients dial, if not the bound one")
     w.add_argument("--cluster-token", help="shared secret for the master (or CACHEFS_WORKER_CLUSTER_TOKEN)")
+    w.add_argument("--insecure", action="store_true",
+                   help="serve an address other machines reach with no access token (refused otherwise)")
     w.add_argument("--eviction", choices=("future", "lru"),
                    help="evict the page training plans read furthest ahead (future, default) or the least recently used")
     w.add_argument("--s3-client", choices=("auto", "http", "obstore", "s3fs"),
@@ -186,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--lease-seconds", type=float, help="a worker silent this long leaves the view")
     m.add_argument("--heartbeat-seconds", type=float, help="heartbeat interval given to workers")
     m.add_argument("--cluster-token", help="shared secret workers must present (or CACHEFS_MASTER_CLUSTER_TOKEN)")
+    m.add_argument("--insecure", action="store_true",
+                   help="serve an address other machines reach with no access token (refused otherwise)")
     m.add_argument("--mount", action="append", metavar="NAME=URL", help="mount to add at start if absent, options as a query string: data=s3://bucket?endpoint_url=http://minio:9000 (repeatable)")
     m.add_argument("--mount-option", action="append", metavar="NAME:KEY=VALUE", help="an option of a --mount, e.g. data:endpoint_url=http://minio:9000 or data:client_kwargs.region_name=eu-west-1 (repeatable; secrets: the config file or the environment)")
     m.add_argument("--metadata-ttl", type=float, help="seconds the master trusts an object's size/version")
@@ -217,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--allowed-local-root", action="append", metavar="DIR",
                      help="a directory `cachefs mount` may mount local paths at or under, besides the --mount dirs "
                           "(repeatable)")
+    loc.add_argument("--insecure", action="store_true",
+                     help="no tokens: any local process reaches the cluster (default: tokens made for this run, "
+                          "kept where this user's clients find them: cachefs/tokens.py)")
     loc.set_defaults(func=cmd_local)
 
     from cachefs import admin

@@ -9,6 +9,7 @@ minutes later on the first request.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import re
@@ -109,6 +110,28 @@ def _check_tokens(config: Any, *names: str) -> None:
             raise ValueError(f"{name} must be printable ASCII without spaces")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (only this machine reaches it)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
+def _check_exposed(config: Any, daemon: str) -> None:
+    """A daemon that other machines reach serves only with an access token, unless told
+    ``insecure`` (as Redis's protected mode): with none, anyone who reaches the port reads,
+    writes and deletes through it with the daemon's store credentials."""
+    if config.access_token or config.insecure or is_loopback(config.host):
+        return
+    raise ValueError(f"{daemon} would serve {config.host} with no access_token: anyone who reaches it could read, "
+                     f"write and delete through it. Set access_token (CACHEFS_{daemon.upper()}_ACCESS_TOKEN, or "
+                     "the config file), or insecure = true (--insecure) to serve it open on purpose")
+
+
 def _check_daemon_tls(config: Any) -> None:
     """A daemon's TLS settings parse, and a daemon that dials with TLS also serves with it.
     Its tokens are checked here too: the same place, the same reason (the wire)."""
@@ -166,6 +189,8 @@ class WorkerConfig:
     cluster_token: str = field(default="", repr=False)  # shared with the master: to register, to get credentials
     shutdown_grace: float = 5.0
     access_token: str = field(default="", repr=False)  # if set: every gRPC call must carry it (or the cluster token)
+    # Serve an address other machines reach with no access_token (refused at start otherwise).
+    insecure: bool = False
     open_status: bool = False  # with access_token: GetStatus answers without a token (probes)
     tls_cert_file: str = ""  # PEM chain: serve TLS with it (and present it when dialing the master)
     tls_key_file: str = ""
@@ -257,6 +282,7 @@ class WorkerConfig:
         if not 0.0 <= self.max_held_fraction <= 0.5:
             raise ValueError(f"max_held_fraction must be in [0, 0.5], got {self.max_held_fraction}")
         _check_daemon_tls(self)
+        _check_exposed(self, "worker")
 
     @property
     def tls(self) -> TLSConfig:
@@ -311,6 +337,8 @@ class MasterConfig:
     list_ttl: float = 30.0  # the master's listing cache (List)
     job_threads: int = 2  # cluster jobs (load, free) running at once; more wait PENDING
     access_token: str = field(default="", repr=False)  # if set: every gRPC call must carry it (or the cluster token)
+    # Serve an address other machines reach with no access_token (refused at start otherwise).
+    insecure: bool = False
     open_status: bool = False  # with access_token: GetView answers without a token (`cachefs status`)
     tls_cert_file: str = ""  # PEM chain: serve TLS with it (and present it when dialing workers)
     tls_key_file: str = ""
@@ -375,6 +403,7 @@ class MasterConfig:
         if not 1 <= self.job_threads <= 64:
             raise ValueError(f"job_threads must be in [1, 64], got {self.job_threads}")
         _check_daemon_tls(self)
+        _check_exposed(self, "master")
 
     @property
     def tls(self) -> TLSConfig:
@@ -534,7 +563,9 @@ class ClientConfig:
     block_size: int = 4 << 20  # read block of open() files
     # Bytes per placement stripe of a large object (must match every client of a cluster).
     stripe_size: int = 64 << 20
-    token: str = field(default="", repr=False)  # the cluster's access token, sent on every call
+    # The cluster's access token, sent on every call; none given: CACHEFS_TOKEN, then the one
+    # `cachefs local` keeps for this master (cachefs/tokens.py).
+    token: str = field(default="", repr=False)
     tls_ca_file: str = ""  # PEM CA bundle: use TLS and verify the workers and the master with it
     tls_cert_file: str = ""  # client certificate chain, for a cluster that requires one (mutual TLS)
     tls_key_file: str = ""
@@ -556,7 +587,7 @@ class ClientConfig:
     # THP compaction stalls matter.
     huge_pages: bool = True
     # Read cached pages of other hosts' workers through their data port (TCP, sendfile; see
-    # server/worker/dataport.py), not through gRPC. Never with TLS (the port is plaintext).
+    # server/worker/dataport.py), and write through it, not through gRPC (over TLS where the cluster has TLS).
     data_port: bool = True
     # Whole objects read in their directory's listing order (cat_file, open, read_into from the
     # start) get the next ones hinted to the cache, a window that grows while the order holds
@@ -588,6 +619,10 @@ class ClientConfig:
         if not isinstance(self.fallback_mounts, Mapping):
             raise ValueError("fallback_mounts must be a mapping of mount name -> url")
         TLSConfig.from_fields(self)  # files exist and parse
+        if not self.token and self.master:  # the token cachefs local keeps for this master (cachefs/tokens.py)
+            from cachefs.tokens import find_token
+
+            object.__setattr__(self, "token", find_token(self.master))
         _check_tokens(self, "token")
 
     @property

@@ -98,14 +98,14 @@ def _upload(endpoint: Any, bucket: str, samples: int, size: int) -> dict[int, in
         return {d: 1 for d in pool.map(put, range(samples))}
 
 
-def _cache_report(cluster: Any, dataset_bytes: int, epochs: int) -> str:
+def _cache_report(cluster: Any, dataset_bytes: int, epochs: int, token: str = "") -> str:
     """What the workers fetched from the store and what their page store answered, summed."""
     from cachefs.proto import worker_pb2, worker_pb2_grpc
     from cachefs.tls import open_channel
 
     pages = from_store = 0
     for worker in cluster.workers:
-        with open_channel(worker.address) as channel:
+        with open_channel(worker.address, token=token) as channel:
             status = worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
         pages += status.pages
         from_store += status.bytes_from_store
@@ -122,6 +122,7 @@ def run_demo(samples: int = 600, sample_size: str | int = "256KiB", delay_ms: fl
     import torch
 
     from cachefs.local import LocalCluster
+    from cachefs.tokens import new_token
 
     try:
         from cachefs.netem import moto_endpoint
@@ -143,14 +144,16 @@ def run_demo(samples: int = 600, sample_size: str | int = "256KiB", delay_ms: fl
         expected = _upload(endpoint, bucket, samples, size)
         keys = [f"train/sample-{i:06d}.bin" for i in range(samples)]
         mount = {"url": f"s3://{bucket}", "options": endpoint.storage_options()}
+        token = new_token()  # secure by default, as `cachefs local` runs (cachefs/tokens.py)
         with LocalCluster(os.path.join(workdir, "cluster"), workers=workers, mounts={"demo": mount},
-                          quota="4GiB") as cluster:
+                          quota="4GiB", access_token=token, cluster_token=new_token()) as cluster:
             if not cluster.wait_for_workers():
                 print(f"the cluster's workers did not join the master in time (logs in {workdir}/cluster)")
                 return 1
             print(f"cachefs: a master and {workers} workers on this machine, mount demo -> s3://{bucket}")
             runs = [("s3fs direct", [f"s3://{bucket}/{k}" for k in keys], endpoint.storage_options()),
-                    ("cachefs", [f"cachefs://demo/{k}" for k in keys], {"master": cluster.master_address})]
+                    ("cachefs", [f"cachefs://demo/{k}" for k in keys],
+                     {"master": cluster.master_address, "token": token})]
             epochs: list[Epoch] = []
             print(f"{'':26}{'items/s':>10}{'data wait':>12}{'seconds':>9}")
             for name, urls, options in runs:
@@ -167,7 +170,7 @@ def run_demo(samples: int = 600, sample_size: str | int = "256KiB", delay_ms: fl
                     epochs.append(e)
                     print(f"{e.label:26}{e.rate:10.1f}{100 * e.wait_share:11.1f}%{e.seconds:8.1f}s", flush=True)
                 del loader  # its persistent workers exit
-            print(_cache_report(cluster, samples * size, 1 + warm_epochs))
+            print(_cache_report(cluster, samples * size, 1 + warm_epochs, token))
     wrong = sum(e.wrong for e in epochs)
     s3_warm, cache_warm = epochs[1], epochs[3]
     speedup = cache_warm.rate / s3_warm.rate

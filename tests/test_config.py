@@ -57,7 +57,9 @@ def test_documented_example_config_loads(tmp_path):
     example = example.replace("/nvme0", str(tmp_path / "n0")).replace("/nvme1", str(tmp_path / "n1"))
     path = tmp_path / "worker.toml"
     path.write_text(example)
-    cfg = load_worker_config(str(path), environ={})
+    with pytest.raises(ValueError, match="no access_token"):  # host 0.0.0.0: the token is required
+        load_worker_config(str(path), environ={})
+    cfg = load_worker_config(str(path), environ={"CACHEFS_WORKER_ACCESS_TOKEN": "from-the-environment"})
     assert cfg.port == 29999 and len(cfg.cache_dirs) == 2 and cfg.mounts[0].read_only
     worker_part, master_part = text.split("## Client")[0].split("## Master")
     documented = set(re.findall(r"^\| `(\w+)` \|", worker_part, re.M))
