@@ -204,6 +204,8 @@ def test_bad_parts_get_precise_errors(local_store, make_worker, tmp_path):
     sock = _connect(worker)
     reply = _part(sock, b"x", path="data/t.bin", token="wrong")
     assert reply.code == Reply.REFUSED and reply.message.startswith("UNAUTHENTICATED")
+    assert _closed(sock)  # refused before its bytes were read: the stream is out of step
+    sock = _connect(worker)
     reply = _part(sock, b"x", path="../escape", token="s3cret")
     assert reply.meta.error_code == "INVALID_ARGUMENT"
     reply = _part(sock, b"x", path="data/a.bin", token="s3cret")
@@ -330,3 +332,23 @@ def test_a_slow_store_never_holds_up_cached_reads(local_store, make_worker):
     assert took < 1.0, f"a cached read waited {took:.2f} s behind slow work"
     assert codes.count("") <= slots and codes.count("RESOURCE_EXHAUSTED") >= 40 - slots, codes
     assert worker.data_port_server.counts["slow_refused"] >= 40 - slots
+
+
+def test_a_part_whose_bytes_trickle_is_cut_off_in_seconds(local_store, make_worker):
+    """A client that announces a part and then sends its bytes slowly holds a serving thread no
+    longer than the frame timeout plus the part at 1 MiB/s; one without the token holds none."""
+    import time
+
+    from cachefs.server.worker.dataport import WRITE_MIN_RATE
+
+    worker = make_worker(local_store.mount)
+    n = 1 << 20
+    raw = dataport_pb2.DataRequest(write=dataport_pb2.WritePart(path="data/slow.bin", length=n)).SerializeToString()
+    sock = _connect(worker)
+    t0 = time.monotonic()
+    sock.sendall(FRAME.pack(len(raw)) + raw + b"x" * 1000)  # then nothing more
+    assert _closed(sock)
+    took = time.monotonic() - t0
+    limit = worker.data_port_server.frame_timeout + n / WRITE_MIN_RATE
+    assert limit - 0.5 <= took <= limit + 3, took
+    assert not (Path(local_store.mount.url) / "slow.bin").exists()

@@ -25,6 +25,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,8 @@ MAX_CONNECTIONS = 4096
 WHOLE_PAGE_SHARE = 0.5
 #: A write part's bytes at most (the client sends 4 MiB parts: client/fs/writer.py).
 MAX_WRITE_PART = (4 << 20) + (64 << 10)
+#: A write part's bytes must come at least this fast (beyond the frame timeout), bytes a second.
+WRITE_MIN_RATE = 1 << 20
 #: Writes in progress at once at most, so that writes (a serving thread each while the store
 #: takes a part) always leave threads to cached reads; past it a write is told BUSY.
 MAX_WRITES = 16
@@ -196,12 +199,11 @@ class DataPortServer(FramedServer):
         if part.length > MAX_WRITE_PART:
             self._refuse(conn.stream, f"a write part of {part.length} bytes is too large")
             return False
-        data = self._take(conn, part.length)  # off the stream before anything else: it stays in step
-        if not self.pages.token_ok(request.token):
+        if not self.pages.token_ok(request.token):  # before its bytes: a stranger holds no thread with them
             self._drop_write(conn)
-            self.send_frame(conn.stream, Reply(code=Reply.REFUSED,
-                                             message="UNAUTHENTICATED: missing or wrong access token"))
-            return True
+            self._refuse(conn.stream, "UNAUTHENTICATED: missing or wrong access token")
+            return False  # its bytes were not read: the stream is out of step
+        data = self._take(conn, part.length)  # off the stream before anything else: it stays in step
         with self.slow_slot() as slot:
             if not slot and not part.abort:  # the part's bytes are taken: the client sends it again
                 self._refuse(conn.stream, "BUSY: the worker's threads for slow work are taken", BUSY_RETRY_AFTER)
@@ -252,20 +254,29 @@ class DataPortServer(FramedServer):
 
     def _take(self, conn: Connection, n: int) -> bytearray:
         """The ``n`` bytes that follow a write part's frame: what the selector already read, then
-        the socket (each wait bounded by the send timeout)."""
+        the socket, all within the frame timeout plus ``n`` at ``WRITE_MIN_RATE`` (a client that
+        trickles its bytes holds a serving thread no longer than that)."""
         data = bytearray(n)
         got = min(n, len(conn.buf))
         data[:got] = conn.buf[:got]
         del conn.buf[:got]
         view = memoryview(data)
-        while got < n:
-            try:
-                k = conn.stream.recv_into(view[got:], n - got)
-            except TimeoutError:
-                raise ConnectionError("a write part's bytes stopped coming") from None
-            if k == 0:
-                raise ConnectionError("the connection closed inside a write part")
-            got += k
+        deadline = time.monotonic() + self.frame_timeout + n / WRITE_MIN_RATE
+        try:
+            while got < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectionError("a write part's bytes came too slowly")
+                conn.sock.settimeout(left)
+                try:
+                    k = conn.stream.recv_into(view[got:], n - got)
+                except TimeoutError:
+                    raise ConnectionError("a write part's bytes stopped coming") from None
+                if k == 0:
+                    raise ConnectionError("the connection closed inside a write part")
+                got += k
+        finally:
+            conn.sock.settimeout(self.send_timeout)
         if conn.stream is not conn.sock:  # TLS: what came in behind the part waits in the frames' buffer
             conn.buf += conn.stream.drain()
         return data
