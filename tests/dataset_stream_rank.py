@@ -16,7 +16,7 @@ def main() -> None:
     ds = CacheDataset.from_prefix(args["url"], storage_options={"workers": args["workers"]},
                                   rank=args["rank"], world_size=args["world"], index_cache=args["cache"],
                                   shuffle=args.get("shuffle", False), plan_ahead=False, index_timeout=120,
-                                  kept_index="refresh")  # the store's listing, never the worker's cached one
+                                  kept_index=args.get("kept", "refresh"))  # "refresh": the store's listing
     loader = DataLoader(ds, batch_size=50, sampler=ds.sampler(), num_workers=2, collate_fn=lambda b: b,
                         multiprocessing_context="fork", timeout=120)
     ids = [int(bytes(t[:8].numpy()).decode()) for batch in ds.track(loader) for t in batch]

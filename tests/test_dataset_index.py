@@ -142,7 +142,6 @@ def _list_calls(monkeypatch) -> list[str]:
         calls.append(threading.current_thread().name)
         return real(*args, **kwargs)
     monkeypatch.setattr(prefixindex, "list_prefix", counted)
-    monkeypatch.setattr("cachefs.client.datasets.dataset.list_prefix", counted)
     return calls
 
 

@@ -9,8 +9,10 @@ ranks are real processes, and the store's trace file says which process's listin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -139,6 +141,16 @@ def test_forked_dataloader_workers_read_a_streaming_epoch_exactly_once_over_two_
     assert Counter(seen) == Counter(range(COUNT))
 
 
+def test_a_pickled_streaming_dataset_maps_the_same_listing_and_waits_for_its_end(slow):
+    opts, _ = slow()
+    ds = CacheDataset.from_prefix(URL, storage_options=opts, shuffle=False, plan_ahead=False, index_cache="")
+    copy = pickle.loads(pickle.dumps(ds))  # what a spawned DataLoader worker gets: the log's memfd, mapped
+    assert isinstance(copy._index, GrowingIndex) and copy._listing is None and len(pickle.dumps(ds)) < 20_000
+    assert [_id(t) for t in copy.__getitems__(list(range(10)))] == list(range(10))
+    assert copy.plan.has(COUNT - 1) and not copy.plan.has(COUNT)  # the end, seen through the log
+    assert copy.paths[COUNT - 1] == ds.paths[COUNT - 1] == f"cachefs://data/d00000/{COUNT - 1:08d}.bin"
+
+
 def test_padding_and_drop_last_match_the_whole_listings_plan(slow):
     opts, _ = slow(count=2003, latency=0.05)
     for drop_last in (False, True):
@@ -237,6 +249,17 @@ def test_one_lister_per_job_rank_0_lists_the_others_map_its_index(slow, tmp_path
     again = _ranks(opts, tmp_path, 3, "job-b", {"shuffle": True})  # another run lists again, once
     assert len(_listings(trace)) == 12
     assert Counter(i for r in again for i in r["ids"]) == Counter(range(6000))
+    # kept_index="auto": rank 0 maps the kept index and hands that very file over (a hard link);
+    # only its background recheck (at most one listing, cut short when rank 0 exits) asks the store.
+    kept = _ranks(opts, tmp_path, 3, "job-c", {"kept": "auto"})
+    assert len(_listings(trace)) <= 18
+    assert Counter(i for r in kept for i in r["ids"]) == Counter(range(6000))
+    files = os.listdir(tmp_path / "kept")
+    [kept_file] = [f for f in files if f.endswith(".cfsidx") and ".job-" not in f]
+    tag = hashlib.sha256(b"cachefs:job-c").hexdigest()[:16]
+    assert os.path.samefile(tmp_path / "kept" / kept_file,
+                            tmp_path / "kept" / kept_file.replace(".cfsidx", f".job-{tag}.cfsidx"))
+    assert len([f for f in files if ".job-" in f]) == 3  # one a run
 
 
 def test_a_rank_waiting_for_rank_0_fails_by_deadline_with_what_is_missing(slow, tmp_path, monkeypatch):

@@ -46,8 +46,7 @@ from cachefs.client.datasets.plans import PlanPublisher, PlanReport
 from cachefs.client.datasets.prefetch import Prefetcher
 from cachefs.client.datasets.runbuffers import RunBuffers
 from cachefs.client.datasets.liststream import GrowingIndex, Listing, StreamingPlan
-from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, JobHandoff, KeptIndexes, job_token, list_prefix
-from cachefs.client.datasets.prefixindex import recheck as recheck_index
+from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, open_prefix
 from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex
 from cachefs.client.datasets.sampling import EpochPlan
 from cachefs.order import plan_digest
@@ -333,7 +332,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         # A GrowingIndex: the listing so far, while it streams (from_prefix, liststream.py)
         self._index: SampleIndex | GrowingIndex = paths
         self._listing: Listing | None = None  # main process, while the listing streams
-        self._settle_lock = threading.Lock()
+        self._settle_lock, self._publish_lock = threading.Lock(), threading.Lock()
+        self._publishing: threading.Thread | None = None
         self.index_check: Future | None = None  # from_prefix(kept_index="auto"): the background recheck
         self.transform = transform
         if (rank is None) != (world_size is None):
@@ -399,65 +399,11 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         if kept_index not in KEPT_MODES:
             raise ValueError(f"kept_index must be one of {KEPT_MODES}, not {kept_index!r}")
         storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
-        options = dict(storage_options or {})
-        kept = KeptIndexes(index_cache)
-        key = KeptIndexes.key(url, options)
         rank, world = kwargs.get("rank"), kwargs.get("world_size")
         if rank is None and world is None:
             rank, world = _default_rank_world()
-        handoff = None
-        if world is not None and int(world) > 1 and kept.directory:
-            token = job_token(int(rank or 0), int(world))
-            handoff = JobHandoff(kept.directory, key, token, url) if token else None
-        if handoff is not None and int(rank or 0) > 0:
-            return cls(handoff.wait(int(rank or 0), index_timeout), storage_options=storage_options, **kwargs)
-        found = kept.load(key, url) if kept_index == "auto" else None
-        if found is not None:
-            ds = cls(found, storage_options=storage_options, **kwargs)
-            ds.index_check = recheck_index(lambda: cls._filesystem(options), url, found, kept, key)
-            if handoff is not None:
-                handoff.publish(found)
-            return ds
-
-        def finished(index: SampleIndex | None, error: BaseException | None) -> None:
-            if index is not None and kept_index:
-                kept.save(key, index)
-            if handoff is not None:
-                if index is None:
-                    handoff.fail(error or RuntimeError("no index"))
-                else:
-                    handoff.publish(index)
-
-        def run(page: Any = None) -> SampleIndex:
-            fs = cls._filesystem(options)
-            try:  # "refresh": the store's listing now
-                return list_prefix(fs, url, refresh=kept_index == "refresh", page=page)[0]
-            finally:
-                fs.close()
-
-        if not (stream and kwargs.get("shuffle", True) is False):
-            try:
-                index = run()
-            except BaseException as exc:
-                finished(None, exc)
-                raise
-            finished(index, None)
-            return cls(index, storage_options=storage_options, **kwargs)
-        listing = Listing(run, url, on_done=finished)
-        listing.first.wait()
-        if not listing.log.count():
-            listing.result()  # raises what the listing raised (nothing below url, ...)
-        ds = cls(GrowingIndex(listing.log, url), storage_options=storage_options, **kwargs)
-        ds._listing = listing
-        ref = weakref.ref(ds)
-
-        def settle(index: SampleIndex | None, error: BaseException | None) -> None:
-            got = ref()
-            if got is not None and index is not None:
-                got._settle(index)
-
-        listing.then(settle)
-        return ds
+        return open_prefix(cls, url, storage_options, kwargs, kept_index=kept_index, index_cache=index_cache,
+                           stream=stream, index_timeout=index_timeout, rank=int(rank or 0), world_size=int(world or 1))
 
     @classmethod
     def from_manifest(cls, path_or_url: str, *, storage_options: dict[str, Any] | None = None,
@@ -782,13 +728,14 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_listing", None)  # the main process's listing thread
-        state.pop("_settle_lock", None)
+        for name in ("_listing", "_settle_lock", "_publish_lock", "_publishing"):  # the main process's
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._listing, self._settle_lock = None, threading.Lock()
+        self._listing, self._publishing = None, None
+        self._settle_lock, self._publish_lock = threading.Lock(), threading.Lock()
 
     # -- a listing that streams (from_prefix, liststream.py) ---------------------------------------------
     @property
@@ -819,12 +766,27 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             if isinstance(self.plan, StreamingPlan):
                 self.plan = EpochPlan(len(index), self.rank, self.world_size, self.seed, 0, False, self.drop_last)
             self._index, self._listing = index, None
-        self.publish_plan()
+        self._publish_soon()
 
     def publish_plan(self) -> PlanReport | None:
         if isinstance(self.plan, StreamingPlan):  # not whole yet: published by _settle
             return None
-        return super().publish_plan()
+        with self._publish_lock:  # one at a time: the last to run reads the newest plan
+            return super().publish_plan()
+
+    def _publish_soon(self) -> None:
+        """Register the plan on a thread: sending the index costs seconds a million samples
+        (docs/performance.md), which the first batch need not wait for (the plan is advisory)."""
+        if self.plan_ahead:
+            self._publishing = threading.Thread(target=self.publish_plan, name="cachefs-plan-publish", daemon=True)
+            self._publishing.start()
+
+    @property
+    def plan_report(self) -> PlanReport | None:
+        publishing = self._publishing
+        if publishing is not None:
+            publishing.join()
+        return PerProcessParts.plan_report.fget(self)  # type: ignore[attr-defined]
 
 
 class CacheSampler(Sampler[int]):

@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -43,7 +44,8 @@ from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex, trim_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODES", "Fingerprint", "JobHandoff", "KeptIndexes", "Recheck", "job_token", "list_prefix", "recheck"]
+__all__ = ["MODES", "Fingerprint", "JobHandoff", "KeptIndexes", "Recheck", "job_token", "list_prefix", "open_prefix",
+           "recheck"]
 
 MODES = (None, "auto", "refresh")
 SUFFIX = ".cfsidx"
@@ -326,3 +328,78 @@ class JobHandoff:
                         os.unlink(path)
                 except OSError:
                     pass
+
+
+# -- CacheDataset.from_prefix: which index, from where ------------------------------------------------
+def open_prefix(cls: Any, url: str, storage_options: dict[str, Any] | None, kwargs: dict[str, Any], *,
+                kept_index: str | None, index_cache: str | None, stream: bool, index_timeout: float,
+                rank: int, world_size: int) -> Any:
+    """``cls(index, ...)`` for ``CacheDataset.from_prefix`` (its doc says what each option does):
+    rank 0's hand-over on other ranks, else a kept index, else a listing, streamed where the first
+    epoch reads in listing order (liststream.py)."""
+    from cachefs.client.datasets.liststream import GrowingIndex, Listing
+
+    options = dict(storage_options or {})
+    kept = KeptIndexes(index_cache)
+    key = KeptIndexes.key(url, options)
+    plan_ahead = bool(kwargs.pop("plan_ahead", True))
+
+    def made(index: Any) -> Any:
+        ds = cls(index, storage_options=storage_options, plan_ahead=False, **kwargs)
+        ds.plan_ahead = plan_ahead
+        ds._publish_soon()  # the read plan, registered on a thread (or when the listing ends)
+        return ds
+
+    handoff = None
+    if world_size > 1 and kept.directory:
+        token = job_token(rank, world_size)
+        handoff = JobHandoff(kept.directory, key, token, url) if token else None
+    if handoff is not None and rank > 0:
+        return made(handoff.wait(rank, index_timeout))
+    found = kept.load(key, url) if kept_index == "auto" else None
+    if found is not None:
+        ds = made(found)
+        ds.index_check = recheck(lambda: cls._filesystem(options), url, found, kept, key)
+        if handoff is not None:
+            handoff.publish(found)
+        return ds
+
+    def finished(index: SampleIndex | None, error: BaseException | None) -> None:
+        if index is not None and kept_index:
+            kept.save(key, index)
+        if handoff is not None:
+            if index is None:
+                handoff.fail(error or RuntimeError("no index"))
+            else:
+                handoff.publish(index)
+
+    def run(page: Any = None) -> SampleIndex:
+        fs = cls._filesystem(options)
+        try:  # "refresh": the store's listing now
+            return list_prefix(fs, url, refresh=kept_index == "refresh", page=page)[0]
+        finally:
+            fs.close()
+
+    if not (stream and kwargs.get("shuffle", True) is False):
+        try:
+            index = run()
+        except BaseException as exc:
+            finished(None, exc)
+            raise
+        finished(index, None)
+        return made(index)
+    listing = Listing(run, url, on_done=finished)
+    listing.first.wait()
+    if not listing.log.count():
+        listing.result()  # raises what the listing raised (nothing below url, ...)
+    ds = made(GrowingIndex(listing.log, url))  # publishes nothing until the listing ends
+    ds._listing = listing
+    ref = weakref.ref(ds)
+
+    def settle(index: SampleIndex | None, error: BaseException | None) -> None:
+        got = ref()
+        if got is not None and index is not None:
+            got._settle(index)
+
+    listing.then(settle)
+    return ds
