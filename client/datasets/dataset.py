@@ -778,8 +778,9 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         """Register the plan on a thread: sending the index costs seconds a million samples
         (docs/performance.md), which the first batch need not wait for (the plan is advisory)."""
         if self.plan_ahead:
-            self._publishing = threading.Thread(target=self.publish_plan, name="cachefs-plan-publish", daemon=True)
-            self._publishing.start()
+            thread = threading.Thread(target=self.publish_plan, name="cachefs-plan-publish", daemon=True)
+            thread.start()  # then kept: plan_report joins it (the latest waits behind any before it)
+            self._publishing = thread
 
     @property
     def plan_report(self) -> PlanReport | None:

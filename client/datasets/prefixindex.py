@@ -380,7 +380,13 @@ def open_prefix(cls: Any, url: str, storage_options: dict[str, Any] | None, kwar
         finally:
             fs.close()
 
-    if not (stream and kwargs.get("shuffle", True) is False):
+    listing = None
+    if stream and kwargs.get("shuffle", True) is False:
+        try:
+            listing = Listing(run, url, on_done=finished)
+        except OSError as exc:  # no room for the log's map (a small RLIMIT_AS): list whole, as before
+            log.warning("listing %s whole before the first epoch (no shared log: %s)", url, exc)
+    if listing is None:
         try:
             index = run()
         except BaseException as exc:
@@ -388,7 +394,6 @@ def open_prefix(cls: Any, url: str, storage_options: dict[str, Any] | None, kwar
             raise
         finished(index, None)
         return made(index)
-    listing = Listing(run, url, on_done=finished)
     listing.first.wait()
     if not listing.log.count():
         listing.result()  # raises what the listing raised (nothing below url, ...)
