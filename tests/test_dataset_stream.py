@@ -151,6 +151,17 @@ def test_a_pickled_streaming_dataset_maps_the_same_listing_and_waits_for_its_end
     assert copy.paths[COUNT - 1] == ds.paths[COUNT - 1] == f"cachefs://data/d00000/{COUNT - 1:08d}.bin"
 
 
+def test_spawned_dataloader_workers_map_the_log_of_a_listing_still_going_on(slow):
+    opts, _ = slow(count=4000, latency=1.5)  # 6 s of listing: the workers are spawned while it goes on
+    ds = CacheDataset.from_prefix(URL, storage_options=opts, shuffle=False, plan_ahead=False, index_cache="")
+    loader = DataLoader(ds, batch_size=50, sampler=ds.sampler(), num_workers=2, collate_fn=_as_list,
+                        multiprocessing_context="spawn", timeout=TIMEOUT)
+    it = iter(loader)  # the dataset is pickled for the workers now: a GrowingIndex over the log
+    assert ds._listing is not None
+    ids = [_id(t) for batch in it for t in batch]
+    assert ids == list(range(4000)) and len(ds) == 4000
+
+
 def test_padding_and_drop_last_match_the_whole_listings_plan(slow):
     opts, _ = slow(count=2003, latency=0.05)
     for drop_last in (False, True):
