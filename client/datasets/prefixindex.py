@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
+from cachefs.client import forksafe
 from cachefs.client.datasets import indexcache
 from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex, trim_heap
 
@@ -262,7 +263,7 @@ class JobHandoff:
         """Rank 0: hand ``index`` over (a hard link of a kept file it mapped, else a copy)."""
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            tmp = f"{self.file}.{os.getpid()}.tmp"
+            tmp = f"{self.file}.{forksafe.pid()}.tmp"
             linked = False
             if index.path and index._fd >= 0:
                 try:

@@ -296,7 +296,7 @@ class DataPortServer(FramedServer):
         session, conn.session = conn.session, None
         if session is not None:
             self._release_write()
-            session.abort()
+            session.discard()
 
     def _idle_limit(self, conn: Connection) -> float:
         return WRITE_IDLE_TIMEOUT
@@ -306,7 +306,7 @@ class DataPortServer(FramedServer):
         if session is not None:  # the client went away mid-write: nothing is published
             self._release_write()
             # Off the selector's thread: discarding waits for the upload thread to stop.
-            threading.Thread(target=session.abort, name="dataport-write-abort", daemon=True).start()
+            threading.Thread(target=session.discard, name="dataport-write-discard", daemon=True).start()
 
     def _plan(self, opened: OpenedRange,
               fetched: set[Any]) -> list[tuple[dataport_pb2.DataSegment, bytes | None]] | None:

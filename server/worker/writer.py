@@ -116,14 +116,14 @@ class WriteHandler:
                     session.put(msg.data)
                 committed = msg.commit
         except grpc.RpcError as exc:  # the client cancelled or went away: nothing is published
-            session.abort()
+            session.discard()
             raise ConnectionAbortedError(errno.ECONNABORTED,
                                          f"write of {session.path} cancelled by the client") from exc
         except BaseException:
-            session.abort()
+            session.discard()
             raise
         if not committed:
-            session.abort()
+            session.discard()
             raise ConnectionAbortedError(errno.ECONNABORTED,
                                          f"write of {session.path} ended without a commit: discarded")
         return session.commit()
@@ -143,7 +143,7 @@ class WriteHandler:
 
 class WriteSession:
     """One object being written: parts go to the store as they come; ``commit`` publishes it,
-    ``abort`` (or never committing) leaves the store as it was."""
+    ``discard`` (or never committing) leaves the store as it was."""
 
     def __init__(self, handler: WriteHandler, path: CachePath) -> None:
         self.handler, self.path = handler, path
@@ -157,7 +157,7 @@ class WriteSession:
         try:
             self._uploader.put(data)
         except BaseException:
-            self.abort()
+            self.discard()
             raise
         self.received += len(data)
 
@@ -168,7 +168,7 @@ class WriteSession:
         uploader.finish(True)  # raises the store's error (the write is then discarded)
         return self.handler.after_write(self.path)
 
-    def abort(self) -> None:
+    def discard(self) -> None:
         uploader, self._uploader = self._uploader, None
         if uploader is None:
             return
