@@ -175,7 +175,10 @@ class RangeFiller:
             # The range as one store request (streamed, page by page): parallel 8 MiB runs cost a
             # store that reads the whole object for each ranged GET (moto) several times the work.
             first = wanted.offset // page_size
-            if inline and end - first * page_size <= INLINE_BYTES:  # small: fetched and written here
+            # Small, and one store request as the reader would group it (a worker told to fetch
+            # page by page in parallel, fetch_group_pages with read-ahead off, keeps doing so).
+            one_request = last - first < max(1, self.reader.extent_pages or self.reader.options.fetch_group_pages)
+            if inline and one_request and end - first * page_size <= INLINE_BYTES:  # fetched and written here
                 claimed = self.reader.fetch_here(meta, first, last)[0]
             else:
                 claimed = self.reader.claim(meta, first, last, group=self.reader.extent_pages)
