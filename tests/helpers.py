@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -213,6 +214,18 @@ class ReadLoop:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=30)
+
+
+def stop_local(proc, timeout: float = 30.0) -> None:
+    """Stop a ``cachefs local`` (or any daemon) process as Ctrl-C would; killed if it lingers."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def local_master(proc, timeout: float = 60.0) -> str:

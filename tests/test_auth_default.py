@@ -11,7 +11,6 @@ from __future__ import annotations
 import encodings.idna  # noqa: F401 - loaded before the fork: uid 65534 cannot read the stdlib's files here
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.tokens import ACCESS, CLUSTER, find_token, token_path
-from helpers import local_master
+from helpers import local_master, stop_local
 
 READER = textwrap.dedent('''
     import json, sys
@@ -46,15 +45,6 @@ READER = textwrap.dedent('''
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEFS_", "GRPC_")) and k != "PYTHONPATH"}
     return {**env, **extra}
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def _read_as(master: str, options: dict | None = None, user: int | None = None, calls: int = 3) -> dict:
@@ -143,7 +133,7 @@ def test_cachefs_local_makes_tokens_its_user_finds_and_no_one_else_has(tmp_path:
                              "read": "UnauthenticatedError"}, other
         assert (data / "secret.txt").read_text() == "for this user only" and not (data / "planted.txt").exists()
     finally:
-        _stop(proc)
+        stop_local(proc)
     assert not os.path.exists(path), "the token file outlived its cluster"
 
 
@@ -161,7 +151,7 @@ def test_cachefs_local_insecure_says_so_and_keeps_no_token(tmp_path: Path):
             lines.append(proc.stdout.readline())
         assert any("--insecure: no token" in line for line in lines), lines
     finally:
-        _stop(proc)
+        stop_local(proc)
 
 
 def test_a_daemon_reachable_from_other_machines_needs_a_token_or_insecure(tmp_path: Path):
@@ -183,7 +173,7 @@ def test_a_daemon_reachable_from_other_machines_needs_a_token_or_insecure(tmp_pa
         warning = proc.stderr.readline()
         assert "WARNING" in warning and "no access token" in warning, warning
     finally:
-        _stop(proc)
+        stop_local(proc)
 
 
 def test_a_token_file_that_is_not_private_is_not_taken(tmp_path: Path, monkeypatch):

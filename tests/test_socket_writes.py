@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 from cachefs.mounts import MountSpec
 from cachefs.proto import common_pb2, dataport_pb2
 from cachefs.server.worker.dataport import MAX_WRITE_PART, MAX_WRITES
-from helpers import local_master, wait_for
+from helpers import local_master, stop_local, wait_for
 
 Reply = dataport_pb2.DataReply
 FRAME = struct.Struct(">I")
@@ -103,12 +102,7 @@ def test_a_user_script_writes_copies_and_removes_without_grpc(tmp_path: Path):
         done = subprocess.run([sys.executable, str(script), master, str(local)], capture_output=True, text=True,
                               timeout=180, env=env, cwd=tmp_path)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_local(proc)
     assert done.returncode == 0, f"the script failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines[0] == {"grpc_before": False}, "writing loaded gRPC"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import local_master
+from helpers import local_master, stop_local
 
 SAMPLES = 96
 EPOCHS = 3
@@ -87,12 +87,7 @@ def local_cluster(tmp_path_factory):
     try:
         yield local_master(proc, timeout=90), sorted(zlib.crc32(b) for b in blobs.values()), root / "cluster"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_local(proc)
 
 
 @pytest.mark.parametrize(("kind", "workers"), [("map", 2), ("map", 0), ("iter", 2), ("iter", 0)])
