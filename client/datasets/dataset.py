@@ -110,6 +110,15 @@ def _default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """A dataset's rank and world size: both given, or neither (then torch.distributed's, else 0 of 1)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError("give both rank and world_size, or neither")
+    if rank is None:
+        return _default_rank_world()
+    return int(rank), int(world_size)  # type: ignore[arg-type]
+
+
 class PerProcessParts:
     """The filesystem, prefetcher and hinter of a dataset belong to one process (forksafe.py):
     a DataLoader worker, forked or spawned, builds its own on first use; a pickle carries none.
@@ -336,11 +345,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self._publishing: threading.Thread | None = None
         self.index_check: Future | None = None  # from_prefix(kept_index="auto"): the background recheck
         self.transform = transform
-        if (rank is None) != (world_size is None):
-            raise ValueError("give both rank and world_size, or neither")
-        if rank is None:
-            rank, world_size = _default_rank_world()
-        self.rank, self.world_size = int(rank), int(world_size)  # type: ignore[arg-type]
+        self.rank, self.world_size = rank_and_world(rank, world_size)
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.prefetch_bytes, self.prefetch_depth = int(prefetch_bytes), int(prefetch_depth)
         self.prefetch_threads, self.timeout = int(prefetch_threads), float(timeout)

@@ -25,7 +25,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import BinaryIO
 
 from cachefs.client.datasets.shards import ShardIndex
 from cachefs.client.datasets.shardtable import ShardTable, ShardTableError, table_from_json
@@ -43,6 +44,23 @@ def default_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "cachefs", "shard-index")
 
+
+
+def write_whole(directory: str, name: str, write: Callable[[BinaryIO], None]) -> str:
+    """``write`` a file ``name`` in ``directory`` as a temporary one renamed into place, so a
+    reader (another rank, a DataLoader worker, the next start) sees it whole or not at all; its
+    path. Raises OSError (the temporary file removed)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        path = os.path.join(directory, name)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
 
 class IndexCache:
     def __init__(self, directory: str) -> None:
@@ -104,15 +122,7 @@ class IndexCache:
         """Keep ``shards``' index; a failure (read-only home, full disk) costs only the next scan."""
         table = ShardTable.from_shards(shards, fmt)
         try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    table.write(f)
-                os.replace(tmp, self._file(key))
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            write_whole(self.directory, os.path.basename(self._file(key)), table.write)
         except OSError as exc:
             log.warning("could not keep the shard index in %s: %s", self.directory, exc)
             return False

@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from cachefs.client import forksafe
 from cachefs.client.datasets.dataset import (ConsumptionTracking, PerProcessParts, ProcessParts, SampleReadError,
-                                    _default_rank_world, profiled)
+                                    rank_and_world, profiled)
 from cachefs.client.fs.filesystem import CacheFileSystem, split_storage_options
 from cachefs.client.fs.hints import Hinter
 from cachefs.client.datasets.indexcache import IndexCache, default_dir
@@ -88,11 +88,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             raise ValueError("a CacheIterableDataset needs at least one shard")
         self.storage_options = dict(storage_options or {})
         self.transform = transform
-        if (rank is None) != (world_size is None):
-            raise ValueError("give both rank and world_size, or neither")
-        if rank is None:
-            rank, world_size = _default_rank_world()
-        self.rank, self.world_size = int(rank), int(world_size)  # type: ignore[arg-type]
+        self.rank, self.world_size = rank_and_world(rank, world_size)
         self.block, self.seed, self.shuffle, self.drop_last = int(batch_size), int(seed), bool(shuffle), bool(drop_last)
         self.prefetch_bytes, self.prefetch_blocks = int(prefetch_bytes), int(prefetch_blocks)
         self.prefetch_threads, self.hint_shards, self.timeout = int(prefetch_threads), int(hint_shards), float(timeout)

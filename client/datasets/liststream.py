@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from cachefs.client import forksafe
+from cachefs.memseal import sealed_table
 from cachefs.client.datasets.sampleindex import SampleIndex, map_shared, release
 from cachefs.client.datasets.sampling import EpochPlan
 
@@ -71,13 +72,9 @@ class ListingLog:
 
     @classmethod
     def create(cls) -> "ListingLog":
-        fd = os.memfd_create("cachefs-listing", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, TOTAL)
-            mapped = mmap.mmap(fd, TOTAL, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
+        # Sealed as the workers' tables are (cachefs/memseal.py): only this mapping writes it;
+        # a DataLoader worker reopening it through /proc cannot.
+        fd, mapped, _ = sealed_table("cachefs-listing", TOTAL)
         return cls(fd, mapped, writable=True)
 
     # -- the writer (the listing thread) -------------------------------------------------------------

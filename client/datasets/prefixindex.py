@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -169,16 +168,7 @@ class KeptIndexes:
         if not self.directory:
             return None
         try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    index.write(f)
-                os.replace(tmp, self.file(key))
-            except BaseException:
-                os.unlink(tmp)
-                raise
-            return self.file(key)
+            return indexcache.write_whole(self.directory, os.path.basename(self.file(key)), index.write)
         except OSError as exc:
             log.warning("could not keep the sample index in %s: %s", self.directory, exc)
             return None

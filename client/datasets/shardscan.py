@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cachefs.client import forksafe
+from cachefs.client.datasets.indexcache import write_whole
 from cachefs.client.datasets.shards import ShardIndex, index_to_json
 from cachefs.client.datasets.shardtable import ShardView, one_shard, table_from_json
 
@@ -125,14 +125,7 @@ class ShardScan:
 
     def _write(self, name: str, text: str) -> None:
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, os.path.join(self.directory, name))
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            write_whole(self.directory, name, lambda f: f.write(text.encode()))
         except OSError as exc:  # DataLoader workers would wait in vain: say why
             log.warning("could not write the shard index to %s for other processes: %s", self.directory, exc)
 
