@@ -55,7 +55,54 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
-class SampleIndex(Sequence[str]):
+class SharedBuffer:
+    """What an index held in one buffer (a sealed memfd, a mapped kept file, or bytes) does
+    besides being read, the same for SampleIndex and ShardTable: its bytes, written to a kept
+    file, a kept file mapped, and pickling by reference to its memfd (a spawned DataLoader worker
+    maps it; a small one travels as bytes). A subclass takes ``(buffer, fd=, path=)`` and sets
+    ``_buffer``, ``_fd`` and ``nbytes``."""
+
+    _buffer: Any
+    _fd: int
+    nbytes: int
+    #: What it is called in an error when the holder's memfd cannot be mapped.
+    SHARED_WHAT = "sample index"
+
+    def tobytes(self) -> bytes:
+        """The whole buffer (what a kept file holds)."""
+        return bytes(memoryview(self._buffer)[:self.nbytes])
+
+    def write(self, f: Any) -> None:
+        """Write the buffer into the binary file ``f`` (the caller renames it into place)."""
+        f.write(memoryview(self._buffer)[:self.nbytes])
+
+    @classmethod
+    def open(cls, path: str) -> Any:
+        """Map a kept file read-only (its pages load as they are read)."""
+        fd, mapped = map_file(path)
+        try:
+            return cls(mapped, fd=fd, path=path)  # type: ignore[call-arg]
+        except BaseException:
+            release(fd, mapped)
+            raise
+
+    def __reduce__(self) -> Any:
+        if self._fd < 0 or self.nbytes <= SMALL_BYTES:
+            return type(self), (self.tobytes(),)
+        return _from_shared, (type(self), forksafe.pid(), self._fd, os.fstat(self._fd).st_ino, self.nbytes)
+
+
+def _from_shared(cls: Any, pid: int, fd: int, inode: int, size: int) -> Any:
+    """The buffer a process ``pid`` holds in its descriptor ``fd``, mapped read-only here as ``cls``."""
+    mine, mapped = map_shared(pid, fd, inode, size, cls.SHARED_WHAT)
+    try:
+        return cls(mapped, fd=mine)
+    except BaseException:
+        release(mine, mapped)
+        raise
+
+
+class SampleIndex(SharedBuffer, Sequence[str]):
     """Read-only ``Sequence[str]`` of paths, with ``sizes`` (int64), over one buffer."""
 
     def __init__(self, buffer: Any, *, fd: int = -1, path: str = "") -> None:
@@ -128,30 +175,6 @@ class SampleIndex(Sequence[str]):
         """``(path, 0, size)`` per sample, made when asked (what a read plan's index is)."""
         return Units(self)
 
-    def tobytes(self) -> bytes:
-        """The whole index (what a kept file holds)."""
-        return bytes(memoryview(self._buffer)[:self.nbytes])
-
-    # -- pickling (spawned DataLoader workers) -----------------------------------------------------
-    def __reduce__(self) -> Any:
-        if self._fd < 0 or self.nbytes <= SMALL_BYTES:
-            return SampleIndex, (self.tobytes(),)
-        return _map_shared, (forksafe.pid(), self._fd, os.fstat(self._fd).st_ino, self.nbytes)
-
-    # -- files ---------------------------------------------------------------------------------------
-    @classmethod
-    def open(cls, path: str) -> "SampleIndex":
-        """Map a kept index file read-only (its pages load as they are read)."""
-        fd, mapped = map_file(path)
-        try:
-            return cls(mapped, fd=fd, path=path)
-        except BaseException:
-            release(fd, mapped)
-            raise
-
-    def write(self, f: Any) -> None:
-        """Write the index into the binary file ``f`` (prefixindex.py renames it into place)."""
-        f.write(memoryview(self._buffer)[:self.nbytes])
 
 
 class Units(Sequence[tuple[str, int, int]]):
@@ -225,16 +248,6 @@ def map_shared(pid: int, fd: int, inode: int, size: int, what: str = "sample ind
         return mine, mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ)
     except BaseException:
         os.close(mine)
-        raise
-
-
-def _map_shared(pid: int, fd: int, inode: int, size: int) -> SampleIndex:
-    """The index a process ``pid`` holds in its descriptor ``fd``, mapped read-only here."""
-    mine, mapped = map_shared(pid, fd, inode, size)
-    try:
-        return SampleIndex(mapped, fd=mine)
-    except BaseException:
-        release(mine, mapped)
         raise
 
 

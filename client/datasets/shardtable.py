@@ -27,7 +27,6 @@ a read of a sample it misplaces fails (short or wrong bytes), as with a wrong ``
 from __future__ import annotations
 
 import json
-import os
 import struct
 import weakref
 from array import array
@@ -36,9 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from cachefs.client import forksafe
-from cachefs.client.datasets import sampleindex
-from cachefs.client.datasets.sampleindex import map_file, map_shared, release, shared_buffer
+from cachefs.client.datasets.sampleindex import SharedBuffer, release, shared_buffer
 from cachefs.client.datasets.shards import INDEX_VERSION, SampleSpan, ShardIndex
 
 __all__ = ["ShardTable", "ShardView", "TableBuilder", "table_from_json", "FORMAT"]
@@ -72,9 +69,11 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     return a.astype("<u4", copy=False)
 
 
-class ShardTable(Sequence["ShardView"]):
+class ShardTable(SharedBuffer, Sequence["ShardView"]):
     """Every shard of a data set (``Sequence`` of ``ShardView``, each as a ``ShardIndex``), its
     samples addressed by global id (shard after shard, in file order), over one buffer."""
+
+    SHARED_WHAT = "shard table"
 
     def __init__(self, buffer: Any, *, fd: int = -1, path: str = "") -> None:
         view = memoryview(buffer)
@@ -225,28 +224,7 @@ class ShardTable(Sequence["ShardView"]):
         """``(shard path, start, length)`` per sample, made when asked (a read plan's index)."""
         return Units(self)
 
-    # -- pickling and files ----------------------------------------------------------------------------
-    def __reduce__(self) -> Any:
-        if self._fd < 0 or self.nbytes <= sampleindex.SMALL_BYTES:  # the one threshold, as SampleIndex's
-            return ShardTable, (self.tobytes(),)
-        return _map_shared, (forksafe.pid(), self._fd, os.fstat(self._fd).st_ino, self.nbytes)
-
-    def tobytes(self) -> bytes:
-        return bytes(memoryview(self._buffer)[:self.nbytes])
-
-    def write(self, f: Any) -> None:
-        f.write(memoryview(self._buffer)[:self.nbytes])
-
-    @classmethod
-    def open(cls, path: str) -> "ShardTable":
-        """Map a kept table file read-only (its pages load as they are read)."""
-        fd, mapped = map_file(path)
-        try:
-            return cls(mapped, fd=fd, path=path)
-        except BaseException:
-            release(fd, mapped)
-            raise
-
+    # -- pickling and files: sampleindex.SharedBuffer ---------------------------------------------------
     @classmethod
     def from_shards(cls, shards: Iterable[ShardIndex], fmt: str = "tar") -> "ShardTable":
         if isinstance(shards, ShardTable):
@@ -258,15 +236,6 @@ class ShardTable(Sequence["ShardView"]):
             else:
                 builder.add_shard(shard.path, shard.size, ((s.key, s.fields) for s in shard.samples))
         return builder.finish(fmt)
-
-
-def _map_shared(pid: int, fd: int, inode: int, size: int) -> ShardTable:
-    mine, mapped = map_shared(pid, fd, inode, size, "shard table")
-    try:
-        return ShardTable(mapped, fd=mine)
-    except BaseException:
-        release(mine, mapped)
-        raise
 
 
 class ShardView:
