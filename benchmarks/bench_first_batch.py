@@ -131,7 +131,7 @@ def map_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-first-batch-map-") as tmp:
         for r in range(args.rounds):
             kept = os.path.join(tmp, f"kept-{r}")  # the first case keeps, the kept cases read it
-            for case in ("order_streamed", "order_kept", "shuffled_kept", "shuffled", "order_waited"):
+            for case in args.cases.split(","):
                 row = {"round": r, **map_case(args.map, tmp, case, kept, args.batch_size, port)}
                 assert row["len"] == args.objects, row
                 runs.append(row)
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--map", metavar="ROOT", help="the map dataset over a tree of 4 KiB files made under ROOT")
     p.add_argument("--objects", type=int, default=200_000, help="--map: files in the tree")
+    p.add_argument("--cases", default="order_streamed,order_kept,shuffled_kept,shuffled,order_waited",
+                   help="--map: the cases to run, in this order (the kept ones need order_streamed first)")
     args = p.parse_args(argv)
     if args.map:
         return map_main(args)

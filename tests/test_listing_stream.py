@@ -246,6 +246,26 @@ def test_refresh_applies_to_the_first_page_only(local_store, make_worker):
     assert cache.fetched == before + 1  # one chunk: the later pages (asked with refresh too) did not refresh
 
 
+def test_a_paged_listing_refreshes_known_directories_and_adds_none_never_read(local_store, make_worker):
+    """A paged listing refreshes the metadata of directories the worker has entries in (a changed
+    object's new version is seen) and keeps nothing of a directory never read: a million-object
+    listing must not add a million entries (or their CPU) for reads that bring their own."""
+    for f in range(20):
+        local_store.add(f"seen/{f:02d}", b"x")
+        local_store.add(f"unseen/{f:02d}", b"x")
+    worker = make_worker(local_store.mount)
+    objects = worker.objects
+    read = CachePath("data", "seen/03")
+    before = objects.info(read).version  # a read of one object of seen/: the directory is known
+    local_store.add("seen/03", b"changed, and longer")
+    listed = [n for page in _pages_grpc(worker.address, "data") for n in page]
+    assert len(listed) == 40
+    assert objects.cached_info(read).version != before and objects.cached_info(read).size == 19
+    assert objects.cached_info(CachePath("data", "seen/07")) is not None  # refreshed with its directory
+    assert all(objects.cached_info(CachePath("data", f"unseen/{f:02d}")) is None for f in range(20))
+    assert objects.info(CachePath("data", "unseen/05")).size == 1  # asked of the store when asked for
+
+
 @pytest.mark.parametrize("s3_client", ["auto", "s3fs"])
 def test_an_s3_listing_pages_with_the_store(s3_store, make_worker, monkeypatch, s3_client):
     """ListObjectsV2's own pages (MaxKeys, StartAfter): a page is one store request."""

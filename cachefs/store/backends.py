@@ -105,9 +105,7 @@ class _LocalBackend(_Backend):
     the store paths are :class:`~cachefs.store.beneath.LocalStorePath` (MountTable.resolve).
     """
 
-    @staticmethod
-    def _version(st: os.stat_result) -> str:
-        return f"{st.st_size}-{st.st_mtime!r}"  # the same string version_of() makes from fsspec's info
+    _version = staticmethod(beneath.local_version)
 
     def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
         return beneath.list_beneath(_local(store_path))

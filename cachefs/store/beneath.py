@@ -205,6 +205,11 @@ def open_file(path: LocalStorePath, mode: str = "rb") -> Any:
         raise
 
 
+def local_version(st: os.stat_result) -> str:
+    """A local file's version: its size and mtime, the string version_of() makes from fsspec's info."""
+    return f"{st.st_size}-{st.st_mtime!r}"
+
+
 def _entry_info(name: str, st: os.stat_result) -> dict[str, Any]:
     mode = st.st_mode
     kind = "directory" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"

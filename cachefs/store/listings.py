@@ -52,9 +52,13 @@ class Chunk:
     size: int = 0
 
     def __post_init__(self) -> None:
-        self.entries.sort(key=lambda m: str(m.path))
-        self.names = [str(m.path) for m in self.entries]
-        self.size = CHUNK_BYTES + sum(ENTRY_BYTES + 2 * len(name) for name in self.names)
+        names = [str(m.path) for m in self.entries]
+        if any(a > b for a, b in zip(names, names[1:])):  # a paged walk gives them sorted already
+            order = sorted(range(len(names)), key=names.__getitem__)
+            self.entries = [self.entries[i] for i in order]
+            names = [names[i] for i in order]
+        self.names = names
+        self.size = CHUNK_BYTES + len(names) * ENTRY_BYTES + 2 * sum(map(len, names))
 
     @property
     def last(self) -> str:

@@ -21,9 +21,9 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
 
-from cachefs.store.beneath import LocalStorePath, _entry_info, _open_dir, stat_beneath
+from cachefs.store.beneath import LocalStorePath, _entry_info, _open_dir, local_version, stat_beneath
+from cachefs.store.meta import Listing
 
 #: Directories with more entries than this keep their sorted names between chunks (a chunk of
 #: 1,000 entries reads its directory's parent again, and usually two directories of 1,000).
@@ -76,7 +76,7 @@ def sorted_names(dir_fd: int, recursive: bool) -> list[str]:
 
 
 def _walk_after(dir_fd: int, base: str, rel: str, after: str, limit: int, recursive: bool,
-                out: list[dict[str, Any]]) -> bool:
+                out: Listing) -> bool:
     """Appends to ``out`` (up to ``limit``) the entries of the directory ``dir_fd`` (store path
     ``base``, keys ``rel``... below the listed path) whose keys sort after ``after``, in key
     order, entering directories if ``recursive``; True if nothing is left after them."""
@@ -110,14 +110,15 @@ def _walk_after(dir_fd: int, base: str, rel: str, after: str, limit: int, recurs
             continue
         if recursive and stat.S_ISDIR(st.st_mode):
             continue  # a file swapped for a directory meanwhile: a recursive listing has no directories
-        out.append(_entry_info(f"{base}/{name}", st))
+        out.append((f"{base}/{name}", st.st_size, local_version(st), st.st_mtime, False))
     return True
 
 
-def page_after(path: LocalStorePath, recursive: bool, after: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
+def page_after(path: LocalStorePath, recursive: bool, after: str, limit: int) -> tuple[Listing, bool]:
     """Up to ``limit`` entries of ``list_beneath`` (``find_beneath`` if ``recursive``) whose keys
     below ``path`` sort after ``after`` ("": from the first), in key order, and whether they are
-    the last ones."""
+    the last ones. Files come as ``ListedEntry`` tuples (their version as the local backend makes
+    it: size and mtime), not info dicts: no dict per entry, none read back field by field."""
     try:
         fd = _open_dir(path)
     except FileNotFoundError:
@@ -126,7 +127,7 @@ def page_after(path: LocalStorePath, recursive: bool, after: str, limit: int) ->
         raise
     if fd is None:  # a file: listed as itself
         return ([] if after else [_entry_info(str(path), stat_beneath(path))]), True
-    out: list[dict[str, Any]] = []
+    out: Listing = []
     try:
         done = _walk_after(fd, str(path), "", after, limit, recursive, out)
     finally:

@@ -4,6 +4,7 @@ store adapter can both import it without importing each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 from cachefs.paths import CachePath
 
@@ -18,3 +19,10 @@ class ObjectMeta:
     version: str
     mtime: float
     is_dir: bool = False
+
+
+#: A listing entry as a store that makes them itself gives it (the local walk, localpages.py):
+#: (store name, size, version, mtime, is_dir), where fsspec stores give an info dict to be read
+#: field by field (backends.version_of). A plain tuple: a million are made per million-object listing.
+ListedEntry = tuple[str, int, str, float, bool]
+Listing = list[Union[ListedEntry, dict]]

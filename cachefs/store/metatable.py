@@ -273,8 +273,44 @@ class MetadataTable:
     # -- updates -------------------------------------------------------------------------------
 
     def put(self, path: CachePath, meta: ObjectMeta) -> None:
-        if self.ttl <= 0 or self.max_bytes <= 0 or (self._max is not None and self._max <= 0):
+        if not self._keeps():
             return
+        item = self._prepared(path, meta)
+        if item is None:
+            self.pop(path)  # no real name is that long; the store is asked each time
+            return
+        with self._lock:
+            self._put_locked(path.mount, *item)
+
+    def put_many(self, metas: list[ObjectMeta], known_directories: bool = False) -> None:
+        """``put(m.path, m)`` of each, the lock taken once: a listing's thousand entries at a time.
+        ``known_directories``: only entries of directories the table has entries in (a listing
+        refreshes what was asked about before, and adds nothing of a directory never read)."""
+        if not self._keeps():
+            return
+        if known_directories:
+            dirs, mids = self._dirs, self._mount_ids
+            metas = [m for m in metas if (mids.get(m.path.mount), _split(m.path.key)[0]) in dirs]
+        items, too_long = [], []
+        for meta in metas:
+            item = self._prepared(meta.path, meta)
+            if item is None:
+                too_long.append(meta.path)
+            else:
+                items.append((meta.path.mount, *item))
+        with self._lock:
+            for item in items:
+                self._put_locked(*item)
+        for path in too_long:
+            self.pop(path)
+
+    def _keeps(self) -> bool:
+        return not (self.ttl <= 0 or self.max_bytes <= 0 or (self._max is not None and self._max <= 0))
+
+    @staticmethod
+    def _prepared(path: CachePath, meta: ObjectMeta) -> tuple | None:
+        """What a put stores of ``meta``, worked out before the lock: (directory, name bytes,
+        version bytes, flags, size, mtime); None for a name or version too long to keep."""
         dpath, name = _split(path.key)
         kb = _encode(name)
         size, mtime, version = meta.size, float(meta.mtime), meta.version
@@ -294,59 +330,64 @@ class MetadataTable:
             else:
                 vb = _encode(version)
         if len(kb) > _MAX_NAME or len(vb) > _MAX_NAME:
-            self.pop(path)  # no real name is that long; the store is asked each time
-            return
+            return None
+        return dpath, kb, vb, flags, size, mtime
+
+    def _put_locked(self, mount: str, dpath: str, kb: bytes, vb: bytes, flags: int, size: int,
+                    mtime: float) -> None:  # caller holds the lock
         small = 0 <= size < _BIG
-        with self._lock:
+        now = self._now_ms()
+        expiry = now + min(_MAX_TTL_MS, math.ceil(self.ttl * 1000))
+        if expiry > _MAX_EXPIRY:
+            self._rebase(now)
             now = self._now_ms()
             expiry = now + min(_MAX_TTL_MS, math.ceil(self.ttl * 1000))
-            if expiry > _MAX_EXPIRY:
-                self._rebase(now)
-                now = self._now_ms()
-                expiry = now + min(_MAX_TTL_MS, math.ceil(self.ttl * 1000))
-            mid = self._mount_ids.get(path.mount)
-            if mid is None:
-                mid = self._mount_ids[path.mount] = len(self._mounts)
-                self._mounts.append(path.mount)
-            d = self._dirs.get((mid, dpath))
-            if d is None:
-                d = self._new_dir(mid, dpath)
-            h = _hash(kb, d) & 0xFFFFFFFF
-            slot, r, rec = self._find(d, kb, h)
-            if rec is not None:  # update in place: a new put moves the entry to the back of the queue
-                off = self._store_version(rec, kb, vb)
-                self._charged += len(vb) - rec[3]
-                prev, nxt = rec[7], rec[8]
-            else:
-                charge = ENTRY_BYTES + len(kb) + len(vb)
-                while self._live and (self._charged + charge > self.max_bytes
-                                      or (self._max is not None and self._live >= self._max)):
-                    self._evict_one()
+        mid = self._mount_ids.get(mount)
+        if mid is None:
+            mid = self._mount_ids[mount] = len(self._mounts)
+            self._mounts.append(mount)
+        d = self._dirs.get((mid, dpath))
+        if d is None:
+            d = self._new_dir(mid, dpath)
+        h = _hash(kb, d) & 0xFFFFFFFF
+        slot, r, rec = self._find(d, kb, h)
+        if rec is not None:  # update in place: a new put moves the entry to the back of the queue
+            off = self._store_version(rec, kb, vb)
+            self._charged += len(vb) - rec[3]
+            prev, nxt = rec[7], rec[8]
+        else:
+            charge = ENTRY_BYTES + len(kb) + len(vb)
+            evicted = False
+            while self._live and (self._charged + charge > self.max_bytes
+                                  or (self._max is not None and self._live >= self._max)):
+                self._evict_one()
+                evicted = True
+            if evicted:
                 if (mid, dpath) not in self._dirs:  # eviction emptied (and dropped) it
                     d = self._new_dir(mid, dpath)
                     h = _hash(kb, d) & 0xFFFFFFFF
                 slot, _, _ = self._find(d, kb, h)  # eviction may have left an earlier tombstone
-                r, off = self._new_row(kb, vb)
-                if self._index[slot] == _EMPTY:
-                    self._used += 1
-                self._index[slot] = r
-                self._live += 1
-                self._charged += charge
-                prev, nxt = -1, self._dir_head[d]
-                if nxt >= 0:
-                    _I32.pack_into(self._rows, nxt * _RS + _PREV_AT, r)
-                self._dir_head[d] = r
-                self._dir_count[d] += 1
-            if small:
-                self._big.pop(r, None)
-            else:
-                self._big[r] = size
-            _ROW.pack_into(self._rows, r * _RS, h, off, len(kb), len(vb), d << _FLAG_BITS | flags,
-                           size if small else _BIG, expiry, prev, nxt, mtime)
-            if self._used > _MAX_LOAD * (self._mask + 1):
-                self._rebuild_index()
-            if self._arena_len - self._live_bytes > max(_COMPACT_MIN, self._arena_len >> 1):
-                self._compact_arena()
+            r, off = self._new_row(kb, vb)
+            if self._index[slot] == _EMPTY:
+                self._used += 1
+            self._index[slot] = r
+            self._live += 1
+            self._charged += charge
+            prev, nxt = -1, self._dir_head[d]
+            if nxt >= 0:
+                _I32.pack_into(self._rows, nxt * _RS + _PREV_AT, r)
+            self._dir_head[d] = r
+            self._dir_count[d] += 1
+        if small:
+            self._big.pop(r, None)
+        else:
+            self._big[r] = size
+        _ROW.pack_into(self._rows, r * _RS, h, off, len(kb), len(vb), d << _FLAG_BITS | flags,
+                       size if small else _BIG, expiry, prev, nxt, mtime)
+        if self._used > _MAX_LOAD * (self._mask + 1):
+            self._rebuild_index()
+        if self._arena_len - self._live_bytes > max(_COMPACT_MIN, self._arena_len >> 1):
+            self._compact_arena()
 
     def pop(self, path: CachePath) -> None:
         mid = self._mount_ids.get(path.mount)

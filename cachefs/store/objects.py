@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from cachefs.config import S3_CLIENTS
 from cachefs.errors import CacheFSError, InvalidPathError, StaleObjectError, StoreError, StoreUnavailableError
@@ -27,7 +27,7 @@ from cachefs.paths import CachePath
 from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
 from cachefs.store.health import StoreBreaker
 from cachefs.store.listings import Chunk, ListingCache
-from cachefs.store.meta import ObjectMeta
+from cachefs.store.meta import Listing, ObjectMeta
 from cachefs.store.metatable import MetadataTable
 from cachefs.store.revalidate import Revalidator, parent_of
 from cachefs.store.write import StoreWriter, copy_between, make_dir, open_writer
@@ -142,6 +142,8 @@ class ObjectStore:
         # Called with each object's metadata fresh from the store: the worker drops the pages of
         # any other version it still holds (and with them the handles local clients hold on them).
         self.on_fetched: Callable[[ObjectMeta], None] | None = None
+        # The same for a listing's objects, a chunk of them at a time (else on_fetched, one by one).
+        self.on_listed: Callable[[list[ObjectMeta]], None] | None = None
         # Called when metadata is dropped before it runs out (the object deleted or changed, a
         # path or mount invalidated): with the path, or None for a whole mount.
         # The worker stops vouching for those objects' versions (server/worker/names.py).
@@ -179,6 +181,19 @@ class ObjectStore:
             except Exception:  # never let a listener fail a metadata refresh
                 log.exception("metadata listener failed for %s", path)
         self._meta.put(path, meta)
+
+    def _remember_listed(self, metas: list[ObjectMeta], known_only: bool) -> None:
+        """A listing's objects: the listener hears of each, the table keeps them (``known_only``:
+        those of directories it has entries in), its lock taken once for them all."""
+        try:
+            if self.on_listed is not None:
+                self.on_listed(metas)
+            elif self.on_fetched is not None:
+                for meta in metas:
+                    self.on_fetched(meta)
+        except Exception:  # never let a listener fail a listing
+            log.exception("metadata listener failed for a listing of %d objects", len(metas))
+        self._meta.put_many(metas, known_directories=known_only)
 
     @contextmanager
     def _call(self, path: CachePath, what: str) -> Iterator[None]:
@@ -372,7 +387,7 @@ class ObjectStore:
                 # No paging here, or nothing below the path (a file's own path lists the file itself):
                 # the whole listing, as before.
                 return [m for m in self.list(path, recursive, refresh and not start) if str(m.path) > start], True
-            entries = self._listed(path, found[0], str(resolved.store_path))
+            entries = self._listed(path, found[0], str(resolved.store_path), remember="known")
             if not start and found[1]:
                 self._note_listing(path, recursive, entries)
             return entries, found[1]
@@ -407,30 +422,36 @@ class ObjectStore:
             entries = whole[start:start + limit]
             final = start + limit >= len(whole)
         else:
-            entries = self._listed(path, found[0], str(resolved.store_path), remember=False)
+            entries = self._listed(path, found[0], str(resolved.store_path), remember="")
             final = found[1]
         last = str(entries[-1].path) if entries else after
         return [m for m in entries if not m.is_dir], last, final or not entries
 
-    def _listed(self, path: CachePath, raw: Iterable[dict[str, Any]], below: str = "",
-                remember: bool = True) -> list[ObjectMeta]:
-        """A store's listing entries as metadata (each object's remembered: a listing is a free
-        metadata refresh, which saves one HEAD per object on a cold epoch). ``below``: the
-        listed path's store path, where the entries' names are it, "/" and their rest (the paged
-        listings': their keys found without the store's path parsing, a fifth of a chunk's CPU)."""
+    def _listed(self, path: CachePath, raw: Listing, below: str = "", remember: str = "all") -> list[ObjectMeta]:
+        """A store's listing entries (info dicts, or ``ListedEntry`` tuples) as metadata.
+        ``remember``: "all": each object's metadata is kept (a whole listing is a free metadata
+        refresh: the revalidator lists a directory to refresh many objects at once); "known": only
+        those of directories the metadata table has entries in (a paged listing of a million
+        objects never read would add a million entries, most of its CPU, for reads whose own
+        request brings the metadata anyway); "": none (a load job's). Unless "", the listener
+        hears of every object (the worker drops pages of other versions).
+        ``below``: the listed path's store path, where the entries' names are it, "/" and their
+        rest (the paged listings': their keys found without the store's path parsing)."""
         entries = []
         cut, head = len(below) + 1, f"{path.key}/" if path.key else ""
+        mount = path.mount
         for info in raw:
-            name = info["name"]
+            if type(info) is tuple:
+                name, size, version, mtime, is_dir = info
+            else:
+                name, is_dir = info["name"], info.get("type") == "directory"
+                size = 0 if is_dir else int(info.get("size") or 0)
+                version, mtime = "" if is_dir else version_of(info), _mtime_of(info)
             key = head + name[cut:] if below and name.startswith(below) and name[cut - 1:cut] == "/" \
                 else self.mounts.to_key(path, name)
-            is_dir = info.get("type") == "directory"
-            child = CachePath(path.mount, key)
-            meta = ObjectMeta(child, 0 if is_dir else int(info.get("size") or 0),
-                              "" if is_dir else version_of(info), _mtime_of(info), is_dir)
-            if remember and not is_dir:
-                self._remember(child, meta)
-            entries.append(meta)
+            entries.append(ObjectMeta(CachePath(mount, key), size, version, mtime, is_dir))
+        if remember:
+            self._remember_listed([m for m in entries if not m.is_dir], known_only=remember == "known")
         return entries
 
     def _note_listing(self, path: CachePath, recursive: bool, entries: list[ObjectMeta]) -> None:

@@ -577,6 +577,15 @@ class PageStore:
         index loads behind, True (may be: the caller asks for metadata, not for the bytes)."""
         return self._loading or self.held_pages(mount, key) > 0
 
+    def holding(self, mount: str, keys: list[str]) -> list[str]:
+        """Those of ``keys`` (objects of ``mount``) with any page stored or being written, any
+        version; while the index loads behind, all of them (as ``holds_object``)."""
+        with self._lock:
+            if self._loading:
+                return list(keys)
+            held = self._by_object.get(mount)
+            return [k for k in keys if k in held] if held else []
+
     def held_pages(self, mount: str, key: str) -> int:
         """Pages of the object stored or being written, any version (from memory: no file touched;
         while the index loads behind, those loaded so far)."""

@@ -118,6 +118,7 @@ class Worker:
                                plan_moment=self.plans.moment if config.eviction == "future" else None,
                                degraded_settle_s=config.degraded_settle_s)
         self.objects.on_fetched = self._on_fetched
+        self.objects.on_listed = self._on_listed
         self.objects.on_forgotten = self._on_forgotten
         self.objects.on_request = lambda kind: self.metrics.store_requests.labels(kind).inc()
         self.metrics.watch_page_store(self.pages.stats)
@@ -149,6 +150,23 @@ class Worker:
         """Fresh metadata from the store: handles local clients hold on pages of any other
         version must go. (The pages themselves stay until evicted: a read that began on the
         last version within the stale grace is still served from them.)"""
+        if self.pages.holds_object(meta.path.mount, meta.path.key):
+            self._refreshed(meta)
+
+    def _on_listed(self, metas: list[ObjectMeta]) -> None:
+        """``_on_fetched`` of a listing's objects: only those with pages here need anything (a
+        listing of a million objects asks the page store once a chunk, not once an object)."""
+        if not metas:
+            return
+        held = set(self.pages.holding(metas[0].path.mount, [m.path.key for m in metas]))  # one listing, one mount
+        for meta in metas:
+            if meta.path.key in held:
+                self._refreshed(meta)
+
+    def _refreshed(self, meta: ObjectMeta) -> None:
+        """Fresh metadata of an object with pages here. (With none: no handle to drop, and a name
+        entry left vouching for another version leads a client to page files that do not exist,
+        so it asks the worker.)"""
         if self.name_index is not None:
             self.name_index.refreshed(str(meta.path), meta.version, meta.size, meta.mtime,
                                       time.monotonic() + self.config.metadata_ttl)

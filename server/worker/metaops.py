@@ -68,11 +68,13 @@ class ListingPages:
         size = 0
         end = start
         while end < len(ordered) and end - start < limit:
-            entry = info_message(ordered[end])
-            size += entry.ByteSize() + 4
+            meta = ordered[end]
+            # At least the entry's encoded size: its strings' bytes, and at most 40 for its tags,
+            # lengths, varints and double (cheaper than ByteSize() of each message).
+            size += len(str(meta.path).encode()) + len(meta.version.encode()) + 40
             if size > max_bytes and end > start:
                 break
-            out.append(entry)
+            out.append(info_message(meta))
             end += 1
         return out, (names[end - 1] if end < len(ordered) or not chunk.final else "")
 
