@@ -377,3 +377,28 @@ def test_nothing_is_in_flight_when_the_process_forks(served):
     os.waitpid(pid, 0)
     assert ds.hinter._in_flight == 0 and ds.prefetcher.in_flight_bytes == 0
     assert len(list(ds.read(i) for i in range(3))) == 3  # and the parent goes on reading
+
+
+def test_a_dropped_dataset_is_collected_and_its_threads_end(served):
+    """Nothing a dataset starts keeps it alive: once the training script drops it (a new one per
+    run, a notebook cell run again), its read plan's renewer and its prefetch threads end."""
+    import threading
+    import weakref
+
+    _, opts = served(40)
+
+    def ours() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith(("cachefs-plan-renew", "cachefs-prefetch-"))]
+
+    before = set(ours())
+    refs = []
+    for seed in range(2):
+        ds = _dataset(opts, rank=0, world_size=1, seed=seed)
+        assert ds.plan_report is not None and ds.plan_report.workers == 1  # a plan registered: a renewer runs
+        for i in range(10):
+            ds[i]  # prefetch threads started
+        assert set(ours()) - before
+        refs.append(weakref.ref(ds))
+        del ds
+    assert wait_for(lambda: gc.collect() is not None and all(r() is None for r in refs), timeout=10)
+    assert wait_for(lambda: not set(ours()) - before, timeout=30), [t.name for t in set(ours()) - before]

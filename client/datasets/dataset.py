@@ -227,7 +227,9 @@ class PerProcessParts:
                 report = self._publisher.publish(self._plan_units(), self._plan_order(),
                                                  replay_after=self._plan_replay_length())
             else:  # the workers derive the order: the index once, then O(1) a plan
-                report = self._publisher.publish_derived(self._plan_units, spec, self._plan_order,
+                # Held weakly: the publisher's renewer thread must not keep a dropped dataset alive
+                # (its finalizer closes the publisher).
+                report = self._publisher.publish_derived(_weakly(self._plan_units), spec, _weakly(self._plan_order),
                                                          replay_after=self._plan_replay_length())
         except Exception as exc:  # noqa: BLE001 - advisory: eviction falls back to recency
             log.warning("could not register the read plan with the workers: %s", exc)
@@ -266,6 +268,18 @@ class PerProcessParts:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = self._new_local()
+
+
+def _weakly(method: Callable[[], Any]) -> Callable[[], Any]:
+    """``method`` (bound) called through a weak reference to its object; ReferenceError once it is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the dataset of this read plan is gone")
+        return bound()
+    return call
 
 
 def _close_publisher(publisher: PlanPublisher, fs: CacheFileSystem) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -51,14 +52,15 @@ class _Pool:
             if item is None:
                 return
             future, call = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = call()
-            except BaseException as exc:  # noqa: BLE001 - handed to the reader
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+            item = None  # an idle thread keeps nothing of its last call (it holds the prefetcher)
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = call()
+                except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            future = call = result = None
 
     def submit(self, call: Callable[[], Any]) -> Future:
         future: Future = Future()
@@ -114,6 +116,9 @@ class Prefetcher(forksafe.ForkHook):
             self._pid = forksafe.pid()
         if self._pool is None:
             self._pool = _Pool(self._threads)
+            # The threads hold the pool, never this prefetcher: a dropped dataset's prefetcher is
+            # collected, and its threads end with it.
+            weakref.finalize(self, self._pool.close)
         return self._pool
 
     # -- accounting --------------------------------------------------------------------------------
