@@ -23,8 +23,8 @@ from ``storage_options``; nothing made in the parent is used after a fork or a p
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-import json
 import logging
 import threading
 import time
@@ -46,6 +46,7 @@ from cachefs.client.datasets.plans import PlanPublisher, PlanReport
 from cachefs.client.datasets.prefetch import Prefetcher
 from cachefs.client.datasets.runbuffers import RunBuffers
 from cachefs.client.datasets.liststream import GrowingIndex, Listing, StreamingPlan
+from cachefs.client.datasets.manifests import manifest_index
 from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, open_prefix
 from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex
 from cachefs.client.datasets.sampling import EpochPlan
@@ -427,36 +428,29 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
     @classmethod
     def from_manifest(cls, path_or_url: str, *, storage_options: dict[str, Any] | None = None,
                       **kwargs: Any) -> "CacheDataset":
-        """Paths from a manifest: a JSON list (of paths, or of {"path", "size"}), or one path a line.
+        """Paths from a manifest: a JSON list (of paths, or of {"path", "size"}), JSON lines (one
+        such object or string a line), one path a line, or Parquet (``path`` and ``size``
+        columns); see manifests.py. Sizes not given are looked up.
 
-        A ``cachefs://`` manifest is read through the cache; anything else through fsspec.
-        Lines that are empty or start with ``#`` are skipped. Sizes not given are looked up.
-        The paths end up in the same compact index as ``from_prefix``'s (the constructor builds it).
+        A ``cachefs://`` manifest is read through the cache; anything else through fsspec. A path
+        starting with ``./`` or ``../`` is relative to a ``cachefs://`` manifest's directory. The
+        entries go one by one into the same compact index as ``from_prefix``'s.
         """
         storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
+        resolve = functools.partial(cls._resolve_sizes, storage_options=dict(storage_options or {}))
         if path_or_url.startswith("cachefs://"):
             fs = cls._filesystem(dict(storage_options or {}))
             try:
-                text = fs.cat_file(path_or_url).decode()
+                with fs.open(path_or_url, "rb") as f:
+                    index = manifest_index(path_or_url, f, resolve)
             finally:
                 fs.close()
         else:
             import fsspec
 
-            with fsspec.open(path_or_url, "rt") as f:
-                text = f.read()
-        sizes: list[int] | None = None
-        if text.lstrip().startswith("["):
-            items = json.loads(text)
-            if items and all(isinstance(i, dict) for i in items):
-                paths = [str(i["path"]) for i in items]
-                if all("size" in i for i in items):
-                    sizes = [int(i["size"]) for i in items]
-            else:
-                paths = [str(i) for i in items]
-        else:
-            paths = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-        return cls(paths, sizes=sizes, storage_options=storage_options, **kwargs)
+            with fsspec.open(path_or_url, "rb") as f:
+                index = manifest_index(path_or_url, f, resolve)
+        return cls(index, storage_options=storage_options, **kwargs)
 
     # -- pickling and per-process state ---------------------------------------------------------------
     def _build_parts(self) -> ProcessParts:

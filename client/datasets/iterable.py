@@ -17,12 +17,15 @@ another number of workers or ranks. Each DataLoader worker prefetches its next b
 in bytes) and hints the shards after those to the cache (hints.py), so a cold epoch streams.
 
 A sample is a dict: ``{"__key__": key, "__index__": global sample id, "<field>": uint8 tensor}``
-(WebDataset field names: ``jpg``, ``cls``, ...), passed through ``transform`` if given.
+(WebDataset field names: ``jpg``, ``cls``, ...), passed through ``transform`` if given. MosaicML
+streaming (MDS) and LitData data sets are read the same way from their own ``index.json``
+(foreign.py), their fields being their columns (columns.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -44,7 +47,9 @@ from cachefs.client.datasets.prefetch import Prefetcher
 from cachefs.client.datasets.runbuffers import RunBuffers
 from cachefs.client.datasets.sampling import BlockPlan, known_block
 from cachefs.client.datasets.shardscan import ShardScan
-from cachefs.client.datasets.shards import FORMATS, ShardIndex, index_to_json
+from cachefs.client.datasets.columns import Columns, columns_for
+from cachefs.client.datasets.foreign import FOREIGN_FORMATS, flavour, foreign_table
+from cachefs.client.datasets.shards import FORMATS, ShardFormatError, ShardIndex, index_to_json
 from cachefs.client.datasets.shardtable import ShardTable, ShardView, table_from_json
 
 log = logging.getLogger(__name__)
@@ -68,20 +73,27 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, prefetch_bytes: int = 64 * MiB, prefetch_blocks: int = 8,
                  prefetch_threads: int = 1, hint_shards: int = 2, timeout: float = 300.0,
-                 plan_ahead: bool = True, stats: bool = True, first_epoch_in_order: bool | None = None) -> None:
+                 plan_ahead: bool = True, stats: bool = True, first_epoch_in_order: bool | None = None,
+                 decode: bool = False) -> None:
         """``prefetch_threads``: threads reading this process's next blocks; one keeps a block in
         flight while the worker fetches whole shards ahead by the plan, and a second competed with
         the reading thread for the two cores measured here (warm 43 against 78 us a sample, cold
         1,734-1,842 against 1,549-1,623 samples/s; docs/performance.md).
         ``first_epoch_in_order``: epoch 0 reads the shards in file order (blocks shuffled within),
         as it must while they are indexed on the way; the default for shards without an index file
-        (``from_prefix``), so that every rank deals the same order whether its host kept an index."""
+        (``from_prefix``), so that every rank deals the same order whether its host kept an index.
+        ``decode``: MDS and LitData columns of plain data (numbers, text, JSON, numpy) as values,
+        not bytes (columns.py); never unpickles."""
+        self.decode = bool(decode)
+        self._columns: Columns | None = None  # a foreign sample's column splitter (_set_shards)
         # Shards still being indexed (from_prefix without an index: shardscan.py): the first epoch
         # reads them in file order as they become known; what needs all of them waits.
         self._scan = shards if isinstance(shards, ShardScan) else None
         # Every sample's key and fields in arrays of one shared buffer (shardtable.py), not objects.
         self._shards: Any = [] if self._scan is not None else ShardTable.from_shards(shards)  # type: ignore[arg-type]
         self._first_in_order = self._scan is not None if first_epoch_in_order is None else bool(first_epoch_in_order)
+        if self._scan is not None:
+            columns_for("tar", {}, self.decode)  # shards scanned are tar: decode=True is refused
         if self._scan is not None and not self._first_in_order:
             raise ValueError("shards indexed on the way are read in file order in the first epoch")
         if self._scan is None and not self._shards:
@@ -113,6 +125,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     # -- shards, and the plan over them ---------------------------------------------------------------
     def _set_shards(self, shards: Sequence[ShardIndex] | ShardTable, ordered: bool) -> None:
         self._shards = ShardTable.from_shards(shards)
+        self._columns = columns_for(self._shards.format, self._shards.meta, self.decode)
         self.counts = tuple(self._shards.counts.tolist())
         self._starts = self._shards.starts
         self._index = (self._shards, self._starts)
@@ -179,22 +192,42 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     @classmethod
     def from_index(cls, url: str, *, storage_options: dict[str, Any] | None = None, **kwargs: Any
                    ) -> "CacheIterableDataset":
-        """Shards and samples from an index file (``index.json`` as ``write_tar_shards`` writes)."""
+        """Shards and samples from an index file: ``index.json`` as ``write_tar_shards`` writes,
+        or as MosaicML streaming (MDS shards) or LitData (pytree chunks) write theirs (foreign.py)."""
         storage_options, kwargs = split_storage_options(storage_options, kwargs, own=cls.__init__)
+        return cls(cls._index_table(url, storage_options), storage_options=storage_options, **kwargs)
+
+    @classmethod
+    def _index_table(cls, url: str, storage_options: dict[str, Any] | None,
+                     listing: dict[str, Any] | None = None) -> ShardTable:
+        """The table of index file ``url``; ``listing``: ``find(detail=True)`` of the directory
+        (taken here for a foreign index, whose shards' sizes are checked against it)."""
+        base = url.rsplit("/", 1)[0]
         fs = cls._filesystem(dict(storage_options or {}))
         try:
             text = fs.cat_file(url)
+            try:
+                doc = json.loads(text)
+                kind = flavour(doc)
+            except ValueError as exc:
+                raise ValueError(f"{url}: {exc}") from None
+            if kind not in FOREIGN_FORMATS:
+                del text
+                return table_from_json(doc, base=base)
+            if listing is None:
+                listing = fs.find(base, detail=True)
+            sizes = {name: int(info["size"]) for name, info in listing.items()}
+            return foreign_table(doc, url, base, lambda path, off, n: fs.cat_file(path, off, off + n), sizes)
         finally:
             fs.close()
-        shards = table_from_json(text, base=url.rsplit("/", 1)[0])
-        return cls(shards, storage_options=storage_options, **kwargs)
 
     @classmethod
     def from_prefix(cls, url: str, *, storage_options: dict[str, Any] | None = None, format: str = "tar",
                     index: str | None = "index.json", index_cache: str | None = None,
                     **kwargs: Any) -> "CacheIterableDataset":
-        """The shards below ``url``: from its ``index`` file when there is one, else by scanning
-        every ``*.<format>`` object once (read through the cache, several shards at a time).
+        """The shards below ``url``: from its ``index`` file when there is one (cachefs's, or a
+        MosaicML streaming or LitData ``index.json``: foreign.py), else by scanning every
+        ``*.<format>`` object once (read through the cache, several shards at a time).
 
         A scanned index is kept in ``index_cache`` (default: ``$CACHEFS_INDEX_CACHE``, else
         ``~/.cache/cachefs/shard-index``; ``""``: not kept) under the shards' paths, sizes and
@@ -208,7 +241,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         base = url.rstrip("/")
         names = {name.rsplit("/", 1)[-1]: name for name in entries}
         if index and index in names:
-            return cls.from_index(f"cachefs://{names[index]}", storage_options=storage_options, **kwargs)
+            table = cls._index_table(f"cachefs://{names[index]}", storage_options, entries)
+            return cls(table, storage_options=storage_options, **kwargs)
         listed = sorted((f"cachefs://{n}", int(i["size"]), str(i.get("version") or "")) for n, i in entries.items()
                         if n.endswith("." + format) and i.get("type", "file") == "file")
         if not listed:
@@ -236,6 +270,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
 
     def index_json(self, base: str = "") -> str:
         """This dataset's index, to save (e.g. beside the shards) so the next start needs no scan."""
+        if self.shards.format in FOREIGN_FORMATS:  # its columns are in its own index, not in cachefs's
+            raise ValueError(f"a {self.shards.format} data set's index is the one its writer wrote")
         return index_to_json(self.shards, base)
 
     # -- pickling and per-process state ---------------------------------------------------------------
@@ -328,7 +364,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
 
     @staticmethod
     def _samples_of(ids: list[int], shards: Any, where: list[tuple[int, int]], lo: np.ndarray,
-                    buffers: dict[int, list[tuple[int, torch.Tensor]]]) -> list[dict[str, Any]]:
+                    buffers: dict[int, list[tuple[int, torch.Tensor]]],
+                    columns: Columns | None = None) -> list[dict[str, Any]]:
         out = []
         if isinstance(shards, ShardTable):  # by global id, the block's columns at once
             entries = shards.entries(ids)
@@ -339,7 +376,14 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             base, run = next((s, t) for s, t in buffers[shard] if s <= start < s + max(1, len(t)))
             item: dict[str, Any] = {"__key__": key, "__index__": sample}
             for name, offset, size in fields:
-                item[name] = run[offset - base:offset - base + size]
+                if columns is not None:  # MDS, LitData: one field, the whole sample (foreign.py)
+                    try:
+                        item.update(columns.split(run[offset - base:offset - base + size],
+                                                  lambda: f"shard {shards[shard].path!r}, sample {i}"))
+                    except ShardFormatError as exc:
+                        raise SampleReadError(str(exc)) from exc
+                else:
+                    item[name] = run[offset - base:offset - base + size]
             out.append(item)
         return out
 
@@ -362,7 +406,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                 raise SampleReadError(f"shard {shards[shard].path!r} is shorter than its index says: "
                                       f"{got} of {end - start} bytes at {start}")
             buffers.setdefault(shard, []).append((start, run))
-        return self._samples_of(ids, shards, where, lo, buffers)
+        return self._samples_of(ids, shards, where, lo, buffers, self._columns)
 
     def _read_block_here(self, parts: ProcessParts, j: int) -> list[dict[str, Any]] | None:
         """Block ``j`` read in this thread from page files of a worker on this host (descriptors
@@ -394,7 +438,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
             if one is None or one[0] != end - start:
                 return None
             buffers.setdefault(shard, []).append((start, run))
-        return self._samples_of(ids, shards, where, lo, buffers)
+        return self._samples_of(ids, shards, where, lo, buffers, self._columns)
 
     def _hint_after(self, blocks: range, k: int) -> None:
         """Hint the shards of this worker's blocks after the prefetch window (once each per epoch)."""

@@ -18,7 +18,8 @@ shared memory), or the kept file itself, mapped (indexcache.py): forked DataLoad
 its pages, spawned ones map the same memory (the pickle carries ``/proc/<pid>/fd/<fd>``).
 
 Format (also the kept file's): ``magic | u64 header length | JSON header | sections``; the header
-names each section's dtype, count and offset (8-aligned). Loading checks the magic, the format,
+names each section's dtype, count and offset (8-aligned), and for a format other than tar its
+``meta`` (an MDS or LitData data set's columns: foreign.py). Loading checks the magic, the format,
 that every section lies within the buffer and the counts agree; it reads no section in full
 (a map's pages load as they are read), so a file damaged inside a section is not caught there:
 a read of a sample it misplaces fails (short or wrong bytes), as with a wrong ``index.json``.
@@ -92,6 +93,8 @@ class ShardTable(SharedBuffer, Sequence["ShardView"]):
             sections = header["sections"]
             self.names: list[str] = [str(n) for n in header["names"]]
             self.format: str = str(header.get("fmt", "tar"))
+            # what a format other than tar needs to read its samples' bytes (foreign.py: columns)
+            self.meta: dict[str, Any] = dict(header.get("meta") or {})
         except ShardTableError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -365,18 +368,19 @@ class TableBuilder:
         self._shard_size.append(int(size))
         self._shard_at.append(self._shard_at[-1] + n)
 
-    def finish(self, fmt: str = "tar", shared: bool = True) -> ShardTable:
+    def finish(self, fmt: str = "tar", shared: bool = True, meta: dict[str, Any] | None = None) -> ShardTable:
         def arr(a: array) -> np.ndarray:
             return np.frombuffer(a, dtype=np.int64) if a.itemsize == 8 else np.asarray(a, dtype=np.int64)
         names = sorted(self._names, key=self._names.__getitem__)
         return build_table(names, bytes(self._paths), arr(self._path_at), arr(self._shard_size), arr(self._shard_at),
                            bytes(self._keys), arr(self._key_at), arr(self._field_at), arr(self._name),
-                           arr(self._off), arr(self._size), fmt, shared)
+                           arr(self._off), arr(self._size), fmt, shared, meta)
 
 
 def build_table(names: Sequence[str], paths: bytes, path_at: np.ndarray, shard_size: np.ndarray,
                 shard_at: np.ndarray, keys: Any, key_at: np.ndarray, field_at: np.ndarray, name: np.ndarray,
-                off: np.ndarray, size: np.ndarray, fmt: str = "tar", shared: bool = True) -> ShardTable:
+                off: np.ndarray, size: np.ndarray, fmt: str = "tar", shared: bool = True,
+                meta: dict[str, Any] | None = None) -> ShardTable:
     """A table from its columns (see the module doc), in one buffer: a sealed memfd when large
     and ``shared``, else a bytearray (pickled as bytes)."""
     S, N, F = len(shard_size), len(key_at) - 1, len(off)
@@ -412,7 +416,8 @@ def build_table(names: Sequence[str], paths: bytes, path_at: np.ndarray, shard_s
         sections = {k: [dt, n, pos + base] for k, (dt, n, pos) in layout.items()}
         return json.dumps({"format": FORMAT, "version": INDEX_VERSION, "fmt": fmt, "shards": S, "samples": N,
                            "fields": F, "path_bytes": len(paths), "key_bytes": len(keys), "names": list(names),
-                           "sections": sections}, separators=(",", ":")).encode()
+                           "sections": sections, **({"meta": meta} if meta else {})},
+                          separators=(",", ":")).encode()
     base = 16
     while True:  # the offsets' digits are part of the header they follow: settle its length
         header = header_at(base)
@@ -447,9 +452,10 @@ def one_shard(shard: ShardIndex | ShardView) -> ShardView:
     return builder.finish(shared=False)[0]
 
 
-def table_from_json(text: str | bytes, base: str = "", shared: bool = True) -> ShardTable:
-    """A table straight from an index document (``index.json``): no ``SampleSpan`` per sample."""
-    doc = json.loads(text)
+def table_from_json(text: str | bytes | dict[str, Any], base: str = "", shared: bool = True) -> ShardTable:
+    """A table straight from an index document (``index.json``, or it parsed): no ``SampleSpan``
+    per sample."""
+    doc = text if isinstance(text, dict) else json.loads(text)
     if not isinstance(doc, dict) or doc.get("version") != INDEX_VERSION:
         raise ValueError(f"not a cachefs shard index (version {INDEX_VERSION})")
     prefix = base.rstrip("/") + "/" if base else ""
