@@ -262,6 +262,23 @@ def test_a_malformed_index_is_refused_naming_it(foreign, local_store, doc, words
 
 
 # -- the parts alone -------------------------------------------------------------------------------
+def test_the_table_is_the_one_the_tar_builder_makes():
+    from cachefs.client.datasets.foreign import SAMPLE, _table
+    from cachefs.client.datasets.shardtable import TableBuilder
+
+    rng = np.random.default_rng(4)
+    shards = [(f"d\u00e9/s{k}.mds", n, 0) for k, n in enumerate([0, 1, 12, 130])]
+    offsets = [np.cumsum(np.concatenate([[40], rng.integers(0, 90, n)])) for _, n, _ in shards]
+    shards = [(name, n, int(o[-1])) for (name, n, _), o in zip(shards, offsets)]
+    paths = [f"cachefs://data/{name}" for name, _, _ in shards]
+    table = _table("mds", {"columns": ["a"]}, paths, shards, offsets)
+    want = TableBuilder()
+    for path, (name, n, size), o in zip(paths, shards, offsets):
+        want.add_shard(path, size, [(f"{name}/{i}", [(SAMPLE, int(o[i]), int(o[i + 1] - o[i]))]) for i in range(n)])
+    assert table == want.finish("mds") and table.meta == {"columns": ["a"]} and table.format == "mds"
+    assert table.key(table.n_samples - 1) == "d\u00e9/s3.mds/129"
+
+
 def test_flavour_and_leaf_keys():
     root = FOREIGN / "litdata" / "index.json"
     doc = json.loads(root.read_text())

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from cachefs.client.datasets.shards import INDEX_VERSION, ShardFormatError
-from cachefs.client.datasets.shardtable import ShardTable, TableBuilder
+from cachefs.client.datasets.shardtable import ShardTable, build_table
 
 __all__ = ["flavour", "foreign_table", "SAMPLE", "FOREIGN_FORMATS"]
 
@@ -80,13 +80,30 @@ def foreign_table(doc: dict[str, Any], where: str, base: str, read: ReadRange,
 
     with ThreadPoolExecutor(max(1, min(threads, len(shards)))) as pool:
         offsets = list(pool.map(header, range(len(shards))))
-    builder = TableBuilder()
-    for path, (name, n, size), off in zip(paths, shards, offsets):
-        starts, lengths = off[:-1].tolist(), np.diff(off).tolist()
-        builder.add_shard(path, size, ((f"{name}/{i}", ((SAMPLE, o, z),))
-                                       for i, (o, z) in enumerate(zip(starts, lengths))))
     del meta["min_sample"]
-    return builder.finish(kind, meta=meta)
+    return _table(kind, meta, paths, shards, offsets)
+
+
+def _table(kind: str, meta: dict[str, Any], paths: list[str], shards: list[tuple[str, int, int]],
+           offsets: list[np.ndarray]) -> ShardTable:
+    """The table's columns made a shard at a time with numpy, not a tuple per sample (the tar
+    builder's way): one field a sample, keyed ``<shard file>/<i>``."""
+    empty = np.zeros(0, np.int64)
+    counts = np.array([len(o) - 1 for o in offsets], dtype=np.int64)
+    n_samples = int(counts.sum())
+    off = np.concatenate([o[:-1] for o in offsets]) if offsets else empty
+    size = np.concatenate([np.diff(o) for o in offsets]) if offsets else empty
+    key_len, keys = [], []
+    for (name, _, _), count in zip(shards, counts.tolist()):
+        prefix, numbers = f"{name}/", list(map(str, range(count)))
+        keys.append(prefix.join(["", *numbers]).encode("utf-8", "surrogateescape"))  # name/0name/1...
+        key_len.append(len(prefix.encode("utf-8", "surrogateescape")) + np.fromiter(map(len, numbers), np.int64, count))
+    blobs = [p.encode("utf-8", "surrogateescape") for p in paths]
+    cum = lambda a: np.concatenate([[0], np.cumsum(a, dtype=np.int64)])  # noqa: E731
+    return build_table([SAMPLE], b"".join(blobs), cum([len(b) for b in blobs]),
+                       np.array([size for _, _, size in shards], dtype=np.int64), cum(counts), b"".join(keys),
+                       cum(np.concatenate(key_len) if key_len else empty), np.arange(n_samples + 1, dtype=np.int64),
+                       np.zeros(n_samples, np.int64), off, size, kind, True, meta)
 
 
 def _offsets(path: str, read: ReadRange, n: int, size: int, min_sample: int, exact_header: bool) -> np.ndarray:
