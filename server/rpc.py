@@ -88,7 +88,10 @@ def rpc(method: str, streaming: bool = False, timed: bool = True) -> Callable:
 
 def info_message(meta: ObjectMeta) -> common_pb2.ObjectInfo:
     """The wire form of one object or directory."""
-    return common_pb2.ObjectInfo(
-        path=str(meta.path), size=meta.size, version=meta.version, mtime=meta.mtime,
-        type=common_pb2.DIRECTORY if meta.is_dir else common_pb2.FILE,
-    )
+    return info_of(str(meta.path), meta.size, meta.version, meta.mtime, meta.is_dir)
+
+
+def info_of(name: str, size: int, version: str, mtime: float, is_dir: bool) -> common_pb2.ObjectInfo:
+    """``info_message`` from the fields (a listing's page: no ObjectMeta made for each entry)."""
+    return common_pb2.ObjectInfo(path=name, size=size, version=version, mtime=mtime,
+                                 type=common_pb2.DIRECTORY if is_dir else common_pb2.FILE)

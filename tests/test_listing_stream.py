@@ -356,3 +356,45 @@ def test_a_store_that_cannot_page_is_listed_whole_once(local_store, monkeypatch)
         if not after:
             break
     assert names == sorted(f"data/{key}" for key in TRICKY) and requests == ["list"]
+
+
+def test_a_chunk_holds_its_entries_as_columns_and_gives_them_back_exactly():
+    """A chunk keeps its entries as columns (listed.py): every field comes back as given (ETags,
+    derived versions, directories, names no codec validated), sorted by name, in tens of bytes
+    an entry rather than an ObjectMeta's few hundred."""
+    from cachefs.store.listed import ListedEntries
+
+    metas = [ObjectMeta(CachePath("m", f"train/{i // 100:03d}/{i:07d}.jpg"), 4096 + i, f"{4096 + i}-{1.7e9 + i / 8!r}",
+                        1.7e9 + i / 8) for i in range(1000)]
+    odd = [ObjectMeta(CachePath("m", "b/etag"), 7, "0123456789abcdef0123456789abcdef", 5.5),
+           ObjectMeta(CachePath("m", "a/dir"), 0, "", 0.0, True),
+           ObjectMeta(CachePath("m", "c/\udcff-undecodable"), 1, "v\u00e9rsion", 1.25),
+           ObjectMeta(CachePath("m", ""), 0, "", 0.0, True)]
+    chunk = Chunk("", list(reversed(metas)) + odd, False)
+    want = sorted(metas + odd, key=lambda m: str(m.path))
+    assert list(chunk.entries) == want and chunk.entries == want
+    assert list(chunk.names) == [str(m.path) for m in want] and chunk.last == str(want[-1].path)
+    assert chunk.entries[-1] == want[-1] and chunk.entries[10:13] == want[10:13]
+    assert chunk.covers(str(want[0].path)) and not chunk.covers(chunk.last)
+    per_entry = (chunk.size - 400) / len(want)
+    assert per_entry < 60, per_entry  # 24-byte keys, derived versions: ~49 B an entry
+    entries = ListedEntries("m")
+    entries.add("z", 1, None, 2.5, False)  # None: derived from size and mtime, as a local walk gives
+    assert entries[0].version == "1-2.5"
+    with pytest.raises(IndexError):
+        entries[1]
+
+
+def test_a_local_directory_listed_a_page_at_a_time_says_which_entries_are_directories(local_store, make_worker):
+    """``ls`` of a local directory (not recursive) pages through the walk too: its directories
+    must come back as directories (size 0, no version), its files with their own size and the
+    version a read checks (``cp -r`` descends only into what ``ls`` calls a directory)."""
+    local_store.add("l/sub/deeper/f", b"abc")
+    local_store.add("l/file", b"12345")
+    worker = make_worker(local_store.mount)
+    chunk = worker.objects.list_chunk(CachePath("data", "l"), False, "")
+    got = {str(m.path): (m.is_dir, m.size, m.version) for m in chunk.entries}
+    file_info = worker.objects.info(CachePath("data", "l/file"), refresh=True)
+    assert got == {"data/l/file": (False, 5, file_info.version), "data/l/sub": (True, 0, "")}
+    fs = client(worker.address)
+    assert fs.isdir("data/l/sub") and fs.ls("data/l/sub", detail=False) == ["data/l/sub/deeper"]

@@ -24,12 +24,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+from cachefs.store.listed import ListedEntries, Names
 from cachefs.store.meta import ObjectMeta
 
-#: Bytes one listed entry holds beyond its name's length twice (the key, and the name a page is
-#: found by): its ObjectMeta, CachePath, version and list slots (tracemalloc: ~390 in all at
-#: 35-character names).
-ENTRY_BYTES = 320
 CHUNK_BYTES = 400  # a chunk's own objects, so that many empty listings count too
 #: How long a lister waits for another's fetch of the same chunk before asking the store itself.
 JOIN_SECONDS = 120.0
@@ -37,28 +34,27 @@ JOIN_SECONDS = 120.0
 #: Chunks fetched ahead at once (in all listings of a store).
 AHEAD_THREADS = 2
 
-Fetch = Callable[[str], "tuple[list[ObjectMeta], bool]"]  # after -> (entries, final)
+Fetch = Callable[[str], "tuple[ListedEntries | list[ObjectMeta], bool]"]  # after -> (entries, final)
 
 
 @dataclass
 class Chunk:
-    """Entries of one listing whose names (``str(path)``) sort in ``(after, last]``."""
+    """Entries of one listing whose names (``str(path)``) sort in ``(after, last]``, held as
+    columns (listed.py); a list of ``ObjectMeta`` given is sorted and taken into them."""
 
     after: str
-    entries: list[ObjectMeta]
+    entries: ListedEntries
     final: bool
     expires: float = 0.0
-    names: list[str] = field(default_factory=list)
+    names: Names = field(init=False)
     size: int = 0
 
     def __post_init__(self) -> None:
-        names = [str(m.path) for m in self.entries]
-        if any(a > b for a, b in zip(names, names[1:])):  # a paged walk gives them sorted already
-            order = sorted(range(len(names)), key=names.__getitem__)
-            self.entries = [self.entries[i] for i in order]
-            names = [names[i] for i in order]
-        self.names = names
-        self.size = CHUNK_BYTES + len(names) * ENTRY_BYTES + 2 * sum(map(len, names))
+        if not isinstance(self.entries, ListedEntries):
+            metas = list(self.entries)
+            self.entries = ListedEntries.of(metas[0].path.mount if metas else "", metas)
+        self.names = self.entries.names
+        self.size = CHUNK_BYTES + self.entries.nbytes
 
     @property
     def last(self) -> str:
@@ -176,13 +172,13 @@ class ListingCache:
                     self._dropped.pop(key, None)
         return chunk
 
-    def whole(self, key: Hashable) -> list[ObjectMeta] | None:
+    def whole(self, key: Hashable) -> ListedEntries | None:
         """A fresh whole listing kept for ``key`` (one final chunk from ""), or None."""
         with self._lock:
             found = self._covering(key, "")
             return found.entries if found is not None and found.final and not found.after else None
 
-    def put_whole(self, key: Hashable, entries: list[ObjectMeta]) -> Chunk:
+    def put_whole(self, key: Hashable, entries: ListedEntries | list[ObjectMeta]) -> Chunk:
         """Keep a whole listing: it replaces every chunk kept of ``key`` (it is newer than them)."""
         chunk = Chunk("", entries, True, self._clock() + self.ttl)
         with self._lock:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from cachefs.store.beneath import LocalStorePath, _entry_info, _open_dir, local_version, stat_beneath
+from cachefs.store.beneath import LocalStorePath, _entry_info, _open_dir, stat_beneath
 from cachefs.store.meta import Listing
 
 #: Directories with more entries than this keep their sorted names between chunks (a chunk of
@@ -110,15 +110,18 @@ def _walk_after(dir_fd: int, base: str, rel: str, after: str, limit: int, recurs
             continue
         if recursive and stat.S_ISDIR(st.st_mode):
             continue  # a file swapped for a directory meanwhile: a recursive listing has no directories
-        out.append((f"{base}/{name}", st.st_size, local_version(st), st.st_mtime, False))
+        if stat.S_ISDIR(st.st_mode):  # a directory of a listing that is not recursive
+            out.append((f"{base}/{name}", 0, "", st.st_mtime, True))
+        else:
+            out.append((f"{base}/{name}", st.st_size, None, st.st_mtime, False))  # version: local_version(st)
     return True
 
 
 def page_after(path: LocalStorePath, recursive: bool, after: str, limit: int) -> tuple[Listing, bool]:
     """Up to ``limit`` entries of ``list_beneath`` (``find_beneath`` if ``recursive``) whose keys
     below ``path`` sort after ``after`` ("": from the first), in key order, and whether they are
-    the last ones. Files come as ``ListedEntry`` tuples (their version as the local backend makes
-    it: size and mtime), not info dicts: no dict per entry, none read back field by field."""
+    the last ones. Files come as ``ListedEntry`` tuples (their version None: derived from size and
+    mtime, as the local backend's), not info dicts: no dict per entry, none read back field by field."""
     try:
         fd = _open_dir(path)
     except FileNotFoundError:

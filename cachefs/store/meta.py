@@ -23,6 +23,8 @@ class ObjectMeta:
 
 #: A listing entry as a store that makes them itself gives it (the local walk, localpages.py):
 #: (store name, size, version, mtime, is_dir), where fsspec stores give an info dict to be read
-#: field by field (backends.version_of). A plain tuple: a million are made per million-object listing.
-ListedEntry = tuple[str, int, str, float, bool]
+#: field by field (backends.version_of). A version of None: the one derived from size and mtime
+#: (a local store's, ``f"{size}-{mtime!r}"``). A plain tuple: a million are made per
+#: million-object listing.
+ListedEntry = tuple[str, int, Union[str, None], float, bool]
 Listing = list[Union[ListedEntry, dict]]

@@ -282,15 +282,10 @@ class MetadataTable:
         with self._lock:
             self._put_locked(path.mount, *item)
 
-    def put_many(self, metas: list[ObjectMeta], known_directories: bool = False) -> None:
-        """``put(m.path, m)`` of each, the lock taken once: a listing's thousand entries at a time.
-        ``known_directories``: only entries of directories the table has entries in (a listing
-        refreshes what was asked about before, and adds nothing of a directory never read)."""
+    def put_many(self, metas: list[ObjectMeta]) -> None:
+        """``put(m.path, m)`` of each, the lock taken once: a listing's thousand entries at a time."""
         if not self._keeps():
             return
-        if known_directories:
-            dirs, mids = self._dirs, self._mount_ids
-            metas = [m for m in metas if (mids.get(m.path.mount), _split(m.path.key)[0]) in dirs]
         items, too_long = [], []
         for meta in metas:
             item = self._prepared(meta.path, meta)
@@ -303,6 +298,10 @@ class MetadataTable:
                 self._put_locked(*item)
         for path in too_long:
             self.pop(path)
+
+    def knows_directory(self, mount: str, key: str) -> bool:
+        """Whether the table has entries in the directory of ``key`` (no lock: one dict lookup)."""
+        return (self._mount_ids.get(mount), _split(key)[0]) in self._dirs
 
     def _keeps(self) -> bool:
         return not (self.ttl <= 0 or self.max_bytes <= 0 or (self._max is not None and self._max <= 0))

@@ -26,6 +26,7 @@ from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
 from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
 from cachefs.store.health import StoreBreaker
+from cachefs.store.listed import ListedEntries
 from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import Listing, ObjectMeta
 from cachefs.store.metatable import MetadataTable
@@ -142,8 +143,9 @@ class ObjectStore:
         # Called with each object's metadata fresh from the store: the worker drops the pages of
         # any other version it still holds (and with them the handles local clients hold on them).
         self.on_fetched: Callable[[ObjectMeta], None] | None = None
-        # The same for a listing's objects, a chunk of them at a time (else on_fetched, one by one).
-        self.on_listed: Callable[[list[ObjectMeta]], None] | None = None
+        # The same for a listing's objects, a chunk at a time (the entries, and the keys of those
+        # that are objects; else on_fetched, one by one).
+        self.on_listed: Callable[[ListedEntries, list[str]], None] | None = None
         # Called when metadata is dropped before it runs out (the object deleted or changed, a
         # path or mount invalidated): with the path, or None for a whole mount.
         # The worker stops vouching for those objects' versions (server/worker/names.py).
@@ -182,18 +184,28 @@ class ObjectStore:
                 log.exception("metadata listener failed for %s", path)
         self._meta.put(path, meta)
 
-    def _remember_listed(self, metas: list[ObjectMeta], known_only: bool) -> None:
-        """A listing's objects: the listener hears of each, the table keeps them (``known_only``:
-        those of directories it has entries in), its lock taken once for them all."""
+    def _remember_listed(self, entries: ListedEntries, keys: list[str], known_only: bool) -> None:
+        """A listing's objects (``keys``: their keys): the listener hears of them, the table keeps
+        them (``known_only``: those of directories it has entries in), its lock taken once."""
+        objects = [i for i, key in enumerate(keys) if not entries.is_dir(i)]
         try:
             if self.on_listed is not None:
-                self.on_listed(metas)
+                self.on_listed(entries, [keys[i] for i in objects])
             elif self.on_fetched is not None:
-                for meta in metas:
-                    self.on_fetched(meta)
+                for i in objects:
+                    self.on_fetched(entries[i])
         except Exception:  # never let a listener fail a listing
-            log.exception("metadata listener failed for a listing of %d objects", len(metas))
-        self._meta.put_many(metas, known_directories=known_only)
+            log.exception("metadata listener failed for a listing of %d objects", len(objects))
+        if known_only:  # asked once a directory (a listing's entries come directory by directory)
+            known, last_dir, last_known = [], None, False
+            for i in objects:
+                directory = keys[i].rpartition("/")[0]
+                if directory != last_dir:
+                    last_dir, last_known = directory, self._meta.knows_directory(entries.mount, keys[i])
+                if last_known:
+                    known.append(i)
+            objects = known
+        self._meta.put_many([entries[i] for i in objects])
 
     @contextmanager
     def _call(self, path: CachePath, what: str) -> Iterator[None]:
@@ -337,8 +349,9 @@ class ObjectStore:
             head = None  # not what we asked for: fetch normally
         return meta, head
 
-    def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> list[ObjectMeta]:
-        """The whole listing of ``path``, sorted by key (kept for ``list_ttl``)."""
+    def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> Sequence[ObjectMeta]:
+        """The whole listing of ``path``, sorted by key (kept for ``list_ttl``; a sequence whose
+        items are made when taken: listed.py)."""
         cache_key = (path, recursive)
         if not refresh:
             cached = self._lists.whole(cache_key)
@@ -374,7 +387,7 @@ class ObjectStore:
                 return Chunk(after, [], True)
             after = ""
 
-        def fetch(start: str) -> tuple[list[ObjectMeta], bool]:
+        def fetch(start: str) -> tuple[ListedEntries | list[ObjectMeta], bool]:
             try:
                 with self._call(path, "listing"):
                     found = self._backend(resolved).list_after(resolved.fs, resolved.store_path, recursive,
@@ -427,8 +440,9 @@ class ObjectStore:
         last = str(entries[-1].path) if entries else after
         return [m for m in entries if not m.is_dir], last, final or not entries
 
-    def _listed(self, path: CachePath, raw: Listing, below: str = "", remember: str = "all") -> list[ObjectMeta]:
-        """A store's listing entries (info dicts, or ``ListedEntry`` tuples) as metadata.
+    def _listed(self, path: CachePath, raw: Listing, below: str = "", remember: str = "all") -> ListedEntries:
+        """A store's listing entries (info dicts, or ``ListedEntry`` tuples) as columns (listed.py),
+        in name order.
         ``remember``: "all": each object's metadata is kept (a whole listing is a free metadata
         refresh: the revalidator lists a directory to refresh many objects at once); "known": only
         those of directories the metadata table has entries in (a paged listing of a million
@@ -437,9 +451,9 @@ class ObjectStore:
         hears of every object (the worker drops pages of other versions).
         ``below``: the listed path's store path, where the entries' names are it, "/" and their
         rest (the paged listings': their keys found without the store's path parsing)."""
-        entries = []
+        entries = ListedEntries(path.mount)
+        keys: list[str] = []
         cut, head = len(below) + 1, f"{path.key}/" if path.key else ""
-        mount = path.mount
         for info in raw:
             if type(info) is tuple:
                 name, size, version, mtime, is_dir = info
@@ -449,12 +463,16 @@ class ObjectStore:
                 version, mtime = "" if is_dir else version_of(info), _mtime_of(info)
             key = head + name[cut:] if below and name.startswith(below) and name[cut - 1:cut] == "/" \
                 else self.mounts.to_key(path, name)
-            entries.append(ObjectMeta(CachePath(mount, key), size, version, mtime, is_dir))
+            entries.add(key, size, version, mtime, is_dir)
+            keys.append(key)
+        if any(a > b for a, b in zip(keys, keys[1:])):  # a paged walk gives them in order already
+            entries = entries.sorted()
+            keys = entries.keys()
         if remember:
-            self._remember_listed([m for m in entries if not m.is_dir], known_only=remember == "known")
+            self._remember_listed(entries, keys, known_only=remember == "known")
         return entries
 
-    def _note_listing(self, path: CachePath, recursive: bool, entries: list[ObjectMeta]) -> None:
+    def _note_listing(self, path: CachePath, recursive: bool, entries: Sequence[ObjectMeta]) -> None:
         """How large each directory of a whole listing is: whether a listing can refresh it (revalidate.py)."""
         per_dir: dict[CachePath, int] = {} if recursive else {path: 0}
         for meta in entries:

@@ -29,6 +29,7 @@ from cachefs.server.worker.heap import keep_freed_memory
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.lifecycle import liveness, serve_until_signalled
 from cachefs.server.rpc import server_interceptors
+from cachefs.store.listed import ListedEntries
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
@@ -153,15 +154,14 @@ class Worker:
         if self.pages.holds_object(meta.path.mount, meta.path.key):
             self._refreshed(meta)
 
-    def _on_listed(self, metas: list[ObjectMeta]) -> None:
-        """``_on_fetched`` of a listing's objects: only those with pages here need anything (a
-        listing of a million objects asks the page store once a chunk, not once an object)."""
-        if not metas:
-            return
-        held = set(self.pages.holding(metas[0].path.mount, [m.path.key for m in metas]))  # one listing, one mount
-        for meta in metas:
-            if meta.path.key in held:
-                self._refreshed(meta)
+    def _on_listed(self, entries: ListedEntries, keys: list[str]) -> None:
+        """``_on_fetched`` of a listing's objects (``keys``): only those with pages here need
+        anything (a listing of a million objects asks the page store once a chunk, not once an
+        object, and makes metadata objects only for those)."""
+        held = set(self.pages.holding(entries.mount, keys))
+        for i in range(len(entries) if held else 0):
+            if not entries.is_dir(i) and entries.key(i) in held:
+                self._refreshed(entries[i])
 
     def _refreshed(self, meta: ObjectMeta) -> None:
         """Fresh metadata of an object with pages here. (With none: no handle to drop, and a name

@@ -23,7 +23,7 @@ from cachefs.errors import OverloadedError, wire_error
 from cachefs.localhost import PROTOCOL_VERSION
 from cachefs.paths import parse_path
 from cachefs.proto import common_pb2, worker_pb2
-from cachefs.server.rpc import info_message
+from cachefs.server.rpc import info_message, info_of
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,16 @@ class ListingPages:
         out: list[Any] = []
         size = 0
         end = start
+        mount = ordered.mount
         while end < len(ordered) and end - start < limit:
-            meta = ordered[end]
+            key, entry_size, version, mtime, is_dir = ordered.fields(end)
+            name = f"{mount}/{key}" if key else mount
             # At least the entry's encoded size: its strings' bytes, and at most 40 for its tags,
             # lengths, varints and double (cheaper than ByteSize() of each message).
-            size += len(str(meta.path).encode()) + len(meta.version.encode()) + 40
+            size += len(name.encode()) + len(version.encode()) + 40
             if size > max_bytes and end > start:
                 break
-            out.append(info_message(meta))
+            out.append(info_of(name, entry_size, version, mtime, is_dir))
             end += 1
         return out, (names[end - 1] if end < len(ordered) or not chunk.final else "")
 
