@@ -59,7 +59,7 @@ _MAX_TTL_MS = 1 << 31  # ttls past ~24.8 days count as that
 _BIG = 0xFFFFFFFF  # size column: the real size is in _big
 _COMPACT_MIN = 1 << 20  # garbage arena bytes tolerated before a compaction is considered
 _MAX_NAME = 0xFFFF  # longer names (after the last "/") or versions are not kept
-_BATCH = 256  # entries a prefix removal frees per hold of the lock
+_BATCH = 256  # entries a prefix removal frees, or put_many puts, per hold of the lock
 
 # Low 4 bits of the directory/flags column; the directory id sits above them.
 _LIVE = 1
@@ -283,7 +283,7 @@ class MetadataTable:
             self._put_locked(path.mount, *item)
 
     def put_many(self, metas: list[ObjectMeta]) -> None:
-        """``put(m.path, m)`` of each, the lock taken once: a listing's thousand entries at a time."""
+        """``put(m.path, m)`` of each, the lock taken once a batch (``_BATCH``), not once an entry."""
         if not self._keeps():
             return
         items, too_long = [], []
@@ -293,9 +293,10 @@ class MetadataTable:
                 too_long.append(meta.path)
             else:
                 items.append((meta.path.mount, *item))
-        with self._lock:
-            for item in items:
-                self._put_locked(*item)
+        for start in range(0, len(items), _BATCH):  # let go between batches: reads never wait for a whole listing
+            with self._lock:
+                for item in items[start:start + _BATCH]:
+                    self._put_locked(*item)
         for path in too_long:
             self.pop(path)
 

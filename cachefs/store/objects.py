@@ -30,7 +30,7 @@ from cachefs.store.listed import ListedEntries
 from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import Listing, ObjectMeta
 from cachefs.store.metatable import MetadataTable
-from cachefs.store.revalidate import Revalidator, parent_of
+from cachefs.store.revalidate import Revalidator
 from cachefs.store.write import StoreWriter, copy_between, make_dir, open_writer
 from cachefs.store.write import remove as remove_path
 
@@ -184,9 +184,11 @@ class ObjectStore:
                 log.exception("metadata listener failed for %s", path)
         self._meta.put(path, meta)
 
-    def _remember_listed(self, entries: ListedEntries, keys: list[str], known_only: bool) -> None:
-        """A listing's objects (``keys``: their keys): the listener hears of them, the table keeps
-        them (``known_only``: those of directories it has entries in), its lock taken once."""
+    def _remember_listed(self, entries: ListedEntries, keys: list[str], known_only: bool,
+                         metas: list[ObjectMeta] | None = None) -> None:
+        """A listing's objects (``keys``: their keys; ``metas``: the entries, where made already):
+        the listener hears of them, the table keeps them (``known_only``: those of directories it
+        has entries in), its lock taken once."""
         objects = [i for i, key in enumerate(keys) if not entries.is_dir(i)]
         try:
             if self.on_listed is not None:
@@ -205,7 +207,7 @@ class ObjectStore:
                 if last_known:
                     known.append(i)
             objects = known
-        self._meta.put_many([entries[i] for i in objects])
+        self._meta.put_many([entries[i] for i in objects] if metas is None else [metas[i] for i in objects])
 
     @contextmanager
     def _call(self, path: CachePath, what: str) -> Iterator[None]:
@@ -453,6 +455,7 @@ class ObjectStore:
         rest (the paged listings': their keys found without the store's path parsing)."""
         entries = ListedEntries(path.mount)
         keys: list[str] = []
+        metas: list[ObjectMeta] | None = [] if remember == "all" else None  # all kept: made once, here
         cut, head = len(below) + 1, f"{path.key}/" if path.key else ""
         for info in raw:
             if type(info) is tuple:
@@ -465,22 +468,25 @@ class ObjectStore:
                 else self.mounts.to_key(path, name)
             entries.add(key, size, version, mtime, is_dir)
             keys.append(key)
+            if metas is not None:
+                metas.append(ObjectMeta(CachePath(path.mount, key), size,
+                                        f"{size}-{mtime!r}" if version is None else version, mtime, is_dir))
         if any(a > b for a, b in zip(keys, keys[1:])):  # a paged walk gives them in order already
             entries = entries.sorted()
-            keys = entries.keys()
+            keys, metas = entries.keys(), None
         if remember:
-            self._remember_listed(entries, keys, known_only=remember == "known")
+            self._remember_listed(entries, keys, known_only=remember == "known", metas=metas)
         return entries
 
-    def _note_listing(self, path: CachePath, recursive: bool, entries: Sequence[ObjectMeta]) -> None:
+    def _note_listing(self, path: CachePath, recursive: bool, entries: ListedEntries) -> None:
         """How large each directory of a whole listing is: whether a listing can refresh it (revalidate.py)."""
-        per_dir: dict[CachePath, int] = {} if recursive else {path: 0}
-        for meta in entries:
-            if not meta.is_dir:
-                directory = parent_of(meta.path)
+        per_dir: dict[str, int] = {} if recursive else {path.key: 0}
+        for i in range(len(entries)):
+            if not entries.is_dir(i):
+                directory = entries.key(i).rpartition("/")[0]  # revalidate.parent_of's key
                 per_dir[directory] = per_dir.get(directory, 0) + 1
         for directory, objects in per_dir.items():
-            self.revalidator.note_listing(directory, objects)
+            self.revalidator.note_listing(CachePath(path.mount, directory), objects)
 
     def read(self, meta: ObjectMeta, start: int, end: int) -> bytes:
         """Bytes [start, end) of the version described by ``meta``; StaleObjectError if it changed."""

@@ -28,7 +28,7 @@ from cachefs.config import MasterConfig
 from cachefs.errors import InvalidPathError, OverloadedError, UnauthenticatedError
 from cachefs.mounts import MountSpec, public_url, redact
 from cachefs.paths import parse_path, validate_mount_name
-from cachefs.server.rpc import info_message, rpc
+from cachefs.server.rpc import info_message, listed_infos, rpc
 from cachefs.store.s3config import pin_mount
 from cachefs.proto import common_pb2, master_pb2, master_pb2_grpc, worker_pb2
 from cachefs.ring import RingConfig
@@ -359,7 +359,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         for start in range(0, len(entries), LIST_BATCH):
             if not context.is_active():
                 return
-            yield worker_pb2.ListResponse(entries=[info_message(m) for m in entries[start:start + LIST_BATCH]])
+            yield worker_pb2.ListResponse(entries=listed_infos(entries, start, start + LIST_BATCH))
         if not entries:
             yield worker_pb2.ListResponse()
 
@@ -373,7 +373,7 @@ class MasterServicer(master_pb2_grpc.MasterServiceServicer):
         start = bisect.bisect_right(chunk.names, after) if after else 0
         end = min(len(chunk.entries), start + min(LIST_BATCH, request.max_entries or LIST_BATCH))
         more = end < len(chunk.entries) or not chunk.final
-        return worker_pb2.ListResponse(entries=[info_message(m) for m in chunk.entries[start:end]],
+        return worker_pb2.ListResponse(entries=listed_infos(chunk.entries, start, end),
                                        next_after=chunk.names[end - 1] if more and end > start else "")
 
     @rpc("Stat")

@@ -17,7 +17,7 @@ from cachefs.errors import DeadlineExceededError, InvalidPathError, StaleObjectE
 from cachefs.mounts import MountTable
 from cachefs.localhost import host_id
 from cachefs.paths import CachePath, parse_path
-from cachefs.server.rpc import info_message, rpc
+from cachefs.server.rpc import info_message, listed_infos, rpc
 from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.server.worker.epoch import EpochGuard
 from cachefs.server.worker.metrics import WorkerMetrics
@@ -210,7 +210,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         path = parse_path(request.path)
         entries = self.objects.list(path, recursive=request.recursive, refresh=request.refresh)
         for start in range(0, len(entries), LIST_BATCH):
-            yield worker_pb2.ListResponse(entries=[info_message(m) for m in entries[start:start + LIST_BATCH]])
+            yield worker_pb2.ListResponse(entries=listed_infos(entries, start, start + LIST_BATCH))
         if not entries:
             yield worker_pb2.ListResponse()
 
