@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/bench_scale.py --shard-index --sizes 1000000,100000000   # #46, the tar-shard index
     .venv/bin/python benchmarks/bench_scale.py --metadata --sizes 1000000,10000000   # #47, the worker's metadata
     .venv/bin/python benchmarks/bench_scale.py --cold-small --objects 100000   # #47, cold 4 KiB objects (cold_small.py)
+    .venv/bin/python benchmarks/bench_scale.py --warm-epoch --objects 1000000 --dir /tmp/cachefs-tree1m   # #46 (warm_scale.py)
 
 A real worker (in this process, an empty local mount: no object is read) and ``--ranks``
 CacheDatasets over a synthetic index (``cachefs://data/train/<i>.jpg``, sizes given, 110 KB each:
@@ -420,8 +421,28 @@ def main() -> None:
                         help="a cold epoch of small objects from a local mount against a copy loop (#47; cold_small.py)")
     parser.add_argument("--objects", type=int, default=100_000, help="--cold-small: how many objects")
     parser.add_argument("--object-bytes", type=int, default=4096, help="--cold-small: each object's size")
-    parser.add_argument("--dir", default=None, help="--cold-small: where data, copies and the cache go")
+    parser.add_argument("--dir", default=None, help="--cold-small: where data, copies and the cache go; "
+                        "--warm-epoch: the tree (bench_listing.make_tree's; default /tmp/cachefs-tree-<objects>)")
+    parser.add_argument("--warm-epoch", action="store_true",
+                        help="warm epochs of 4 KiB objects against the same loop over the local files (#46; warm_scale.py)")
+    parser.add_argument("--fill", choices=("load", "epoch"), default="load",
+                        help="--warm-epoch: fill the cache by a load job or by a cold epoch")
+    parser.add_argument("--rounds", type=int, default=3, help="--warm-epoch: cachefs and local epochs, each")
     args = parser.parse_args()
+    if args.warm_epoch:
+        from warm_scale import measure as measure_warm, plot as plot_warm
+        row = measure_warm(args.objects, args.dir or f"/tmp/cachefs-tree-{args.objects}", fill=args.fill,
+                           rounds=args.rounds)
+        result = {"benchmark": "scale --warm-epoch", "machine": machine_info(), "rows": [row],
+                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"warm-epoch-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        note = plot_warm(row, path[:-5] + ".png")
+        print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "before", "after")}))
+        print(f"wrote {path}" + (f" ({note})" if note else f" and {path[:-5]}.png"))
+        return
     if args.shard_index:
         from shard_index_scale import run as run_shard_index
         result = {"benchmark": "scale-shard-index", "machine": machine_info(),
