@@ -39,8 +39,8 @@ class ListedEntries(Sequence[ObjectMeta]):
 
     # -- building ------------------------------------------------------------------------------------
     def add(self, key: str, size: int, version: str | None, mtime: float, is_dir: bool) -> None:
-        """Append one entry (callers add them in name order, or call ``sorted`` after). A version
-        of None is the one derived from size and mtime (a local store's)."""
+        """Append one entry (callers add them in name order). A version of None is the one
+        derived from size and mtime (a local store's)."""
         self._keys += _bytes(key)
         self._key_at.append(len(self._keys))
         flags = _DIR if is_dir else 0
@@ -62,13 +62,6 @@ class ListedEntries(Sequence[ObjectMeta]):
                 raise ValueError(f"a listing of mount {mount!r} holds {m.path}")
             out.add(m.path.key, m.size, m.version, m.mtime, m.is_dir)
         return out
-
-    def sorted(self) -> "ListedEntries":
-        """These entries in name order (self when they are)."""
-        names = [self.name(i) for i in range(len(self))]
-        if all(a <= b for a, b in zip(names, names[1:])):
-            return self
-        return ListedEntries.of(self.mount, [self[i] for i in sorted(range(len(names)), key=names.__getitem__)])
 
     # -- reading -------------------------------------------------------------------------------------
     def __len__(self) -> int:

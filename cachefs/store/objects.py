@@ -370,7 +370,7 @@ class ObjectStore:
                     raw = self._backend(resolved).ls(fs, resolved.store_path)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such directory") from exc
-        entries = self._listed(path, raw)
+        entries = self._listed(path, raw, str(resolved.store_path))
         entries = self._lists.put_whole(cache_key, entries).entries
         self._note_listing(path, recursive, entries)
         return entries
@@ -453,9 +453,7 @@ class ObjectStore:
         hears of every object (the worker drops pages of other versions).
         ``below``: the listed path's store path, where the entries' names are it, "/" and their
         rest (the paged listings': their keys found without the store's path parsing)."""
-        entries = ListedEntries(path.mount)
-        keys: list[str] = []
-        metas: list[ObjectMeta] | None = [] if remember == "all" else None  # all kept: made once, here
+        rows = []
         cut, head = len(below) + 1, f"{path.key}/" if path.key else ""
         for info in raw:
             if type(info) is tuple:
@@ -466,14 +464,17 @@ class ObjectStore:
                 version, mtime = "" if is_dir else version_of(info), _mtime_of(info)
             key = head + name[cut:] if below and name.startswith(below) and name[cut - 1:cut] == "/" \
                 else self.mounts.to_key(path, name)
-            entries.add(key, size, version, mtime, is_dir)
-            keys.append(key)
-            if metas is not None:
-                metas.append(ObjectMeta(CachePath(path.mount, key), size,
-                                        f"{size}-{mtime!r}" if version is None else version, mtime, is_dir))
-        if any(a > b for a, b in zip(keys, keys[1:])):  # a paged walk gives them in order already
-            entries = entries.sorted()
-            keys, metas = entries.keys(), None
+            rows.append((key, size, version, mtime, is_dir))
+        if any(a[0] > b[0] for a, b in zip(rows, rows[1:])):  # a paged walk gives them in order already
+            rows.sort(key=lambda row: row[0])
+        entries = ListedEntries(path.mount)
+        for row in rows:
+            entries.add(*row)
+        keys = [row[0] for row in rows]
+        metas = None
+        if remember == "all":  # all kept: their metadata made once, here
+            metas = [ObjectMeta(CachePath(path.mount, key), size, f"{size}-{mtime!r}" if version is None else version,
+                                mtime, is_dir) for key, size, version, mtime, is_dir in rows]
         if remember:
             self._remember_listed(entries, keys, known_only=remember == "known", metas=metas)
         return entries
