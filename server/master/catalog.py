@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from cachefs.errors import StoreError, UnknownMountError
@@ -82,7 +83,7 @@ class Catalog:
     def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
         return self._store_for(path).info(path, refresh=refresh)
 
-    def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> list[ObjectMeta]:
+    def list(self, path: CachePath, recursive: bool = False, refresh: bool = False) -> Sequence[ObjectMeta]:
         return self._store_for(path).list(path, recursive=recursive, refresh=refresh)
 
     def list_chunk(self, path: CachePath, recursive: bool, after: str, refresh: bool = False) -> Any:
