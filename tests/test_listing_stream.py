@@ -21,7 +21,7 @@ from cachefs.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from cachefs.store import backends, localpages, objects
 from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import ObjectMeta
-from helpers import client
+from helpers import client, wait_for
 
 # Names whose key order is not a directory walk's name order: '!', ' ', '-' and '.' sort before
 # '/', so "a-b" and "a.b/c" come before "a/b", and "a/b.c" before "a/bb/c".
@@ -398,3 +398,58 @@ def test_a_local_directory_listed_a_page_at_a_time_says_which_entries_are_direct
     assert got == {"data/l/file": (False, 5, file_info.version), "data/l/sub": (True, 0, "")}
     fs = client(worker.address)
     assert fs.isdir("data/l/sub") and fs.ls("data/l/sub", detail=False) == ["data/l/sub/deeper"]
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 1000])
+def test_a_paged_listing_tells_the_revalidator_how_large_each_directory_is(local_store, make_worker, monkeypatch,
+                                                                             chunk):
+    """A directory's size is what lets the revalidator refresh many run-out objects of it by one
+    listing (a warm epoch longer than the TTL); a data set's index is listed a chunk at a time, so
+    the chunks count each directory's own objects, however the chunk boundaries fall (a directory
+    with files on both sides of a subdirectory in key order included)."""
+    monkeypatch.setattr(objects, "LIST_CHUNK", chunk)
+    names = TRICKY + [f"t/d{d}/{f:02d}" for d in range(3) for f in range(5)]
+    for name in names:
+        local_store.add(name, b"z")
+    own: dict[str, int] = {}
+    for name in names:
+        directory = name.rpartition("/")[0]
+        own[directory] = own.get(directory, 0) + 1
+    worker = make_worker(local_store.mount)
+    listed = [n for page in _pages_grpc(worker.address, "data/t") for n in page]
+    assert len(listed) == len(names)
+    sizes = {d: worker.objects.revalidator._dir_size(CachePath("data", d)) for d in own}
+    assert sizes == own
+    # A listing that starts after a name (no chunk before it seen) says nothing of the directories
+    # around that name, only of those it saw whole.
+    fresh = make_worker(local_store.mount)
+    fresh.objects.list_chunk(CachePath("data", "t"), True, "data/t/d1/02")
+    assert fresh.objects.revalidator._dir_size(CachePath("data", "t/d1")) is None
+    if chunk >= 1000:
+        assert fresh.objects.revalidator._dir_size(CachePath("data", "t/d2")) == 5
+
+
+def test_run_out_objects_of_a_directory_known_from_a_paged_listing_are_refreshed_by_one_listing(local_store,
+                                                                                                make_worker,
+                                                                                                monkeypatch):
+    """Objects read once (their metadata kept), run out past the TTL: a read of many of them is
+    answered by one listing of their directory, whose size the data set's paged listing told
+    (chunks of 7: the directory never in one chunk)."""
+    from collections import Counter
+
+    monkeypatch.setattr(objects, "LIST_CHUNK", 7)
+    for f in range(40):
+        local_store.add(f"e/{f:02d}", b"x" * f)
+    worker = make_worker(local_store.mount, metadata_ttl=0.3)
+    store = worker.objects
+    [n for page in _pages_grpc(worker.address, "data/e") for n in page]  # noqa: B018 - the data set's listing
+    paths = [CachePath("data", f"e/{f:02d}") for f in range(40)]
+    for p in paths:
+        store.info(p)
+    assert wait_for(lambda: not any(store._fresh(p) for p in paths), timeout=10)
+    asked: Counter[str] = Counter()
+    store.on_request = lambda kind: asked.update([kind])
+    for p in paths:
+        assert store.info(p).size == int(p.key[-2:])
+    assert wait_for(lambda: all(store._fresh(p) for p in paths) and store.revalidator.waiting() == 0, timeout=30)
+    assert asked["list"] >= 1 and asked["info"] < 20, asked  # a stat each would be 40

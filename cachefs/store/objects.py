@@ -30,7 +30,7 @@ from cachefs.store.listed import ListedEntries
 from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import Listing, ObjectMeta
 from cachefs.store.metatable import MetadataTable
-from cachefs.store.revalidate import Revalidator
+from cachefs.store.revalidate import PagedDirectorySizes, Revalidator
 from cachefs.store.write import StoreWriter, copy_between, make_dir, open_writer
 from cachefs.store.write import remove as remove_path
 
@@ -133,6 +133,8 @@ class ObjectStore:
         # refreshed in the background, one refresh per object at a time, many of one directory
         # by one listing (revalidate.py).
         self.revalidator = Revalidator(self._refresh_one, self._list_to_refresh, self._fresh, relist_after=metadata_ttl)
+        # Directory sizes from paged listings, for the revalidator's listings of run-out objects.
+        self._paged_sizes = PagedDirectorySizes(self.revalidator.note_listing)
         # Listings by (path, recursive), in chunks shared by simultaneous listers (listings.py).
         self._lists = ListingCache(list_ttl, list_cache_bytes)
         self._backends: dict[int, _Backend] = {}
@@ -403,7 +405,11 @@ class ObjectStore:
                 # the whole listing, as before.
                 return [m for m in self.list(path, recursive, refresh and not start) if str(m.path) > start], True
             entries = self._listed(path, found[0], str(resolved.store_path), remember="known")
-            if not start and found[1]:
+            if entries:
+                keys = [entries.key(i) for i in range(len(entries)) if not entries.is_dir(i)]
+                self._paged_sizes.chunk(cache_key, path, start[len(path.mount) + 1:] if start else None, keys,
+                                        entries.key(len(entries) - 1), found[1])
+            elif not start and found[1]:
                 self._note_listing(path, recursive, entries)
             return entries, found[1]
 

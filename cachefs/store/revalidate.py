@@ -31,7 +31,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -71,6 +72,63 @@ def _put_bounded(table: dict, key: Any, value: Any) -> None:
 def parent_of(path: CachePath) -> CachePath:
     """The directory ``path`` is listed in (the mount's root for a top-level key)."""
     return CachePath(path.mount, path.key.rpartition("/")[0])
+
+
+def _below(directory: str, rest: str) -> str:
+    return f"{directory}/{rest}" if directory else rest
+
+
+class PagedDirectorySizes:
+    """How many objects each directory holds, from a listing taken a chunk at a time (#46), for
+    the revalidator: knowing a directory's size is what lets it refresh many run-out objects of it
+    by one listing instead of a store request each (a warm epoch of a million objects longer than
+    the metadata TTL). In key order every key below a directory is contiguous, so a directory is
+    counted from its first key to the first key past it; the directories still open at a chunk's
+    end carry over to the chunk after it (found by the name it starts after), and a directory the
+    listing entered in the middle (a chunk asked after a name no tail is kept for) is not noted."""
+
+    MAX_TAILS = 1024  # listings in progress whose open directories are kept
+
+    def __init__(self, note: Callable[[CachePath, int], None]) -> None:
+        self._note = note
+        self._lock = threading.Lock()
+        self._tails: OrderedDict[tuple[Hashable, str], list[list[Any]]] = OrderedDict()
+
+    def chunk(self, listing: Hashable, root: CachePath, after_key: str | None, keys: list[str], last: str,
+              final: bool) -> None:
+        """Count the object ``keys`` of one chunk of ``listing`` (of the directory ``root``, in key
+        order); ``after_key``: the key it starts after (None: the listing's first chunk);
+        ``last``: its last name (where the next chunk starts)."""
+        base = root.key
+        with self._lock:
+            stack = self._tails.pop((listing, after_key), None) if after_key is not None else [[base, 0, True]]
+        if stack is None:  # entered in the middle: the directories down to the name are partly seen
+            inner = after_key[len(base) + 1 if base else 0:].split("/")[:-1]
+            stack = [[base, 0, False]] + [[_below(base, "/".join(inner[:i])), 0, False]
+                                          for i in range(1, len(inner) + 1)]
+        for key in keys:
+            directory = key.rpartition("/")[0]
+            while len(stack) > 1 and not (directory == stack[-1][0] or directory.startswith(stack[-1][0] + "/")):
+                self._close(root.mount, stack.pop())
+            top = stack[-1][0]
+            if directory != top:  # the levels between the innermost open directory and this one
+                rest = directory[len(top) + 1 if top else 0:].split("/")
+                for i in range(1, len(rest) + 1):
+                    stack.append([_below(top, "/".join(rest[:i])), 0, True])
+            stack[-1][1] += 1
+        if final:
+            while stack:
+                self._close(root.mount, stack.pop())
+            return
+        with self._lock:
+            self._tails[(listing, last)] = stack
+            while len(self._tails) > self.MAX_TAILS:
+                self._tails.popitem(last=False)
+
+    def _close(self, mount: str, entry: list[Any]) -> None:
+        directory, objects, whole = entry
+        if whole:
+            self._note(CachePath(mount, directory), objects)
 
 
 class Revalidator:
