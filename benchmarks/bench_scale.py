@@ -403,6 +403,15 @@ def measure_metadata_one(n: int) -> dict[str, object]:
             "many_reads_meanwhile": len(during_many)}
 
 
+def write_result(out: str, prefix: str, result: dict) -> str:
+    """``result`` as ``out``/``prefix``-<UTC time>.json; its path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{prefix}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100000,1000000")
@@ -435,10 +444,7 @@ def main() -> None:
                            rounds=args.rounds)
         result = {"benchmark": "scale --warm-epoch", "machine": machine_info(), "rows": [row],
                   "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"warm-epoch-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = write_result(args.out, "warm-epoch", result)
         note = plot_warm(row, path[:-5] + ".png")
         print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "before", "after")}))
         print(f"wrote {path}" + (f" ({note})" if note else f" and {path[:-5]}.png"))
@@ -448,10 +454,7 @@ def main() -> None:
         result = {"benchmark": "scale-shard-index", "machine": machine_info(),
                   "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   "rows": run_shard_index([int(x) for x in args.sizes.split(",")])}
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"scale-shard-index-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = write_result(args.out, "scale-shard-index", result)
         print(f"wrote {path}")
         return
     if args.cold_small:
@@ -459,10 +462,7 @@ def main() -> None:
         row = measure_cold_small(args.objects, args.object_bytes, args.dir)
         result = {"benchmark": "scale", "machine": machine_info(), "rows": [row],
                   "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"scale-cold-small-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = write_result(args.out, "scale-cold-small", result)
         print(json.dumps(row))
         print(f"wrote {path}")
         return
@@ -493,10 +493,7 @@ def main() -> None:
                 row = {"explicit": True, **measure_explicit(n, Path(tmp))}
                 result["rows"].append(row)  # type: ignore[union-attr]
                 print(json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"scale-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = write_result(args.out, "scale", result)
     print(json.dumps(result, indent=1))
     print(f"wrote {path}")
 
