@@ -227,3 +227,21 @@ def test_a_hinted_load_writes_small_listed_objects_where_it_resolves_them(store,
     assert _fs(worker).cat([f"cachefs://{p}" for p in paths]) == {p: objects[p[5:]] for p in paths}
     assert worker.metrics.registry.get_sample_value("cachefs_worker_bytes_from_store_total") \
         == sum(map(len, objects.values()))  # each fetched once
+
+
+def test_pages_a_cold_open_brings_are_counted_as_misses(store, make_worker):
+    """An object whose metadata the worker does not have is opened with one GET that brings its
+    first pages too: those pages were fetched for this read, and the client's counters say so (a
+    cold epoch of a data set whose listing the worker did not remember reported every read a hit)."""
+    objects = {f"m/{i}": payload(1000 + i, 70 + i) for i in range(6)}
+    for key, data in objects.items():
+        store.add(key, data)
+    worker = make_worker(store.mount, page_size=PAGE)
+    fs = _fs(worker)
+    paths = [f"cachefs://data/{k}" for k in objects]
+    got = fs.cat(paths)
+    assert sorted(got.values()) == sorted(objects.values())
+    stats = fs.session.counters()
+    assert stats["short_circuit_misses"] == len(paths) and stats["short_circuit_hits"] == 0, stats
+    fs.cat(paths)  # warm: hits now
+    assert fs.session.counters()["short_circuit_hits"] + fs.session.counters()["named_hits"] >= len(paths)

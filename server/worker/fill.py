@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from cachefs.errors import InvalidPathError
-from cachefs.paths import CachePath, parse_path
+from cachefs.paths import parse_path
 from cachefs.server.worker.reader import READ_AHEAD_BYTES, PageReader
 from cachefs.store.meta import ObjectMeta
 
@@ -68,13 +68,13 @@ def failed_for_good(exc: BaseException) -> OSError | None:
 class RangeFiller:
     """Makes ranges cached (``fill``), for the short-circuit server to open them afterwards."""
 
-    def __init__(self, reader: PageReader, resolve: Callable[[CachePath, str, int], ObjectMeta],
+    def __init__(self, reader: PageReader, resolve: Callable[..., ObjectMeta],
                  head_bytes: Callable[[Any], int], threads: int = 16, max_requests: int = 8,
                  deadline_seconds: float = FILL_SECONDS,
                  on_outcome: Callable[[str, int], None] | None = None) -> None:
-        """``resolve(path, version, head_bytes)``: the object's metadata for a read (one GET brings
-        it with the first pages when nothing is cached, the reader adopting them), as the gRPC
-        read path resolves it; ``head_bytes(range)``: how much of the object to take with it;
+        """``resolve(path, version, head_bytes, fetched=set)``: the object's metadata for a read
+        (one GET brings it with the first pages when nothing is cached, the reader adopting them
+        and their ids added to ``fetched``), as the gRPC read path resolves it; ``head_bytes(range)``: how much of the object to take with it;
         ``on_outcome(outcome, ranges)``: filled, busy, failed or late (the worker's metric)."""
         if threads < 1 or max_requests < 1 or deadline_seconds <= 0:
             raise ValueError("threads and max_requests must be >= 1 and deadline_seconds > 0")
@@ -166,7 +166,7 @@ class RangeFiller:
             path = parse_path(wanted.path)
             if wanted.offset < 0 or wanted.length < -1:
                 return  # the server refuses it when it opens the range
-            meta = self._resolve(path, wanted.version, self._head_bytes(wanted))
+            meta = self._resolve(path, wanted.version, self._head_bytes(wanted), fetched=fetched)
             end = meta.size if wanted.length == -1 else min(meta.size, wanted.offset + wanted.length)
             if end <= wanted.offset:
                 return

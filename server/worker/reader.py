@@ -363,13 +363,17 @@ class PageReader:
                 self._queue_write(pid, page)
         return True
 
-    def open_writing_head(self, path: CachePath, head_bytes: int) -> tuple[ObjectMeta, bytes | None]:
+    def open_writing_head(self, path: CachePath, head_bytes: int,
+                          fetched: set[PageId] | None = None) -> tuple[ObjectMeta, bytes | None]:
         """``ObjectStore.open`` for a caller that waits for the pages to be cached anyway (a load,
-        a fill): the head's pages are adopted and written on this thread once the open is over."""
+        a fill): the head's pages are adopted and written on this thread once the open is over.
+        ``fetched``: given the ids of the pages the open's request brought (a fill's misses)."""
         adopted: list[tuple[PageId, bytes]] = []
         try:
             return self.objects.open(path, head_bytes, adopt=lambda meta, data: self.adopt(meta, data, adopted))
         finally:
+            if fetched is not None:
+                fetched.update(pid for pid, _ in adopted)
             self.write_adopted(adopted)
 
     def write_adopted(self, pages: list[tuple[PageId, bytes]]) -> None:

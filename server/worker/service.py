@@ -114,15 +114,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if len(paths) > MAX_JOB_PATHS:
             raise InvalidPathError(f"at most {MAX_JOB_PATHS} paths per request, got {len(paths)}")
 
-    def _file_meta(self, path: CachePath, version: str, head_bytes: int = 0, write_here: bool = False) -> ObjectMeta:
+    def _file_meta(self, path: CachePath, version: str, head_bytes: int = 0, write_here: bool = False,
+                   fetched: set[Any] | None = None) -> ObjectMeta:
         """The object's metadata for a read. ``write_here``: the caller waits for the pages to be
         cached anyway (a fill), so the first pages a GET brings are written on its thread (once
-        the open is over) rather than handed to a writer (a queue and two wake-ups a sample)."""
+        the open is over) rather than handed to a writer (a queue and two wake-ups a sample);
+        ``fetched`` is given their ids (the fill's misses)."""
         if head_bytes > 0 and not version and not self.pages.holds_object(path.mount, path.key):
             # Nothing of it cached: one GET can bring the metadata and the first pages together.
             # (If pages are cached, a metadata-only request is cheaper than refetching a page.)
             if write_here:
-                meta, _head = self.reader.open_writing_head(path, head_bytes)
+                meta, _head = self.reader.open_writing_head(path, head_bytes, fetched)
             else:
                 meta, _head = self.objects.open(path, head_bytes, adopt=self.reader.adopt)
         else:
