@@ -97,12 +97,7 @@ def listed_infos(entries: Sequence[ObjectMeta], start: int, end: int) -> list[co
     (cachefs/store/listed.py), no ObjectMeta made for each."""
     if not isinstance(entries, ListedEntries):
         return [info_message(m) for m in entries[start:end]]
-    fields, mount = entries.fields, entries.mount
-    out = []
-    for i in range(start, min(end, len(entries))):
-        key, size, version, mtime, is_dir = fields(i)
-        out.append(info_of(f"{mount}/{key}" if key else mount, size, version, mtime, is_dir))
-    return out
+    return [info_of(*entries.named_fields(i)) for i in range(start, min(end, len(entries)))]
 
 
 def info_of(name: str, size: int, version: str, mtime: float, is_dir: bool) -> common_pb2.ObjectInfo:

@@ -78,9 +78,6 @@ class ListedEntries(Sequence[ObjectMeta]):
     def is_dir(self, i: int) -> bool:
         return bool(self._flags[i] & _DIR)
 
-    def keys(self) -> list[str]:
-        return [self.key(i) for i in range(len(self))]
-
     def fields(self, i: int) -> tuple[str, int, str, float, bool]:
         """(key, size, version, mtime, is_dir) of entry ``i``, no object made for it."""
         flags, size, mtime = self._flags[i], self._sizes[i], self._mtimes[i]
@@ -89,6 +86,11 @@ class ListedEntries(Sequence[ObjectMeta]):
         else:
             version = self._versions[self._version_at[i]:self._version_at[i + 1]].decode("utf-8", "surrogatepass")
         return self.key(i), size, version, mtime, bool(flags & _DIR)
+
+    def named_fields(self, i: int) -> tuple[str, int, str, float, bool]:
+        """``fields`` with the entry's name (``str(path)``) for its key: what a listing's message holds."""
+        key, size, version, mtime, is_dir = self.fields(i)
+        return f"{self.mount}/{key}" if key else self.mount, size, version, mtime, is_dir
 
     def _meta(self, i: int) -> ObjectMeta:
         key, size, version, mtime, is_dir = self.fields(i)

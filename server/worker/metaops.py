@@ -67,10 +67,8 @@ class ListingPages:
         out: list[Any] = []
         size = 0
         end = start
-        mount = ordered.mount
         while end < len(ordered) and end - start < limit:
-            key, entry_size, version, mtime, is_dir = ordered.fields(end)
-            name = f"{mount}/{key}" if key else mount
+            name, entry_size, version, mtime, is_dir = ordered.named_fields(end)
             # At least the entry's encoded size: its strings' bytes, and at most 40 for its tags,
             # lengths, varints and double (cheaper than ByteSize() of each message).
             size += len(name.encode()) + len(version.encode()) + 40
