@@ -114,6 +114,15 @@ class Permutation:
             left, right = right, left ^ (_mix_array(right ^ np.uint64(k)) & mask)
         return (left << half) | right
 
+    def inverse_array(self) -> np.ndarray:
+        """The whole inverse: ``out[v] == i`` where ``p(i) == v`` (int32 below 2**31, else int64);
+        one vectorised pass, for a caller that inverts many values (``inverse`` walks the
+        rounds in Python, cycle walking included: several microseconds a value)."""
+        dtype = np.int32 if self.n < 1 << 31 else np.int64
+        out = np.empty(self.n, dtype=dtype)
+        out[self.array(np.arange(self.n, dtype=np.int64))] = np.arange(self.n, dtype=dtype)
+        return out
+
     def array(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """``p(i)`` for every ``i`` of ``indices`` (int64 out)."""
         idx = np.asarray(indices, dtype=np.int64)
@@ -203,6 +212,11 @@ class EpochOrder:
         """Where ``sample`` is in the epoch's global order (before the deal)."""
         perm = self._perm  # type: ignore[attr-defined]
         return sample if perm is None else perm.inverse(sample)
+
+    @property
+    def permutation(self) -> Permutation | None:
+        """The epoch's global order (None: the identity, unshuffled)."""
+        return self._perm  # type: ignore[attr-defined]
 
     @property
     def key(self) -> tuple[int, int, int, bool]:

@@ -6,6 +6,7 @@ forked and spawned.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -106,6 +107,31 @@ def test_dataloader_workers_read_every_sample_once(served, monkeypatch, context)
                             multiprocessing_context=multiprocessing.get_context(context), timeout=TIMEOUT)
         got = Counter(_sample_id(t) for batch in ds.track(loader) for t in batch)
         assert got == Counter(range(300)), epoch
+
+
+def _with_frozen_count(sample: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return sample, gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_forked_dataloader_worker_leaves_the_inherited_heap_to_the_parent(served, context):
+    """A forked worker freezes what it inherited (forksafe.freeze_inherited_heap), so that its
+    collections do not walk, and copy, the parent's heap; a spawned one inherits nothing to
+    freeze, and the main process is left alone."""
+    _store, opts = served(64)
+    ds = CacheDataset.from_prefix("cachefs://data/train", storage_options=opts, plan_ahead=False,
+                                  transform=_with_frozen_count)
+    frozen_here = gc.get_freeze_count()
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=_as_list, timeout=TIMEOUT,
+                        multiprocessing_context=multiprocessing.get_context(context))
+    counts = [frozen for batch in loader for _sample, frozen in batch]
+    assert len(counts) == 64
+    if context == "fork":
+        assert min(counts) > 1000  # torch's modules and this test's objects at least
+    else:
+        assert max(counts) == 0
+    assert gc.get_freeze_count() == frozen_here
+    assert ds.read(0)[1] == frozen_here  # read in this process: nothing frozen for it
 
 
 def _child_reads(blob: bytes, out) -> None:

@@ -22,6 +22,7 @@ from cachefs.client.datasets.dataset import CacheDataset
 from cachefs.client.datasets.sampling import EpochPlan
 from cachefs.order import EpochOrder, Permutation
 from cachefs.proto import worker_pb2
+from cachefs.server.worker import planindex
 from cachefs.server.worker.planindex import derive, plan_samples
 from cachefs.server.worker.plans import PlanTable
 from helpers import payload
@@ -63,6 +64,9 @@ def test_the_permutation_is_pinned():
     p = Permutation(1000, 12345, 7)
     assert sorted(p.array(np.arange(1000)).tolist()) == list(range(1000))
     assert all(p.inverse(p(i)) == i for i in range(0, 1000, 7))
+    inverse = p.inverse_array()  # the whole inverse at once: the same answers
+    assert inverse.dtype == np.int32 and inverse[p.array(np.arange(1000))].tolist() == list(range(1000))
+    assert Permutation(0, 1).inverse_array().tolist() == []
 
 
 def _spec(n: int, rank: int, ws: int, seed: int, epoch: int, drop_last: bool, offset: int, start: int) -> dict:
@@ -95,7 +99,11 @@ def _index_request(job: str, n: int, units: list[tuple[str, int, int]], samples:
     (50, 0, 1, 0, 0, False, 0, 0), (50, 2, 4, 3, 1, False, 0, 5), (10, 1, 4, 9, 0, False, 0, 0),
     (10, 3, 4, 9, 0, True, 0, 1), (101, 1, 3, 7, 5, False, 34, 3), (7, 0, 8, 1, 2, False, 0, 0),
 ])
-def test_the_worker_derives_the_samplers_order(n, rank, ws, seed, epoch, drop_last, offset, start):
+@pytest.mark.parametrize("inverted", [True, False], ids=["inverse-array", "inverse-per-value"])
+def test_the_worker_derives_the_samplers_order(n, rank, ws, seed, epoch, drop_last, offset, start, inverted,
+                                                monkeypatch):
+    if not inverted:  # an order too large to hold inverted: each sample's place by the Feistel rounds
+        monkeypatch.setattr(planindex, "INVERSE_MAX_SAMPLES", 0)
     spec = _spec(n, rank, ws, seed, epoch, drop_last, offset, start)
     order = worker_pb2.PlanOrder(**spec)
     want = _sampler_plan(n, rank, ws, seed, epoch, drop_last, offset, start)
@@ -106,6 +114,7 @@ def test_the_worker_derives_the_samplers_order(n, rank, ws, seed, epoch, drop_la
     index = table._indexes["idx"]
     derived = derive(index, order)
     assert derived is not None and derived.length == len(want)
+    assert (derived.now_inverse is not None) == (derived.after_inverse is not None) == inverted
     for s in range(n):
         assert derived.positions_of(s) == [i for i, x in enumerate(want) if x == s]
     # another release's order (here: another seed under the same digest) is refused

@@ -143,6 +143,8 @@ class PerProcessParts:
 
     def _parts(self, fs: CacheFileSystem, prefetcher: Prefetcher) -> ProcessParts:
         info = get_worker_info()
+        if info is not None:
+            forksafe.freeze_inherited_heap()  # a forked DataLoader worker: no collection walks the parent's heap
         counts = ProcessCounts(0 if info is None else 1 + info.id)
         return ProcessParts(fs, prefetcher, Hinter(fs.session), {}, {}, counts)
 

@@ -12,6 +12,9 @@ from them. Memory per planned read is a few int32s; per unit of the index its pa
 
 from __future__ import annotations
 
+import bisect
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,10 @@ from cachefs.order import EpochOrder, digest, probe_positions
 __all__ = ["DerivedOrder", "IndexError_", "PlanIndex", "derive"]
 
 MAX_INDEX_UNITS = 1 << 31
+#: An epoch order over at most this many samples is inverted once, into an array (4 bytes a
+#: sample, shared by the jobs of every rank reading that epoch); a larger one is inverted value
+#: by value (Permutation.inverse), as the page store asks.
+INVERSE_MAX_SAMPLES = 1 << 24
 MAX_PAGES_PER_UNIT = 4096
 HASH_CHUNK = 65_536
 USES_KEPT = 8192  # DerivedOrder.uses answers kept per job's order
@@ -109,6 +116,7 @@ class PlanIndex:
         hashed = hashes[order]
         self.by_hash = np.argsort(hashed, kind="stable").astype(np.int32)
         self.hashes = hashed[self.by_hash]
+        self._hash_view, self._by_hash_view = memoryview(self.hashes), memoryview(self.by_hash)
         self.complete = True
 
     def __len__(self) -> int:
@@ -122,12 +130,16 @@ class PlanIndex:
         """The units of object ``mount/key`` (usually one; none when it is not in the index)."""
         want = f"{mount}/{key}"
         h = hash(want)  # as finish() hashes it
-        lo = int(np.searchsorted(self.hashes, h, side="left"))
-        hi = int(np.searchsorted(self.hashes, h, side="right"))
-        if lo == hi:
+        # Asked for every page read (the page store's eviction order), from threads that share
+        # the GIL with the socket server: a bisect over the array's memoryview holds the GIL
+        # throughout, where np.searchsorted lets it go and waits to take it back, twice a call.
+        hashes = self._hash_view
+        lo = bisect.bisect_left(hashes, h)
+        if lo == len(hashes) or hashes[lo] != h:
             return []
+        hi = bisect.bisect_right(hashes, h, lo)
         # the index holds canonical paths: a hash collision is told apart
-        return [u for u in self.by_hash[lo:hi].tolist() if self.path(u) == want]
+        return [u for u in self._by_hash_view[lo:hi].tolist() if self.path(u) == want]
 
     def units_of_samples(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(where in ``samples``, which unit) for the samples held here."""
@@ -148,6 +160,34 @@ class PlanIndex:
         return len(self.blob) + sum(a.nbytes for a in arrays if a is not None)
 
 
+class Inverses:
+    """Epoch orders' global orders inverted (sample -> where it is read in the global order),
+    one array per order key, kept while a job's plan holds it (the ranks of one data set share
+    it). The page store asks where each read page is used next, for every read and for every
+    cached page after each ``set_epoch``: an array lookup, not the Feistel rounds in Python."""
+
+    def __init__(self) -> None:
+        self._by_key: weakref.WeakValueDictionary[tuple, np.ndarray] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def of(self, order: EpochOrder) -> np.ndarray | None:
+        """The inverse of ``order``'s global permutation; None for an order kept unshuffled (the
+        identity) or too large to hold inverted (``INVERSE_MAX_SAMPLES``)."""
+        perm = order.permutation
+        if perm is None or perm.n > INVERSE_MAX_SAMPLES:
+            return None
+        with self._lock:
+            found = self._by_key.get(order.key)
+        if found is not None:
+            return found
+        made = perm.inverse_array()  # outside the lock: O(n), vectorised
+        with self._lock:
+            return self._by_key.setdefault(order.key, made)
+
+
+INVERSES = Inverses()
+
+
 @dataclass
 class DerivedOrder:
     """A job's plan over ``index``, as what defines it: ``now`` from position ``start``, then all of
@@ -164,6 +204,8 @@ class DerivedOrder:
     reads: int  # positions of the plan that read a unit of the index
     read_bytes: int  # bytes those read
     last: int  # the last such position (-1: none)
+    now_inverse: np.ndarray | None = field(default=None, repr=False, compare=False)  # Inverses.of(now)
+    after_inverse: np.ndarray | None = field(default=None, repr=False, compare=False)
     _kept_uses: dict | None = field(default=None, repr=False, compare=False)  # uses(), recent answers
 
     @property
@@ -173,7 +215,9 @@ class DerivedOrder:
     def positions_of(self, sample: int, memo: dict | None = None) -> list[int]:
         """Positions of the plan that read ``sample``. ``memo``: inverses already computed (one
         call asking several jobs of one data set: ranks share their epochs' global orders)."""
-        def global_index(order: EpochOrder) -> int:
+        def global_index(order: EpochOrder, inverse: np.ndarray | None) -> int:
+            if inverse is not None:
+                return int(inverse[sample])
             key = (order.key, sample)
             g = None if memo is None else memo.get(key)
             if g is None:
@@ -183,8 +227,9 @@ class DerivedOrder:
             return g
 
         rest = self.rest
-        now = [p - self.start for p in self.now.positions_of_global(global_index(self.now)) if p >= self.start]
-        return now + [rest + p for p in self.after.positions_of_global(global_index(self.after))]
+        now = [p - self.start for p in self.now.positions_of_global(global_index(self.now, self.now_inverse))
+               if p >= self.start]
+        return now + [rest + p for p in self.after.positions_of_global(global_index(self.after, self.after_inverse))]
 
     def uses(self, mount: str, key: str, index: int, memo: dict | None = None) -> list[int]:
         """Positions at which the plan reads page ``index`` of ``mount/key`` (ascending). The last
@@ -235,7 +280,8 @@ class DerivedOrder:
         return list(dict.fromkeys(self.index.path(u) for u in units.tolist()))
 
     def nbytes(self) -> int:
-        return self.planned.nbytes
+        """The job's arrays (an inverse shared with other jobs counted in each)."""
+        return self.planned.nbytes + sum(a.nbytes for a in (self.now_inverse, self.after_inverse) if a is not None)
 
 
 def _orders(order: Any) -> tuple[EpochOrder, EpochOrder]:
@@ -273,4 +319,5 @@ def derive(index: PlanIndex, order: Any) -> DerivedOrder | None:
     planned = np.zeros(len(index), dtype=bool)
     planned[units] = True
     return DerivedOrder(index, now, int(order.start), after, len(samples), planned, int(index.pages[planned].sum()),
-                        len(where), int(index.sizes[units].sum()), int(where[-1]) if len(where) else -1)
+                        len(where), int(index.sizes[units].sum()), int(where[-1]) if len(where) else -1,
+                        INVERSES.of(now), INVERSES.of(after))
