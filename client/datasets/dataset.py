@@ -49,7 +49,7 @@ from cachefs.client.datasets.liststream import GrowingIndex, Listing, StreamingP
 from cachefs.client.datasets.manifests import manifest_index
 from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, open_prefix
 from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex
-from cachefs.client.datasets.sampling import EpochPlan
+from cachefs.client.datasets.sampling import EpochPlan, tag_epoch, untag
 from cachefs.order import plan_digest
 from cachefs.client.transport.session import SessionBootstrap
 from cachefs.client.transport.shortcircuit import Prepared
@@ -571,7 +571,9 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         # One position per call: batch_size=None, or a caller indexing by hand. The same worker
         # is next asked for position + num_workers.
         t0 = time.perf_counter_ns()
-        position = int(position)
+        epoch, (position,) = untag([int(position)])
+        if epoch is not None:
+            self._follow_epoch(epoch)
         self._note_progress(self._local.get(), position)
         with profiled("cachefs.read_sample"):
             out = self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), self.plan.known()))
@@ -583,8 +585,11 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         # or the default sequential sampler), and the worker's next batch starts num_workers
         # batches later. Anything else still reads correctly, with a less useful prefetch.
         t0 = time.perf_counter_ns()
+        epoch, ints = untag([int(p) for p in positions])
+        if epoch is not None:
+            self._follow_epoch(epoch)
         with profiled("cachefs.read_batch"):
-            out = self._getitems([int(p) for p in positions])
+            out = self._getitems(ints)
         self._account(self._local.get(), len(out), t0)
         return out
 
@@ -690,6 +695,20 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self.samples_seen = 0
         self._reset_prefetch()
         self.publish_plan()
+
+    def _follow_epoch(self, epoch: int) -> None:
+        """Positions of epoch ``epoch`` came from the sampler: a persistent DataLoader worker whose
+        copy of the dataset is still in an earlier epoch takes that epoch's plan, as ``set_epoch``
+        made it in the main process (the tag carries the epoch only: a ``load_state_dict`` into
+        another world size's deal must come before such workers start). The main process's plan
+        is the sampler's own."""
+        if epoch == getattr(self.plan, "epoch", 0) or forksafe.pid() == self._owner_pid:
+            return
+        self._settled()  # a streamed first epoch's index, whole
+        self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, int(epoch), self.shuffle,
+                              self.drop_last)
+        self.samples_seen = self._plan_base = 0  # as set_epoch left them in the main process
+        self._reset_prefetch()
 
     def _plan_units(self) -> Sequence[tuple[str, int, int]]:
         return self.paths.units()  # a tuple per sample when asked, never a list of them
@@ -806,16 +825,18 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
 
 class CacheSampler(Sampler[int]):
-    """Positions ``samples_seen .. len(ds)-1`` of the dataset's current epoch plan, read at ``iter``."""
+    """Positions ``samples_seen .. len(ds)-1`` of the dataset's current epoch plan, read at ``iter``,
+    each tagged with that epoch (sampling.tag_epoch: a persistent DataLoader worker follows it)."""
 
     def __init__(self, dataset: CacheDataset) -> None:
         self.dataset = dataset
 
     def __iter__(self) -> Iterator[int]:
         plan = self.dataset.plan
+        tag = tag_epoch(getattr(plan, "epoch", 0))  # for persistent DataLoader workers (sampling.py)
         if isinstance(plan, StreamingPlan):
-            return _streamed(plan, self.dataset.samples_seen)
-        return iter(range(self.dataset.samples_seen, len(self.dataset)))
+            return (tag | p for p in _streamed(plan, self.dataset.samples_seen))
+        return iter(range(tag + self.dataset.samples_seen, tag + len(self.dataset)))
 
     def __len__(self) -> int:
         """While a first epoch streams, waits for the listing's end (then exact): a DataLoader

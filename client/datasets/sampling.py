@@ -65,6 +65,27 @@ def _to_rank_multiple(rest: np.ndarray, world_size: int, drop_last: bool) -> np.
     return np.resize(rest, total) if total > len(rest) else rest[:total]
 
 
+#: CacheSampler's positions carry the epoch they belong to (plus one) from this bit up: a
+#: persistent DataLoader worker (``persistent_workers=True``) keeps the copy of the dataset it
+#: started with, whose plan is that first epoch's, and learns each later epoch from the positions
+#: it is handed (``set_epoch`` runs in the main process only). 0 above it: untagged, the process's
+#: own plan. Positions stay below 2**40.
+EPOCH_TAG_SHIFT = 40
+POSITION_MASK = (1 << EPOCH_TAG_SHIFT) - 1
+
+
+def tag_epoch(epoch: int) -> int:
+    """What CacheSampler adds to each position of epoch ``epoch``."""
+    return (int(epoch) + 1) << EPOCH_TAG_SHIFT
+
+
+def untag(positions: list[int]) -> tuple[int | None, list[int]]:
+    """(the epoch the sampler tagged ``positions`` with, or None: untagged; the positions)."""
+    if not positions or positions[0] <= POSITION_MASK:
+        return None, positions
+    return (positions[0] >> EPOCH_TAG_SHIFT) - 1, [p & POSITION_MASK for p in positions]
+
+
 @dataclass(frozen=True)
 class EpochPlan:
     n_samples: int
