@@ -109,16 +109,18 @@ def test_dataloader_workers_read_every_sample_once(served, monkeypatch, context)
         assert got == Counter(range(300)), epoch
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_persistent_dataloader_workers_read_each_epochs_own_order(served, context):
+@pytest.mark.parametrize("context,sampler", [("fork", "cachefs"), ("spawn", "cachefs"), ("fork", "default")])
+def test_persistent_dataloader_workers_read_each_epochs_own_order(served, context, sampler):
     """With persistent_workers=True the workers keep the dataset copy they started with; each
-    later epoch's order (set_epoch, main process only) reaches them with the sampler's positions."""
+    later epoch's order (set_epoch, main process only) reaches them: with the positions of
+    ``ds.sampler()`` (tagged with their epoch), and through the dataset's epoch board with the
+    DataLoader's own sequential sampler. A resumed state reaches them the same way."""
     _store, opts = served(120)
     ds = CacheDataset.from_prefix("cachefs://data/train", storage_options=opts, seed=3, plan_ahead=False)
     by_id = {i: _sample_id(ds.read(i)) for i in range(len(ds))}
-    loader = DataLoader(ds, batch_size=8, sampler=ds.sampler(), num_workers=2, collate_fn=_as_list,
-                        persistent_workers=True, timeout=TIMEOUT,
-                        multiprocessing_context=multiprocessing.get_context(context))
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=_as_list, persistent_workers=True,
+                        timeout=TIMEOUT, multiprocessing_context=multiprocessing.get_context(context),
+                        **({"sampler": ds.sampler()} if sampler == "cachefs" else {}))
     orders = []
     for epoch in (0, 1, 2, 5):
         ds.set_epoch(epoch)
@@ -126,6 +128,10 @@ def test_persistent_dataloader_workers_read_each_epochs_own_order(served, contex
         assert got == [by_id[int(i)] for i in ds.plan.order], epoch  # this epoch's order, not the first's
         orders.append(got)
     assert len({tuple(o) for o in orders}) == 4
+    if sampler == "cachefs":  # the default sampler starts at 0 whatever the state: resume needs ds.sampler()
+        ds.load_state_dict({**ds.state_dict(), "epoch": 7, "samples_seen": 40})
+        got = [_sample_id(t) for batch in ds.track(loader) for t in batch]
+        assert got == [by_id[int(i)] for i in ds.plan.order[40:]]
     # positions given by hand (no sampler) are the process's own plan's, as before
     assert _sample_id(ds[3]) == by_id[int(ds.plan.order[3])]
 

@@ -179,6 +179,65 @@ def test_each_sample_once_across_ranks_and_workers(sharded, num_workers):
     assert counts == [32, 32] and sorted(seen) == list(range(64)) and set(seen.values()) == {1}
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_dataloader_workers_read_each_epochs_own_order(sharded, context):
+    """persistent_workers=True: the workers keep the dataset copy they started with; each epoch
+    set in the main process reaches them (the board, epochboard.py), so an epoch reads what a fresh
+    loader reads in it, and ``track`` counts it as usual."""
+    import multiprocessing
+    _shards, opts = sharded(48)
+
+    def loader(ds, persistent):
+        return DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_as_list, timeout=TIMEOUT,
+                          persistent_workers=persistent, multiprocessing_context=multiprocessing.get_context(context))
+
+    ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4, seed=9)
+    fresh = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=4, seed=9)
+    kept = loader(ds, True)
+    seen = []
+    for epoch in (0, 1, 3):
+        ds.set_epoch(epoch)
+        fresh.set_epoch(epoch)
+        got = _ids(ds.track(kept))
+        assert got == _ids(loader(fresh, False)), epoch
+        assert sorted(got) == list(range(48)) and ds.samples_seen == 48
+        seen.append(got)
+    assert len({tuple(s) for s in seen}) == 3
+
+
+def _board_reads(board, out) -> None:
+    out.put((board.read(), _board_refuses(board)))
+
+
+def _board_refuses(board) -> bool:
+    try:
+        board.post({"epoch": 99})
+    except RuntimeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_the_epoch_board_is_written_here_and_read_in_a_child(context):
+    import multiprocessing
+    import pickle
+    from cachefs.client.datasets.epochboard import SIZE, EpochBoard
+    board = EpochBoard()
+    assert board.read() == (0, {})
+    assert board.post({"epoch": 4}) == 1 and board.post({"state": {"epoch": 5, "seed": 2}}) == 2
+    ctx = multiprocessing.get_context(context)
+    out = ctx.Queue()
+    child = ctx.Process(target=_board_reads, args=(pickle.loads(pickle.dumps(board)), out))
+    child.start()
+    try:
+        assert out.get(timeout=TIMEOUT) == ((2, {"state": {"epoch": 5, "seed": 2}}), True)
+    finally:
+        child.join(TIMEOUT)
+    with pytest.raises(ValueError, match="holds"):
+        board.post({"x": "y" * SIZE})
+    assert board.read() == (2, {"state": {"epoch": 5, "seed": 2}})  # a refused post leaves the last one
+
+
 def test_fields_are_the_bytes_written_as_aligned_tensors(sharded):
     shards, opts = sharded(20)
     ds = CacheIterableDataset.from_prefix("cachefs://data/shards", storage_options=opts, batch_size=3,

@@ -45,6 +45,7 @@ from cachefs.client.stats.jobstats import CounterBlock, ProcessCounts, describe
 from cachefs.client.datasets.plans import PlanPublisher, PlanReport
 from cachefs.client.datasets.prefetch import Prefetcher
 from cachefs.client.datasets.runbuffers import RunBuffers
+from cachefs.client.datasets.epochboard import EpochBoard
 from cachefs.client.datasets.liststream import GrowingIndex, Listing, StreamingPlan
 from cachefs.client.datasets.manifests import manifest_index
 from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, open_prefix
@@ -140,6 +141,8 @@ class PerProcessParts:
     _plan_prefetch: bool = False  # the workers prefetch by the registered plan: no hints
     _plan_job: str = ""  # the registered plan's id, and the position its 0 is at in this epoch
     _plan_base: int = 0
+    _board: EpochBoard | None = None  # the main process's set_epoch / load_state_dict, for persistent workers
+    _board_seen: int = 0  # the board's generation this copy of the dataset reflects
 
     def _parts(self, fs: CacheFileSystem, prefetcher: Prefetcher) -> ProcessParts:
         info = get_worker_info()
@@ -243,6 +246,39 @@ class PerProcessParts:
         self._plan_prefetch = report.complete
         self._plan_job, self._plan_base = self._publisher.job, self._plan_start()
         return report
+
+    # -- persistent DataLoader workers (epochboard.py) --------------------------------------------------
+    def _post(self, decision: dict[str, Any]) -> None:
+        """Tell DataLoader workers that outlive this call (persistent ones) what the main process
+        decided: ``{"epoch": e}`` (set_epoch) or ``{"state": state}`` (load_state_dict)."""
+        board = self._board
+        if board is None:
+            return
+        if forksafe.pid() != self._owner_pid:  # a worker's own load_state_dict (StatefulDataLoader):
+            got = board.read()                 # it supersedes what the main process posted before it
+            if got is not None:
+                self._board_seen = got[0]
+            return
+        try:
+            self._board_seen = board.post(decision)
+        except (TypeError, ValueError) as exc:  # a state that is not plain JSON: say so, keep going
+            log.warning("persistent DataLoader workers will not see this state (%s): start them after "
+                        "load_state_dict", exc)
+
+    def _follow_board(self) -> None:
+        """In a DataLoader worker: take what the main process decided since this copy of the
+        dataset was made, as it took it there (one header read when nothing changed)."""
+        board = self._board
+        if board is None or forksafe.pid() == self._owner_pid or board.generation() == self._board_seen:
+            return
+        got = board.read()
+        if got is None or got[0] == self._board_seen:
+            return
+        self._board_seen, decision = got
+        self._take_decision(decision)
+
+    def _take_decision(self, decision: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def _plan_start(self) -> int:
         """The epoch position the published plan's position 0 stands for."""
@@ -380,6 +416,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         self._local = self._new_local()
         # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
         self._counters = CounterBlock() if stats else CounterBlock("")
+        self._board = EpochBoard.make()
         self.learn_cluster()
         self.plan_ahead, self._owner_pid = bool(plan_ahead), forksafe.pid()
         self.publish_plan()
@@ -572,8 +609,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         # is next asked for position + num_workers.
         t0 = time.perf_counter_ns()
         epoch, (position,) = untag([int(position)])
-        if epoch is not None:
-            self._follow_epoch(epoch)
+        self._follow_main(epoch)
         self._note_progress(self._local.get(), position)
         with profiled("cachefs.read_sample"):
             out = self._get(position, EpochPlan.upcoming(position, 1, self._num_workers(), self.plan.known()))
@@ -586,8 +622,7 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         # batches later. Anything else still reads correctly, with a less useful prefetch.
         t0 = time.perf_counter_ns()
         epoch, ints = untag([int(p) for p in positions])
-        if epoch is not None:
-            self._follow_epoch(epoch)
+        self._follow_main(epoch)
         with profiled("cachefs.read_batch"):
             out = self._getitems(ints)
         self._account(self._local.get(), len(out), t0)
@@ -694,14 +729,28 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                               self.drop_last)
         self.samples_seen = 0
         self._reset_prefetch()
+        self._post({"epoch": int(epoch)})
         self.publish_plan()
 
+    def _follow_main(self, tagged: int | None) -> None:
+        """A persistent DataLoader worker's copy of the dataset stays in the epoch it started in:
+        it takes what the main process decided since (the board), then the epoch the sampler
+        tagged these positions with, which wins (a set_epoch while the batch was in flight)."""
+        if forksafe.pid() == self._owner_pid:  # the main process's plan is the sampler's own
+            return
+        self._follow_board()
+        if tagged is not None:
+            self._follow_epoch(tagged)
+
+    def _take_decision(self, decision: dict[str, Any]) -> None:
+        if "state" in decision:
+            self._load_state(decision["state"])
+            self._plan_base = self.samples_seen  # as publish_plan left it in the main process
+        elif "epoch" in decision:
+            self._follow_epoch(int(decision["epoch"]))
+
     def _follow_epoch(self, epoch: int) -> None:
-        """Positions of epoch ``epoch`` came from the sampler: a persistent DataLoader worker whose
-        copy of the dataset is still in an earlier epoch takes that epoch's plan, as ``set_epoch``
-        made it in the main process (the tag carries the epoch only: a ``load_state_dict`` into
-        another world size's deal must come before such workers start). The main process's plan
-        is the sampler's own."""
+        """Epoch ``epoch``'s plan in a DataLoader worker, as ``set_epoch`` made it in the main process."""
         if epoch == getattr(self.plan, "epoch", 0) or forksafe.pid() == self._owner_pid:
             return
         self._settled()  # a streamed first epoch's index, whole
@@ -751,13 +800,17 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         """Continue from ``state``: the same or another number of DataLoader workers or ranks
         (see sampling.py for how a different world size is handled). Call before ``iter(loader)``.
         A streamed first epoch's listing is waited for (the count is checked, the rest dealt)."""
+        self._load_state(state)
+        self._post({"state": state})
+        self.publish_plan()
+
+    def _load_state(self, state: dict[str, Any]) -> None:
         self._settled()
         self.plan, self.samples_seen = EpochPlan.resume(
             state, n_samples=len(self.paths), rank=self.rank, world_size=self.world_size, shuffle=self.shuffle,
             drop_last=self.drop_last)
         self.seed = int(state["seed"])
         self._reset_prefetch()
-        self.publish_plan()
 
 
     def __getstate__(self) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from cachefs.client.datasets.runbuffers import RunBuffers
 from cachefs.client.datasets.sampling import BlockPlan, known_block
 from cachefs.client.datasets.shardscan import ShardScan
 from cachefs.client.datasets.columns import Columns, columns_for
+from cachefs.client.datasets.epochboard import EpochBoard
 from cachefs.client.datasets.foreign import FOREIGN_FORMATS, flavour, foreign_table
 from cachefs.client.datasets.shards import FORMATS, ShardFormatError, ShardIndex, index_to_json
 from cachefs.client.datasets.shardtable import ShardTable, ShardView, table_from_json
@@ -114,6 +115,7 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         self.samples_seen = 0
         self._iter_from = self._yielded = 0  # where this process's last iteration started, and its count
         self._worker_resume: tuple[int, int, int] | None = None
+        self._board, self._board_seen = EpochBoard.make(), 0
         self._local = self._new_local()
         # before any DataLoader worker starts (jobstats.py); stats=False: no block, nothing published
         self._counters = CounterBlock() if stats else CounterBlock("")
@@ -466,6 +468,8 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if info is not None:
+            self._follow_board()  # a persistent worker's copy may be epochs behind
         if self._scan is not None and self.samples_seen == 0 and self._worker_resume is None:
             yield from self._iter_scanning(worker, workers)
             return
@@ -600,14 +604,24 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
         """Use epoch ``epoch``'s order; progress resets only when the epoch changes."""
         if int(epoch) == self._epoch:
             return
+        self._enter_epoch(int(epoch))
+        self._post({"epoch": int(epoch)})
+        self.publish_plan()
+
+    def _enter_epoch(self, epoch: int) -> None:
         self._scan_complete()
-        self._epoch = int(epoch)
-        self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, int(epoch),
+        self._epoch = epoch
+        self.plan = BlockPlan(self.counts, self.block, self.rank, self.world_size, self.seed, epoch,
                               self.shuffle, self.drop_last, ordered=self._epoch == 0 and self._first_in_order)
         self.samples_seen = self._iter_from = self._yielded = 0
         self._worker_resume = None
         self._reset()
-        self.publish_plan()
+
+    def _take_decision(self, decision: dict[str, Any]) -> None:
+        if "state" in decision:
+            self._load(decision["state"])
+        elif "epoch" in decision and int(decision["epoch"]) != self._epoch:
+            self._enter_epoch(int(decision["epoch"]))
 
     @property
     def epoch(self) -> int:
@@ -642,6 +656,11 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (a rank's: any worker count or world size, see BlockPlan; a
         worker's, from StatefulDataLoader: the same worker count, as torchdata requires)."""
+        self._load(state)
+        self._post({"state": state})
+        self.publish_plan()
+
+    def _load(self, state: dict[str, Any]) -> None:
         self._scan_complete()
         self.plan, self.samples_seen = BlockPlan.resume(
             state, counts=self.counts, block=self.block, rank=self.rank, world_size=self.world_size,
@@ -651,7 +670,6 @@ class CacheIterableDataset(PerProcessParts, ConsumptionTracking, IterableDataset
                                if "worker" in state else None)
         self._iter_from, self._yielded = self.samples_seen, 0
         self._reset()
-        self.publish_plan()
 
 
 class _ShardIndexer:
