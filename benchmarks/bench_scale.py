@@ -437,11 +437,13 @@ def main() -> None:
     parser.add_argument("--fill", choices=("load", "epoch"), default="load",
                         help="--warm-epoch: fill the cache by a load job or by a cold epoch")
     parser.add_argument("--rounds", type=int, default=3, help="--warm-epoch: cachefs and local epochs, each")
+    parser.add_argument("--persistent-workers", action="store_true",
+                        help="--warm-epoch: both loaders with persistent_workers=True (made once)")
     args = parser.parse_args()
     if args.warm_epoch:
         from warm_scale import measure as measure_warm, plot as plot_warm
         row = measure_warm(args.objects, args.dir or f"/tmp/cachefs-tree-{args.objects}", fill=args.fill,
-                           rounds=args.rounds)
+                           rounds=args.rounds, persistent=args.persistent_workers)
         result = {"benchmark": "scale --warm-epoch", "machine": machine_info(), "rows": [row],
                   "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
         path = write_result(args.out, "warm-epoch", result)

@@ -12,8 +12,9 @@ local-directory mount; the worker's cache on the same disk, its quota N x 8 KiB 
    order of the dataset's plan for that epoch, ``ds.plan.order``), which one goes first
    alternating by round. cachefs: ``DataLoader(ds, batch_size=64, num_workers=2,
    sampler=ds.sampler(), collate_fn=to_bytes)``. local: a plain torch Dataset over the same files
-   by position (``open(path, "rb").read()``), ``DataLoader(batch_size=64, num_workers=2,
-   collate_fn=to_bytes)``. ``to_bytes`` turns each sample into ``bytes`` (the cachefs sample is a
+   by sample id (``open(path, "rb").read()``), ``DataLoader(batch_size=64, num_workers=2,
+   sampler=<the epoch's order>, collate_fn=to_bytes)``. ``--persistent-workers``: both loaders
+   made once with ``persistent_workers=True`` (else a loader, and its workers, an epoch). ``to_bytes`` turns each sample into ``bytes`` (the cachefs sample is a
    uint8 tensor) in the DataLoader worker; the main process takes each sample's crc32 (both).
 
 Reported per epoch: samples/s (the whole ``for batch in loader`` including the DataLoader workers'
@@ -57,7 +58,7 @@ def to_bytes(batch: list[Any]) -> list[bytes]:
 
 
 class LocalFiles(Dataset):
-    """Position ``p``: the bytes of the file ``paths[p]`` (a numpy ``S`` array: no per-path object a fork copies)."""
+    """Sample ``i``: the bytes of the file ``paths[i]`` (a numpy ``S`` array: no per-path object a fork copies)."""
 
     def __init__(self, paths: np.ndarray) -> None:
         self.paths = paths
@@ -68,6 +69,20 @@ class LocalFiles(Dataset):
     def __getitem__(self, position: int) -> bytes:
         with open(self.paths[position], "rb") as f:
             return f.read()
+
+
+class OrderSampler:
+    """The local loop's sampler: the epoch's order, set per round (in the main process, so a
+    persistent DataLoader's workers need not know it)."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
 
 
 def _rss(pid: int) -> int:
@@ -115,6 +130,9 @@ def _epoch(loader: DataLoader, crcs: np.ndarray, worker_pid: int) -> dict[str, A
     user0, sys0, _ = _cpu(worker_pid)
     me0 = resource.getrusage(resource.RUSAGE_SELF)
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    live = getattr(loader, "_iterator", None)  # a persistent loader's workers, started by an earlier epoch
+    live_pids = [w.pid for w in getattr(live, "_workers", [])] if loader.persistent_workers else []
+    live0 = sum(sum(_cpu(p)[:2]) for p in live_pids)
     t0 = time.perf_counter()
     it = iter(loader)
     pos, rss = 0, {}
@@ -129,12 +147,17 @@ def _epoch(loader: DataLoader, crcs: np.ndarray, worker_pid: int) -> dict[str, A
                    "cachefs_worker_mem": _mem(worker_pid), "train_mem": _mem(os.getpid()),
                    "loader_worker_mem": [_mem(p) for p in pids]}
     took = time.perf_counter() - t0
+    if loader.persistent_workers:  # its workers live on: their CPU from /proc (started now, or before)
+        pids = [w.pid for w in getattr(it, "_workers", [])]
+        live_s = sum(sum(_cpu(p)[:2]) for p in pids) - (live0 if pids == live_pids else 0)
+    else:
+        live_s = 0.0
     del it
     user1, sys1, _ = _cpu(worker_pid)
     me1 = resource.getrusage(resource.RUSAGE_SELF)
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the DataLoader workers, reaped at the epoch's end
     train_s = (me1.ru_utime + me1.ru_stime - me0.ru_utime - me0.ru_stime
-               + kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime)
+               + kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime + live_s)
     return {"samples": pos, "epoch_s": round(took, 3), "samples_per_s": round(pos / took, 1),
             "worker_cpu_us_per_sample": round(((user1 - user0) + (sys1 - sys0)) / max(pos, 1) * 1e6, 1),
             "worker_user_us_per_sample": round((user1 - user0) / max(pos, 1) * 1e6, 1),
@@ -164,7 +187,9 @@ def check_space(base: str, objects: int) -> tuple[int, int]:
 
 
 def measure(objects: int, tree: str, base: str | None = None, fill: str = "load", rounds: int = 3,
-            loader_workers: int = 2, batch: int = 64, seed: int = 46) -> dict[str, Any]:
+            loader_workers: int = 2, batch: int = 64, seed: int = 46, persistent: bool = False) -> dict[str, Any]:
+    """``persistent``: both loaders made once with ``persistent_workers=True`` (their workers
+    outlive the epoch) instead of a loader, and its workers, per epoch."""
     import cachefs
     from cachefs.local import LocalCluster
 
@@ -181,7 +206,7 @@ def measure(objects: int, tree: str, base: str | None = None, fill: str = "load"
     tmp = tempfile.mkdtemp(prefix="cachefs-warmepoch-", dir=base)
     row: dict[str, Any] = {"mode": "warm-epoch", "objects": objects, "object_bytes": OBJECT_BYTES, "tree": tree,
                            "tree_made_s": round(made_s, 1), "fill": fill, "loader_workers": loader_workers,
-                           "batch": batch, "seed": seed, "quota_bytes": quota}
+                           "batch": batch, "seed": seed, "quota_bytes": quota, "persistent_workers": persistent}
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEFS_", "GRPC_"))}
         with LocalCluster(os.path.join(tmp, "cluster"), workers=1, mounts={MOUNT: tree}, env=env,
@@ -198,9 +223,15 @@ def measure(objects: int, tree: str, base: str | None = None, fill: str = "load"
                 row["list_s"] = round(time.perf_counter() - t0, 2)
                 return ds
 
+            made: dict[str, DataLoader] = {}
+
             def cachefs_loader(ds: Any) -> DataLoader:
-                return DataLoader(ds, batch_size=batch, sampler=ds.sampler(), num_workers=loader_workers,
-                                  collate_fn=to_bytes)
+                if persistent and "cachefs" in made:
+                    return made["cachefs"]
+                loader = made["cachefs"] = DataLoader(ds, batch_size=batch, sampler=ds.sampler(),
+                                                      num_workers=loader_workers, collate_fn=to_bytes,
+                                                      persistent_workers=persistent)
+                return loader
 
             cpu0 = sum(_cpu(pid)[:2])
             if fill == "load":
@@ -225,20 +256,19 @@ def measure(objects: int, tree: str, base: str | None = None, fill: str = "load"
             first = str(paths[0])
             assert first.startswith(prefix), first
             root = tree.rstrip("/") + "/"
+            local_paths = np.array([root + str(p)[len(prefix):] for p in paths], dtype=bytes)  # by sample id
+            local_order = OrderSampler()
+            local = DataLoader(LocalFiles(local_paths), batch_size=batch, sampler=local_order,
+                               num_workers=loader_workers, collate_fn=to_bytes, persistent_workers=persistent)
             runs: list[dict[str, Any]] = []
             wrong = 0
             for r in range(1, rounds + 1):
                 ds.set_epoch(r)
-                order = np.asarray(ds.plan.order)
-                local_paths = np.array([root + str(paths[int(i)])[len(prefix):] for i in order], dtype=bytes)
+                local_order.order = np.asarray(ds.plan.order).tolist()
                 got = {"cachefs": np.zeros(objects, np.uint32), "local": np.zeros(objects, np.uint32)}
                 sides = ("cachefs", "local") if r % 2 else ("local", "cachefs")
                 for side in sides:
-                    if side == "cachefs":
-                        loader = cachefs_loader(ds)
-                    else:
-                        loader = DataLoader(LocalFiles(local_paths), batch_size=batch, num_workers=loader_workers,
-                                            collate_fn=to_bytes)
+                    loader = cachefs_loader(ds) if side == "cachefs" else local
                     one = {"round": r, "epoch": r, "side": side, **_epoch(loader, got[side], pid)}
                     del loader
                     runs.append(one)
@@ -246,7 +276,8 @@ def measure(objects: int, tree: str, base: str | None = None, fill: str = "load"
                 bad = int(np.count_nonzero(got["cachefs"] != got["local"]))
                 short = sum(objects - run["samples"] for run in runs[-2:])
                 wrong += bad + short
-                del local_paths, order
+            made.clear()
+            del local
             row["worker_rss_end"] = _rss(pid)
             row["worker_mem_end"] = _mem(pid)
             row["dataset_stats"] = ds.stats()

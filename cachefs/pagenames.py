@@ -46,6 +46,7 @@ __all__ = [
     "name_hashes",
     "page_digest",
     "page_file",
+    "path_page_digest",
     "pick_dir",
     "probe_slots",
 ]
@@ -68,6 +69,15 @@ def object_prefix(mount: str, key: str, version: str) -> bytes:
 def page_digest(mount: str, key: str, version: str, index: int) -> str:
     """Stable 32-hex-digit name: xxh3_128 over length-prefixed fields (never Python's hash())."""
     return xxhash.xxh3_128_hexdigest(object_prefix(mount, key, version) + index.to_bytes(8, "little"))
+
+
+def path_page_digest(path: bytes, version: bytes, index: int) -> xxhash.xxh3_128:
+    """``page_digest`` of a canonical ``mount/key`` path and a version given as UTF-8 bytes (a
+    name index entry's own), as the hash object (``hexdigest()``, ``digest()``): the warm read
+    path names a page with no str round trip. Mount names hold no "/"."""
+    mount, _, key = path.partition(b"/")
+    return xxhash.xxh3_128(DIGEST_DOMAIN + len(mount).to_bytes(4, "little") + mount + len(key).to_bytes(4, "little")
+                           + key + len(version).to_bytes(4, "little") + version + index.to_bytes(8, "little"))
 
 
 def dir_score(digest: str, root: str, quota: int) -> float:

@@ -136,6 +136,21 @@ def test_persistent_dataloader_workers_read_each_epochs_own_order(served, contex
     assert _sample_id(ds[3]) == by_id[int(ds.plan.order[3])]
 
 
+def test_a_path_read_by_name_as_listed_or_parsed_when_not_canonical(served):
+    """A warm batch reads ``cachefs://`` paths by name as they stand; one the worker has no entry
+    under as written (a trailing "/") is read the usual way, which parses it: the same bytes."""
+    store, opts = served(40)
+    names = _names(40)
+    paths = [f"cachefs://data/{n}" + ("/" if i % 4 == 0 else "") for i, n in enumerate(names)]
+    sizes = [len(store.objects[n]) for n in names]
+    ds = CacheDataset(paths, sizes=sizes, storage_options=opts, shuffle=False, plan_ahead=False)
+    for _warm in (0, 1):
+        loader = DataLoader(ds, batch_size=8, num_workers=1, collate_fn=_as_list, timeout=TIMEOUT)
+        got = [bytes(t.numpy()) for batch in loader for t in batch]
+        assert got == [store.objects[n] for n in names]
+    assert ds.stats()["short_circuit_reads"] == 80  # this worker's own socket and page files, not gRPC
+
+
 def _with_frozen_count(sample: torch.Tensor) -> tuple[torch.Tensor, int]:
     return sample, gc.get_freeze_count()
 

@@ -18,7 +18,7 @@ import pytest
 
 from cachefs.client.fs.filesystem import CacheFileSystem
 from cachefs.client.transport.namedpages import NamedPages
-from cachefs.pagenames import ENTRY, NAMES_HEADER, VERSION_BYTES, name_hashes, page_digest
+from cachefs.pagenames import ENTRY, NAMES_HEADER, VERSION_BYTES, name_hashes, page_digest, path_page_digest
 from cachefs.proto import worker_pb2, worker_pb2_grpc
 from cachefs.server.pagestore.store import PageId
 from cachefs.server.worker.names import NameIndex
@@ -280,6 +280,28 @@ def test_the_client_computes_the_page_stores_names(tmp_path):
         store.delete(PageId("m", "dir/obj", "v9", 5))
         assert not client.covers("m/dir/obj", 0, -1) and client.open_range("m/dir/obj", 0, -1) is None
         assert client.stats["named_missing"] == 2 and client.enabled  # missing is not a reason to stop
+
+
+@pytest.mark.parametrize("quotas", [(1 << 20,), (1 << 20, 2 << 20, 3 << 20)], ids=["one-dir", "three-dirs"])
+def test_whole_one_page_objects_are_read_by_the_names_the_page_store_gives(tmp_path, quotas):
+    """read_whole's one-pass naming (path_page_digest, the single dir taken as is) finds the
+    page store's own files, for keys that are not ASCII too."""
+    keys = ["dir/obj-0", "dïr/ob✓-1", "a/b/c/ü-2"]
+    assert all(path_page_digest(f"m/{k}".encode(), "v€".encode(), 0).hexdigest() == page_digest("m", k, "v€", 0)
+               for k in keys)
+    with _store_with_names(tmp_path, quotas) as (store, index, client):
+        bodies = {k: payload(1000 + i, i) for i, k in enumerate(keys)}
+        for k, body in bodies.items():
+            assert store.put(PageId("m", k, "v€", 0), body)
+            index.publish(f"m/{k}", "v€", len(body), 0.0, time.monotonic() + 60)
+        outs = {k: bytearray(len(b)) for k, b in bodies.items()}
+        reads = [(f"m/{k}", 0, memoryview(outs[k])) for k in keys] + [("m/none", 0, memoryview(bytearray(5)))]
+        results: list[Any] = [None] * len(reads)
+        assert client.read_whole(reads, results) == 3
+        assert results == [(len(bodies[k]),) * 2 for k in keys] + [None]
+        assert all(bytes(outs[k]) == bodies[k] for k in keys)
+        for k in keys:
+            assert client._whole[f"m/{k}"][6] == client._file(page_digest("m", k, "v€", 0))
 
 
 def test_dirs_this_process_cannot_use_turn_reads_by_name_off(tmp_path):

@@ -52,6 +52,7 @@ from cachefs.client.datasets.prefixindex import MODES as KEPT_MODES, open_prefix
 from cachefs.client.datasets.sampleindex import IndexBuilder, SampleIndex
 from cachefs.client.datasets.sampling import EpochPlan, tag_epoch, untag
 from cachefs.order import plan_digest
+from cachefs.paths import PROTOCOL
 from cachefs.client.transport.session import SessionBootstrap
 from cachefs.client.transport.shortcircuit import Prepared
 
@@ -63,6 +64,7 @@ MiB = 1 << 20
 #: every DataLoader worker.
 PARSED_PATHS = 1 << 14
 _UNPARSED = object()
+_URL_PREFIX = f"{PROTOCOL}://"
 
 
 class ProcessParts(NamedTuple):
@@ -662,13 +664,9 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
             except Exception:  # noqa: BLE001 - only a hint that the handles are there
                 uncached, quiet = True, False
         samples = self.plan.samples(positions).tolist()  # one call for the batch
-        known = parts.cache_paths
-        paths = [known.get(s, _UNPARSED) for s in samples]
-        for i, cp in enumerate(paths):
-            if cp is _UNPARSED:
-                paths[i] = cp = self._cache_path(parts, samples[i])
-            if cp is None:
-                return None
+        paths = self._held_paths(parts, samples)
+        if paths is None:
+            return None
         session = parts.fs.session
         sizes = self._index.sizes[samples].tolist()
         outs = [torch.empty(size, dtype=torch.uint8) for size in sizes]
@@ -707,6 +705,26 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
                 out.append(self._apply(data))
         if uncached:  # all of it cached (the usual warm epoch): hints would only cost both sides
             self._hint(upcoming)
+        return out
+
+    def _held_paths(self, parts: ProcessParts, samples: list[int]) -> list[Any] | None:
+        """Each sample's cachefs path for a held or named read: a ``cachefs://`` URL's
+        "mount/key" as it stands (no parse a sample: a read by name matches the worker's own
+        canonical path byte for byte, so one that is not canonical misses, and the fallback that
+        follows parses it like any read), else its parsed path; None: a sample this filesystem
+        reads past the cache (``unmounted="direct"``)."""
+        index, known, out = self._index, parts.cache_paths, []
+        for s in samples:
+            path = index[s]
+            if path.startswith(_URL_PREFIX):
+                out.append(path[len(_URL_PREFIX):])
+                continue
+            cp = known.get(s, _UNPARSED)
+            if cp is _UNPARSED:
+                cp = self._cache_path(parts, s)
+            if cp is None:
+                return None
+            out.append(cp)
         return out
 
     def _prepare(self, parts: ProcessParts, samples: list[int]) -> Prepared:

@@ -29,7 +29,8 @@ import xxhash
 from cachefs.client.transport.handles import Page, file_identity
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
 from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
-                               SUPERSEDED_AT, name_hashes, page_digest, page_file, pick_dir, probe_slots)
+                               SUPERSEDED_AT, name_hashes, page_digest, page_file, path_page_digest, pick_dir,
+                               probe_slots)
 from cachefs.paths import parse_path
 from cachefs.client.timeouts import REPORT_SECONDS, STALE_REPORT_SECONDS
 
@@ -137,6 +138,7 @@ class NamedPages:
             self._map.close()
             raise ValueError("not a cachefs name index")
         self.slots, self.dirs, self.page_size = slots, list(dirs), page_size
+        self._only_root = self.dirs[0][0] if len(self.dirs) == 1 else None  # pick_dir's answer for every page
         self.enabled = True
         # The worker moved to a larger table (its header says so): this one is no longer kept up.
         self.superseded = bool(superseded)
@@ -160,7 +162,7 @@ class NamedPages:
         # same the entry is unchanged, so a warm read checks one number, not the entry (read_whole);
         # and the version it named (an entry rewritten for the same version, as a metadata
         # refresh of a long epoch does, keeps its page's name: only the entry is read again).
-        self._whole: dict[str, tuple[int, int, int, int, str, bytes, str, str]] = {}
+        self._whole: dict[str, tuple[int, int, int, int, str, bytes, str, bytes]] = {}
         # reads noted (a batch counts once), pages asked for by name but not there, and pages
         # read with no checksum pass (this process had checked the same file before)
         self.stats = {"named_reads": 0, "named_missing": 0, "named_unhashed": 0}
@@ -359,21 +361,44 @@ class NamedPages:
             self._note_raw(raw, nbytes)
         return len(raw)
 
-    def _remember_whole(self, path: str) -> tuple[int, int, int, int, str, bytes, str, str] | None:
-        found = self._locate(path)
-        if found is None or not 0 < found[2] <= self.page_size:
+    def _remember_whole(self, path: str) -> tuple[int, int, int, int, str, bytes, str, bytes] | None:
+        """(slot offset, seq, size, until, digest, raw digest, page file, version bytes) of the
+        entry of a one-page object, remembered for ``path``'s next read; None: no such entry.
+
+        Once a sample in a new DataLoader worker (a warm epoch's every read), so the slot, the
+        digest and the file name are worked out in one pass over the entry's bytes (``_locate``,
+        ``page_digest`` and ``_file`` say the same, with a str round trip each)."""
+        table = self._map
+        h, check = name_hashes(path)
+        try:
+            for slot in probe_slots(h, check, self.slots):
+                off = NAMES_HEADER.size + slot * ENTRY.size
+                seq, kh, kc = _KEY.unpack_from(table, off)
+                if kh == h and kc == check:
+                    break
+            else:
+                return None
+            _seq, _h, _c, size, until_ns, _mtime, vlen, vbytes = ENTRY.unpack_from(table, off)
+            if seq & 1 or SEQ.unpack_from(table, off)[0] != seq:  # being rewritten, or rewritten as we read
+                return None
+        except ValueError:  # closed under us
             return None
-        off, seq, size, version, _mtime, until_ns = found
-        before = self._whole.get(path)
+        if not 0 < size <= self.page_size:
+            return None
+        version = vbytes[:vlen]
+        memo = self._whole
+        before = memo.get(path)
         if before is not None and before[7] == version:  # the entry extended: the same page file
-            known = self._whole[path] = (off, seq, size, until_ns, *before[4:])
+            known = memo[path] = (off, seq, size, until_ns, *before[4:])
             return known
-        cp = parse_path(path)
-        digest = page_digest(cp.mount, cp.key, version, 0)
-        name = self._file(digest)
-        if len(self._whole) >= MEMO_ENTRIES:
-            self._whole.clear()
-        known = self._whole[path] = (off, seq, size, until_ns, digest, bytes.fromhex(digest), name, version)
+        # the path matched the worker's entry byte for byte: it is canonical ("mount/key")
+        hashed = path_page_digest(path.encode("utf-8", "surrogatepass"), version, 0)
+        digest = hashed.hexdigest()
+        root = self._only_root
+        name = page_file(root, digest) if root is not None else self._file(digest)
+        if len(memo) >= MEMO_ENTRIES:
+            memo.clear()
+        known = memo[path] = (off, seq, size, until_ns, digest, hashed.digest(), name, version)
         return known
 
     def read_into(self, path: str, offset: int, out: memoryview) -> tuple[int, int, list[str]] | str | None:
