@@ -214,6 +214,11 @@ class EpochOrder:
         return sample if perm is None else perm.inverse(sample)
 
     @property
+    def rest(self) -> int:
+        """Samples of the global order after ``offset`` (what is dealt)."""
+        return self._rest  # type: ignore[attr-defined]
+
+    @property
     def permutation(self) -> Permutation | None:
         """The epoch's global order (None: the identity, unshuffled)."""
         return self._perm  # type: ignore[attr-defined]

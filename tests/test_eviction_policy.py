@@ -80,11 +80,13 @@ def _replay(store: PageStore, table: PlanTable, clock: FakeClock, trace: list[in
     return misses
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["placed-per-read", "placed-when-deciding"])
+@pytest.mark.parametrize("lazy", [False, True, "batched"],
+                         ids=["placed-per-read", "placed-when-deciding", "placed-in-runs"])
 @pytest.mark.parametrize("seed", range(6))
 def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed, lazy):
     """Reads placed as they happen, or (the worker's way) when the order next decides, as of
-    the read's moment: the same misses as the optimum either way."""
+    the read's moment, one by one or a run of reads of one moment per call (``next_uses``, as
+    replans are): the same misses as the optimum either way."""
     rng = random.Random(seed)
     pages = rng.randint(8, 40)
     capacity = rng.randint(2, max(3, pages - 2))
@@ -94,7 +96,8 @@ def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed, lazy):
     clock = FakeClock()
     table = PlanTable(PS, clock=clock)
     store = PageStore([CacheDir(str(tmp_path), capacity * (PS + TRAILER_SIZE))], PS, next_use=table.next_use,
-                      plan_moment=table.moment if lazy else None)
+                      plan_moment=table.moment if lazy else None,
+                      next_uses=table.next_uses if lazy == "batched" else None)
     table._on_change = store.replan
     try:
         _register(table, "j", trace)

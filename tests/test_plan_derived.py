@@ -132,6 +132,7 @@ def test_a_derived_plan_answers_as_the_plan_sent_sample_by_sample():
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 3 * PAGE, n).tolist()
     units = [(f"data/s/{i:03d}-é", 0, int(sizes[i])) for i in range(n)]  # not ASCII: cut by bytes
+    units[6] = ("data/s/005-é", 3 * PAGE, int(sizes[6]))  # two samples of one object (a shard's)
     held = [s for s in range(n) if s % 3 != 1]  # this worker holds two thirds of the units
     plan = _sampler_plan(n, rank, ws, seed, epoch, False, 0, start)
     runs = []
@@ -147,7 +148,11 @@ def test_a_derived_plan_answers_as_the_plan_sent_sample_by_sample():
     assert (known, index_known, took) == (True, True, True)
     assert derived.describe()[0]["derived"] and not explicit.describe()[0]["derived"]
     assert derived.planned_pages() == explicit.planned_pages() > 0
-    pages = [SimpleNamespace(mount="data", key=units[s][0][5:], index=i) for s in range(n) for i in range(4)]
+    pages = [SimpleNamespace(mount="data", key=units[s][0][5:], index=i) for s in range(n) for i in range(7)]
+    pages.append(SimpleNamespace(mount="data", key="s/not-in-the-index", index=0))
+    _at, answered = derived._derived[0].derived.uses_many([f"{p.mount}/{p.key}" for p in pages],
+                                                          np.array([p.index for p in pages]))
+    assert answered.sum() == len(pages) - 14  # all but the object of two units (asked one by one)
     for position in (0, 3, 7, 11):
         for table in (explicit, derived):
             table.progress("j", position)
@@ -157,6 +162,10 @@ def test_a_derived_plan_answers_as_the_plan_sent_sample_by_sample():
             b = [derived.next_use(pid, used) for pid in pages]
             assert a == b
             assert used or any(math.isfinite(w) for w, _ in a), position
+            # all at once (a replan): the same answers, also as of a moment
+            assert derived.next_uses(pages, used) == b and explicit.next_uses(pages, used) == a
+            moment = derived.moment()
+            assert derived.next_uses(pages, used, moment) == [derived.next_use(pid, used, moment) for pid in pages]
         assert derived.due("j", 1 << 30, 2.0, at_least=6) == explicit.due("j", 1 << 30, 2.0, at_least=6)
     for s in range(n):
         path = units[s][0]

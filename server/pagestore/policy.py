@@ -32,6 +32,8 @@ __all__ = ["EvictionOrder", "LruOrder", "NextUseOrder", "NextUse"]
 MAX_READ_BACKLOG = 8192
 SETTLE_CHUNK = 1024
 
+_END = object()  # NextUseOrder._settle's end of a batch
+
 #: A page's next use: (estimated time of next use or math.inf, the time its planned use ends:
 #: after that it is stale and asked for again). Given by the worker's plan table, which also
 #: takes a third argument: a moment (``PlanTable.moment``) to answer as of, instead of now.
@@ -104,10 +106,13 @@ class NextUseOrder:
 
     name = "future"
 
-    def __init__(self, next_use: NextUse, moment: Callable[[], Any] | None = None) -> None:
+    def __init__(self, next_use: NextUse, moment: Callable[[], Any] | None = None,
+                 next_uses: Callable[..., list[tuple[float, float]]] | None = None) -> None:
         """``moment()``: where the plans stand now, for a next use asked later as of now
-        (``next_use(pid, used, moment)``); without it, each read is placed as it happens."""
+        (``next_use(pid, used, moment)``); without it, each read is placed as it happens.
+        ``next_uses(pids, used)``: ``next_use`` of many pages in one call (``replan_many``)."""
         self._next_use = next_use
+        self._next_uses = next_uses
         self._moment = moment
         self._unknown: OrderedDict[str, Any] = OrderedDict()
         self._planned: dict[str, tuple[int, Any]] = {}  # digest -> (seq of its live heap items, entry)
@@ -157,6 +162,18 @@ class NextUseOrder:
             self._read.pop(entry.digest, None)
             self._place(entry, used=False)
 
+    def replan_many(self, entries: list[Any]) -> None:
+        """``replan`` of many pages, their next uses asked in one call where the plans can."""
+        mine = [entry for entry in entries if entry.digest in self]
+        if self._next_uses is None:
+            for entry in mine:
+                self.replan(entry)
+            return
+        for entry in mine:
+            self._read.pop(entry.digest, None)
+        for entry, (when, stale_at) in zip(mine, self._next_uses([entry.pid for entry in mine], False)):
+            self._put(entry, when, stale_at)
+
     def remove(self, entry: Any) -> None:
         self._read.pop(entry.digest, None)
         self._unknown.pop(entry.digest, None)
@@ -180,16 +197,32 @@ class NextUseOrder:
             batch = list(itertools.islice(read.items(), limit))
             for digest, _ in batch:
                 del read[digest]
-        for digest, (entry, moment) in batch:
-            if digest in self._unknown or digest in self._planned:
-                self._place(entry, used=True, moment=moment)
+        if self._next_uses is None:
+            for digest, (entry, moment) in batch:
+                if digest in self._unknown or digest in self._planned:
+                    self._place(entry, used=True, moment=moment)
+            return
+        # Reads reported together share their moment: their next uses are asked in one call a run.
+        run: list[Any] = []
+        run_moment: Any = None
+        for digest, (entry, moment) in itertools.chain(batch, [("", (None, _END))]):
+            if moment is not run_moment and run:
+                for one, (when, stale_at) in zip(run, self._next_uses([e.pid for e in run], True, run_moment)):
+                    self._put(one, when, stale_at)
+                run = []
+            run_moment = moment
+            if entry is not None and (digest in self._unknown or digest in self._planned):
+                run.append(entry)
 
     def _place(self, entry: Any, used: bool, moment: Any = None) -> None:
-        digest = entry.digest
         if moment is None:
             when, stale_at = self._next_use(entry.pid, used)
         else:
             when, stale_at = self._next_use(entry.pid, used, moment)
+        self._put(entry, when, stale_at)
+
+    def _put(self, entry: Any, when: float, stale_at: float) -> None:
+        digest = entry.digest
         entry.next_use = when
         if math.isinf(when):
             self._planned.pop(digest, None)

@@ -179,13 +179,15 @@ class PageStore:
 
     def __init__(
         self, dirs: Sequence[CacheDir], page_size: int = 1 << 20, *, flush_interval: float = 2.0,
-        next_use: NextUse | None = None, plan_moment: Callable[[], Any] | None = None, row_delay: float = 0.1,
+        next_use: NextUse | None = None, plan_moment: Callable[[], Any] | None = None,
+        next_uses: Callable[..., list[tuple[float, float]]] | None = None, row_delay: float = 0.1,
         batch_rows: int = 512, max_rows: int = 8192, access_granularity: float = ACCESS_GRANULARITY_S,
         degraded_settle_s: float = 0.0, background_load_rows: int = BACKGROUND_LOAD_ROWS,
     ) -> None:
         """With ``next_use`` (the worker's plan table, server/worker/plans.py), pages leave by
         furthest next use (policy.NextUseOrder; with ``plan_moment``, reads are placed in that
-        order when it next decides, as of their moment); without, least recently used first. Index rows
+        order when it next decides, as of their moment; ``next_uses``, many pages' next uses in
+        one call, for a replan); without, least recently used first. Index rows
         wait up to ``row_delay`` s for a batch of ``batch_rows``; a put that finds ``max_rows``
         queued writes them itself (the flush thread fell behind). A read's time reaches the
         index only once it is ``access_granularity`` s past the time the index holds (and at
@@ -251,7 +253,7 @@ class PageStore:
         try:
             rows = 0
             for cfg, root in zip(dirs, roots):
-                order = NextUseOrder(next_use, plan_moment) if next_use is not None else None
+                order = NextUseOrder(next_use, plan_moment, next_uses) if next_use is not None else None
                 self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size, order))
                 unclean.append(not self._dirs[-1].take_clean_mark())
                 rows += self._dirs[-1].row_count()
@@ -419,9 +421,8 @@ class PageStore:
                 entries = list(d.order.entries())
             for i in range(0, len(entries), 4096):
                 with self._lock:
-                    for entry in entries[i:i + 4096]:
-                        if entry.state is _State.READY:
-                            d.order.replan(entry)  # type: ignore[attr-defined]
+                    d.order.replan_many([entry for entry in entries[i:i + 4096]  # type: ignore[attr-defined]
+                                         if entry.state is _State.READY])
                 done += min(4096, len(entries) - i)
         return done
 

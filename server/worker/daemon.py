@@ -117,6 +117,7 @@ class Worker:
         self.pages = PageStore([CacheDir(d.path, d.quota_bytes) for d in config.cache_dirs], config.page_size,
                                next_use=self.plans.next_use if config.eviction == "future" else None,
                                plan_moment=self.plans.moment if config.eviction == "future" else None,
+                               next_uses=self.plans.next_uses if config.eviction == "future" else None,
                                degraded_settle_s=config.degraded_settle_s)
         self.objects.on_fetched = self._on_fetched
         self.objects.on_listed = self._on_listed

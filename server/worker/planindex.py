@@ -22,7 +22,7 @@ import numpy as np
 
 from cachefs.order import EpochOrder, digest, probe_positions
 
-__all__ = ["DerivedOrder", "IndexError_", "PlanIndex", "derive"]
+__all__ = ["NO_USE", "DerivedOrder", "IndexError_", "PlanIndex", "derive"]
 
 MAX_INDEX_UNITS = 1 << 31
 #: An epoch order over at most this many samples is inverted once, into an array (4 bytes a
@@ -260,6 +260,43 @@ class DerivedOrder:
                 out.extend(self.positions_of(int(self.index.samples[u]), memo))
         return sorted(out) if len(out) > 1 else out
 
+    def uses_many(self, paths: list[str], indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``uses`` of many pages (page ``indices[i]`` of object ``paths[i]``, "mount/key") in one
+        vectorised pass: (positions, answered). ``positions[i]``: the plan's positions that read
+        the page, ascending, padded with ``NO_USE``; ``answered[i]`` False where this pass does
+        not answer and ``uses`` must (an object split into several units, an order held without
+        its inverse array)."""
+        n = len(paths)
+        none = np.full((n, 1), NO_USE, dtype=np.int64)
+        if self.now_inverse is None or self.after_inverse is None:
+            return none, np.zeros(n, dtype=bool)
+        index = self.index
+        hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=n)  # as finish() hashes them
+        lo = np.searchsorted(index.hashes, hashes, side="left")
+        hi = np.searchsorted(index.hashes, hashes, side="right")
+        answered = hi - lo <= 1
+        rows = np.flatnonzero(hi - lo == 1)
+        units = index.by_hash[lo[rows]]
+        # a path not in the index whose hash is one of its paths': told apart, as find() does
+        same = np.fromiter((index.path(u) == paths[r] for u, r in zip(units.tolist(), rows.tolist())),
+                           dtype=bool, count=len(rows))
+        rows, units = rows[same], units[same]
+        page = indices[rows]
+        first = index.first_page[units].astype(np.int64)
+        read = self.planned[units] & (first <= page) & (page < first + index.pages[units])
+        rows, units = rows[read], units[read]
+        if not len(rows):
+            return none, answered
+        samples = index.samples[units]
+        now = _global_positions(self.now, self.now_inverse[samples].astype(np.int64))
+        now = np.where((now != NO_USE) & (now >= self.start), now - self.start, NO_USE)
+        after = _global_positions(self.after, self.after_inverse[samples].astype(np.int64))
+        after = np.where(after != NO_USE, after + self.rest, NO_USE)
+        found = np.sort(np.concatenate([now, after], axis=1), axis=1)
+        out = np.full((n, found.shape[1]), NO_USE, dtype=np.int64)
+        out[rows] = found
+        return out, answered
+
     def pages_of(self, mount: str, key: str) -> int:
         return sum(int(self.index.pages[u]) for u in self.index.find(mount, key) if self.planned[u])
 
@@ -282,6 +319,23 @@ class DerivedOrder:
     def nbytes(self) -> int:
         """The job's arrays (an inverse shared with other jobs counted in each)."""
         return self.planned.nbytes + sum(a.nbytes for a in (self.now_inverse, self.after_inverse) if a is not None)
+
+
+NO_USE = np.iinfo(np.int64).max  # DerivedOrder.uses_many's padding: no position
+
+
+def _global_positions(order: EpochOrder, g: np.ndarray) -> np.ndarray:
+    """``order.positions_of_global`` of each global index in ``g``, as rows padded with NO_USE."""
+    rest, ws = order.rest, order.world_size
+    if rest <= 0:
+        return np.full((len(g), 1), NO_USE, dtype=np.int64)
+    total = len(order) * ws
+    j0 = g - order.offset
+    columns = []
+    for step in range(-(-total // rest) + 1):  # the padding repeats the order from its start: a few laps
+        j = j0 + step * rest
+        columns.append(np.where((j0 >= 0) & (j < total) & (j % ws == order.rank), j // ws, NO_USE))
+    return np.stack(columns, axis=1)
 
 
 def _orders(order: Any) -> tuple[EpochOrder, EpochOrder]:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from cachefs.paths import parse_path
-from cachefs.server.worker.planindex import DerivedOrder, IndexError_, PlanIndex, derive
+from cachefs.server.worker.planindex import NO_USE, DerivedOrder, IndexError_, PlanIndex, derive
 
 __all__ = ["PlanError", "PlanTable"]
 
@@ -445,6 +445,46 @@ class PlanTable:
                 best = when
                 recheck = now + max(0.0, ends[i] + slack - here) / rate + STALE_GRACE_SECONDS
         return best, recheck
+
+    def next_uses(self, pids: list[Any], used: bool, moment: PlanMoment | None = None) -> list[tuple[float, float]]:
+        """``next_use`` of many pages at once (every cached page after a plan changed: millions):
+        the derived plans answer in one vectorised pass per job (DerivedOrder.uses_many); a page
+        a plan sent sample by sample reads, or one that pass leaves open, is asked one by one."""
+        n = len(pids)
+        now = self._clock() if moment is None else moment.now
+        derived = [job for job in self._derived if job.complete and job.expires > now]
+        if not derived or n == 0:
+            return [self.next_use(pid, used, moment) for pid in pids]
+        by_page = self._by_page
+        alone = np.fromiter(((pid.mount, pid.key, pid.index) in by_page for pid in pids), dtype=bool, count=n)
+        paths = [f"{pid.mount}/{pid.key}" for pid in pids]
+        indices = np.fromiter((pid.index for pid in pids), dtype=np.int64, count=n)
+        best = np.full(n, math.inf)
+        recheck = np.full(n, math.inf)
+        for job in derived:  # in next_use's order: on a tie the first job's recheck stays
+            at, answered = job.derived.uses_many(paths, indices)  # type: ignore[union-attr]
+            alone |= ~answered
+            seen = None if moment is None else moment.jobs.get(job.job)
+            if seen is not None and seen[0] is job:
+                here, slack, rate = seen[1], seen[2], seen[3]
+            else:
+                here, slack, rate = job.estimate(now), job.slack(), job.rate
+            ahead = np.sort(np.where((at != NO_USE) & (at >= here), at, NO_USE), axis=1)  # uses not over yet
+            first = ahead[:, 0]
+            if used:  # this read is the first of them if it is due now
+                second = ahead[:, 1] if ahead.shape[1] > 1 else np.full(n, NO_USE, dtype=np.int64)
+                first = np.where((first != NO_USE) & (first <= here + slack), second, first)
+            some = first != NO_USE
+            pos = np.where(some, first, 0)
+            when = np.where(some, job.start_time + (pos - job.start_pos) / job.clock_rate, math.inf)
+            better = when < best
+            best = np.where(better, when, best)
+            recheck = np.where(better, now + np.maximum(0.0, pos + slack - here) / rate + STALE_GRACE_SECONDS,
+                               recheck)
+        out = list(zip(best.tolist(), recheck.tolist()))
+        for i in np.flatnonzero(alone).tolist():
+            out[i] = self.next_use(pids[i], used, moment)
+        return out
 
     def progress(self, job_id: str, position: int, reader: int = 0) -> None:
         """Reader ``reader`` of the job reads at ``position`` now (it comes with reads: fresher than
