@@ -436,9 +436,9 @@ class PageStore:
             for d in self._dirs:
                 order = d.order
                 assert isinstance(order, NextUseOrder)
-                for entry in order.stale(now):
-                    order.replan(entry)
-                    n += 1
+                stale = order.stale(now)
+                order.replan_many(stale)
+                n += len(stale)
         return n
 
     # ------------------------------------------------------- held descriptors
