@@ -423,6 +423,26 @@ def test_access_times_flushed_in_background(tmp_path):
     s.close()  # idempotent
 
 
+def test_reads_within_the_granularity_write_no_access_rows_and_a_close_writes_them(tmp_path):
+    """The default granularity (relatime-like): pages read again and again within it queue no
+    row (every epoch of a warm data set would rewrite every row); a clean close writes them."""
+    s = open_store(tmp_path, quota=4 * FILE, flush_interval=0.05)
+    try:
+        for i in range(3):
+            s.put(pid(i), payload(i))
+        assert wait_for(lambda: all(s._dirs[0].index.get(pid(i).digest()) is not None for i in range(3)), timeout=20)
+        for _ in range(5):
+            for i in range(3):
+                s.get(pid(i))
+        with s._lock:
+            assert not s._dirty  # no access row due
+        last = s._entries[pid(2).digest()].last_access
+    finally:
+        s.close()
+    with open_store(tmp_path, quota=4 * FILE) as again:
+        assert again._dirs[0].index.get(pid(2).digest())[6] == last  # the close wrote the last read
+
+
 def test_two_dirs_weighted_and_both_bounded(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     qa, qb = 10 * FILE, 30 * FILE

@@ -32,10 +32,13 @@ Why it is built this way (DESIGN.md s2-s4):
   A large index is loaded behind while the store serves (``_load_behind``).
   ``last_access`` is batched too: the same thread
   writes it every ``flush_interval`` seconds, and only where the index's value is at least
-  ``access_granularity`` seconds (60 by default) older than the page's last read, like the
-  ``relatime`` mount option: a warm epoch that reads every page again within a minute writes
-  no rows (each costs ~16 us of the worker's CPU). A clean close writes every page's last read,
-  so a restart keeps the exact order; a crash keeps it to within the granularity.
+  ``access_granularity`` seconds (600 by default) older than the page's last read, like the
+  ``relatime`` mount option: epochs that read every page again write each page's row once in
+  ten minutes, not every epoch (each row costs ~16 us of the worker's CPU, on the thread that
+  also writes new pages' rows: at 200,000 pages read every ~15 s, once a minute cost 0.8-2.2 s
+  of CPU every 4 s; docs/performance.md). A clean close writes every page's last read, so a
+  restart keeps the exact order; a crash keeps it to within the granularity (an order among
+  pages with no planned use: plans place the rest).
 
 Index settings (diskcache, WAL, synchronous=NORMAL, eviction_policy="none") and the measurements
 behind them are in :mod:`cachefs.server.pagestore.dirs`: a small index insert costs 25 us, ~1% of writing
@@ -83,7 +86,7 @@ log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 10.0
 #: How much older than a page's last read its index row's access time may be (see the docstring).
-ACCESS_GRANULARITY_S = 60.0
+ACCESS_GRANULARITY_S = 600.0
 #: An index of more rows than this is loaded behind while the store serves (_load_behind).
 BACKGROUND_LOAD_ROWS = 100_000
 _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EBADMSG, errno.EISDIR, errno.ENOTDIR})
