@@ -399,15 +399,18 @@ def test_a_page_file_read_again_is_checked_once_and_a_replaced_file_anew(tmp_pat
             good = bytearray(f.read())
         bad = bytearray(good)
         bad[5] ^= 0xFF  # the trailer (size, checksum) kept: only the checksum pass can tell
-        with open(path + ".tmp", "wb") as f:
+        # Written outside the page dirs (the store's sweeper removes *.tmp debris there while it
+        # starts: it took such a file from under this test once), then renamed over the page.
+        replacement = os.path.join(str(tmp_path), "replacement")
+        with open(replacement, "wb") as f:
             f.write(bad)
-        os.rename(path + ".tmp", path)
+        os.rename(replacement, path)
         assert client.read_into("m/obj", 0, memoryview(bytearray(len(data)))) is None
         assert client.stats["named_unhashed"] == 5  # page 0 still the file checked before
 
-        with open(path + ".tmp", "wb") as f:  # the right bytes again, in a new file: checked, then trusted
+        with open(replacement, "wb") as f:  # the right bytes again, in a new file: checked, then trusted
             f.write(good)
-        os.rename(path + ".tmp", path)
+        os.rename(replacement, path)
         for _ in range(3):
             out = bytearray(len(data))
             assert client.read_into("m/obj", 0, memoryview(out))[0] == len(data) and bytes(out) == data
@@ -467,9 +470,10 @@ def test_one_page_samples_are_read_whole_checked_once_and_anything_else_left_to_
         with open(path, "rb") as f:
             bad = bytearray(f.read())
         bad[3] ^= 0xFF
-        with open(path + ".tmp", "wb") as f:
+        replacement = os.path.join(str(tmp_path), "replacement")  # not a *.tmp the sweeper may take
+        with open(replacement, "wb") as f:
             f.write(bad)
-        os.rename(path + ".tmp", path)
+        os.rename(replacement, path)
         results = [None]
         assert client.read_whole([("m/s3", 0, memoryview(bytearray(len(objects["s3"]))))], results) == 0
         assert results == [None]
