@@ -69,10 +69,11 @@ def test_the_permutation_is_pinned():
     assert Permutation(0, 1).inverse_array().tolist() == []
 
 
-def _spec(n: int, rank: int, ws: int, seed: int, epoch: int, drop_last: bool, offset: int, start: int) -> dict:
+def _spec(n: int, rank: int, ws: int, seed: int, epoch: int, drop_last: bool, offset: int, start: int,
+          shuffle: bool = True) -> dict:
     """The dataset's own PlanOrder fields (CacheDataset._plan_order_spec) for such a plan."""
-    fake = SimpleNamespace(plan=EpochPlan(n, rank, ws, seed, epoch, True, drop_last, offset), samples_seen=start,
-                           paths=range(n), rank=rank, world_size=ws, seed=seed, shuffle=True, drop_last=drop_last)
+    fake = SimpleNamespace(plan=EpochPlan(n, rank, ws, seed, epoch, shuffle, drop_last, offset), samples_seen=start,
+                           paths=range(n), rank=rank, world_size=ws, seed=seed, shuffle=shuffle, drop_last=drop_last)
     return CacheDataset._plan_order_spec(fake)  # type: ignore[arg-type]
 
 
@@ -170,6 +171,28 @@ def test_a_derived_plan_answers_as_the_plan_sent_sample_by_sample():
     for s in range(n):
         path = units[s][0]
         assert derived.pages_planned("j", path) == explicit.pages_planned("j", path)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_many_pages_next_uses_answer_in_one_pass_as_one_by_one(shuffle):
+    """PlanTable.next_uses (a replan) answers every page of a derived plan in its vectorised pass,
+    shuffled or not, as next_use does page by page (with a padded deal: rank 2 of 4 over 30)."""
+    n, now = 30, [5.0]
+    table = PlanTable(PAGE, clock=lambda: now[0])
+    units = [(f"data/s/{i:03d}", 0, 2 * PAGE) for i in range(n)]
+    table.update(_index_request("j", n, units, list(range(n))))
+    assert table.take(worker_pb2.PlanRequest(
+        job="j", replace=True, done=True, lease_seconds=60, rate=10, index_id="idx",
+        order=worker_pb2.PlanOrder(**_spec(n, 2, 4, 3, 1, False, 0, 1, shuffle=shuffle))))[2]
+    job = table._derived[0].derived
+    assert (job.now_inverse is not None) == shuffle
+    pages = [SimpleNamespace(mount="data", key=units[s][0][5:], index=i) for s in range(n) for i in range(3)]
+    _at, answered = job.uses_many([f"data/{p.key}" for p in pages], np.array([p.index for p in pages]))
+    assert answered.all()
+    table.progress("j", 3)
+    for used in (False, True):
+        one_by_one = [table.next_use(p, used) for p in pages]
+        assert table.next_uses(pages, used) == one_by_one and any(math.isfinite(w) for w, _ in one_by_one)
 
 
 N = 24

@@ -742,13 +742,16 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         it with the epoch a loaded state is in keeps the resume point. Call before ``iter(loader)``."""
         if int(epoch) == self.plan.epoch:
             return
-        self._settled()
-        self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, int(epoch), self.shuffle,
+        self._enter_epoch(int(epoch))
+        self._post({"epoch": int(epoch)})
+        self.publish_plan()
+
+    def _enter_epoch(self, epoch: int) -> None:
+        self._settled()  # a streamed first epoch's index, whole
+        self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, epoch, self.shuffle,
                               self.drop_last)
         self.samples_seen = 0
         self._reset_prefetch()
-        self._post({"epoch": int(epoch)})
-        self.publish_plan()
 
     def _follow_main(self, tagged: int | None) -> None:
         """A persistent DataLoader worker's copy of the dataset stays in the epoch it started in:
@@ -762,20 +765,16 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
 
     def _take_decision(self, decision: dict[str, Any]) -> None:
         if "state" in decision:
-            self._load_state(decision["state"])
+            self._load(decision["state"])
             self._plan_base = self.samples_seen  # as publish_plan left it in the main process
         elif "epoch" in decision:
             self._follow_epoch(int(decision["epoch"]))
 
     def _follow_epoch(self, epoch: int) -> None:
         """Epoch ``epoch``'s plan in a DataLoader worker, as ``set_epoch`` made it in the main process."""
-        if epoch == getattr(self.plan, "epoch", 0) or forksafe.pid() == self._owner_pid:
-            return
-        self._settled()  # a streamed first epoch's index, whole
-        self.plan = EpochPlan(len(self.paths), self.rank, self.world_size, self.seed, int(epoch), self.shuffle,
-                              self.drop_last)
-        self.samples_seen = self._plan_base = 0  # as set_epoch left them in the main process
-        self._reset_prefetch()
+        if epoch != getattr(self.plan, "epoch", 0):
+            self._enter_epoch(epoch)
+            self._plan_base = 0  # as publish_plan left it in the main process
 
     def _plan_units(self) -> Sequence[tuple[str, int, int]]:
         return self.paths.units()  # a tuple per sample when asked, never a list of them
@@ -818,11 +817,11 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         """Continue from ``state``: the same or another number of DataLoader workers or ranks
         (see sampling.py for how a different world size is handled). Call before ``iter(loader)``.
         A streamed first epoch's listing is waited for (the count is checked, the rest dealt)."""
-        self._load_state(state)
+        self._load(state)
         self._post({"state": state})
         self.publish_plan()
 
-    def _load_state(self, state: dict[str, Any]) -> None:
+    def _load(self, state: dict[str, Any]) -> None:
         self._settled()
         self.plan, self.samples_seen = EpochPlan.resume(
             state, n_samples=len(self.paths), rank=self.rank, world_size=self.world_size, shuffle=self.shuffle,

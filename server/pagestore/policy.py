@@ -32,8 +32,6 @@ __all__ = ["EvictionOrder", "LruOrder", "NextUseOrder", "NextUse"]
 MAX_READ_BACKLOG = 8192
 SETTLE_CHUNK = 1024
 
-_END = object()  # NextUseOrder._settle's end of a batch
-
 #: A page's next use: (estimated time of next use or math.inf, the time its planned use ends:
 #: after that it is stale and asked for again). Given by the worker's plan table, which also
 #: takes a third argument: a moment (``PlanTable.moment``) to answer as of, instead of now.
@@ -202,17 +200,14 @@ class NextUseOrder:
                 if digest in self._unknown or digest in self._planned:
                     self._place(entry, used=True, moment=moment)
             return
-        # Reads reported together share their moment: their next uses are asked in one call a run.
-        run: list[Any] = []
-        run_moment: Any = None
-        for digest, (entry, moment) in itertools.chain(batch, [("", (None, _END))]):
-            if moment is not run_moment and run:
-                for one, (when, stale_at) in zip(run, self._next_uses([e.pid for e in run], True, run_moment)):
-                    self._put(one, when, stale_at)
-                run = []
-            run_moment = moment
-            if entry is not None and (digest in self._unknown or digest in self._planned):
-                run.append(entry)
+        # Reads reported together share their moment (the same object): one call a run of them.
+        for _, items in itertools.groupby(batch, key=lambda item: id(item[1][1])):
+            run = [(entry, moment) for digest, (entry, moment) in items
+                   if digest in self._unknown or digest in self._planned]
+            if run:
+                answers = self._next_uses([entry.pid for entry, _ in run], True, run[0][1])
+                for (entry, _), (when, stale_at) in zip(run, answers):
+                    self._put(entry, when, stale_at)
 
     def _place(self, entry: Any, used: bool, moment: Any = None) -> None:
         if moment is None:

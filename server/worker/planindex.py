@@ -264,11 +264,11 @@ class DerivedOrder:
         """``uses`` of many pages (page ``indices[i]`` of object ``paths[i]``, "mount/key") in one
         vectorised pass: (positions, answered). ``positions[i]``: the plan's positions that read
         the page, ascending, padded with ``NO_USE``; ``answered[i]`` False where this pass does
-        not answer and ``uses`` must (an object split into several units, an order held without
-        its inverse array)."""
+        not answer and ``uses`` must (an object split into several units, a shuffled order too
+        large to hold inverted)."""
         n = len(paths)
         none = np.full((n, 1), NO_USE, dtype=np.int64)
-        if self.now_inverse is None or self.after_inverse is None:
+        if not _invertible(self.now, self.now_inverse) or not _invertible(self.after, self.after_inverse):
             return none, np.zeros(n, dtype=bool)
         index = self.index
         hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=n)  # as finish() hashes them
@@ -287,10 +287,10 @@ class DerivedOrder:
         rows, units = rows[read], units[read]
         if not len(rows):
             return none, answered
-        samples = index.samples[units]
-        now = _global_positions(self.now, self.now_inverse[samples].astype(np.int64))
+        samples = index.samples[units].astype(np.int64)
+        now = _global_positions(self.now, _global_indices(self.now_inverse, samples))
         now = np.where((now != NO_USE) & (now >= self.start), now - self.start, NO_USE)
-        after = _global_positions(self.after, self.after_inverse[samples].astype(np.int64))
+        after = _global_positions(self.after, _global_indices(self.after_inverse, samples))
         after = np.where(after != NO_USE, after + self.rest, NO_USE)
         found = np.sort(np.concatenate([now, after], axis=1), axis=1)
         out = np.full((n, found.shape[1]), NO_USE, dtype=np.int64)
@@ -322,6 +322,16 @@ class DerivedOrder:
 
 
 NO_USE = np.iinfo(np.int64).max  # DerivedOrder.uses_many's padding: no position
+
+
+def _invertible(order: EpochOrder, inverse: np.ndarray | None) -> bool:
+    """Whether samples' places in ``order``'s global order can be looked up together."""
+    return inverse is not None or order.permutation is None
+
+
+def _global_indices(inverse: np.ndarray | None, samples: np.ndarray) -> np.ndarray:
+    """Where ``samples`` are in an epoch's global order (``inverse`` None: unshuffled, the identity)."""
+    return samples if inverse is None else inverse[samples].astype(np.int64)
 
 
 def _global_positions(order: EpochOrder, g: np.ndarray) -> np.ndarray:
