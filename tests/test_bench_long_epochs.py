@@ -34,5 +34,8 @@ def test_tiny_run_reads_every_epoch_and_warm_epochs_cost_the_store_little(tmp_pa
     assert rows["back_to_back"]["store_requests"] == {}
     for case in ("within_grace", "past_grace"):
         sent = rows[case]["store_requests"]
-        assert sent.get("list", 0) <= 2 and sum(sent.values()) <= 12, (case, sent)  # not one per sample
+        # Not one per sample (96): a listing or two and a few refreshes. How many objects run out
+        # before their directory's listing refreshes them depends on the epoch's pace; a CI run
+        # with a core kept busy sent 14 within the grace (1 list, 13 info), over the old bound of 12.
+        assert sent.get("list", 0) <= 2 and sum(sent.values()) <= samples // 4, (case, sent)
     assert list(tmp_path.glob("long-epochs-*.png"))
