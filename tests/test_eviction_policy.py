@@ -82,11 +82,18 @@ def _replay(store: PageStore, table: PlanTable, clock: FakeClock, trace: list[in
 
 @pytest.mark.parametrize("lazy", [False, True, "batched"],
                          ids=["placed-per-read", "placed-when-deciding", "placed-in-runs"])
+@pytest.mark.parametrize("rest", [False, True], ids=["never-resting", "resting-while-roomy"])
 @pytest.mark.parametrize("seed", range(6))
-def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed, lazy):
+def test_next_use_eviction_matches_brute_force_belady(tmp_path, seed, lazy, rest, monkeypatch):
     """Reads placed as they happen, or (the worker's way) when the order next decides, as of
     the read's moment, one by one or a run of reads of one moment per call (``next_uses``, as
-    replans are): the same misses as the optimum either way."""
+    replans are): the same misses as the optimum either way; also when the order rests while
+    the dir has room (no floor in bytes here) and replans as it wakes."""
+    if rest:
+        import cachefs.server.pagestore.policy as policy
+
+        monkeypatch.setattr(policy, "REST_ROOM_MIN_BYTES", 0)
+        monkeypatch.setattr(policy, "WAKE_ROOM_MIN_BYTES", 0)
     rng = random.Random(seed)
     pages = rng.randint(8, 40)
     capacity = rng.randint(2, max(3, pages - 2))
@@ -295,7 +302,7 @@ def test_a_job_reading_its_plan_again_gets_its_read_ahead_again():
     clock = FakeClock()
     table = PlanTable(PS, clock=clock)
     _plan_of_objects(table, 2000, rate=5000.0)  # a fast job: its rate's slack is longer than half a pass
-    assert table.due("j", 1 << 40, 1.0, at_least=32)[:2] == ["m/k0", "m/k1"]
+    assert table.due("j", 1 << 40, 1.0, at_least=32)[:2] == [("m/k0", 1), ("m/k1", 1)]
     for position in range(0, 2000, 32):  # pass 1, DataLoader workers 1 and 2 taking turns
         clock.t += 0.005
         table.progress("j", position, reader=1 + (position // 32) % 2)
@@ -308,7 +315,7 @@ def test_a_job_reading_its_plan_again_gets_its_read_ahead_again():
     assert table.stats["rewound"] == 1
     table.progress("j", 0, reader=4)  # a few batches apart: the same pass, no second rewind
     assert table.stats["rewound"] == 1
-    ahead = table.due("j", 1 << 40, 1.0, at_least=32)
+    ahead = [path for path, _pages in table.due("j", 1 << 40, 1.0, at_least=32)]
     assert ahead[0] == "m/k32" and "m/k40" in ahead  # what the readers are not reading yet
     # The old pass's readers no longer hold the position: the new one's is the estimate.
     assert table._jobs["j"].estimate(clock.t) <= 32
@@ -318,7 +325,7 @@ def test_a_job_reading_its_plan_again_gets_its_read_ahead_again():
         table.progress("j", position, reader=3)
     table.due("j", 1 << 40, 1.0)
     table.progress("j", 0, reader=3)
-    assert table.stats["rewound"] == 2 and table.due("j", 1 << 40, 1.0, at_least=32)[0] == "m/k0"
+    assert table.stats["rewound"] == 2 and table.due("j", 1 << 40, 1.0, at_least=32)[0] == ("m/k0", 1)
 
 
 def test_a_reader_a_little_behind_is_no_new_pass():
@@ -345,7 +352,7 @@ def test_renewals_follow_the_reads_and_start_over_without_them():
     assert table._jobs["j"].position == 1900
     table.update(worker_pb2.PlanRequest(job="j", position=10, rate=100, lease_seconds=60))  # its count restarted
     assert table.stats["rewound"] == 1 and table._jobs["j"].position == 10
-    assert table.due("j", 1 << 40, 1.0, at_least=32)[0] == "m/k10"
+    assert table.due("j", 1 << 40, 1.0, at_least=32)[0] == ("m/k10", 1)
 
 
 def test_reads_are_placed_when_the_order_decides_as_of_their_moment():
@@ -424,3 +431,86 @@ def test_unplaced_reads_are_bounded(monkeypatch):
     assert asked == list(range(len(asked))) and len(asked) >= 400  # the oldest first, in read order
     asked.clear()
     assert order.furthest() == 499.0 and len(asked) <= 100
+
+
+def test_an_order_rests_while_its_dir_has_room_and_replans_when_it_wakes():
+    """Nothing leaves a dir with room to spare, so its order asks no next use then (reads, new
+    pages and replans cost a dict operation or nothing); once the dir nears its quota it wakes
+    owing a replan of every page, and then evicts by next use as an order never at rest would."""
+    import cachefs.server.pagestore.policy as policy
+
+    quota, page = 1 << 30, 1 << 20
+    free = [quota]
+    asked: list[int] = []
+
+    def next_use(pid, used, moment=None):
+        asked.append(pid)
+        return float(pid), math.inf
+
+    def next_uses(pids, used, moment=None):
+        return [next_use(pid, used) for pid in pids]
+
+    order = NextUseOrder(next_use, next_uses=next_uses, room=lambda: free[0], quota=quota)
+    assert order.rests() and not order.replan_due
+    entries = [_OrderEntry(i) for i in range(700)]
+    for e in entries:  # 700 MiB of 1 GiB: 324 MiB of room, more than a quarter
+        e.size = page
+        free[0] -= page
+        order.add(e)
+    for e in reversed(entries):
+        order.touch(e)
+    order.replan_many(entries)
+    assert asked == [] and order.stale(math.inf) == [] and order.rests()
+    assert order.first() is entries[-1]  # the least recently read first, as LRU
+
+    free[0] = quota // 8 - 1  # under the wake mark: the first call after it wakes the order
+    assert not order.rests() and order.replan_due
+    order.replan_all()
+    assert sorted(asked) == list(range(700)) and not order.replan_due
+    victims = order.pick(3 * page, 0.0)
+    assert [v.pid for v in victims] == [699, 698, 697]  # furthest next use first
+
+    free[0] = quota // 4  # room again: it rests, and a dir too small to rest never does
+    assert order.rests()
+    assert not NextUseOrder(next_use, room=lambda: 10 ** 12, quota=policy.REST_ROOM_MIN_BYTES).rests()
+
+
+def test_a_resting_store_asks_no_next_use_until_it_nears_its_quota(tmp_path, monkeypatch):
+    """The same in the page store: puts and reads of a dir with room ask the plans nothing and a
+    plan change replans nothing; filling it past the wake mark makes the worker's replan ask for
+    every page (wants_replan), and eviction is by next use again."""
+    import cachefs.server.pagestore.policy as policy
+
+    monkeypatch.setattr(policy, "REST_ROOM_MIN_BYTES", 0)
+    monkeypatch.setattr(policy, "WAKE_ROOM_MIN_BYTES", 0)
+    asked: list[int] = []
+    uses = {}
+
+    def next_use(pid, used, moment=None):
+        asked.append(pid.index)
+        return uses.get(pid.index, math.inf), math.inf
+
+    def next_uses(pids, used, moment=None):
+        return [next_use(pid, used) for pid in pids]
+
+    capacity = 40
+    store = PageStore([CacheDir(str(tmp_path), capacity * (PS + TRAILER_SIZE))], PS, next_use=next_use,
+                      next_uses=next_uses)
+    try:
+        uses.update({i: float(1000 - i) for i in range(capacity + 2)})  # page 0 is used last
+        for i in range(25):  # 15 pages of room left: more than a quarter
+            pid = PageId("m", "k", "v1", i)
+            assert store.put(pid, b"x" * PS) and store.get(pid) is not None
+        assert store.replan() == 0 and store.refresh_stale() == 0
+        assert asked == [] and not store.wants_replan()
+        for i in range(25, 36):  # 4 pages of room left: under an eighth
+            assert store.put(PageId("m", "k", "v1", i), b"x" * PS)
+        assert store.wants_replan()
+        assert store.replan() == 36 and not store.wants_replan()
+        assert set(asked) >= set(range(36))
+        for i in range(36, capacity + 2):
+            assert store.put(PageId("m", "k", "v1", i), b"x" * PS)
+        # the furthest next uses left (pages 0 and 1), the rest stayed
+        assert [i for i in range(capacity + 2) if not store.contains(PageId("m", "k", "v1", i))] == [0, 1]
+    finally:
+        store.close()

@@ -167,7 +167,9 @@ def test_a_derived_plan_answers_as_the_plan_sent_sample_by_sample():
             assert derived.next_uses(pages, used) == b and explicit.next_uses(pages, used) == a
             moment = derived.moment()
             assert derived.next_uses(pages, used, moment) == [derived.next_use(pid, used, moment) for pid in pages]
-        assert derived.due("j", 1 << 30, 2.0, at_least=6) == explicit.due("j", 1 << 30, 2.0, at_least=6)
+        due = derived.due("j", 1 << 30, 2.0, at_least=6)
+        assert due == explicit.due("j", 1 << 30, 2.0, at_least=6)
+        assert all(pages == derived.pages_planned("j", path) for path, pages in due)
     for s in range(n):
         path = units[s][0]
         assert derived.pages_planned("j", path) == explicit.pages_planned("j", path)

@@ -129,6 +129,28 @@ class ListedEntries(Sequence[ObjectMeta]):
         return f"ListedEntries({self.mount!r}, {len(self)} entries)"
 
 
+class ListedObjects:
+    """The objects (not directories) of a listing, as a container of their paths: what the
+    revalidator asks of a directory it listed (was this object in it?), by key, with no
+    ``ObjectMeta`` or ``CachePath`` made per entry."""
+
+    __slots__ = ("mount", "_keys")
+
+    def __init__(self, listing: Sequence[ObjectMeta]) -> None:
+        if isinstance(listing, ListedEntries):
+            self.mount = listing.mount
+            self._keys = {listing.key(i) for i in range(len(listing)) if not listing.is_dir(i)}
+        else:
+            self.mount = listing[0].path.mount if len(listing) else ""
+            self._keys = {m.path.key for m in listing if not m.is_dir}
+
+    def __contains__(self, path: object) -> bool:
+        return isinstance(path, CachePath) and path.mount == self.mount and path.key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class Names(Sequence[str]):
     """The entries' names (``str(path)``), made when asked for: bisect works on it."""
 

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -26,7 +26,7 @@ from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
 from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
 from cachefs.store.health import StoreBreaker
-from cachefs.store.listed import ListedEntries
+from cachefs.store.listed import ListedEntries, ListedObjects
 from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import Listing, ObjectMeta
 from cachefs.store.metatable import MetadataTable
@@ -241,8 +241,8 @@ class ObjectStore:
     def _refresh_one(self, path: CachePath) -> None:
         self.info(path, refresh=True)
 
-    def _list_to_refresh(self, directory: CachePath) -> set[CachePath]:
-        return {m.path for m in self.list(directory, refresh=True) if not m.is_dir}
+    def _list_to_refresh(self, directory: CachePath) -> Container[CachePath]:
+        return ListedObjects(self.list(directory, refresh=True))
 
     def _fresh(self, path: CachePath) -> bool:
         found = self._meta.get_with_expiry(path)

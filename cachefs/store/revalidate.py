@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -134,11 +134,12 @@ class PagedDirectorySizes:
 class Revalidator:
     """Background refreshes, at most one per object at a time, batched by directory."""
 
-    def __init__(self, refresh_one: Callable[[CachePath], None], list_dir: Callable[[CachePath], set[CachePath]],
+    def __init__(self, refresh_one: Callable[[CachePath], None],
+                 list_dir: Callable[[CachePath], Container[CachePath]],
                  is_fresh: Callable[[CachePath], bool], threads: int = 2, relist_after: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, max_waiting: int = MAX_WAITING) -> None:
         """``refresh_one(path)`` asks the store about one object; ``list_dir(dir)`` lists a
-        directory, refreshing what it lists, and returns the paths listed; ``is_fresh(path)``:
+        directory, refreshing what it lists, and returns the objects listed (any container of their paths); ``is_fresh(path)``:
         its metadata needs no refresh now. ``relist_after``: a directory listed more recently
         than this is not listed again for reads that find nothing known (the metadata TTL: what
         such a listing did not refresh is missing or new, and a HEAD each is the answer).
@@ -277,7 +278,7 @@ class Revalidator:
         waiting for a background refresh there: those the listing did not find asked for alone,
         all of them one at a time if it failed (but ``own``: the caller asks for that one).
         True if the listing went through."""
-        listed: set[CachePath] | None = None
+        listed: Container[CachePath] | None = None
         try:
             listed = self._list_dir(directory)
             self.stats["listings"] += 1
@@ -295,9 +296,9 @@ class Revalidator:
                     with contextlib.suppress(RuntimeError):  # closed meanwhile
                         pool.submit(self._run, other, directory, False)
             return False
-        refreshed = waiting_now & listed
-        self.stats["refreshed_by_listing"] += len(refreshed)
-        for missing in waiting_now - listed:  # not listed: gone, or new since; ask for it alone
+        missing = [path for path in waiting_now if path not in listed]
+        self.stats["refreshed_by_listing"] += len(waiting_now) - len(missing)
+        for missing in missing:  # not listed: gone, or new since; ask for it alone
             try:
                 self._refresh_one(missing)
                 self.stats["refreshed_one"] += 1

@@ -12,6 +12,11 @@ next decides: a dict entry a read until then): a plan-driven order keeps a max-h
 whose key changes is pushed again; the stale item is skipped when it surfaces) and a min-heap of
 the same keys, so a page whose planned use went by without a read (the job skipped it, or its
 reads came through descriptors held by the client) is found and given its next use again.
+
+A plan-driven order rests while its dir has room to spare (REST_ROOM_FRACTION): the common case
+of a data set the cache holds, where no page ever leaves. At rest it asks no next use (reads,
+new pages and replans cost a dict operation or nothing) and wakes, owing a replan of every page,
+when the dir nears its quota.
 """
 
 from __future__ import annotations
@@ -31,6 +36,19 @@ __all__ = ["EvictionOrder", "LruOrder", "NextUseOrder", "NextUse"]
 #: placing would cost: a pass over more pages than this gains nothing and loses nothing).
 MAX_READ_BACKLOG = 8192
 SETTLE_CHUNK = 1024
+
+#: A plan-driven order rests while its dir has this much room (the larger of a share of the
+#: quota and a floor in bytes): no page leaves before the dir fills, so no page's next use is
+#: asked and reads only keep the LRU order of the pages placed nowhere. It wakes when the room
+#: falls below the second pair (hysteresis), owing a replan of every page (``replan_due``). A
+#: warm epoch of a data set the cache holds spent most of the worker's CPU on keeping an order
+#: nothing was evicted by (docs/performance.md, "The worker at rest").
+REST_ROOM_FRACTION, REST_ROOM_MIN_BYTES = 0.25, 64 << 20
+WAKE_ROOM_FRACTION, WAKE_ROOM_MIN_BYTES = 0.125, 32 << 20
+#: A woken order of at most this many pages replans on the spot when asked to pick (a few ms);
+#: a larger one picks by the order it has (pages placed at rest leave first, least recently read
+#: first) until the worker's replan thread has been through it (PageStore.replan, in slices).
+SYNC_REPLAN_PAGES = 8192
 
 #: A page's next use: (estimated time of next use or math.inf, the time its planned use ends:
 #: after that it is stale and asked for again). Given by the worker's plan table, which also
@@ -105,10 +123,18 @@ class NextUseOrder:
     name = "future"
 
     def __init__(self, next_use: NextUse, moment: Callable[[], Any] | None = None,
-                 next_uses: Callable[..., list[tuple[float, float]]] | None = None) -> None:
+                 next_uses: Callable[..., list[tuple[float, float]]] | None = None,
+                 room: Callable[[], int] | None = None, quota: int = 0) -> None:
         """``moment()``: where the plans stand now, for a next use asked later as of now
         (``next_use(pid, used, moment)``); without it, each read is placed as it happens.
-        ``next_uses(pids, used)``: ``next_use`` of many pages in one call (``replan_many``)."""
+        ``next_uses(pids, used)``: ``next_use`` of many pages in one call (``replan_many``).
+        ``room()``: the dir's free bytes of its ``quota``; with it the order rests while the dir
+        has room to spare (REST_ROOM_FRACTION); a dir too small for that never rests."""
+        self._rest_room = max(int(quota * REST_ROOM_FRACTION), REST_ROOM_MIN_BYTES)
+        self._wake_room = max(int(quota * WAKE_ROOM_FRACTION), WAKE_ROOM_MIN_BYTES)
+        self._room = room if room is not None and quota > self._rest_room else None
+        self.resting = self._room is not None  # an empty dir has all its room
+        self.replan_due = False  # woke from rest: every page's next use is to be asked (PageStore.replan)
         self._next_use = next_use
         self._next_uses = next_uses
         self._moment = moment
@@ -135,6 +161,10 @@ class NextUseOrder:
         """A read: the page's use now is over, its next one counts. ``moment``: the plans'
         moment of the read (one for a batch of reads; taken here if None)."""
         digest = entry.digest
+        if self._rests():
+            if digest in self._unknown:
+                self._unknown.move_to_end(digest)
+            return
         if digest not in self:
             return
         if self._moment is None:
@@ -150,18 +180,42 @@ class NextUseOrder:
         """The plans' moment now (None: this order places reads as they happen)."""
         return None if self._moment is None else self._moment()
 
+    def rests(self) -> bool:
+        """Whether the order rests now (its dir has room to spare: nothing will leave soon)."""
+        return self._rests()
+
+    def _rests(self) -> bool:
+        room = self._room
+        if room is None:
+            return False
+        free = room()
+        if self.resting:
+            if free < self._wake_room:
+                self.resting = False
+                self.replan_due = True
+        elif free >= self._rest_room:
+            self.resting = True
+        return self.resting
+
     def add(self, entry: Any) -> None:
+        if self._rests():  # placed nowhere until the order wakes (and replans every page)
+            self._put(entry, math.inf, math.inf)
+            return
         self._settle()  # reads before this page was added go before it in the LRU order
         self._place(entry, used=False)
 
     def replan(self, entry: Any) -> None:
         """The plans changed: ask the page's next use again (its use now is not over)."""
+        if self._rests():
+            return
         if entry.digest in self:
             self._read.pop(entry.digest, None)
             self._place(entry, used=False)
 
     def replan_many(self, entries: list[Any]) -> None:
         """``replan`` of many pages, their next uses asked in one call where the plans can."""
+        if self._rests():
+            return
         mine = [entry for entry in entries if entry.digest in self]
         if self._next_uses is None:
             for entry in mine:
@@ -245,7 +299,14 @@ class NextUseOrder:
             self._stale_at = [item for item in self._stale_at if self._live(item[1], item[2]) is not None]
             heapq.heapify(self._stale_at)
 
+    def replan_all(self) -> None:
+        """Ask every page's next use again (an order woken from rest owes that)."""
+        self.replan_due = False
+        self.replan_many(list(self.entries()))
+
     def pick(self, need: int, now: float) -> list[Any] | None:
+        if not self._rests() and self.replan_due and len(self) <= SYNC_REPLAN_PAGES:
+            self.replan_all()
         self._settle()
         victims: list[Any] = []
         left = _pick_from(iter(self._unknown.values()), need, now, victims)  # removed by the caller after
@@ -299,6 +360,8 @@ class NextUseOrder:
         """Pages whose planned use has ended (by the plan's clock) without a read moving them on
         (a page read since it was placed is placed anew when the order next decides)."""
         out: list[Any] = []
+        if self._rests():
+            return out
         heap, read = self._stale_at, self._read
         while heap and heap[0][0] <= now:
             _, seq, digest = heapq.heappop(heap)

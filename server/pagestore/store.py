@@ -256,8 +256,11 @@ class PageStore:
         try:
             rows = 0
             for cfg, root in zip(dirs, roots):
-                order = NextUseOrder(next_use, plan_moment, next_uses) if next_use is not None else None
-                self._dirs.append(DirHandle(root, cfg.quota_bytes, page_size, order))
+                handle = DirHandle(root, cfg.quota_bytes, page_size)
+                if next_use is not None:
+                    handle.order = NextUseOrder(next_use, plan_moment, next_uses, quota=cfg.quota_bytes,
+                                                room=lambda h=handle: h.quota - h.used)
+                self._dirs.append(handle)
                 unclean.append(not self._dirs[-1].take_clean_mark())
                 rows += self._dirs[-1].row_count()
             self.sweeper = Sweeper(self._dirs, unclean, self._claim_orphans, self._release_orphans)
@@ -414,20 +417,30 @@ class PageStore:
             return not self._not_worth_room(target, pid, size)
 
     def replan(self) -> int:
-        """The registered plans changed: every cached page's next use is asked again. In slices,
-        so reads and puts go on between them; returns the pages looked at."""
+        """The registered plans changed, or an order woke from rest: every cached page's next use
+        is asked again (not in a dir whose order rests: it replans when it wakes). In slices, so
+        reads and puts go on between them; returns the pages looked at."""
         if self._next_use is None:
             return 0
         done = 0
         for d in self._dirs:
             with self._lock:
-                entries = list(d.order.entries())
+                order = d.order
+                assert isinstance(order, NextUseOrder)
+                if order.rests():
+                    continue
+                order.replan_due = False
+                entries = list(order.entries())
             for i in range(0, len(entries), 4096):
                 with self._lock:
                     d.order.replan_many([entry for entry in entries[i:i + 4096]  # type: ignore[attr-defined]
                                          if entry.state is _State.READY])
                 done += min(4096, len(entries) - i)
         return done
+
+    def wants_replan(self) -> bool:
+        """Whether an order woke from rest since its last replan (the worker then calls ``replan``)."""
+        return any(getattr(d.order, "replan_due", False) for d in self._dirs)
 
     def refresh_stale(self) -> int:
         """Pages whose planned use went by unread (a skipped sample, reads through held
@@ -487,7 +500,8 @@ class PageStore:
                 if entry is None or entry.state is not _State.READY:
                     return False
                 order = entry.dir.order
-                if isinstance(order, NextUseOrder) and (order.key(entry) != math.inf or order.furthest() != -math.inf):
+                if isinstance(order, NextUseOrder) and (order.resting or order.key(entry) != math.inf
+                                                        or order.furthest() != -math.inf):
                     return False
         return True
 
@@ -624,9 +638,24 @@ class PageStore:
 
     def other_versions(self, mount: str, key: str, version: str) -> list[str]:
         """Digests of the pages of every version of an object but ``version``."""
+        return self.other_versions_many(mount, [(key, version)])
+
+    def other_versions_many(self, mount: str, objects: list[tuple[str, str]]) -> list[str]:
+        """``other_versions`` of many objects of ``mount``, (key, version) each, under one lock."""
+        out: list[str] = []
         with self._lock:
-            return [d for d in self._digests_of(mount, key)
-                    if (e := self._entries.get(d)) is not None and e.pid.version != version]
+            keys, entries = self._by_object.get(mount), self._entries
+            if not keys:
+                return out
+            for key, version in objects:
+                held = keys.get(key)
+                if held is None:
+                    continue
+                for d in (held,) if isinstance(held, str) else held:
+                    e = entries.get(d)
+                    if e is not None and e.pid.version != version:
+                        out.append(d)
+        return out
 
     def delete_prefix(self, mount: str, prefix: str) -> int:
         """Drop the pages of every object whose key starts with ``prefix``; returns the count (as

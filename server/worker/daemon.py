@@ -153,27 +153,34 @@ class Worker:
         version must go. (The pages themselves stay until evicted: a read that began on the
         last version within the stale grace is still served from them.)"""
         if self.pages.holds_object(meta.path.mount, meta.path.key):
-            self._refreshed(meta)
+            self._refreshed(meta.path.mount, [(meta.path.key, meta.size, meta.version, meta.mtime)])
 
     def _on_listed(self, entries: ListedEntries, keys: list[str]) -> None:
         """``_on_fetched`` of a listing's objects (``keys``): only those with pages here need
         anything (a listing of a million objects asks the page store once a chunk, not once an
         object, and makes metadata objects only for those)."""
         held = set(self.pages.holding(entries.mount, keys))
-        for i in range(len(entries) if held else 0):
-            if not entries.is_dir(i) and entries.key(i) in held:
-                self._refreshed(entries[i])
+        if not held:
+            return
+        fresh = []
+        for i in range(len(entries)):
+            if not entries.is_dir(i):
+                key, size, version, mtime, _ = entries.fields(i)
+                if key in held:
+                    fresh.append((key, size, version, mtime))
+        self._refreshed(entries.mount, fresh)
 
-    def _refreshed(self, meta: ObjectMeta) -> None:
-        """Fresh metadata of an object with pages here. (With none: no handle to drop, and a name
-        entry left vouching for another version leads a client to page files that do not exist,
-        so it asks the worker.)"""
+    def _refreshed(self, mount: str, objects: list[tuple[str, int, str, float]]) -> None:
+        """Fresh metadata of objects of ``mount`` with pages here, (key, size, version, mtime)
+        each. (With none: no handle to drop, and a name entry left vouching for another version
+        leads a client to page files that do not exist, so it asks the worker.)"""
         if self.name_index is not None:
-            self.name_index.refreshed(str(meta.path), meta.version, meta.size, meta.mtime,
-                                      time.monotonic() + self.config.metadata_ttl)
+            self.name_index.refreshed_many([(f"{mount}/{key}", version, size, mtime)
+                                            for key, size, version, mtime in objects],
+                                           time.monotonic() + self.config.metadata_ttl)
         table = self.handle_table
         if table is not None:
-            older = self.pages.other_versions(meta.path.mount, meta.path.key, meta.version)
+            older = self.pages.other_versions_many(mount, [(key, version) for key, _, version, _ in objects])
             if older:
                 table.invalidate(older)
 
@@ -286,12 +293,13 @@ class Worker:
 
     def _expire_plans(self) -> None:
         """A job that stopped renewing its plan pins nothing once its lease ends; after any change
-        of the plans, every cached page's next use is asked again."""
+        of the plans, or when a page store's order wakes from rest, every cached page's next use
+        is asked again."""
         while not self._stopped.is_set():
             self._replan.wait(1.0)
             try:
                 self.plans.expire()
-                if self._replan.is_set():
+                if self._replan.is_set() or self.pages.wants_replan():
                     self._replan.clear()
                     self.pages.replan()
             except Exception:  # noqa: BLE001 - never let the sweeper die; the next round retries

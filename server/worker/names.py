@@ -205,23 +205,27 @@ class NameIndex:
         for any other (a client would read pages of the old version by name until the entry ran
         out), and vouch for this one until ``valid_until`` where the entry already names it, so
         that reads by name go on after a refresh without asking the worker again."""
-        h, check = name_hashes(path)
+        self.refreshed_many([(path, version, size, mtime)], valid_until)
+
+    def refreshed_many(self, objects: list[tuple[str, str, int, float]], valid_until: float) -> None:
+        """``refreshed`` of many objects, (path, version, size, mtime) each, under one lock (a
+        listing's worth: the revalidator refreshes a directory at a time)."""
+        until_ns = int(valid_until * 1e9)
+        hashed = [(name_hashes(path), version, size, mtime) for path, version, size, mtime in objects]
         with self._lock:
             if self._closed:
                 return
             table = self._table
-            off = table.find(h, check)
-            if off is None:
-                return
-            seq, kh, kc, old_size, old_until, old_mtime, vlen, vbytes = ENTRY.unpack_from(table.map, off)
-            raw = version.encode("utf-8", "surrogatepass")
-            if vbytes[:vlen] != raw or old_size != size or old_mtime != mtime:
-                self._clear(off, seq)
-                return
-            until_ns = int(valid_until * 1e9)
-            if until_ns <= old_until:
-                return
-            self._write(off, seq, kh, kc, size, until_ns, mtime, vlen, vbytes)
+            for (h, check), version, size, mtime in hashed:
+                off = table.find(h, check)
+                if off is None:
+                    continue
+                seq, kh, kc, old_size, old_until, old_mtime, vlen, vbytes = ENTRY.unpack_from(table.map, off)
+                if vbytes[:vlen] != version.encode("utf-8", "surrogatepass") or old_size != size \
+                        or old_mtime != mtime:
+                    self._clear(off, seq)
+                elif until_ns > old_until:
+                    self._write(off, seq, kh, kc, size, until_ns, mtime, vlen, vbytes)
 
     def close(self) -> None:
         """Clients notice a closed worker through the handle table's heartbeat; here, only the

@@ -311,10 +311,24 @@ class DerivedOrder:
             parts.append(self.after.array(np.arange(max(start, rest) - rest, end - rest, dtype=np.int64)))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def paths_between(self, start: int, end: int) -> list[str]:
-        """Paths of the units held here that the plan reads at positions [start, end), in order."""
-        _, units = self.index.units_of_samples(self.samples_between(start, end))
-        return list(dict.fromkeys(self.index.path(u) for u in units.tolist()))
+    def planned_between(self, start: int, end: int) -> list[tuple[str, int]]:
+        """(path, ``pages_of`` it) of the units held here that the plan reads at positions
+        [start, end), in order, each path once. Asked at every progress report of a job (its
+        prefetch window): the pages of a path that is one unit of the index, as most are, come
+        from one vectorised pass, not a search each."""
+        index = self.index
+        _, units = index.units_of_samples(self.samples_between(start, end))
+        units = np.fromiter(dict.fromkeys(units.tolist()), dtype=np.int64)
+        paths = [index.path(u) for u in units.tolist()]
+        hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=len(paths))  # as finish() hashes them
+        alone = np.searchsorted(index.hashes, hashes, side="right") - np.searchsorted(index.hashes, hashes) == 1
+        pages = np.where(self.planned[units], index.pages[units], 0).tolist()
+        out: dict[str, int] = {}
+        for path, n, single in zip(paths, pages, alone.tolist()):
+            if path not in out:
+                mount, _, key = path.partition("/")
+                out[path] = n if single else self.pages_of(mount, key)
+        return list(out.items())
 
     def nbytes(self) -> int:
         """The job's arrays (an inverse shared with other jobs counted in each)."""

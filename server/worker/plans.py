@@ -155,6 +155,12 @@ def _merge(positions: list[int]) -> tuple[list[int], list[int]]:
     return starts, ends
 
 
+def _mount_key(path: str) -> tuple[str, str]:
+    """("mount", "key") of a plan's "mount/key"."""
+    mount, _, key = path.partition("/")
+    return mount, key
+
+
 class PlanTable:
     """Every registered plan of this worker; ``next_use`` is the page store's oracle."""
 
@@ -516,10 +522,12 @@ class PlanTable:
         job.moved()
         self.stats["rewound"] += 1
 
-    def due(self, job_id: str, window_bytes: int, window_seconds: float, at_least: int = 32) -> list[str]:
-        """Objects the job reads next that were not handed to prefetch yet: from its position up
-        to ``window_seconds`` of reading at its rate (at least ``at_least`` positions), never more
-        than ``window_bytes`` ahead (what the cache can hold for it). Marks them handed out."""
+    def due(self, job_id: str, window_bytes: int, window_seconds: float,
+            at_least: int = 32) -> list[tuple[str, int]]:
+        """Objects the job reads next that were not handed to prefetch yet, each with the pages
+        its plan reads of it (``pages_planned``): from its position up to ``window_seconds`` of
+        reading at its rate (at least ``at_least`` positions), never more than ``window_bytes``
+        ahead (what the cache can hold for it). Marks them handed out."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or not job.complete or job.last_position() < 0 or not job.prefetch:
@@ -533,15 +541,16 @@ class PlanTable:
                 return []
             job.ahead_to = end
             if d is not None:
-                return d.paths_between(start, end)
+                return d.planned_between(start, end)
             lo = bisect.bisect_left(job.reads, (start, ""))
             hi = bisect.bisect_left(job.reads, (end, ""))
-            return list(dict.fromkeys(path for _, path in job.reads[lo:hi]))
+            pages = job.object_pages
+            return [(path, pages.get(_mount_key(path), 0)) for path in dict.fromkeys(p for _, p in job.reads[lo:hi])]
 
     def pages_planned(self, job_id: str, path: str) -> int:
         """Pages of the object at ``path`` ("mount/key") that the job's plan reads (0: none, or
         no such job)."""
-        mount, _, key = path.partition("/")
+        mount, key = _mount_key(path)
         with self._lock:
             job = self._jobs.get(job_id)
             if job is not None and job.derived is not None:

@@ -359,8 +359,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         window = min(self.pages.stats().capacity_bytes // jobs // 2, self.pages.passing_bytes // jobs)
         # Objects whose planned pages are all here need no load (a warm pass read again would
         # load every object); those partly here (a large shard partly evicted) are loaded.
-        paths = [raw for raw in self.plans.due(job, window, PLAN_AHEAD_SECONDS)
-                 if not self._held(raw, self.plans.pages_planned(job, raw))]
+        paths = [raw for raw, planned in self.plans.due(job, window, PLAN_AHEAD_SECONDS)
+                 if not self._held(raw, planned)]
         for i in range(0, len(paths), PLAN_AHEAD_BATCH):
             if not prefetch(paths[i:i + PLAN_AHEAD_BATCH]):
                 break  # busy: the reads fetch it themselves
