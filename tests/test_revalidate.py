@@ -120,6 +120,32 @@ def test_few_waiting_an_unknown_or_a_large_directory_get_one_request_each(waitin
     assert sorted(fakes.one, key=str) == sorted(wanted, key=str)
 
 
+@pytest.mark.parametrize("dir_size", [20, None], ids=["listed-once", "asked-alone"])
+def test_a_report_of_many_objects_queues_a_task_a_directory_worth_listing(dir_size, monkeypatch):
+    """A client's report of objects read past their time (submit_many): the objects of a
+    directory one listing refreshes go to the pool as one task, not a task each; those of a
+    directory not worth listing keep a task each (asked alone, as many at once as threads)."""
+    names = [f"o{i}" for i in range(20)]
+    fakes = _Fakes(names)
+    wanted = [CachePath("m", f"d/{n}") for n in names] + [CachePath("m", "d/new")]
+    reval = Revalidator(fakes.refresh_one, fakes.list_dir, fakes.is_fresh)
+    if dir_size is not None:
+        reval.note_listing(CachePath("m", "d"), dir_size)
+    tasks: list[int] = []
+    pool = reval._ensure_pool()
+    submit = pool.submit
+    monkeypatch.setattr(pool, "submit", lambda fn, paths, *rest: (tasks.append(len(paths)), submit(fn, paths, *rest))[1])
+    reval.submit_many(wanted + wanted[:3])  # named twice: refreshed once
+    fakes.gate.set()
+    assert wait_for(lambda: reval.waiting() == 0, timeout=30)
+    reval.close()
+    if dir_size is None:
+        assert tasks == [1] * 21 and fakes.lists == [] and len(fakes.one) == 21
+    else:
+        assert tasks == [21] and fakes.lists == [CachePath("m", "d")] and fakes.one == [CachePath("m", "d/new")]
+        assert reval.stats["refreshed_by_listing"] == 20
+
+
 def test_a_failed_listing_leaves_no_object_waiting():
     names = [f"o{i}" for i in range(20)]
     fakes = _Fakes(names)

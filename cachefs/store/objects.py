@@ -262,15 +262,28 @@ class ObjectStore:
         metadata past its TTL but within the stale grace (refreshed in the background, as
         :meth:`info` does), trusted for at most ``STALE_HOLD`` seconds more; and whether it is
         that stale kind."""
-        found = self._meta.get_with_expiry(path)
-        if found is None:
-            return None
-        meta, expiry = found
+        return self.cached_infos_until([path])[0]
+
+    def cached_infos_until(self, paths: list[CachePath]) -> list[tuple[ObjectMeta, float, bool] | None]:
+        """``cached_info_until`` of each, the refreshes of those past their TTL queued together
+        (Revalidator.submit_many)."""
+        out: list[tuple[ObjectMeta, float, bool] | None] = []
+        stale: list[CachePath] = []
         now = time.monotonic()
-        if expiry > now:
-            return meta, expiry, False
-        self._revalidate(path)
-        return meta, min(now + STALE_HOLD, expiry + self._meta.grace), True
+        for path in paths:
+            found = self._meta.get_with_expiry(path)
+            if found is None:
+                out.append(None)
+                continue
+            meta, expiry = found
+            if expiry > now:
+                out.append((meta, expiry, False))
+            else:
+                stale.append(path)
+                out.append((meta, min(now + STALE_HOLD, expiry + self._meta.grace), True))
+        if stale:
+            self.revalidator.submit_many(stale)
+        return out
 
     def info(self, path: CachePath, refresh: bool = False) -> ObjectMeta:
         if not refresh:

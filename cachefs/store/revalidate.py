@@ -216,23 +216,47 @@ class Revalidator:
     def submit(self, path: CachePath) -> None:
         """Refresh ``path`` in the background (nothing if it is already waiting, or if
         ``max_waiting`` objects are: its next read asks again)."""
-        directory = parent_of(path)
+        self.submit_many([path])
+
+    def submit_many(self, paths: list[CachePath]) -> None:
+        """``submit`` of each, one background task a directory (a client's report of objects
+        read past their time names thousands at once: a task, a future and a lock each cost
+        more than the refresh that a listing makes of most of them)."""
+        queued: dict[CachePath, list[CachePath]] = {}
         with self._lock:
-            waiting = self._pending.get(directory)
-            if waiting is not None and path in waiting:
-                return
-            if self._waiting >= self.max_waiting:
-                self.stats["dropped"] += 1
-                return
-            if waiting is None:
-                waiting = self._pending[directory] = set()
-            waiting.add(path)
-            self._waiting += 1
-            pool = self._ensure_pool()
-        try:
-            pool.submit(self._run, path, directory)
-        except RuntimeError:  # closed meanwhile: nothing will settle it
-            self._done(directory, [path])
+            for path in paths:
+                directory = parent_of(path)
+                waiting = self._pending.get(directory)
+                if waiting is not None and path in waiting:
+                    continue
+                if self._waiting >= self.max_waiting:
+                    self.stats["dropped"] += 1
+                    continue
+                if waiting is None:
+                    waiting = self._pending[directory] = set()
+                waiting.add(path)
+                self._waiting += 1
+                queued.setdefault(directory, []).append(path)
+            # A directory that one listing will refresh: one task for its objects; else a task an
+            # object (each asked alone, as many at once as there are threads).
+            tasks: list[tuple[list[CachePath], CachePath]] = []
+            for directory, mine in queued.items():
+                if self._worth_listing(self._dir_size(directory), len(self._pending[directory])):
+                    tasks.append((mine, directory))
+                else:
+                    tasks.extend(([path], directory) for path in mine)
+            pool = self._ensure_pool() if tasks else None
+        for mine, directory in tasks:
+            try:
+                pool.submit(self._run_all, mine, directory)  # type: ignore[union-attr]
+            except RuntimeError:  # closed meanwhile: nothing will settle them
+                self._done(directory, mine)
+
+    def _run_all(self, paths: list[CachePath], directory: CachePath) -> None:
+        """``_run`` of each, in turn: the first lists the directory, and the others find
+        themselves refreshed by it."""
+        for path in paths:
+            self._run(path, directory)
 
     def _ensure_pool(self) -> ThreadPoolExecutor:
         """(with the lock held)"""

@@ -201,16 +201,19 @@ class Worker:
         of one directory), which extends their entries (_on_fetched); one the worker already
         knows afresh gets its entry extended now."""
         names = self.name_index
+        parsed: list[tuple[str, CachePath]] = []
         for raw in paths[:MAX_STALE_REPORT]:
             try:
-                path = parse_path(raw)
+                parsed.append((raw, parse_path(raw)))
             except Exception:  # noqa: BLE001 - a client's report: a bad path is ignored
                 continue
-            known = self.objects.cached_info_until(path)  # past its TTL: a refresh is queued
-            if known is None or names is None:
-                continue
-            meta, until, stale = known
-            if not stale:
+        # those past their TTL: their refreshes queued, a task a directory
+        known = self.objects.cached_infos_until([path for _, path in parsed])
+        if names is None:
+            return
+        for (raw, _), found in zip(parsed, known):
+            if found is not None and not found[2]:
+                meta, until, _ = found
                 names.refreshed(raw, meta.version, meta.size, meta.mtime, until)
 
     def _on_mounts_changed(self, names: set[str]) -> None:
