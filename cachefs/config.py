@@ -211,7 +211,7 @@ class WorkerConfig:
     # as short_circuit_handles), so local clients of this worker's user open cached page files by
     # name with no message (server/worker/names.py). Needs short_circuit_handles > 0.
     short_circuit_by_name: bool = True
-    # The name index starts with short_circuit_handles slots and, when full, grows 4x at a time
+    # The name index starts with short_circuit_handles slots and, when full, grows 2x at a time
     # up to this many (128 bytes each, memory used as entries are written): a data set of more
     # objects than the first table holds is still read by name.
     name_index_max_slots: int = 1 << 22
