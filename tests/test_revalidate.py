@@ -134,7 +134,8 @@ def test_a_report_of_many_objects_queues_a_task_a_directory_worth_listing(dir_si
     tasks: list[int] = []
     pool = reval._ensure_pool()
     submit = pool.submit
-    monkeypatch.setattr(pool, "submit", lambda fn, paths, *rest: (tasks.append(len(paths)), submit(fn, paths, *rest))[1])
+    monkeypatch.setattr(pool, "submit",
+                        lambda fn, paths, *rest: (tasks.append(len(paths)), submit(fn, paths, *rest))[1])
     reval.submit_many(wanted + wanted[:3])  # named twice: refreshed once
     fakes.gate.set()
     assert wait_for(lambda: reval.waiting() == 0, timeout=30)

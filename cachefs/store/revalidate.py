@@ -139,10 +139,11 @@ class Revalidator:
                  is_fresh: Callable[[CachePath], bool], threads: int = 2, relist_after: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, max_waiting: int = MAX_WAITING) -> None:
         """``refresh_one(path)`` asks the store about one object; ``list_dir(dir)`` lists a
-        directory, refreshing what it lists, and returns the objects listed (any container of their paths); ``is_fresh(path)``:
-        its metadata needs no refresh now. ``relist_after``: a directory listed more recently
-        than this is not listed again for reads that find nothing known (the metadata TTL: what
-        such a listing did not refresh is missing or new, and a HEAD each is the answer).
+        directory, refreshing what it lists, and returns the objects listed (a container of
+        their paths); ``is_fresh(path)``: its metadata needs no refresh now. ``relist_after``: a
+        directory listed more recently than this is not listed again for reads that find nothing
+        known (the metadata TTL: what such a listing did not refresh is missing or new, and a HEAD
+        each is the answer).
         ``max_waiting``: objects waiting for a refresh at most (``MAX_WAITING``)."""
         self._refresh_one, self._list_dir, self._is_fresh = refresh_one, list_dir, is_fresh
         self._threads = threads
@@ -322,12 +323,12 @@ class Revalidator:
             return False
         missing = [path for path in waiting_now if path not in listed]
         self.stats["refreshed_by_listing"] += len(waiting_now) - len(missing)
-        for missing in missing:  # not listed: gone, or new since; ask for it alone
+        for path in missing:  # not listed: gone, or new since; ask for it alone
             try:
-                self._refresh_one(missing)
+                self._refresh_one(path)
                 self.stats["refreshed_one"] += 1
             except Exception as exc:  # noqa: BLE001 - e.g. deleted: the next read finds out
-                log.debug("revalidating %s failed: %s", missing, exc)
+                log.debug("revalidating %s failed: %s", path, exc)
         self._done(directory, list(waiting_now))
         return True
 

@@ -491,7 +491,9 @@ class PageStore:
         have closed it, so under plan-driven eviction (a dir with pages that registered plans
         read), where pages leave by the plans' order and are read again an epoch later, a hold
         buys a few microseconds a read (the page is opened by name instead) at the cost of cache
-        room: not worth it. Without plans (plain reads by recency) holds keep their place."""
+        room: not worth it (nor while the order rests: its pages are placed nowhere, and the
+        answer stays the one the plans would give). Without plans (plain reads by recency) holds
+        keep their place."""
         if self._next_use is None:
             return True
         with self._lock:

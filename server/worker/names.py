@@ -125,7 +125,9 @@ class NameIndex:
         new = _Table(min(self.max_slots, old.slots * GROWTH), self.stale_window)
         try:
             for seq, h, check, size, until, mtime, vlen, vbytes in old.live(now_ns):
-                off, _ = new.room(h, check, now_ns)
+                off, full = new.room(h, check, now_ns)
+                if full:  # rare at half the load, and then no entry may be lost in the copy
+                    off = self._move_one_out(new, h, check, now_ns) or off
                 ENTRY.pack_into(new.map, off, 2, h, check, size, until, mtime, vlen, vbytes)
         except BaseException:
             new.close()
@@ -154,7 +156,7 @@ class NameIndex:
                 now_ns = time.monotonic_ns()
                 off, pushes_out = table.room(h, check, now_ns)
                 if pushes_out:
-                    moved = self._move_one_out(h, check, now_ns)
+                    moved = self._move_one_out(table, h, check, now_ns)
                     if moved is not None:
                         off, pushes_out = moved, False
                 if pushes_out and table.slots < self.max_slots:
@@ -169,13 +171,12 @@ class NameIndex:
             self.published += 1
         return True
 
-    def _move_one_out(self, h: int, check: int, now_ns: int) -> int | None:  # caller holds the lock
+    def _move_one_out(self, table: _Table, h: int, check: int, now_ns: int) -> int | None:  # lock held
         """Make room in the full window of (h, check) by moving one of its entries to a free slot
         of that entry's own window (one step of cuckoo hashing); the slot it leaves, or None.
         Without it a window of PROBES random slots fills at a low load (a table of 200,000
         objects grew to 4,194,304 slots, 512 MiB mapped by every process reading by name). A
         reader looking meanwhile finds the entry in either slot, or misses it and asks the worker."""
-        table = self._table
         dead_before = now_ns - table.stale_window_ns
         for off in table.offsets(h, check):
             entry = ENTRY.unpack_from(table.map, off)
@@ -186,8 +187,8 @@ class NameIndex:
                     continue
                 kh, kc, _size, until = ENTRY.unpack_from(table.map, other)[1:5]
                 if (kh, kc) == (0, 0) or until <= dead_before:
-                    self._write(other, SEQ.unpack_from(table.map, other)[0], *entry[1:])
-                    self._clear(off, entry[0])
+                    self._write(other, SEQ.unpack_from(table.map, other)[0], *entry[1:], table=table)
+                    self._clear(off, entry[0], table=table)
                     self.moved += 1
                     return off
         return None
@@ -217,13 +218,14 @@ class NameIndex:
             for i, seq in used:
                 self._clear(NAMES_HEADER.size + i * ENTRY.size, seq)
 
-    def _clear(self, off: int, seq: int) -> None:  # caller holds the lock
-        self._write(off, seq, 0, 0, 0, 0, 0.0, 0, b"")
+    def _clear(self, off: int, seq: int, table: _Table | None = None) -> None:  # caller holds the lock
+        self._write(off, seq, 0, 0, 0, 0, 0.0, 0, b"", table=table)
 
-    def _write(self, off: int, seq: int, *fields: Any) -> None:  # caller holds the lock
-        """Rewrite the entry at ``off`` under its sequence count: odd while being written, so a
-        reader that sees it change, or odd, treats the entry as absent."""
-        table = self._table
+    def _write(self, off: int, seq: int, *fields: Any, table: _Table | None = None) -> None:  # lock held
+        """Rewrite the entry at ``off`` of ``table`` (the current one by default) under its
+        sequence count: odd while being written, so a reader that sees it change, or odd, treats
+        the entry as absent."""
+        table = self._table if table is None else table
         SEQ.pack_into(table.map, off, seq + 1)
         ENTRY.pack_into(table.map, off, seq + 1, *fields)
         SEQ.pack_into(table.map, off, seq + 2)
