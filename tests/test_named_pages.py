@@ -222,6 +222,22 @@ def test_a_full_window_moves_an_entry_within_its_own_window_before_anything_is_p
         index.close()
 
 
+def test_a_table_grown_many_times_keeps_every_entry_and_stays_dense():
+    """20,000 objects from a table of 64 slots: every entry is still there after each growth (the
+    copy moves entries as publishing does, rather than drop one whose window is full), and the
+    table is at least 0.6 full (4 probes without moves grew 200,000 objects to 21x their count)."""
+    index = NameIndex(slots=64, max_slots=1 << 20)
+    try:
+        far = time.monotonic() + 600
+        paths = [f"data/train/{i // 1000:04d}/{i:08d}.bin" for i in range(20_000)]
+        for i, p in enumerate(paths):
+            assert index.publish(p, f"4096-{i}", 4096, float(i), far)
+        assert index.grown >= 8 and len(paths) / index.slots >= 0.6
+        assert all(index._table.find(*name_hashes(p)) is not None for p in paths)
+    finally:
+        index.close()
+
+
 def test_at_its_largest_a_full_table_replaces_entries_instead():
     index = NameIndex(slots=4, max_slots=16)
     try:
