@@ -44,6 +44,7 @@ __all__ = [
     "VERSION_BYTES",
     "dir_score",
     "name_hashes",
+    "raw_name_hashes",
     "page_digest",
     "page_file",
     "path_page_digest",
@@ -122,7 +123,11 @@ _CHECK_SEED = 0x9E3779B97F4A7C15
 
 def name_hashes(path: str) -> tuple[int, int]:
     """(hash, check) of an object's path: the hash picks the slot, both must match."""
-    raw = path.encode("utf-8", "surrogatepass")
+    return raw_name_hashes(path.encode("utf-8", "surrogatepass"))
+
+
+def raw_name_hashes(raw: bytes) -> tuple[int, int]:
+    """``name_hashes`` of a path given as UTF-8 bytes."""
     return xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(raw, seed=_CHECK_SEED)
 
 

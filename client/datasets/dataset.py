@@ -714,6 +714,8 @@ class CacheDataset(PerProcessParts, ConsumptionTracking, Dataset):
         follows parses it like any read), else its parsed path; None: a sample this filesystem
         reads past the cache (``unmounted="direct"``)."""
         index, known, out = self._index, parts.cache_paths, []
+        if isinstance(index, SampleIndex) and index.head.startswith(_URL_PREFIX):
+            return index.paths_of(samples, drop=len(_URL_PREFIX))  # every one a cachefs:// URL
         for s in samples:
             path = index[s]
             if path.startswith(_URL_PREFIX):

@@ -28,9 +28,9 @@ import xxhash
 
 from cachefs.client.transport.handles import Page, file_identity
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
-                               SUPERSEDED_AT, name_hashes, page_digest, page_file, path_page_digest, pick_dir,
-                               probe_slots)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, PROBES, SEQ, STALE_WINDOW, STALE_WINDOW_AT,
+                               SUPERSEDED, SUPERSEDED_AT, name_hashes, page_digest, page_file, path_page_digest,
+                               pick_dir, probe_slots, raw_name_hashes)
 from cachefs.paths import parse_path
 from cachefs.client.timeouts import REPORT_SECONDS, STALE_REPORT_SECONDS
 
@@ -368,14 +368,18 @@ class NamedPages:
         Once a sample in a new DataLoader worker (a warm epoch's every read), so the slot, the
         digest and the file name are worked out in one pass over the entry's bytes (``_locate``,
         ``page_digest`` and ``_file`` say the same, with a str round trip each)."""
-        table = self._map
-        h, check = name_hashes(path)
+        table, slots = self._map, self.slots
+        raw = path.encode("utf-8", "surrogatepass")
+        h, check = raw_name_hashes(raw)
+        # probe_slots' order, a slot at a time: the entry is at its first slot mostly
+        slot, step = h % slots, (check % slots) | 1 if slots > 1 else 0
         try:
-            for slot in probe_slots(h, check, self.slots):
+            for _ in range(min(PROBES, slots)):
                 off = NAMES_HEADER.size + slot * ENTRY.size
                 seq, kh, kc = _KEY.unpack_from(table, off)
                 if kh == h and kc == check:
                     break
+                slot = (slot + step) % slots
             else:
                 return None
             _seq, _h, _c, size, until_ns, _mtime, vlen, vbytes = ENTRY.unpack_from(table, off)
@@ -392,7 +396,7 @@ class NamedPages:
             known = memo[path] = (off, seq, size, until_ns, *before[4:])
             return known
         # the path matched the worker's entry byte for byte: it is canonical ("mount/key")
-        hashed = path_page_digest(path.encode("utf-8", "surrogatepass"), version, 0)
+        hashed = path_page_digest(raw, version, 0)
         digest = hashed.hexdigest()
         root = self._only_root
         name = page_file(root, digest) if root is not None else self._file(digest)
