@@ -293,6 +293,24 @@ class MetadataTable:
                 too_long.append(meta.path)
             else:
                 items.append((meta.path.mount, *item))
+        self._put_items(items, too_long)
+
+    def put_rows(self, mount: str, rows: list[tuple[str, int, str | None, float, bool]]) -> None:
+        """``put_many`` of a listing's objects of ``mount`` as (key, size, version, mtime, is_dir)
+        rows (a version of None: derived from size and mtime): no ``ObjectMeta`` or ``CachePath``
+        made for each (a refresh by listing puts a directory's worth at a time)."""
+        if not self._keeps():
+            return
+        items, too_long = [], []
+        for key, size, version, mtime, is_dir in rows:
+            item = self._prepared_fields(key, size, version, mtime, is_dir)
+            if item is None:
+                too_long.append(CachePath(mount, key))
+            else:
+                items.append((mount, *item))
+        self._put_items(items, too_long)
+
+    def _put_items(self, items: list[tuple], too_long: list[CachePath]) -> None:
         for start in range(0, len(items), _BATCH):  # let go between batches: reads never wait for a whole listing
             with self._lock:
                 for item in items[start:start + _BATCH]:
@@ -311,12 +329,20 @@ class MetadataTable:
     def _prepared(path: CachePath, meta: ObjectMeta) -> tuple | None:
         """What a put stores of ``meta``, worked out before the lock: (directory, name bytes,
         version bytes, flags, size, mtime); None for a name or version too long to keep."""
-        dpath, name = _split(path.key)
+        return MetadataTable._prepared_fields(path.key, meta.size, meta.version, meta.mtime, meta.is_dir)
+
+    @staticmethod
+    def _prepared_fields(key: str, size: int, version: str | None, mtime: float, is_dir: bool) -> tuple | None:
+        """``_prepared`` of an entry's fields; a version of None is the one derived from size and
+        mtime (a local store's, as a listing gives it)."""
+        dpath, name = _split(key)
         kb = _encode(name)
-        size, mtime, version = meta.size, float(meta.mtime), meta.version
-        flags = _LIVE | (_DIR if meta.is_dir else 0)
+        mtime = float(mtime)
+        flags = _LIVE | (_DIR if is_dir else 0)
         vb = b""
-        if len(version) == 32:
+        if version is None:
+            flags |= _DERIVED
+        elif len(version) == 32:
             try:
                 raw = bytes.fromhex(version)
             except ValueError:
@@ -324,7 +350,7 @@ class MetadataTable:
             if raw is not None and raw.hex() == version:
                 flags |= _ETAG
                 vb = raw
-        if not flags & _ETAG:
+        if version is not None and not flags & _ETAG:
             if version == f"{size}-{mtime!r}":
                 flags |= _DERIVED
             else:

@@ -187,10 +187,11 @@ class ObjectStore:
         self._meta.put(path, meta)
 
     def _remember_listed(self, entries: ListedEntries, keys: list[str], known_only: bool,
-                         metas: list[ObjectMeta] | None = None) -> None:
-        """A listing's objects (``keys``: their keys; ``metas``: the entries, where made already):
-        the listener hears of them, the table keeps them (``known_only``: those of directories it
-        has entries in), its lock taken once."""
+                         rows: list[tuple[str, int, str | None, float, bool]] | None = None) -> None:
+        """A listing's objects (``keys``: their keys; ``rows``: the entries' fields, where at hand:
+        (key, size, version or None where derived, mtime, is_dir)): the listener hears of them, the
+        table keeps them (``known_only``: those of directories it has entries in), its lock taken
+        once a batch."""
         objects = [i for i, key in enumerate(keys) if not entries.is_dir(i)]
         try:
             if self.on_listed is not None:
@@ -209,7 +210,10 @@ class ObjectStore:
                 if last_known:
                     known.append(i)
             objects = known
-        self._meta.put_many([entries[i] for i in objects] if metas is None else [metas[i] for i in objects])
+        if rows is None:
+            self._meta.put_many([entries[i] for i in objects])
+        else:
+            self._meta.put_rows(entries.mount, [rows[i] for i in objects])
 
     @contextmanager
     def _call(self, path: CachePath, what: str) -> Iterator[None]:
@@ -490,12 +494,8 @@ class ObjectStore:
         for row in rows:
             entries.add(*row)
         keys = [row[0] for row in rows]
-        metas = None
-        if remember == "all":  # all kept: their metadata made once, here
-            metas = [ObjectMeta(CachePath(path.mount, key), size, f"{size}-{mtime!r}" if version is None else version,
-                                mtime, is_dir) for key, size, version, mtime, is_dir in rows]
-        if remember:
-            self._remember_listed(entries, keys, known_only=remember == "known", metas=metas)
+        if remember:  # all kept: from the rows themselves, no metadata object each
+            self._remember_listed(entries, keys, known_only=remember == "known", rows=rows if remember == "all" else None)
         return entries
 
     def _note_listing(self, path: CachePath, recursive: bool, entries: ListedEntries) -> None:

@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 from typing import Any
 
 from cachefs.memseal import sealed_table
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
-                               SUPERSEDED_AT, VERSION_BYTES, name_hashes, probe_slots)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, PROBES, SEQ, STALE_WINDOW, STALE_WINDOW_AT,
+                               SUPERSEDED, SUPERSEDED_AT, VERSION_BYTES, name_hashes, probe_slots)
 
 __all__ = ["NameIndex"]
 
 log = logging.getLogger(__name__)
 
 GROWTH = 2  # a full table is replaced by one this many times larger
+_HASHES = struct.Struct("<QQ")  # an entry's path hash and check, after its seq
 
 
 class _Table:
@@ -52,11 +54,15 @@ class _Table:
         return [NAMES_HEADER.size + slot * ENTRY.size for slot in probe_slots(h, check, self.slots)]
 
     def find(self, h: int, check: int) -> int | None:
-        """The offset of the entry of (h, check), if it has one."""
-        for off in self.offsets(h, check):
-            kh, kc = ENTRY.unpack_from(self.map, off)[1:3]
-            if (kh, kc) == (h, check):
+        """The offset of the entry of (h, check), if it has one (its slots in ``probe_slots``'
+        order, a slot at a time: most entries are at their first)."""
+        slots, table = self.slots, self.map
+        slot, step = h % slots, (check % slots) | 1 if slots > 1 else 0
+        for _ in range(min(PROBES, slots)):
+            off = NAMES_HEADER.size + slot * ENTRY.size
+            if _HASHES.unpack_from(table, off + 8) == (h, check):
                 return off
+            slot = (slot + step) % slots
         return None
 
     def room(self, h: int, check: int, now_ns: int) -> tuple[int, bool]:
