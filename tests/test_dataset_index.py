@@ -95,6 +95,20 @@ def test_builder_sorts_and_drops_duplicates_like_a_dict_of_a_listing():
     assert pickle.loads(pickle.dumps(ix)) == ix and ix.head == ""
 
 
+def test_a_batch_of_paths_is_the_paths_one_by_one_less_what_is_dropped():
+    """``paths_of`` (a batch's paths for reads by name, one gather of their bounds) says what
+    indexing does, with non-ASCII names and the head's first characters dropped."""
+    b = IndexBuilder()
+    for i in range(50):
+        b.add(f"cachefs://data/train/{i % 7}/é{i:03d}.bin", i + 1)
+    ix = b.finish(sort=True)
+    assert ix.head.startswith("cachefs://data/")
+    samples = [49, 0, 7, 7, 23]
+    assert ix.paths_of(samples) == [ix[s] for s in samples]
+    assert ix.paths_of(samples, drop=len("cachefs://")) == [ix[s][len("cachefs://"):] for s in samples]
+    assert ix.paths_of([]) == []
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_read_every_sample_once(served, monkeypatch, context):
     monkeypatch.setattr(sampleindex, "SMALL_BYTES", 0)  # shared memory even at this size: the path under test
