@@ -453,12 +453,29 @@ def test_a_page_file_read_again_is_checked_once_and_a_replaced_file_anew(tmp_pat
         assert client.stats["named_unhashed"] == 5 + 1 + 2 + 2  # page 1 checked once more, then trusted
 
 
-def test_one_page_samples_are_read_whole_checked_once_and_anything_else_left_to_read_into(tmp_path):
+def test_small_pages_read_whole_are_checked_at_every_read_and_not_remembered(tmp_path):
+    """Below ALWAYS_CHECKED_BYTES a page read whole is checked each time (its checksum costs
+    less than the fstat that would know the file again) and leaves nothing in the memory of
+    checked files."""
+    with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
+        data = payload(4096, 7)
+        assert store.put(PageId("m", "small", "v1", 0), data)
+        index.publish("m/small", "v1", len(data), 0.0, time.monotonic() + 60)
+        for _ in range(3):
+            out = bytearray(len(data))
+            results = [None]
+            assert client.read_whole([("m/small", 0, memoryview(out))], results) == 1 and bytes(out) == data
+        assert client.stats["named_unhashed"] == 0 and not client._checked.seen
+
+
+def test_one_page_samples_are_read_whole_checked_once_and_anything_else_left_to_read_into(tmp_path, monkeypatch):
     """read_whole: a batch's one-page objects read whole by name in one pass (a warm epoch's
     samples). The first read of a page file checks its checksum, a file read again is known by
-    its identity; an entry rewritten (a new version) is seen at once by its slot's seq; reads
-    that are not a whole one-page object, an entry past its time, and a page file that is gone
-    or does not match its checksum are left for read_into (their results stay None)."""
+    its identity (pages above ALWAYS_CHECKED_BYTES: every one here); an entry rewritten (a new
+    version) is seen at once by its slot's seq; reads that are not a whole one-page object, an
+    entry past its time, and a page file that is gone or does not match its checksum are left for
+    read_into (their results stay None)."""
+    monkeypatch.setattr("cachefs.client.transport.namedpages.ALWAYS_CHECKED_BYTES", 0)
     with _store_with_names(tmp_path, (1 << 20,)) as (store, index, client):
         objects = {f"s{i}": payload(1000 + i, 30 + i) for i in range(4)}
         big = payload(2 * 4096, 39)

@@ -48,6 +48,9 @@ STALE_REPORT_BYTES = 16 << 10  # paths named in one message, at most (it is boun
 POPULATE_MAX = 16 << 20  # a name index up to this size is mapped populated
 MEMO_ENTRIES = 1 << 15  # paths whose slots, and page files whose names, are remembered (then start over)
 MEMO_PAGES = 64  # ... for objects of up to this many pages (a larger one's are named as read)
+#: A one-page object up to this size read by name is checked on every read, not known again by
+#: its file's identity (CheckedPages): an xxh3 pass over 16 KiB costs less than the fstat.
+ALWAYS_CHECKED_BYTES = 16 << 10
 
 
 def _check_dirs(roots: list[str], ids: list[str]) -> None:
@@ -331,7 +334,9 @@ class NamedPages:
             except OSError:
                 continue
             try:
-                identity = checked.known(digest, fd, size)
+                # A small page is checked at every read: its checksum costs less than the fstat
+                # that would know the file again (and nothing is remembered of it).
+                identity = checked.known(digest, fd, size) if size > ALWAYS_CHECKED_BYTES else None
                 if identity is True:  # the file checked before: its payload alone
                     if preadv(fd, (out,), 0) != size:
                         continue
