@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Iterator
 
 import xxhash
 
@@ -49,6 +50,7 @@ __all__ = [
     "page_file",
     "path_page_digest",
     "pick_dir",
+    "probe_offsets",
     "probe_slots",
 ]
 
@@ -134,6 +136,13 @@ def raw_name_hashes(raw: bytes) -> tuple[int, int]:
 def probe_slots(h: int, check: int, slots: int) -> list[int]:
     """The slots ``path``'s entry may be in (``h, check = name_hashes(path)``), in the order both
     sides look: ``h % slots``, then steps of an odd stride taken from ``check``."""
-    first = h % slots
-    step = (check % slots) | 1 if slots > 1 else 0
-    return [(first + i * step) % slots for i in range(min(PROBES, slots))]
+    return [(off - NAMES_HEADER.size) // ENTRY.size for off in probe_offsets(h, check, slots)]
+
+
+def probe_offsets(h: int, check: int, slots: int) -> Iterator[int]:
+    """The byte offsets of ``probe_slots`` in a table of ``slots``, made as they are looked at
+    (a found entry is at its first slot mostly: a lookup need not work out all of them)."""
+    slot, step = h % slots, (check % slots) | 1 if slots > 1 else 0
+    for _ in range(min(PROBES, slots)):
+        yield NAMES_HEADER.size + slot * ENTRY.size
+        slot = (slot + step) % slots

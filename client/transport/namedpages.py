@@ -28,9 +28,9 @@ import xxhash
 
 from cachefs.client.transport.handles import Page, file_identity
 from cachefs.pagefile import TRAILER_SIZE, CorruptPageError, decode_trailer
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, PROBES, SEQ, STALE_WINDOW, STALE_WINDOW_AT,
-                               SUPERSEDED, SUPERSEDED_AT, name_hashes, page_digest, page_file, path_page_digest,
-                               pick_dir, probe_slots, raw_name_hashes)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
+                               SUPERSEDED_AT, name_hashes, page_digest, page_file, path_page_digest, pick_dir,
+                               probe_offsets, raw_name_hashes)
 from cachefs.paths import parse_path
 from cachefs.client.timeouts import REPORT_SECONDS, STALE_REPORT_SECONDS
 
@@ -218,7 +218,7 @@ class NamedPages:
         if where is None:
             h, check = name_hashes(path)
             # the entry is in one of these slots (pagenames.py): their offsets, kept per path
-            where = (h, check, [NAMES_HEADER.size + slot * ENTRY.size for slot in probe_slots(h, check, self.slots)])
+            where = (h, check, list(probe_offsets(h, check, self.slots)))
             if len(self._where) >= MEMO_ENTRIES:
                 self._where.clear()
             self._where[path] = where
@@ -373,18 +373,14 @@ class NamedPages:
         Once a sample in a new DataLoader worker (a warm epoch's every read), so the slot, the
         digest and the file name are worked out in one pass over the entry's bytes (``_locate``,
         ``page_digest`` and ``_file`` say the same, with a str round trip each)."""
-        table, slots = self._map, self.slots
+        table = self._map
         raw = path.encode("utf-8", "surrogatepass")
         h, check = raw_name_hashes(raw)
-        # probe_slots' order, a slot at a time: the entry is at its first slot mostly
-        slot, step = h % slots, (check % slots) | 1 if slots > 1 else 0
         try:
-            for _ in range(min(PROBES, slots)):
-                off = NAMES_HEADER.size + slot * ENTRY.size
+            for off in probe_offsets(h, check, self.slots):
                 seq, kh, kc = _KEY.unpack_from(table, off)
                 if kh == h and kc == check:
                     break
-                slot = (slot + step) % slots
             else:
                 return None
             _seq, _h, _c, size, until_ns, _mtime, vlen, vbytes = ENTRY.unpack_from(table, off)

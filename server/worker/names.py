@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 from cachefs.memseal import sealed_table
-from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, PROBES, SEQ, STALE_WINDOW, STALE_WINDOW_AT,
-                               SUPERSEDED, SUPERSEDED_AT, VERSION_BYTES, name_hashes, probe_slots)
+from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
+                               SUPERSEDED_AT, VERSION_BYTES, name_hashes, probe_offsets)
 
 __all__ = ["NameIndex"]
 
@@ -51,18 +51,14 @@ class _Table:
         STALE_WINDOW.pack_into(self.map, STALE_WINDOW_AT, int(stale_window * 1e9))
 
     def offsets(self, h: int, check: int) -> list[int]:
-        return [NAMES_HEADER.size + slot * ENTRY.size for slot in probe_slots(h, check, self.slots)]
+        return list(probe_offsets(h, check, self.slots))
 
     def find(self, h: int, check: int) -> int | None:
-        """The offset of the entry of (h, check), if it has one (its slots in ``probe_slots``'
-        order, a slot at a time: most entries are at their first)."""
-        slots, table = self.slots, self.map
-        slot, step = h % slots, (check % slots) | 1 if slots > 1 else 0
-        for _ in range(min(PROBES, slots)):
-            off = NAMES_HEADER.size + slot * ENTRY.size
+        """The offset of the entry of (h, check), if it has one (reading its two hashes only)."""
+        table = self.map
+        for off in probe_offsets(h, check, self.slots):
             if _HASHES.unpack_from(table, off + 8) == (h, check):
                 return off
-            slot = (slot + step) % slots
         return None
 
     def room(self, h: int, check: int, now_ns: int) -> tuple[int, bool]:
