@@ -161,7 +161,7 @@ class NextUseOrder:
         """A read: the page's use now is over, its next one counts. ``moment``: the plans'
         moment of the read (one for a batch of reads; taken here if None)."""
         digest = entry.digest
-        if self._rests():
+        if self.rests():
             if digest in self._unknown:
                 self._unknown.move_to_end(digest)
             return
@@ -181,10 +181,8 @@ class NextUseOrder:
         return None if self._moment is None else self._moment()
 
     def rests(self) -> bool:
-        """Whether the order rests now (its dir has room to spare: nothing will leave soon)."""
-        return self._rests()
-
-    def _rests(self) -> bool:
+        """Whether the order rests now (its dir has room to spare: nothing will leave soon);
+        asking moves it between rest and waking, with hysteresis."""
         room = self._room
         if room is None:
             return False
@@ -198,7 +196,7 @@ class NextUseOrder:
         return self.resting
 
     def add(self, entry: Any) -> None:
-        if self._rests():  # placed nowhere until the order wakes (and replans every page)
+        if self.rests():  # placed nowhere until the order wakes (and replans every page)
             self._put(entry, math.inf, math.inf)
             return
         self._settle()  # reads before this page was added go before it in the LRU order
@@ -206,23 +204,19 @@ class NextUseOrder:
 
     def replan(self, entry: Any) -> None:
         """The plans changed: ask the page's next use again (its use now is not over)."""
-        if self._rests():
-            return
-        if entry.digest in self:
-            self._read.pop(entry.digest, None)
-            self._place(entry, used=False)
+        self.replan_many([entry])
 
     def replan_many(self, entries: list[Any]) -> None:
         """``replan`` of many pages, their next uses asked in one call where the plans can."""
-        if self._rests():
+        if self.rests():
             return
         mine = [entry for entry in entries if entry.digest in self]
-        if self._next_uses is None:
-            for entry in mine:
-                self.replan(entry)
-            return
         for entry in mine:
             self._read.pop(entry.digest, None)
+        if self._next_uses is None:
+            for entry in mine:
+                self._place(entry, used=False)
+            return
         for entry, (when, stale_at) in zip(mine, self._next_uses([entry.pid for entry in mine], False)):
             self._put(entry, when, stale_at)
 
@@ -305,7 +299,7 @@ class NextUseOrder:
         self.replan_many(list(self.entries()))
 
     def pick(self, need: int, now: float) -> list[Any] | None:
-        if not self._rests() and self.replan_due and len(self) <= SYNC_REPLAN_PAGES:
+        if not self.rests() and self.replan_due and len(self) <= SYNC_REPLAN_PAGES:
             self.replan_all()
         self._settle()
         victims: list[Any] = []
@@ -360,7 +354,7 @@ class NextUseOrder:
         """Pages whose planned use has ended (by the plan's clock) without a read moving them on
         (a page read since it was placed is placed anew when the order next decides)."""
         out: list[Any] = []
-        if self._rests():
+        if self.rests():
             return out
         heap, read = self._stale_at, self._read
         while heap and heap[0][0] <= now:

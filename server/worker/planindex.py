@@ -141,6 +141,13 @@ class PlanIndex:
         # the index holds canonical paths: a hash collision is told apart
         return [u for u in self._by_hash_view[lo:hi].tolist() if self.path(u) == want]
 
+    def hash_spans(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """For each path ("mount/key"), the span [lo, hi) of ``hashes`` (and ``by_hash``) with its
+        hash: one unit where ``hi - lo == 1`` (a path not in the index may share a hash: compare
+        ``path``), several for an object split into units, none for a path not held here."""
+        hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=len(paths))  # as finish() hashes them
+        return np.searchsorted(self.hashes, hashes, side="left"), np.searchsorted(self.hashes, hashes, side="right")
+
     def units_of_samples(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(where in ``samples``, which unit) for the samples held here."""
         if not len(self.samples):
@@ -271,9 +278,7 @@ class DerivedOrder:
         if not _invertible(self.now, self.now_inverse) or not _invertible(self.after, self.after_inverse):
             return none, np.zeros(n, dtype=bool)
         index = self.index
-        hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=n)  # as finish() hashes them
-        lo = np.searchsorted(index.hashes, hashes, side="left")
-        hi = np.searchsorted(index.hashes, hashes, side="right")
+        lo, hi = index.hash_spans(paths)
         answered = hi - lo <= 1
         rows = np.flatnonzero(hi - lo == 1)
         units = index.by_hash[lo[rows]]
@@ -320,8 +325,8 @@ class DerivedOrder:
         _, units = index.units_of_samples(self.samples_between(start, end))
         units = np.fromiter(dict.fromkeys(units.tolist()), dtype=np.int64)
         paths = [index.path(u) for u in units.tolist()]
-        hashes = np.fromiter(map(hash, paths), dtype=np.int64, count=len(paths))  # as finish() hashes them
-        alone = np.searchsorted(index.hashes, hashes, side="right") - np.searchsorted(index.hashes, hashes) == 1
+        lo, hi = index.hash_spans(paths)
+        alone = hi - lo == 1
         pages = np.where(self.planned[units], index.pages[units], 0).tolist()
         out: dict[str, int] = {}
         for path, n, single in zip(paths, pages, alone.tolist()):
