@@ -16,7 +16,7 @@ from cachefs.server.etcd.client import EtcdClient, EtcdSettings, EtcdUnavailable
 from cachefs.server.master.election import Election, NotLeaderError
 from cachefs.server.master.etcdstate import EtcdState
 from cachefs.server.master.viewversion import ViewVersion
-from helpers import wait_for
+from helpers import refused_port, wait_for
 
 PREFIX = b"/cachefs/test/"
 
@@ -102,6 +102,27 @@ def _answers(client: EtcdClient, key: bytes) -> bool:
         return client.get(key).value == b"v"
     except (EtcdUnavailableError, OSError):
         return False
+
+
+def test_etcd_reads_as_unreachable_only_after_failing_for_a_whole_lease():
+    """A gap shorter than the lease (the members electing a raft leader after one died) reads as an
+    election under way, so admin calls wait for the next leader; a longer one as etcd down, so they
+    fail fast (ENOTCONN) instead of waiting for a leader that cannot come."""
+    with refused_port() as port:
+        client = EtcdClient(EtcdSettings((f"http://127.0.0.1:{port}",), timeout=0.2))
+        election = Election(client, PREFIX, "a", "127.0.0.1:1", lease_seconds=2, poll_seconds=0.1).start()
+        try:
+            started = time.monotonic()
+            assert wait_for(lambda: election._failing_since is not None, timeout=5)
+            if time.monotonic() - started < 1.5:  # a loaded machine may have taken longer already
+                assert election.etcd_reachable()
+                assert "election is under way" in election.leader_hint()
+            assert wait_for(lambda: not election.etcd_reachable(), timeout=10)
+            assert time.monotonic() - started >= election.ttl
+            assert "etcd cannot be reached" in election.leader_hint()
+        finally:
+            election.stop(resign=False)
+            client.close()
 
 
 def test_a_leader_whose_lease_ended_is_fenced_in_etcd(etcd_cluster):

@@ -225,7 +225,8 @@ def test_etcd_down_reads_go_on_admin_fails_fast_and_all_recovers(tmp_path, etcd_
         cli = [sys.executable, "-m", "cachefs.cli", "mount", "--master", ha.addresses]
         with ReadLoop(fs, objects) as loop:
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])
-            # One etcd member killed: nothing to see (a change still goes through at once).
+            # One etcd member killed: nothing to see. A change goes through, at once or, where the member
+            # was etcd's raft leader and its election outlasted the master's lease, once a master leads again.
             leader_id = ha.view().leader_id
             etcd_cluster.kill(0)
             out = subprocess.run(cli + ["one", str(ha.root)], capture_output=True, text=True, timeout=60)
@@ -237,12 +238,15 @@ def test_etcd_down_reads_go_on_admin_fails_fast_and_all_recovers(tmp_path, etcd_
             # Past the leader's lease: no master leads, every master still serves the last view.
             assert wait_for(lambda: not ha.view().leader_id and len(ha.view().workers) == 1, timeout=4 * LEASE)
             assert loop.wait_reads(), (loop.reads, loop.errors[:3])
+            # Etcd down for a lease or more reads as down, not as an election: the call gives up well
+            # within its budget instead of waiting for a leader that cannot come.
             t0 = time.monotonic()
-            out = subprocess.run(cli + ["more", str(ha.root)], capture_output=True, text=True, timeout=60)
+            out = subprocess.run(cli + ["more", str(ha.root), "--timeout", "40"], capture_output=True, text=True,
+                                 timeout=60)
             took = time.monotonic() - t0
             assert out.returncode == 3, (out.stdout, out.stderr)
             assert "etcd" in out.stderr or "lead" in out.stderr, out.stderr
-            assert took < 10, f"the admin command took {took:.1f}s with etcd down"
+            assert took < 20, f"the admin command took {took:.1f}s of its 40 s with etcd down"
             for i in range(3):
                 etcd_cluster.restart(i)
             # No restarts: a leader again, the change goes through, the worker is still in the view.

@@ -71,7 +71,8 @@ class Election:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.terms = 0  # how many times this master has been elected
-        self.etcd_ok = threading.Event()  # the last etcd call of the campaign succeeded
+        # When the campaign's etcd calls began to fail (None: the last one succeeded, or none was made).
+        self._failing_since: float | None = None
 
     # -- what the rest of the master asks --
 
@@ -100,6 +101,14 @@ class Election:
             fresh = self._clock() - self._leader_read < max(2.0, 2 * self.poll_seconds) + self.ttl / 2
             return dict(self._leader) if fresh else {}
 
+    def etcd_reachable(self) -> bool:
+        """False once every etcd call of the campaign has failed for a whole lease. A shorter gap (the
+        members electing a raft leader after one died) reads as an election under way, so callers
+        wait for the next leader instead of giving up."""
+        with self._lock:
+            since = self._failing_since
+        return since is None or self._clock() - since < self.ttl
+
     def is_leader_locked(self) -> bool:
         return self._epoch > 0 and self._clock() < self._deadline
 
@@ -107,7 +116,7 @@ class Election:
         leader = self.leader()
         if leader.get("address"):
             return f"the leader is {leader['master_id']} at {leader['address']}"
-        if not self.etcd_ok.is_set():
+        if not self.etcd_reachable():
             return "etcd cannot be reached, so no master can lead"
         return "no master leads now (an election is under way)"
 
@@ -142,9 +151,12 @@ class Election:
                 else:
                     self._lose_if_expired()
                     wait = self._campaign()
-                self.etcd_ok.set()
+                with self._lock:
+                    self._failing_since = None
             except (EtcdUnavailableError, EtcdError) as exc:
-                self.etcd_ok.clear()
+                with self._lock:
+                    if self._failing_since is None:
+                        self._failing_since = self._clock()
                 self._lose_if_expired()
                 log.debug("election: %s", exc)
                 wait = self.poll_seconds

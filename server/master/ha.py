@@ -102,7 +102,7 @@ class ControlPlane:
 
     def etcd_reachable(self) -> bool:
         """False while etcd cannot be reached: no master can lead until it can."""
-        return self.election is None or self.election.etcd_ok.is_set()
+        return self.election is None or self.election.etcd_reachable()
 
     def _elected(self, epoch: int) -> None:
         with self._term_lock:
