@@ -8,6 +8,7 @@ comes first); training processes that tests start as subprocesses get it on, as 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(autouse=True)
-def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test starts without CACHEFS_* variables (restored after it).
 
     The client and daemons read them as defaults (ClientConfig, load_worker_config) and
@@ -38,11 +39,14 @@ def _no_cachefs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in os.environ if n.startswith("CACHEFS_")]:
         monkeypatch.delenv(name)
     # Scanned shard indexes are kept per test (client/datasets/indexcache.py), never in the user's ~/.cache.
-    monkeypatch.setenv("CACHEFS_INDEX_CACHE", tempfile.mkdtemp(prefix="cachefs-index-"))
+    index_cache = tempfile.mkdtemp(prefix="cachefs-index-")
+    monkeypatch.setenv("CACHEFS_INDEX_CACHE", index_cache)
     # Read-ahead across objects (client/fs/scanahead.py) hints what follows reads in name order, in
     # the background: tests of other mechanisms count exact fetches, fills and hits, so it is off
     # unless a test asks for it (tests/test_scanahead.py, the demo's end-to-end test).
     monkeypatch.setenv("CACHEFS_SCAN_AHEAD", "false")
+    yield
+    shutil.rmtree(index_cache, ignore_errors=True)
 
 
 @pytest.fixture
