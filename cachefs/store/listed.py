@@ -12,8 +12,11 @@ made when asked for, a page of them at a time.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from cachefs.paths import CachePath
 from cachefs.store.meta import ObjectMeta
@@ -120,6 +123,16 @@ class ListedEntries(Sequence[ObjectMeta]):
     def names(self) -> "Names":
         return Names(self)
 
+    def digest(self) -> bytes:
+        """A 128-bit digest of every entry (names, sizes, versions, mtimes, kinds): two listings
+        with the same digest list the same objects at the same versions."""
+        h = xxhash.xxh3_128(self.mount.encode("utf-8", "surrogatepass") + b"\0")
+        for column in (self._keys, self._key_at, self._versions, self._version_at, self._sizes, self._mtimes,
+                       self._flags):
+            h.update(len(column).to_bytes(8, "little"))
+            h.update(column)
+        return h.digest()
+
     @property
     def nbytes(self) -> int:
         """What the entries hold (their arrays' allocations, roughly)."""
@@ -171,3 +184,14 @@ class Names(Sequence[str]):
         if not 0 <= i < n:
             raise IndexError("listing name out of range")
         return self._entries.name(i)
+
+
+@dataclass(frozen=True)
+class Relisted:
+    """A whole listing as its listener hears of it: what was listed (its path), the listing's
+    digest (``ListedEntries.digest``), and whether it is the same as the last listing of that
+    path, so that what was made of that one (metadata, name entries) is extended, not made again."""
+
+    listing: Hashable
+    digest: bytes
+    unchanged: bool

@@ -40,7 +40,8 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import xxhash
@@ -60,6 +61,9 @@ _BIG = 0xFFFFFFFF  # size column: the real size is in _big
 _COMPACT_MIN = 1 << 20  # garbage arena bytes tolerated before a compaction is considered
 _MAX_NAME = 0xFFFF  # longer names (after the last "/") or versions are not kept
 _BATCH = 256  # entries a prefix removal frees, or put_many puts, per hold of the lock
+# Rows of the listings kept for extend_listed, all listings together (8 bytes a row): past it
+# the listings extended longest ago are dropped (their next refresh puts every row again).
+_LISTED_ROWS = 1 << 22
 
 # Low 4 bits of the directory/flags column; the directory id sits above them.
 _LIVE = 1
@@ -150,6 +154,7 @@ class MetadataTable:
         self._dir_head = array("i")
         self._dir_count = array("i")
         self._dir_free = array("i")
+        self._dir_writes = array("Q")  # puts and drops of its rows, per directory id (never reset)
         self._sorted: dict[int, list[str]] = {}  # mount id -> its directories' paths, sorted
         # Index: row numbers, _EMPTY or _TOMB.
         self._index = array("i", [_EMPTY]) * 8
@@ -159,6 +164,11 @@ class MetadataTable:
         self._evict_rows: list[int] = []
         self._evict_exps: list[int] = []
         self._evict_at = 0
+        # What put_rows put for each listing it was told of: (its digest, the rows, their
+        # directories and those directories' write counts then), for extend_listed.
+        self._listed: OrderedDict[Hashable, tuple[bytes, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._listed_rows = 0
+        self._writes = 0  # puts and drops of rows, all directories
 
     def __len__(self) -> int:
         with self._lock:
@@ -295,10 +305,13 @@ class MetadataTable:
                 items.append((meta.path.mount, *item))
         self._put_items(items, too_long)
 
-    def put_rows(self, mount: str, rows: list[tuple[str, int, str | None, float, bool]]) -> None:
+    def put_rows(self, mount: str, rows: list[tuple[str, int, str | None, float, bool]],
+                 listing: Hashable | None = None, digest: bytes = b"") -> None:
         """``put_many`` of a listing's objects of ``mount`` as (key, size, version, mtime, is_dir)
         rows (a version of None: derived from size and mtime): no ``ObjectMeta`` or ``CachePath``
-        made for each (a refresh by listing puts a directory's worth at a time)."""
+        made for each (a refresh by listing puts a directory's worth at a time). ``listing``: what
+        was listed (a path), under which the rows are kept with the listing's ``digest`` for
+        ``extend_listed``."""
         if not self._keeps():
             return
         items, too_long = [], []
@@ -308,15 +321,66 @@ class MetadataTable:
                 too_long.append(CachePath(mount, key))
             else:
                 items.append((mount, *item))
-        self._put_items(items, too_long)
+        placed = self._put_items(items, too_long, keep=listing is not None)
+        if listing is not None:
+            self._keep_listed(listing, digest, placed if not too_long else None)
 
-    def _put_items(self, items: list[tuple], too_long: list[CachePath]) -> None:
+    def _put_items(self, items: list[tuple], too_long: list[CachePath], keep: bool = False) -> list[int] | None:
+        """Put ``items``; with ``keep``, the rows put, if no other write came between (the
+        table's write count moved by exactly ours, batch after batch: no put, drop or eviction
+        of anyone else's), else None."""
+        placed: list[int] | None = [] if keep else None
+        writes = None
         for start in range(0, len(items), _BATCH):  # let go between batches: reads never wait for a whole listing
             with self._lock:
-                for item in items[start:start + _BATCH]:
-                    self._put_locked(*item)
+                before = self._writes
+                batch = [self._put_locked(*item) for item in items[start:start + _BATCH]]
+                if placed is not None:
+                    ours = (writes is None or before == writes) and self._writes - before == len(batch)
+                    placed = placed + batch if ours else None
+                writes = self._writes
         for path in too_long:
             self.pop(path)
+        return placed
+
+    def _keep_listed(self, listing: Hashable, digest: bytes, placed: list[int] | None) -> None:
+        with self._lock:
+            old = self._listed.pop(listing, None)
+            if old is not None:
+                self._listed_rows -= len(old[1])
+            if placed is None or len(placed) > _LISTED_ROWS:
+                return
+            rows = np.array(placed, dtype=np.int64)
+            view = self._view()
+            dirs = np.unique(view["df"][rows] >> _FLAG_BITS).astype(np.int64)
+            del view
+            writes = np.array([self._dir_writes[d] for d in dirs], dtype=np.uint64)
+            self._listed[listing] = (digest, rows, dirs, writes)
+            self._listed_rows += len(rows)
+            while self._listed_rows > _LISTED_ROWS:
+                _, dropped = self._listed.popitem(last=False)
+                self._listed_rows -= len(dropped[1])
+
+    def extend_listed(self, listing: Hashable, digest: bytes) -> bool:
+        """Make the rows that ``put_rows`` last put for ``listing`` fresh again, as a put of the
+        same rows would, if that listing had this ``digest`` (the store lists the same objects at
+        the same versions) and nothing was put or dropped in their directories since (each
+        directory's write count). False, changing nothing, where not: put the rows."""
+        with self._lock:
+            kept = self._listed.get(listing)
+            if kept is None or kept[0] != digest or not self._keeps():
+                return False
+            _, rows, dirs, writes = kept
+            if any(self._dir_writes[d] != w for d, w in zip(dirs.tolist(), writes.tolist())):
+                return False
+            expiry = self._now_ms() + min(_MAX_TTL_MS, math.ceil(self.ttl * 1000))
+            if expiry > _MAX_EXPIRY:
+                return False  # (a put rebases first, then keeps the listing afresh)
+            view = self._view()
+            view["expiry"][rows] = expiry
+            del view
+            self._listed.move_to_end(listing)
+            return True
 
     def knows_directory(self, mount: str, key: str) -> bool:
         """Whether the table has entries in the directory of ``key`` (no lock: one dict lookup)."""
@@ -360,7 +424,7 @@ class MetadataTable:
         return dpath, kb, vb, flags, size, mtime
 
     def _put_locked(self, mount: str, dpath: str, kb: bytes, vb: bytes, flags: int, size: int,
-                    mtime: float) -> None:  # caller holds the lock
+                    mtime: float) -> int:  # caller holds the lock; the row put
         small = 0 <= size < _BIG
         now = self._now_ms()
         expiry = now + min(_MAX_TTL_MS, math.ceil(self.ttl * 1000))
@@ -377,6 +441,7 @@ class MetadataTable:
             d = self._new_dir(mid, dpath)
         h = _hash(kb, d) & 0xFFFFFFFF
         slot, r, rec = self._find(d, kb, h)
+        self._writes += 1
         if rec is not None:  # update in place: a new put moves the entry to the back of the queue
             off = self._store_version(rec, kb, vb)
             self._charged += len(vb) - rec[3]
@@ -394,6 +459,7 @@ class MetadataTable:
                     h = _hash(kb, d) & 0xFFFFFFFF
                 slot, _, _ = self._find(d, kb, h)  # eviction may have left an earlier tombstone
             r, off = self._new_row(kb, vb)
+            self._dir_writes[d] += 1  # (the row's new directory, where eviction dropped the old)
             if self._index[slot] == _EMPTY:
                 self._used += 1
             self._index[slot] = r
@@ -404,6 +470,8 @@ class MetadataTable:
                 _I32.pack_into(self._rows, nxt * _RS + _PREV_AT, r)
             self._dir_head[d] = r
             self._dir_count[d] += 1
+        if rec is not None:
+            self._dir_writes[d] += 1
         if small:
             self._big.pop(r, None)
         else:
@@ -414,6 +482,7 @@ class MetadataTable:
             self._rebuild_index()
         if self._arena_len - self._live_bytes > max(_COMPACT_MIN, self._arena_len >> 1):
             self._compact_arena()
+        return r
 
     def pop(self, path: CachePath) -> None:
         mid = self._mount_ids.get(path.mount)
@@ -498,6 +567,7 @@ class MetadataTable:
             self._dir_count[d] = 0
         else:
             d = len(self._dir_path)
+            self._dir_writes.append(0)
             self._dir_path.append(dpath)
             self._dir_mount.append(mid)
             self._dir_head.append(-1)
@@ -560,6 +630,8 @@ class MetadataTable:
         _, _, klen, vlen, df = _ROW.unpack_from(self._rows, at)[:5]
         prev, nxt = _LINKS.unpack_from(self._rows, at + _PREV_AT)
         d = df >> _FLAG_BITS
+        self._writes += 1
+        self._dir_writes[d] += 1
         if prev >= 0:
             _I32.pack_into(self._rows, prev * _RS + _NEXT_AT, nxt)
         else:

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -26,7 +26,7 @@ from cachefs.mounts import MountTable, ResolvedPath
 from cachefs.paths import CachePath
 from cachefs.store.backends import PieceSink, _Backend, _backend_for, _mtime_of, version_of
 from cachefs.store.health import StoreBreaker
-from cachefs.store.listed import ListedEntries, ListedObjects
+from cachefs.store.listed import ListedEntries, ListedObjects, Relisted
 from cachefs.store.listings import Chunk, ListingCache
 from cachefs.store.meta import Listing, ObjectMeta
 from cachefs.store.metatable import MetadataTable
@@ -147,7 +147,7 @@ class ObjectStore:
         self.on_fetched: Callable[[ObjectMeta], None] | None = None
         # The same for a listing's objects, a chunk at a time (the entries, and the keys of those
         # that are objects; else on_fetched, one by one).
-        self.on_listed: Callable[[ListedEntries, list[str]], None] | None = None
+        self.on_listed: Callable[[ListedEntries, list[str], Relisted | None], None] | None = None
         # Called when metadata is dropped before it runs out (the object deleted or changed, a
         # path or mount invalidated): with the path, or None for a whole mount.
         # The worker stops vouching for those objects' versions (server/worker/names.py).
@@ -187,15 +187,22 @@ class ObjectStore:
         self._meta.put(path, meta)
 
     def _remember_listed(self, entries: ListedEntries, keys: list[str], known_only: bool,
-                         rows: list[tuple[str, int, str | None, float, bool]] | None = None) -> None:
+                         rows: list[tuple[str, int, str | None, float, bool]] | None = None,
+                         listing: Hashable | None = None) -> None:
         """A listing's objects (``keys``: their keys; ``rows``: the entries' fields, where at hand:
         (key, size, version or None where derived, mtime, is_dir)): the listener hears of them, the
         table keeps them (``known_only``: those of directories it has entries in), its lock taken
-        once a batch."""
+        once a batch. ``listing``: what was listed, where it is a whole listing with its rows: one
+        the same as the last listing of it (its digest) extends what that one put instead of
+        putting every row again (a warm epoch past the TTL refreshes every directory unchanged)."""
         objects = [i for i, key in enumerate(keys) if not entries.is_dir(i)]
+        relisted = None
+        if listing is not None and rows is not None and not known_only:
+            digest = entries.digest()
+            relisted = Relisted(listing, digest, self._meta.extend_listed(listing, digest))
         try:
             if self.on_listed is not None:
-                self.on_listed(entries, [keys[i] for i in objects])
+                self.on_listed(entries, [keys[i] for i in objects], relisted)
             elif self.on_fetched is not None:
                 for i in objects:
                     self.on_fetched(entries[i])
@@ -210,8 +217,12 @@ class ObjectStore:
                 if last_known:
                     known.append(i)
             objects = known
+        if relisted is not None and relisted.unchanged:
+            return
         if rows is None:
             self._meta.put_many([entries[i] for i in objects])
+        elif relisted is not None:
+            self._meta.put_rows(entries.mount, [rows[i] for i in objects], listing, relisted.digest)
         else:
             self._meta.put_rows(entries.mount, [rows[i] for i in objects])
 
@@ -389,7 +400,7 @@ class ObjectStore:
                     raw = self._backend(resolved).ls(fs, resolved.store_path)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: no such directory") from exc
-        entries = self._listed(path, raw, str(resolved.store_path))
+        entries = self._listed(path, raw, str(resolved.store_path), listing=cache_key)
         entries = self._lists.put_whole(cache_key, entries).entries
         self._note_listing(path, recursive, entries)
         return entries
@@ -465,7 +476,8 @@ class ObjectStore:
         last = str(entries[-1].path) if entries else after
         return [m for m in entries if not m.is_dir], last, final or not entries
 
-    def _listed(self, path: CachePath, raw: Listing, below: str = "", remember: str = "all") -> ListedEntries:
+    def _listed(self, path: CachePath, raw: Listing, below: str = "", remember: str = "all",
+                listing: Hashable | None = None) -> ListedEntries:
         """A store's listing entries (info dicts, or ``ListedEntry`` tuples) as columns (listed.py),
         in name order.
         ``remember``: "all": each object's metadata is kept (a whole listing is a free metadata
@@ -475,7 +487,8 @@ class ObjectStore:
         request brings the metadata anyway); "": none (a load job's). Unless "", the listener
         hears of every object (the worker drops pages of other versions).
         ``below``: the listed path's store path, where the entries' names are it, "/" and their
-        rest (the paged listings': their keys found without the store's path parsing)."""
+        rest (the paged listings': their keys found without the store's path parsing).
+        ``listing``: the whole listing's name (_remember_listed)."""
         rows = []
         cut, head = len(below) + 1, f"{path.key}/" if path.key else ""
         for info in raw:
@@ -495,7 +508,8 @@ class ObjectStore:
             entries.add(*row)
         keys = [row[0] for row in rows]
         if remember:  # all kept: from the rows themselves, no metadata object each
-            self._remember_listed(entries, keys, known_only=remember == "known", rows=rows if remember == "all" else None)
+            self._remember_listed(entries, keys, known_only=remember == "known",
+                                  rows=rows if remember == "all" else None, listing=listing)
         return entries
 
     def _note_listing(self, path: CachePath, recursive: bool, entries: ListedEntries) -> None:

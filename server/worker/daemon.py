@@ -29,7 +29,7 @@ from cachefs.server.worker.heap import keep_freed_memory
 from cachefs.server.worker.metrics import WorkerMetrics
 from cachefs.server.lifecycle import liveness, serve_until_signalled
 from cachefs.server.rpc import server_interceptors
-from cachefs.store.listed import ListedEntries
+from cachefs.store.listed import ListedEntries, Relisted
 from cachefs.store.meta import ObjectMeta
 from cachefs.store.objects import ObjectStore
 from cachefs.server.pagestore import CacheDir, PageStore
@@ -155,10 +155,17 @@ class Worker:
         if self.pages.holds_object(meta.path.mount, meta.path.key):
             self._refreshed(meta.path.mount, [(meta.path.key, meta.size, meta.version, meta.mtime)])
 
-    def _on_listed(self, entries: ListedEntries, keys: list[str]) -> None:
+    def _on_listed(self, entries: ListedEntries, keys: list[str], relisted: Relisted | None = None) -> None:
         """``_on_fetched`` of a listing's objects (``keys``): only those with pages here need
         anything (a listing of a million objects asks the page store once a chunk, not once an
-        object, and makes metadata objects only for those)."""
+        object, and makes metadata objects only for those). A whole listing the same as the last
+        one of its path (``relisted``) changed nothing: the entries that one left valid are
+        extended at once, where none was written since."""
+        names = self.name_index
+        if relisted is not None and relisted.unchanged and (
+                names is None or names.extend_listed(relisted.listing, relisted.digest,
+                                                     time.monotonic() + self.config.metadata_ttl)):
+            return
         held = set(self.pages.holding(entries.mount, keys))
         if not held:
             return
@@ -168,16 +175,19 @@ class Worker:
                 key, size, version, mtime, _ = entries.fields(i)
                 if key in held:
                     fresh.append((key, size, version, mtime))
-        self._refreshed(entries.mount, fresh)
+        self._refreshed(entries.mount, fresh, relisted)
 
-    def _refreshed(self, mount: str, objects: list[tuple[str, int, str, float]]) -> None:
+    def _refreshed(self, mount: str, objects: list[tuple[str, int, str, float]],
+                   relisted: Relisted | None = None) -> None:
         """Fresh metadata of objects of ``mount`` with pages here, (key, size, version, mtime)
         each. (With none: no handle to drop, and a name entry left vouching for another version
-        leads a client to page files that do not exist, so it asks the worker.)"""
+        leads a client to page files that do not exist, so it asks the worker.) ``relisted``:
+        the whole listing they come from, whose entries are kept to be extended next time."""
         if self.name_index is not None:
             self.name_index.refreshed_many([(f"{mount}/{key}", version, size, mtime)
                                             for key, size, version, mtime in objects],
-                                           time.monotonic() + self.config.metadata_ttl)
+                                           time.monotonic() + self.config.metadata_ttl,
+                                           *((relisted.listing, relisted.digest) if relisted is not None else ()))
         table = self.handle_table
         if table is not None:
             older = self.pages.other_versions_many(mount, [(key, version) for key, _, version, _ in objects])

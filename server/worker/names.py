@@ -22,7 +22,11 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
+
+import numpy as np
 
 from cachefs.memseal import sealed_table
 from cachefs.pagenames import (ENTRY, NAMES_HEADER, NAMES_MAGIC, SEQ, STALE_WINDOW, STALE_WINDOW_AT, SUPERSEDED,
@@ -34,6 +38,12 @@ log = logging.getLogger(__name__)
 
 GROWTH = 2  # a full table is replaced by one this many times larger
 _HASHES = struct.Struct("<QQ")  # an entry's path hash and check, after its seq
+# An entry's sequence count and valid-until as columns (ENTRY's offsets), for extend_listed.
+_COLUMNS = np.dtype({"names": ["seq", "until"], "formats": ["<u8", "<i8"], "offsets": [0, 32],
+                     "itemsize": ENTRY.size})
+# Entries of the listings kept for extend_listed, all together (16 bytes each): past it the
+# listings extended longest ago are dropped (their next refresh checks every object again).
+LISTED_ENTRIES = 1 << 22
 
 
 class _Table:
@@ -109,6 +119,11 @@ class NameIndex:
         self.published = 0
         self.grown = 0  # times the table was replaced by a larger one
         self.moved = 0  # entries moved within their windows to make room (_move_one_out)
+        # Per listing refreshed_many was told of: (its digest, the table, the entries it left
+        # valid: their offsets and sequence counts then), for extend_listed.
+        self._listed: OrderedDict[Hashable, tuple[bytes, _Table, np.ndarray, np.ndarray]] = OrderedDict()
+        self._listed_entries = 0
+        self.extended = 0  # entries made valid again by extend_listed
 
     @property
     def slots(self) -> int:
@@ -137,6 +152,8 @@ class NameIndex:
         self._table = new
         SUPERSEDED.pack_into(old.map, SUPERSEDED_AT, new.slots)  # readers stop using it, and ask
         old.close()  # clients' mappings keep the memory until they drop them
+        self._listed.clear()  # its entries' offsets were the old table's
+        self._listed_entries = 0
         self.grown += 1
         log.info("name index full at %d slots: now %d", old.slots, new.slots)
 
@@ -219,6 +236,8 @@ class NameIndex:
                 view.release()
             for i, seq in used:
                 self._clear(NAMES_HEADER.size + i * ENTRY.size, seq)
+            self._listed.clear()
+            self._listed_entries = 0
 
     def _clear(self, off: int, seq: int, table: _Table | None = None) -> None:  # caller holds the lock
         self._write(off, seq, 0, 0, 0, 0, 0.0, 0, b"", table=table)
@@ -239,11 +258,14 @@ class NameIndex:
         that reads by name go on after a refresh without asking the worker again."""
         self.refreshed_many([(path, version, size, mtime)], valid_until)
 
-    def refreshed_many(self, objects: list[tuple[str, str, int, float]], valid_until: float) -> None:
+    def refreshed_many(self, objects: list[tuple[str, str, int, float]], valid_until: float,
+                       listing: Hashable | None = None, digest: bytes = b"") -> None:
         """``refreshed`` of many objects, (path, version, size, mtime) each, under one lock (a
-        listing's worth: the revalidator refreshes a directory at a time)."""
+        listing's worth: the revalidator refreshes a directory at a time). ``listing``: the
+        whole listing they are (a path), kept with its ``digest`` for ``extend_listed``."""
         until_ns = int(valid_until * 1e9)
         hashed = [(name_hashes(path), version, size, mtime) for path, version, size, mtime in objects]
+        kept: list[int] = []
         with self._lock:
             if self._closed:
                 return
@@ -256,8 +278,56 @@ class NameIndex:
                 if vbytes[:vlen] != version.encode("utf-8", "surrogatepass") or old_size != size \
                         or old_mtime != mtime:
                     self._clear(off, seq)
-                elif until_ns > old_until:
+                    continue
+                if until_ns > old_until:
                     self._write(off, seq, kh, kc, size, until_ns, mtime, vlen, vbytes)
+                kept.append(off)
+            if listing is not None:
+                self._keep_listed(listing, digest, table, kept)
+
+    def _keep_listed(self, listing: Hashable, digest: bytes, table: _Table, offsets: list[int]) -> None:  # lock held
+        old = self._listed.pop(listing, None)
+        if old is not None:
+            self._listed_entries -= len(old[2])
+        if len(offsets) > LISTED_ENTRIES:
+            return
+        offs = np.array(offsets, dtype=np.int64)
+        seqs = np.array([SEQ.unpack_from(table.map, off)[0] for off in offsets], dtype=np.uint64)
+        self._listed[listing] = (digest, table, offs, seqs)
+        self._listed_entries += len(offs)
+        while self._listed_entries > LISTED_ENTRIES:
+            _, dropped = self._listed.popitem(last=False)
+            self._listed_entries -= len(dropped[2])
+
+    def extend_listed(self, listing: Hashable, digest: bytes, valid_until: float) -> bool:
+        """Vouch until ``valid_until`` for the entries ``refreshed_many`` left valid for
+        ``listing``, if that listing had this ``digest`` (the store lists the same objects at the
+        same versions) and no entry was written since (its sequence count is the same: an entry
+        published again, moved, cleared or in a table since replaced is not). One vectorised
+        write for a directory, where checking each object again costs a lookup and a compare
+        each. False, changing nothing, where that cannot be said: refresh them one by one."""
+        until_ns = int(valid_until * 1e9)
+        with self._lock:
+            kept = self._listed.get(listing)
+            if self._closed or kept is None or kept[0] != digest or kept[1] is not self._table:
+                return False
+            _, table, offs, seqs = kept
+            view = np.frombuffer(table.map, dtype=_COLUMNS, count=table.slots, offset=NAMES_HEADER.size)
+            try:
+                slots = (offs - NAMES_HEADER.size) // ENTRY.size
+                if not np.array_equal(view["seq"][slots], seqs):
+                    return False
+                # As _write does, all at once: odd while written, so a reader in between treats
+                # the entry as absent (and asks the worker).
+                view["seq"][slots] = seqs + 1
+                view["until"][slots] = np.maximum(view["until"][slots], until_ns)
+                view["seq"][slots] = seqs + 2
+            finally:
+                del view
+            self._listed[listing] = (digest, table, offs, seqs + 2)
+            self._listed.move_to_end(listing)
+            self.extended += len(offs)
+            return True
 
     def close(self) -> None:
         """Clients notice a closed worker through the handle table's heartbeat; here, only the
