@@ -57,7 +57,10 @@ def test_the_metadata_of_a_listing_is_extended_while_no_row_was_put_since():
     assert table.extend_listed(("d", False), b"one")
     assert [table.get_with_expiry(p)[1] for p in paths] == [e + 5 for e in first]
     clock.now += 5
-    assert table.extend_listed(("d", False), b"one")  # the stamps follow the extend
+    assert table.extend_listed(("d", False), b"one")  # again
+    # A row put again with the same fields (a HEAD's refresh): still as the listing left it.
+    table.put(paths[1], table.get(paths[1]))
+    assert table.extend_listed(("d", False), b"one")
     # One row put again since (a HEAD found the object changed): no longer the listing's.
     clock.now += 1
     table.put(paths[2], ObjectMeta(paths[2], 99, "other", 7.0))
@@ -90,9 +93,13 @@ def test_name_entries_of_a_listing_are_extended_while_none_was_written_since():
         assert wait_for(lambda: time.monotonic() > soon, timeout=5)
         assert [client.lookup(p) for p, *_ in objects[:5]] == [(s, v, m) for _, v, s, m in objects[:5]]
         assert client.lookup("m/d/o5") is None  # not brought back by the extend
+        # Extended one by one meanwhile (a report of a read past its time; a read through the
+        # worker publishing the same version): still as the listing left them.
+        index.refreshed("m/d/o3", "v3", 4, 0.0, time.monotonic() + 90)
+        assert index.publish("m/d/o4", "v4", 5, 0.0, time.monotonic() + 100)
+        assert index.extend_listed(("d", False), b"one", time.monotonic() + 60)
         # An entry published again since (another version): the listing's entries are not all
         # as it left them, so nothing is extended.
-        assert index.extend_listed(("d", False), b"one", time.monotonic() + 60)  # stamps follow
         assert index.publish("m/d/o1", "v1-other", 2, 0.0, time.monotonic() + 60)
         assert not index.extend_listed(("d", False), b"one", time.monotonic() + 120)
         assert client.lookup("m/d/o1") == (2, "v1-other", 0.0)
@@ -180,7 +187,7 @@ def test_a_worker_extends_names_of_an_unchanged_directory_and_never_serves_a_ver
         os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         worker.objects.list(directory, refresh=True)  # the same digest as the kept listing
         meta = worker.objects.cached_info(CachePath("data", "d/o2"))
-        assert meta is not None and meta.mtime == stat.st_mtime_ns / 1e9, meta
+        assert meta is not None and meta.mtime == target.stat().st_mtime == stat.st_mtime, meta
         assert wait_for(lambda: fs.cat_file("cachefs://data/d/o2") == data["d/o2"], timeout=30)
     finally:
         fs.close()

@@ -71,6 +71,7 @@ _DIR = 2
 _ETAG = 4  # version = 16 raw bytes in the arena, shown as 32 lowercase hex digits
 _DERIVED = 8  # version == f"{size}-{mtime!r}": nothing stored
 _FLAG_BITS = 4
+_FLAG_MASK = (1 << _FLAG_BITS) - 1
 
 #: Bytes each entry is charged besides its name and version: its record and about 8 of index.
 ENTRY_BYTES = 48
@@ -154,7 +155,7 @@ class MetadataTable:
         self._dir_head = array("i")
         self._dir_count = array("i")
         self._dir_free = array("i")
-        self._dir_writes = array("Q")  # puts and drops of its rows, per directory id (never reset)
+        self._dir_writes = array("Q")  # changes of its rows (new, changed, dropped), per directory id (never reset)
         self._sorted: dict[int, list[str]] = {}  # mount id -> its directories' paths, sorted
         # Index: row numbers, _EMPTY or _TOMB.
         self._index = array("i", [_EMPTY]) * 8
@@ -364,8 +365,9 @@ class MetadataTable:
     def extend_listed(self, listing: Hashable, digest: bytes) -> bool:
         """Make the rows that ``put_rows`` last put for ``listing`` fresh again, as a put of the
         same rows would, if that listing had this ``digest`` (the store lists the same objects at
-        the same versions) and nothing was put or dropped in their directories since (each
-        directory's write count). False, changing nothing, where not: put the rows."""
+        the same versions) and no row of their directories was added, changed or dropped since
+        (each directory's write count; a put of the same fields again, a HEAD's refresh, is not a
+        change). False, changing nothing, where not: put the rows."""
         with self._lock:
             kept = self._listed.get(listing)
             if kept is None or kept[0] != digest or not self._keeps():
@@ -443,6 +445,10 @@ class MetadataTable:
         slot, r, rec = self._find(d, kb, h)
         self._writes += 1
         if rec is not None:  # update in place: a new put moves the entry to the back of the queue
+            size_was = self._big.get(r, rec[5]) if rec[5] == _BIG else rec[5]
+            vat = rec[1] + rec[2]
+            changed = (size_was != size or rec[9] != mtime or rec[4] & _FLAG_MASK != flags
+                       or rec[3] != len(vb) or self._arena[vat:vat + rec[3]] != vb)
             off = self._store_version(rec, kb, vb)
             self._charged += len(vb) - rec[3]
             prev, nxt = rec[7], rec[8]
@@ -470,7 +476,7 @@ class MetadataTable:
                 _I32.pack_into(self._rows, nxt * _RS + _PREV_AT, r)
             self._dir_head[d] = r
             self._dir_count[d] += 1
-        if rec is not None:
+        if rec is not None and changed:  # (the same again, only fresher: extend_listed's rows still hold)
             self._dir_writes[d] += 1
         if small:
             self._big.pop(r, None)

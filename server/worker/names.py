@@ -38,9 +38,16 @@ log = logging.getLogger(__name__)
 
 GROWTH = 2  # a full table is replaced by one this many times larger
 _HASHES = struct.Struct("<QQ")  # an entry's path hash and check, after its seq
-# An entry's sequence count and valid-until as columns (ENTRY's offsets), for extend_listed.
-_COLUMNS = np.dtype({"names": ["seq", "until"], "formats": ["<u8", "<i8"], "offsets": [0, 32],
-                     "itemsize": ENTRY.size})
+# In an entry's 4 spare bytes, which clients do not read: a count of the writes that changed
+# what it says (not those that only moved its time on), so that extend_listed can tell an entry
+# left as a listing found it from one published again, moved or cleared since.
+GEN_AT = 52
+_GEN = struct.Struct("<I")
+_UNTIL = struct.Struct("<q")
+_UNTIL_AT = 32
+# An entry's sequence count, valid-until and generation as columns, for extend_listed.
+_COLUMNS = np.dtype({"names": ["seq", "until", "gen"], "formats": ["<u8", "<i8", "<u4"],
+                     "offsets": [0, _UNTIL_AT, GEN_AT], "itemsize": ENTRY.size})
 # Entries of the listings kept for extend_listed, all together (16 bytes each): past it the
 # listings extended longest ago are dropped (their next refresh checks every object again).
 LISTED_ENTRIES = 1 << 22
@@ -183,10 +190,12 @@ class NameIndex:
                     table = self._table
                     off, _ = table.room(h, check, now_ns)
             seq, kh, kc, old_size, old_until, old_mtime, vlen, vbytes = ENTRY.unpack_from(table.map, off)
-            if (kh, kc, old_size, old_mtime) == (h, check, size, mtime) and vbytes[:vlen] == raw \
-                    and until_ns - old_until < 1_000_000_000:
-                return True  # already there, as good as new (a warm epoch republishes every range)
-            self._write(off, seq, h, check, size, until_ns, mtime, len(raw), raw)
+            if (kh, kc, old_size, old_mtime) == (h, check, size, mtime) and vbytes[:vlen] == raw:
+                if until_ns - old_until < 1_000_000_000:
+                    return True  # already there, as good as new (a warm epoch republishes every range)
+                self._extend(off, seq, until_ns)
+            else:
+                self._write(off, seq, h, check, size, until_ns, mtime, len(raw), raw)
             self.published += 1
         return True
 
@@ -247,8 +256,17 @@ class NameIndex:
         sequence count: odd while being written, so a reader that sees it change, or odd, treats
         the entry as absent."""
         table = self._table if table is None else table
+        gen = _GEN.unpack_from(table.map, off + GEN_AT)[0]
         SEQ.pack_into(table.map, off, seq + 1)
         ENTRY.pack_into(table.map, off, seq + 1, *fields)
+        _GEN.pack_into(table.map, off + GEN_AT, (gen + 1) & 0xFFFFFFFF)
+        SEQ.pack_into(table.map, off, seq + 2)
+
+    def _extend(self, off: int, seq: int, until_ns: int) -> None:  # lock held
+        """``_write`` of the entry at ``off`` with only its time moved on (its generation kept)."""
+        table = self._table
+        SEQ.pack_into(table.map, off, seq + 1)
+        _UNTIL.pack_into(table.map, off + _UNTIL_AT, until_ns)
         SEQ.pack_into(table.map, off, seq + 2)
 
     def refreshed(self, path: str, version: str, size: int, mtime: float, valid_until: float) -> None:
@@ -280,7 +298,7 @@ class NameIndex:
                     self._clear(off, seq)
                     continue
                 if until_ns > old_until:
-                    self._write(off, seq, kh, kc, size, until_ns, mtime, vlen, vbytes)
+                    self._extend(off, seq, until_ns)
                 kept.append(off)
             if listing is not None:
                 self._keep_listed(listing, digest, table, kept)
@@ -292,8 +310,8 @@ class NameIndex:
         if len(offsets) > LISTED_ENTRIES:
             return
         offs = np.array(offsets, dtype=np.int64)
-        seqs = np.array([SEQ.unpack_from(table.map, off)[0] for off in offsets], dtype=np.uint64)
-        self._listed[listing] = (digest, table, offs, seqs)
+        gens = np.array([_GEN.unpack_from(table.map, off + GEN_AT)[0] for off in offsets], dtype=np.uint32)
+        self._listed[listing] = (digest, table, offs, gens)
         self._listed_entries += len(offs)
         while self._listed_entries > LISTED_ENTRIES:
             _, dropped = self._listed.popitem(last=False)
@@ -302,8 +320,9 @@ class NameIndex:
     def extend_listed(self, listing: Hashable, digest: bytes, valid_until: float) -> bool:
         """Vouch until ``valid_until`` for the entries ``refreshed_many`` left valid for
         ``listing``, if that listing had this ``digest`` (the store lists the same objects at the
-        same versions) and no entry was written since (its sequence count is the same: an entry
-        published again, moved, cleared or in a table since replaced is not). One vectorised
+        same versions) and none was changed since (its generation is the same: an entry published
+        again with another version, moved, cleared or in a table since replaced is not; one only
+        extended meanwhile, by a read or a report, still is). One vectorised
         write for a directory, where checking each object again costs a lookup and a compare
         each. False, changing nothing, where that cannot be said: refresh them one by one."""
         until_ns = int(valid_until * 1e9)
@@ -311,20 +330,20 @@ class NameIndex:
             kept = self._listed.get(listing)
             if self._closed or kept is None or kept[0] != digest or kept[1] is not self._table:
                 return False
-            _, table, offs, seqs = kept
+            _, table, offs, gens = kept
             view = np.frombuffer(table.map, dtype=_COLUMNS, count=table.slots, offset=NAMES_HEADER.size)
             try:
                 slots = (offs - NAMES_HEADER.size) // ENTRY.size
-                if not np.array_equal(view["seq"][slots], seqs):
+                if not np.array_equal(view["gen"][slots], gens):
                     return False
-                # As _write does, all at once: odd while written, so a reader in between treats
+                # As _extend does, all at once: odd while written, so a reader in between treats
                 # the entry as absent (and asks the worker).
+                seqs = view["seq"][slots]
                 view["seq"][slots] = seqs + 1
                 view["until"][slots] = np.maximum(view["until"][slots], until_ns)
                 view["seq"][slots] = seqs + 2
             finally:
                 del view
-            self._listed[listing] = (digest, table, offs, seqs + 2)
             self._listed.move_to_end(listing)
             self.extended += len(offs)
             return True
