@@ -439,11 +439,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="--warm-epoch: cachefs and local epochs, each")
     parser.add_argument("--persistent-workers", action="store_true",
                         help="--warm-epoch: both loaders with persistent_workers=True (made once)")
+    parser.add_argument("--metadata-ttl", type=float, default=None,
+                        help="--warm-epoch: the worker's metadata_ttl (shorter than an epoch: every epoch refreshes)")
     args = parser.parse_args()
     if args.warm_epoch:
         from warm_scale import measure as measure_warm, plot as plot_warm
         row = measure_warm(args.objects, args.dir or f"/tmp/cachefs-tree-{args.objects}", fill=args.fill,
-                           rounds=args.rounds, persistent=args.persistent_workers)
+                           rounds=args.rounds, persistent=args.persistent_workers,
+                           metadata_ttl=args.metadata_ttl)
         result = {"benchmark": "scale --warm-epoch", "machine": machine_info(), "rows": [row],
                   "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
         path = write_result(args.out, "warm-epoch", result)

@@ -187,9 +187,12 @@ def check_space(base: str, objects: int) -> tuple[int, int]:
 
 
 def measure(objects: int, tree: str, base: str | None = None, fill: str = "load", rounds: int = 3,
-            loader_workers: int = 2, batch: int = 64, seed: int = 46, persistent: bool = False) -> dict[str, Any]:
+            loader_workers: int = 2, batch: int = 64, seed: int = 46, persistent: bool = False,
+            metadata_ttl: float | None = None) -> dict[str, Any]:
     """``persistent``: both loaders made once with ``persistent_workers=True`` (their workers
-    outlive the epoch) instead of a loader, and its workers, per epoch."""
+    outlive the epoch) instead of a loader, and its workers, per epoch. ``metadata_ttl``: the
+    worker's (default: its own default); one shorter than a warm epoch makes every epoch refresh
+    every object, as a million objects do at the default."""
     import cachefs
     from cachefs.local import LocalCluster
 
@@ -206,9 +209,12 @@ def measure(objects: int, tree: str, base: str | None = None, fill: str = "load"
     tmp = tempfile.mkdtemp(prefix="cachefs-warmepoch-", dir=base)
     row: dict[str, Any] = {"mode": "warm-epoch", "objects": objects, "object_bytes": OBJECT_BYTES, "tree": tree,
                            "tree_made_s": round(made_s, 1), "fill": fill, "loader_workers": loader_workers,
-                           "batch": batch, "seed": seed, "quota_bytes": quota, "persistent_workers": persistent}
+                           "batch": batch, "seed": seed, "quota_bytes": quota, "persistent_workers": persistent,
+                           "metadata_ttl": metadata_ttl}
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEFS_", "GRPC_"))}
+        if metadata_ttl is not None:
+            env["CACHEFS_WORKER_METADATA_TTL"] = str(metadata_ttl)
         with LocalCluster(os.path.join(tmp, "cluster"), workers=1, mounts={MOUNT: tree}, env=env,
                           quota=f"{-(-quota // 2**30)}GiB") as cluster:
             cluster.wait_for_workers(1, timeout=60)

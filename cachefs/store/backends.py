@@ -20,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from cachefs.errors import StaleObjectError
 from cachefs.store import beneath, localpages
 from cachefs.store.health import is_connection_error
+from cachefs.store.meta import Listing
 
 PieceSink = Callable[[int, bytes], None]  # (index of the piece, its bytes)
 
@@ -49,8 +50,9 @@ def version_of(info: dict[str, Any]) -> str:
 class _Backend:
     """Generic fsspec store: the version cannot be checked on read (documented weakness)."""
 
-    def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
-        """A directory's entries (``fs.ls(detail=True)``), asked of the store itself."""
+    def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> Listing:
+        """A directory's entries (``fs.ls(detail=True)``'s info dicts, or ``ListedEntry`` tuples),
+        asked of the store itself."""
         fs.invalidate_cache(store_path)  # we own the TTL, not the filesystem
         return fs.ls(store_path, detail=True)
 
@@ -107,7 +109,7 @@ class _LocalBackend(_Backend):
 
     _version = staticmethod(beneath.local_version)
 
-    def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:
+    def ls(self, fs: fsspec.AbstractFileSystem, store_path: str) -> Listing:
         return beneath.list_beneath(_local(store_path))
 
     def find(self, fs: fsspec.AbstractFileSystem, store_path: str) -> list[dict[str, Any]]:

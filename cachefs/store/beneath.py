@@ -222,14 +222,19 @@ def _scan(fd: int, base: str) -> list[tuple[str, os.stat_result]]:
         return [(f"{base}/{e.name}", e.stat(follow_symlinks=False)) for e in entries]
 
 
-def list_beneath(path: LocalStorePath) -> list[dict[str, Any]]:
-    """``fs.ls(path, detail=True)`` as fsspec's local file system gives it, without following any
-    symlink (a link is listed as itself)."""
+def list_beneath(path: LocalStorePath) -> list[Any]:
+    """The entries of ``fs.ls(path)``, without following any symlink (a link is listed as
+    itself), as ``ListedEntry`` tuples (name, size, version, mtime, is_dir), a file's version None
+    (derived from size and mtime, as the local backend's): no info dict made and read back per
+    entry (the revalidator lists every directory of a warm epoch longer than the TTL). A file's
+    own path: its info dict, as ``fs.ls`` gives it."""
     fd = _open_dir(path)
     if fd is None:
         return [_entry_info(str(path), stat_beneath(path))]
+    isdir = stat.S_ISDIR
     try:
-        return [_entry_info(name, st) for name, st in _scan(fd, str(path))]
+        return [(name, 0, "", st.st_mtime, True) if isdir(st.st_mode) else (name, st.st_size, None, st.st_mtime, False)
+                for name, st in _scan(fd, str(path))]
     finally:
         os.close(fd)
 
