@@ -428,7 +428,7 @@ def main() -> None:
     parser.add_argument("--metadata-one", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--cold-small", action="store_true",
                         help="a cold epoch of small objects from a local mount against a copy loop (#47; cold_small.py)")
-    parser.add_argument("--objects", type=int, default=100_000, help="--cold-small: how many objects")
+    parser.add_argument("--objects", type=int, default=100_000, help="--cold-small, --warm-epoch, --refresh: how many objects")
     parser.add_argument("--object-bytes", type=int, default=4096, help="--cold-small: each object's size")
     parser.add_argument("--dir", default=None, help="--cold-small: where data, copies and the cache go; "
                         "--warm-epoch: the tree (bench_listing.make_tree's; default /tmp/cachefs-tree-<objects>)")
@@ -441,7 +441,18 @@ def main() -> None:
                         help="--warm-epoch: both loaders with persistent_workers=True (made once)")
     parser.add_argument("--metadata-ttl", type=float, default=None,
                         help="--warm-epoch: the worker's metadata_ttl (shorter than an epoch: every epoch refreshes)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="the worker's refresh of an unchanged directory by listing, in-process (#46; refresh_scale.py)")
     args = parser.parse_args()
+    if args.refresh:
+        from refresh_scale import measure as measure_refresh
+        row = measure_refresh(args.objects, args.object_bytes)
+        result = {"benchmark": "scale --refresh", "machine": machine_info(), "rows": [row],
+                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        path = write_result(args.out, "refresh", result)
+        print(json.dumps(row))
+        print(f"wrote {path}")
+        return
     if args.warm_epoch:
         from warm_scale import measure as measure_warm, plot as plot_warm
         row = measure_warm(args.objects, args.dir or f"/tmp/cachefs-tree-{args.objects}", fill=args.fill,

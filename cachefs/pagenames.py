@@ -117,7 +117,8 @@ VERSION_BYTES = 72  # an object whose version is longer is not published (read t
 # fill a table to ~3/4 before it grows (4 grew it to ~1/5: 512 MiB for 200,000 objects). A
 # client of an older release looks at the first 4 only: it asks the worker for the others.
 PROBES = 8
-# seq, path hash, path check, size, valid until (CLOCK_MONOTONIC ns), mtime, version length, version
+# seq, path hash, path check, size, valid until (CLOCK_MONOTONIC ns), mtime, version length, 4
+# bytes of the worker's own (server/worker/names.py's GEN_AT: clients skip them), version
 ENTRY = struct.Struct(f"<QQQQqdI4x{VERSION_BYTES}s")
 SEQ = struct.Struct("<Q")
 _CHECK_SEED = 0x9E3779B97F4A7C15

@@ -41,14 +41,14 @@ _HASHES = struct.Struct("<QQ")  # an entry's path hash and check, after its seq
 # In an entry's 4 spare bytes, which clients do not read: a count of the writes that changed
 # what it says (not those that only moved its time on), so that extend_listed can tell an entry
 # left as a listing found it from one published again, moved or cleared since.
-GEN_AT = 52
+GEN_AT = struct.calcsize("<QQQQqdI")  # the 4 bytes ENTRY skips, after the version length
 _GEN = struct.Struct("<I")
 _UNTIL = struct.Struct("<q")
 _UNTIL_AT = 32
 # An entry's sequence count, valid-until and generation as columns, for extend_listed.
 _COLUMNS = np.dtype({"names": ["seq", "until", "gen"], "formats": ["<u8", "<i8", "<u4"],
                      "offsets": [0, _UNTIL_AT, GEN_AT], "itemsize": ENTRY.size})
-# Entries of the listings kept for extend_listed, all together (16 bytes each): past it the
+# Entries of the listings kept for extend_listed, all together (12 bytes each): past it the
 # listings extended longest ago are dropped (their next refresh checks every object again).
 LISTED_ENTRIES = 1 << 22
 
@@ -127,7 +127,7 @@ class NameIndex:
         self.grown = 0  # times the table was replaced by a larger one
         self.moved = 0  # entries moved within their windows to make room (_move_one_out)
         # Per listing refreshed_many was told of: (its digest, the table, the entries it left
-        # valid: their offsets and sequence counts then), for extend_listed.
+        # valid: their offsets and generations then), for extend_listed.
         self._listed: OrderedDict[Hashable, tuple[bytes, _Table, np.ndarray, np.ndarray]] = OrderedDict()
         self._listed_entries = 0
         self.extended = 0  # entries made valid again by extend_listed
