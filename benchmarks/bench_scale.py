@@ -412,6 +412,12 @@ def write_result(out: str, prefix: str, result: dict) -> str:
     return path
 
 
+def write_row(out: str, benchmark: str, prefix: str, row: dict) -> str:
+    """One mode's row with the machine and the time, as ``write_result``; its path."""
+    return write_result(out, prefix, {"benchmark": benchmark, "machine": machine_info(), "rows": [row],
+                                      "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100000,1000000")
@@ -447,9 +453,7 @@ def main() -> None:
     if args.refresh:
         from refresh_scale import measure as measure_refresh
         row = measure_refresh(args.objects, args.object_bytes)
-        result = {"benchmark": "scale --refresh", "machine": machine_info(), "rows": [row],
-                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-        path = write_result(args.out, "refresh", result)
+        path = write_row(args.out, "scale --refresh", "refresh", row)
         print(json.dumps(row))
         print(f"wrote {path}")
         return
@@ -458,9 +462,7 @@ def main() -> None:
         row = measure_warm(args.objects, args.dir or f"/tmp/cachefs-tree-{args.objects}", fill=args.fill,
                            rounds=args.rounds, persistent=args.persistent_workers,
                            metadata_ttl=args.metadata_ttl)
-        result = {"benchmark": "scale --warm-epoch", "machine": machine_info(), "rows": [row],
-                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-        path = write_result(args.out, "warm-epoch", result)
+        path = write_row(args.out, "scale --warm-epoch", "warm-epoch", row)
         note = plot_warm(row, path[:-5] + ".png")
         print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "before", "after")}))
         print(f"wrote {path}" + (f" ({note})" if note else f" and {path[:-5]}.png"))
@@ -476,9 +478,7 @@ def main() -> None:
     if args.cold_small:
         from cold_small import measure as measure_cold_small
         row = measure_cold_small(args.objects, args.object_bytes, args.dir)
-        result = {"benchmark": "scale", "machine": machine_info(), "rows": [row],
-                  "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-        path = write_result(args.out, "scale-cold-small", result)
+        path = write_row(args.out, "scale", "scale-cold-small", row)
         print(json.dumps(row))
         print(f"wrote {path}")
         return
