@@ -16,9 +16,8 @@ from cachefs.store.meta import ObjectMeta
 from cachefs.store.metatable import MetadataTable
 from cachefs.store.objects import ObjectStore
 from cachefs.server.worker.names import NameIndex
-from helpers import payload, wait_for
+from helpers import FakeClock, payload, wait_for
 from test_named_pages import _client
-from test_metatable import Clock
 
 ROWS = [(f"d/o{i}", 10 + i, None, 1.5 + i, False) for i in range(5)]
 
@@ -45,7 +44,7 @@ def test_the_digest_tells_listings_apart_by_every_field():
 
 
 def test_the_metadata_of_a_listing_is_extended_while_no_row_was_put_since():
-    clock = Clock()
+    clock = FakeClock()
     table = MetadataTable(10, clock=clock)
     table.put_rows("m", ROWS, ("d", False), b"one")
     paths = [CachePath("m", key) for key, *_ in ROWS]

@@ -53,6 +53,11 @@ _COLUMNS = np.dtype({"names": ["seq", "until", "gen"], "formats": ["<u8", "<i8",
 LISTED_ENTRIES = 1 << 22
 
 
+def _columns(table: "_Table") -> np.ndarray:
+    """``_COLUMNS`` over every entry of ``table`` (drop it before the table can be closed)."""
+    return np.frombuffer(table.map, dtype=_COLUMNS, count=table.slots, offset=NAMES_HEADER.size)
+
+
 class _Table:
     """One memfd of ``slots`` entries, mapped read-write."""
 
@@ -310,7 +315,9 @@ class NameIndex:
         if len(offsets) > LISTED_ENTRIES:
             return
         offs = np.array(offsets, dtype=np.int64)
-        gens = np.array([_GEN.unpack_from(table.map, off + GEN_AT)[0] for off in offsets], dtype=np.uint32)
+        view = _columns(table)
+        gens = view["gen"][(offs - NAMES_HEADER.size) // ENTRY.size].copy()
+        del view
         self._listed[listing] = (digest, table, offs, gens)
         self._listed_entries += len(offs)
         while self._listed_entries > LISTED_ENTRIES:
@@ -331,7 +338,7 @@ class NameIndex:
             if self._closed or kept is None or kept[0] != digest or kept[1] is not self._table:
                 return False
             _, table, offs, gens = kept
-            view = np.frombuffer(table.map, dtype=_COLUMNS, count=table.slots, offset=NAMES_HEADER.size)
+            view = _columns(table)
             try:
                 slots = (offs - NAMES_HEADER.size) // ENTRY.size
                 if not np.array_equal(view["gen"][slots], gens):
